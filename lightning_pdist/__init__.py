@@ -1,0 +1,1 @@
+"""lightning_pdist: distributed-training algorithms from the literature as Lightning strategies."""
