@@ -1,1 +1,21 @@
-"""lightning_pdist: distributed-training algorithms from the literature as Lightning strategies."""
+"""lightning_pdist: distributed-training algorithms from the literature as Lightning strategies.
+
+Importing the package registers every strategy name with Lightning's ``StrategyRegistry``, so
+``Trainer(strategy="bmuf")`` works after ``import lightning_pdist``.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_pdist.strategies import (
+    BMUFStrategy,
+    EASGDStrategy,
+    LocalSGDStrategy,
+    PdistStrategy,
+    SimuParallelSGDStrategy,
+)
+
+__all__ = ["BMUFStrategy", "EASGDStrategy", "LocalSGDStrategy", "PdistStrategy", "SimuParallelSGDStrategy"]
+__version__ = "0.1.0"
+
+for _strategy in (PdistStrategy, LocalSGDStrategy, SimuParallelSGDStrategy, BMUFStrategy, EASGDStrategy):
+    _strategy.register_strategies(StrategyRegistry)

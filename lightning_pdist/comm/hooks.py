@@ -1,0 +1,59 @@
+"""DDP communication hooks for gradient averaging, in PyTorch's ``hook(state, bucket) -> Future`` form.
+
+They can be registered on any ``DistributedDataParallel`` model with
+``model.register_comm_hook(state, hook)``, CPU/gloo included.
+
+* :func:`allreduce_hook` averages each gradient bucket with a counted ring all-reduce: the same
+  arithmetic as DDP's built-in reduction (divide by ``N``, then sum), plus byte accounting.
+* :func:`periodic_allreduce_hook` does that only while ``state.allreduce`` is True and
+  otherwise hands the local gradient back untouched: the gradient side of local SGD, BMUF and
+  EASGD, whose strategies flip the flag after warm-up (like PyTorch's ``post_localSGD_hook``).
+
+No ``from __future__ import annotations`` here: DDP checks the hook's annotations at run time.
+"""
+
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lightning_pdist.comm.accounting import CommMeter, all_reduce_bytes
+
+__all__ = ["AllReduceState", "allreduce_hook", "periodic_allreduce_hook"]
+
+
+@dataclass
+class AllReduceState:
+    """State of the gradient-averaging hooks.
+
+    Attributes:
+        process_group: group to average over (``None``: the default group).
+        meter: where the bytes this rank sends are counted (``None``: not counted).
+        allreduce: whether :func:`periodic_allreduce_hook` communicates on this step.
+    """
+
+    process_group: dist.ProcessGroup | None = None
+    meter: CommMeter | None = None
+    allreduce: bool = True
+
+
+def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket over ``state.process_group`` and count the bytes sent."""
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    world_size = dist.get_world_size(group)
+    buffer = bucket.buffer()
+    buffer.div_(world_size)
+    if state.meter is not None:
+        state.meter.add("grad_all_reduce", all_reduce_bytes(buffer.numel() * buffer.element_size(), world_size))
+    fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def periodic_allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket while ``state.allreduce`` is set; otherwise return the local gradient."""
+    if state.allreduce:
+        return allreduce_hook(state, bucket)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut

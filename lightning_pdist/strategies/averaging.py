@@ -1,0 +1,275 @@
+"""Shared Lightning wiring of the periodic model-averaging family (local SGD, one-shot, BMUF, EASGD).
+
+Lifecycle of one run (every rank):
+
+* ``setup``: the model is wrapped in DDP (which broadcasts rank 0's weights), the counted
+  :func:`~lightning_pdist.comm.hooks.periodic_allreduce_hook` is registered, the algorithm creates
+  its state from the synchronized weights, and a resumed run loads its own replica.
+* each optimizer step ``t`` (1-based): during warm-up the hook all-reduces gradients (exactly DDP);
+  afterwards it returns the local gradient and the optimizer steps locally. After the step,
+  :meth:`synchronize` runs when the schedule says so.
+* validation/test/predict during ``fit`` evaluate the **consensus model** (what the algorithm would
+  output if stopped now: the average of the replicas, BMUF's global model, EASGD's center), swapped
+  in at the start of the loop and swapped out at its end, so training continues undisturbed.
+* ``trainer.save_checkpoint``: ``state_dict`` holds the consensus model (what users load for
+  inference); ``checkpoint["pdist"]["replicas"]`` holds every rank's own weights and optimizer
+  state (gathered to rank 0) so a resumed run continues exactly, mid-period included.
+* end of ``fit``: every rank loads the consensus model, so the module the user holds is the output.
+
+Decisions a user meets:
+
+* **One optimizer.** The period counts optimizer steps and BMUF/EASGD keep one state per model;
+  with several optimizers both would be ambiguous, so setup refuses them.
+* **Gradient accumulation** works: the period counts optimizer steps, not batches (Lightning skips
+  the DDP hook on accumulating batches).
+* **Manual optimization** works: ``optimizer.step()`` routes through :meth:`optimizer_step`.
+* **Learning-rate schedulers** run unchanged on each rank (they count the same steps).
+* **BatchNorm buffers**: floating-point buffers are averaged with the parameters; during warm-up
+  DDP's ``broadcast_buffers`` stays as configured (default True, as in DDP), afterwards it is off.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_pdist.algorithms.flat import averaged_tensors, flatten, unflatten_into_
+from lightning_pdist.algorithms.periodic import PeriodicSchedule
+from lightning_pdist.comm.collectives import all_reduce_mean_
+from lightning_pdist.comm.hooks import AllReduceState, periodic_allreduce_hook
+from lightning_pdist.strategies.base import PdistStrategy
+
+__all__ = ["ModelAveragingStrategy"]
+
+
+class ModelAveragingStrategy(PdistStrategy):
+    """Base of the strategies whose ranks step locally and synchronize their models periodically.
+
+    Subclasses set ``self.schedule`` and implement :meth:`synchronize` and :meth:`consensus`.
+    """
+
+    def __init__(self, schedule: PeriodicSchedule, **kwargs: Any) -> None:
+        owner = type(self).__name__
+        for name in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
+            if kwargs.get(name) is not None:
+                raise ValueError(
+                    f"{owner}({name}={kwargs[name]!r}): {owner} owns gradient communication and model "
+                    f"averaging; {name} must be left unset"
+                )
+        self._user_broadcast_buffers = bool(kwargs.get("broadcast_buffers", True))
+        super().__init__(**kwargs)
+        self.schedule = schedule
+        self.step = 0  # optimizer steps taken (1-based count of the last finished step)
+        self._hook_state = AllReduceState(meter=self.comm_meter)
+        self._evaluating_backup: Tensor | None = None
+        self._finalized = False
+
+    # ------------------------------------------------------------------ algorithm hooks
+    def averages_gradients(self, step: int) -> bool:
+        """Whether optimizer step ``step`` all-reduces gradients (warm-up)."""
+        return self.schedule.averages_gradients(step)
+
+    def syncs_after(self, step: int) -> bool:
+        """Whether the replicas synchronize right after optimizer step ``step``."""
+        return self.schedule.syncs_after(step)
+
+    def synchronize(self) -> None:
+        """Synchronize the replicas (called on every rank after a step the schedule names)."""
+        raise NotImplementedError
+
+    def after_warmup_step(self) -> None:
+        """Called after each warm-up step, when all replicas are identical."""
+
+    def consensus(self) -> Tensor:
+        """The flat consensus model (collective: called on every rank at the same point)."""
+        return self.average_of_replicas()
+
+    def algorithm_state_dict(self) -> dict:
+        return {}
+
+    def load_algorithm_state_dict(self, state: dict) -> None:
+        pass
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def averaged_tensors(self) -> list[Tensor]:
+        assert self.lightning_module is not None
+        return averaged_tensors(self.lightning_module)
+
+    def local_vector(self) -> Tensor:
+        """This rank's parameters and float buffers as one flat fp32 vector (a copy)."""
+        return flatten(self.averaged_tensors)
+
+    def load_vector(self, vector: Tensor) -> None:
+        unflatten_into_(vector, self.averaged_tensors)
+
+    def average_of_replicas(self, count: bool = False) -> Tensor:
+        """``mean_i w_i`` over the ranks; counted in the step's bytes when ``count`` is set."""
+        vector = self.local_vector()
+        return all_reduce_mean_(vector, meter=self.comm_meter if count else None, kind="param_all_reduce")
+
+    # ------------------------------------------------------------------ comm hook
+    @override
+    def _default_comm_hook(self) -> tuple[object, Callable]:
+        return self._hook_state, periodic_allreduce_hook
+
+    def _set_phase(self) -> None:
+        """Configure gradient all-reduce and buffer broadcast for the *next* optimizer step."""
+        every_step = self.averages_gradients(self.step + 1)
+        self._hook_state.allreduce = every_step
+        if isinstance(self.model, DistributedDataParallel):
+            self.model.broadcast_buffers = self._user_broadcast_buffers and every_step
+
+    # ------------------------------------------------------------------ lifecycle
+    @override
+    def setup_algorithm(self) -> None:
+        owner = type(self).__name__
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"{owner}: configure_optimizers returned {len(self.optimizers)} optimizers; {owner} supports "
+                "exactly one, because its period counts optimizer steps and its state is kept per model"
+            )
+        _, world_size = self.rank_world
+        if world_size == 1:
+            rank_zero_warn(f"{owner}: world_size == 1, so there is nothing to average; this runs plain local SGD.")
+        self._hook_state.process_group = None
+        self._finalized = False
+        self._set_phase()
+
+    @override
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        self.step += 1
+        if self.averages_gradients(self.step):
+            self._count_buffer_broadcast()
+            self.after_warmup_step()
+        elif self.syncs_after(self.step):
+            self.synchronize()
+        self._set_phase()
+
+    def _count_buffer_broadcast(self) -> None:
+        # DDP broadcast rank 0's buffers before this step's forward (broadcast_buffers); count them.
+        model = self.model
+        if not (isinstance(model, DistributedDataParallel) and model.broadcast_buffers):
+            return
+        rank, world_size = self.rank_world
+        if world_size > 1 and rank == 0:
+            nbytes = sum(b.numel() * b.element_size() for b in self.lightning_module.buffers())
+            if nbytes:
+                self.comm_meter.add("buffer_broadcast", nbytes)
+
+    # evaluation during fit sees the consensus model
+    def _swap_in_consensus(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or self._finalized:
+            return
+        if self._evaluating_backup is not None:
+            return
+        consensus = self.consensus()
+        self._evaluating_backup = self.local_vector()
+        self.load_vector(consensus)
+
+    def _swap_out_consensus(self) -> None:
+        if self._evaluating_backup is not None:
+            self.load_vector(self._evaluating_backup)
+            self._evaluating_backup = None
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._swap_in_consensus()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._swap_out_consensus()
+        super().on_validation_end()
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if not self._finalized:
+            self.load_vector(self.consensus())
+            self._finalized = True
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # Called on every rank by Trainer.save_checkpoint: the consensus goes into `state_dict`.
+        if self._finalized or self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            return super().lightning_module_state_dict()
+        if self._evaluating_backup is not None:  # a checkpoint taken during validation
+            return super().lightning_module_state_dict()
+        consensus = self.consensus()
+        own = self.local_vector()
+        self.load_vector(consensus)
+        state = {k: v.detach().clone() for k, v in super().lightning_module_state_dict().items()}
+        self.load_vector(own)
+        return state
+
+    def _own_replica(self) -> dict:
+        module_state = self.lightning_module.state_dict()
+        if self._evaluating_backup is not None:  # the module holds the consensus right now
+            own = self.local_vector()
+            self.load_vector(self._evaluating_backup)
+            module_state = {k: v.detach().clone() for k, v in self.lightning_module.state_dict().items()}
+            self.load_vector(own)
+        return {
+            "model": {k: v.detach().cpu().clone() for k, v in module_state.items()},
+            "optimizer_states": [opt.state_dict() for opt in self.optimizers],
+        }
+
+    @override
+    def pdist_state_dict(self) -> dict:
+        state = super().pdist_state_dict()
+        state.update(step=self.step, algorithm=self.algorithm_state_dict())
+        rank, world_size = self.rank_world
+        if self._finalized:
+            return state
+        replica = self._own_replica()
+        if world_size > 1:
+            replicas: list[Any] = [None] * world_size
+            dist.all_gather_object(replicas, replica)
+        else:
+            replicas = [replica]
+        state["replicas"] = replicas
+        return state
+
+    @override
+    def load_pdist_state_dict(self, state: dict) -> None:
+        super().load_pdist_state_dict(state)
+        self.step = int(state.get("step", 0))
+        self.load_algorithm_state_dict(state.get("algorithm", {}))
+        rank, world_size = self.rank_world
+        replicas = state.get("replicas")
+        self._pending_optimizer_states = None
+        if replicas is None:
+            rank_zero_warn(
+                f"{type(self).__name__}: the checkpoint holds no per-rank replicas (it was saved after fit ended); "
+                "every rank resumes from the consensus model."
+            )
+        elif len(replicas) != world_size:
+            rank_zero_warn(
+                f"{type(self).__name__}: the checkpoint holds {len(replicas)} replicas but world_size is {world_size}; "
+                "every rank resumes from the consensus model and rank 0's optimizer state."
+            )
+        else:
+            self.lightning_module.load_state_dict(replicas[rank]["model"])
+            self._pending_optimizer_states = replicas[rank]["optimizer_states"]
+        self._set_phase()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pending = getattr(self, "_pending_optimizer_states", None)
+        if pending is None:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        for optimizer, opt_state in zip(self.optimizers, pending):
+            optimizer.load_state_dict(opt_state)
+        self._pending_optimizer_states = None
+

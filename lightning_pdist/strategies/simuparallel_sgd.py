@@ -1,0 +1,56 @@
+"""SimuParallelSGD (one-shot averaging) as a Lightning strategy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from typing_extensions import override
+
+from lightning_pdist.algorithms.periodic import PeriodicSchedule
+from lightning_pdist.strategies.averaging import ModelAveragingStrategy
+
+__all__ = ["SimuParallelSGDStrategy"]
+
+
+class SimuParallelSGDStrategy(ModelAveragingStrategy):
+    """One-shot averaging: ranks train independently and average once, at the end of ``fit``.
+
+    Zinkevich, Weimer, Smola & Li, *Parallelized Stochastic Gradient Descent*, NeurIPS 2010: each of
+    ``k`` machines runs SGD on its own shard with no communication; the output is
+    ``v = (1/k) Σ_i w_i``. Every rank starts from the same (rank 0's) initialization, which is what
+    makes averaging non-convex networks meaningful at all; the guarantees are for convex losses.
+
+    Meanwhile: validation during ``fit`` evaluates the average of the current replicas (one
+    all-reduce per validation run, not counted as training traffic), and checkpoints store that
+    average as ``state_dict`` plus every rank's own replica for exact resume. Training traffic is
+    zero until the final average.
+
+    Args:
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
+    """
+
+    strategy_name = "simuparallel_sgd"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(schedule=PeriodicSchedule(period=1, owner=type(self).__name__), **kwargs)
+
+    @override
+    def averages_gradients(self, step: int) -> bool:
+        return False
+
+    @override
+    def syncs_after(self, step: int) -> bool:
+        return False
+
+    @override
+    def synchronize(self) -> None:  # never scheduled; the one average happens in on_train_end
+        raise AssertionError("SimuParallelSGD has no periodic synchronization")
+
+    @override
+    def on_train_end(self) -> None:
+        if not self._finalized:
+            # The one and only training communication: counted, unlike evaluation averages.
+            self.load_vector(self.average_of_replicas(count=True))
+            self.comm_meter.end_step()
+            self._finalized = True
+        super().on_train_end()

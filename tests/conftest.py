@@ -1,0 +1,20 @@
+"""Shared fixtures: a clean environment per test and the tests/ folder on sys.path for _helpers."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("PL_DISABLE_FORK", "0")
+
+
+@pytest.fixture(autouse=True)
+def _restore_env():
+    """Lightning launchers export MASTER_PORT, WORLD_SIZE, ...; keep them from leaking across tests."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
