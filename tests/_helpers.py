@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
 def free_port() -> int:
@@ -81,7 +81,7 @@ def load_snapshot(dirpath: str | Path, rank: int, step: int | str) -> torch.Tens
     return torch.load(Path(dirpath) / f"rank{rank}_step{step}.pt" if step != "final" else Path(dirpath) / f"rank{rank}_final.pt")
 
 
-def fit(strategy, module: LightningModule, devices: int = 2, max_steps: int = 8, callbacks=(), **trainer_kwargs):
+def fit(strategy, module: LightningModule, devices: int = 2, max_steps: int = 8, callbacks=(), ckpt_path=None, **trainer_kwargs):
     """Fork-launched CPU fit; returns the Trainer (rank 0's results come back to this process)."""
     os.environ["MASTER_PORT"] = str(free_port())
     kwargs = dict(
@@ -99,12 +99,58 @@ def fit(strategy, module: LightningModule, devices: int = 2, max_steps: int = 8,
     )
     kwargs.update(trainer_kwargs)
     trainer = Trainer(**kwargs)
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=ckpt_path)
     return trainer
 
 
-def rank_batches(dataset: TensorDataset, rank: int, world_size: int, batch_size: int):
-    """The batches DistributedSampler(shuffle=False) gives `rank`, in order."""
-    idx = list(range(rank, len(dataset), world_size))
+def rank_batches(dataset: TensorDataset, rank: int, world_size: int, batch_size: int, epoch: int = 0):
+    """The batches Lightning gives `rank` in `epoch`: a shuffled DistributedSampler with seed 0."""
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+    sampler.set_epoch(epoch)
+    idx = list(sampler)
     x, y = dataset.tensors
     return [(x[idx[i : i + batch_size]], y[idx[i : i + batch_size]]) for i in range(0, len(idx), batch_size)]
+
+
+def reference_replicas(world: int, steps: int, sync, period: int, warmup: int = 0, lr: float = 0.1, batch_size: int = 4, n: int = 64):
+    """Plain-torch simulation of `world` ranks taking SGD steps on their DistributedSampler shards.
+
+    Warm-up steps average gradients; afterwards each rank steps locally and ``sync(flat_list, state)``
+    (written in each test, from the paper's equations) rewrites the list of flat replicas after every
+    step t with (t - warmup) % period == 0. Returns {step: [flat params of rank r]}.
+    """
+    data = regression_data(n)
+    per_epoch = len(rank_batches(data, 0, world, batch_size))
+    nets = [make_net() for _ in range(world)]
+    history, state = {}, {}
+    for t in range(1, steps + 1):
+        grads = []
+        for r, net in enumerate(nets):
+            epoch, i = divmod(t - 1, per_epoch)
+            x, y = rank_batches(data, r, world, batch_size, epoch)[i]
+            net.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            grads.append([p.grad.clone() for p in net.parameters()])
+        if t <= warmup:
+            grads = [[torch.stack(gs).mean(0) for gs in zip(*grads)] for _ in range(world)]
+        with torch.no_grad():
+            for net, gs in zip(nets, grads):
+                for p, g in zip(net.parameters(), gs):
+                    p.sub_(lr * g)
+        flats = [torch.cat([p.detach().reshape(-1) for p in net.parameters()]) for net in nets]
+        if t <= warmup:
+            state["warm"] = flats[0].clone()
+        elif (t - warmup) % period == 0:
+            flats = sync(flats, state)
+            with torch.no_grad():
+                for net, flat in zip(nets, flats):
+                    torch.nn.utils.vector_to_parameters(flat.clone(), net.parameters())
+        history[t] = [f.clone() for f in flats]
+    return history
+
+
+def assert_matches_reference(snapdir, reference: dict, world: int, atol: float = 1e-6):
+    """Every rank's snapshot after every step equals the reference replica."""
+    for t, flats in reference.items():
+        for r in range(world):
+            torch.testing.assert_close(load_snapshot(snapdir, r, t), flats[r], atol=atol, rtol=0, msg=lambda m: f"rank {r} step {t}: {m}")
