@@ -18,3 +18,13 @@ def _restore_env():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _teardown_process_group():
+    """A 1-rank in-process fit leaves a default process group behind; forked ranks must not inherit it."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

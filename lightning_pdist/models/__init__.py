@@ -1,1 +1,8 @@
+"""Small models for recipes, tests and benchmarks, and the ``ClassifierModule`` that trains them."""
 
+from lightning_pdist.models.classifier import ClassifierModule, build_model
+from lightning_pdist.models.cnn import SmallCNN
+from lightning_pdist.models.mlp import MLP
+from lightning_pdist.models.text import BagOfEmbeddings
+
+__all__ = ["MLP", "BagOfEmbeddings", "ClassifierModule", "SmallCNN", "build_model"]

@@ -54,6 +54,11 @@ class PdistStrategy(DDPStrategy):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if self._ddp_comm_hook is not None:
+            rank_zero_warn(
+                f"{type(self).__name__}(ddp_comm_hook={getattr(self._ddp_comm_hook, '__qualname__', self._ddp_comm_hook)}):"
+                " bytes sent by a hook from outside lightning_pdist are not counted in pdist/comm_bytes."
+            )
         self.comm_meter = CommMeter()
         self._loaded_pdist_state: dict | None = None
 
@@ -73,10 +78,6 @@ class PdistStrategy(DDPStrategy):
             state, hook = default
             _register_ddp_comm_hook(model=self.model, ddp_comm_state=state, ddp_comm_hook=hook)
             return
-        rank_zero_warn(
-            f"{type(self).__name__}(ddp_comm_hook={getattr(self._ddp_comm_hook, '__qualname__', self._ddp_comm_hook)}):"
-            " bytes sent by a hook from outside lightning_pdist are not counted in pdist/comm_bytes."
-        )
         _register_ddp_comm_hook(
             model=self.model,
             ddp_comm_state=self._ddp_comm_state,

@@ -1,0 +1,135 @@
+"""Tier 3: the base strategy's promises: comm hooks on CPU, registered names, clear errors."""
+
+import pytest
+import torch
+from _helpers import TinyRegression, fit
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.strategies import StrategyRegistry
+from torch.multiprocessing import ProcessRaisedException
+
+import lightning_pdist
+from lightning_pdist import BMUFStrategy, EASGDStrategy, LocalSGDStrategy, PdistStrategy, SimuParallelSGDStrategy
+
+NAMES = {
+    "pdist_ddp": PdistStrategy,
+    "local_sgd": LocalSGDStrategy,
+    "simuparallel_sgd": SimuParallelSGDStrategy,
+    "bmuf": BMUFStrategy,
+    "easgd": EASGDStrategy,
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_names_are_registered_on_import(name):
+    """`import lightning_pdist` registers each name (and its _fork variant) with Lightning."""
+    assert lightning_pdist.__version__
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
+    assert isinstance(trainer.strategy, NAMES[name])
+    assert StrategyRegistry[f"{name}_fork"]["init_params"] == {"start_method": "fork"}
+
+
+def _counting_hook(state, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    state["calls"] += 1
+    fut = torch.distributed.all_reduce(bucket.buffer().div_(2), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def test_user_comm_hook_runs_on_cpu():
+    """A ddp_comm_hook given to PdistStrategy runs on gloo/CPU (Lightning 2.6 would skip it)."""
+
+    class Check(Callback):
+        def on_train_end(self, trainer, pl_module):
+            assert trainer.strategy._ddp_comm_state["calls"] == 4
+            assert trainer.strategy.model._get_ddp_logging_data()["comm_hook"] == "_counting_hook"
+
+    with pytest.warns(UserWarning, match="not counted in pdist/comm_bytes"):
+        fit(PdistStrategy(ddp_comm_hook=_counting_hook, ddp_comm_state={"calls": 0}, start_method="fork"),
+            TinyRegression(), max_steps=4, callbacks=[Check()])
+
+
+def test_pytorch_fp16_hook_trains_like_ddp_on_cpu():
+    """torch's fp16_compress_hook through PdistStrategy lands within fp16 error of plain DDP."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    a, b = TinyRegression(), TinyRegression()
+    fit("ddp_fork", a, max_steps=6)
+    with pytest.warns(UserWarning):
+        fit(PdistStrategy(ddp_comm_hook=fp16_compress_hook, start_method="fork"), b, max_steps=6)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("cls", [LocalSGDStrategy, BMUFStrategy, EASGDStrategy, SimuParallelSGDStrategy])
+def test_averaging_strategies_refuse_a_foreign_comm_hook(cls):
+    """The averaging strategies own gradient communication; passing ddp_comm_hook is an error."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    with pytest.raises(ValueError, match=rf"{cls.__name__}\(ddp_comm_hook=.*\): .*must be left unset"):
+        cls(ddp_comm_hook=fp16_compress_hook)
+
+
+def test_several_optimizers_are_refused():
+    """Two optimizers raise a ValueError that says why (the period counts optimizer steps)."""
+    with pytest.raises(ProcessRaisedException, match=r"LocalSGDStrategy: configure_optimizers returned 2 optimizers"):
+        fit(LocalSGDStrategy(period=2, start_method="fork"), _TwoOptimizers(), max_steps=2)
+
+
+class _TwoOptimizers(TinyRegression):
+    def __init__(self):
+        super().__init__(optimizers=2)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.manual_backward(loss)
+        for opt in self.optimizers():
+            opt.step()
+            opt.zero_grad()
+
+
+def test_easgd_refuses_alpha_times_world_size_above_one():
+    """EASGD(alpha=0.8) on 2 ranks stops at setup with the stability rule in the message."""
+    with pytest.raises(ProcessRaisedException, match=r"alpha \* world_size = 1.6 must be <= 1"):
+        fit(EASGDStrategy(alpha=0.8, start_method="fork"), TinyRegression(), max_steps=2)
+
+
+def test_one_rank_warns_that_nothing_is_averaged():
+    """world_size == 1 works and warns once that nothing is averaged."""
+    with pytest.warns(UserWarning, match=r"world_size == 1, so there is nothing to average"):
+        fit(LocalSGDStrategy(period=2), TinyRegression(), devices=1, max_steps=4)
+
+
+class _Manual(TinyRegression):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+
+
+def test_manual_optimization_equals_automatic():
+    """Manual optimization with local SGD ends exactly where automatic optimization does."""
+    a, b = TinyRegression(), _Manual()
+    fit(LocalSGDStrategy(period=3, warmup_steps=2, start_method="fork"), a, max_steps=8)
+    fit(LocalSGDStrategy(period=3, warmup_steps=2, start_method="fork"), b, max_steps=8)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+
+
+def test_gradient_accumulation_counts_optimizer_steps():
+    """With accumulate_grad_batches=2 the period counts optimizer steps: 8 steps, period 4 → 2 averages."""
+
+    class Check(Callback):
+        def on_train_end(self, trainer, pl_module):
+            assert trainer.strategy.step == 8
+            assert trainer.strategy.comm_meter.total_bytes == 2 * 58 * 4
+
+    fit(LocalSGDStrategy(period=4, start_method="fork"), TinyRegression(), max_steps=8, accumulate_grad_batches=2,
+        callbacks=[Check()])
