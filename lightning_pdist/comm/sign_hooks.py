@@ -1,0 +1,533 @@
+"""DDP communication hooks for 1-bit sign voting: signSGD-MV and IT-signSGD.
+
+Both follow PyTorch's ``hook(state, bucket) -> Future[Tensor]`` form, so they register on any
+``DistributedDataParallel`` model, CPU/gloo included::
+
+    state = ITSignSGDState(warmup_rounds=10)
+    ddp_model.register_comm_hook(state, it_signsgd_hook)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=delta)   # x ← x − δ·U  (paper eq. 5)
+
+Every rank's bucket comes back holding the voted sign ``U`` as ``±1`` in the bucket's dtype (or
+``s̄·U`` under error feedback); the math is in :mod:`lightning_pdist.algorithms.sign` and
+:mod:`lightning_pdist.algorithms.llr_vote`.
+
+Transport: a sharded vote
+-------------------------
+The bucket's ``d`` coordinates are cut into ``M`` slices of ``8C`` coordinates,
+``C = ceil(d / (8M))`` bytes each (the last slices absorb the padding up to ``8·M·C``).
+
+1. Each rank packs its signs (``d/8`` bytes) and, in one ``all_to_all_single``, sends slice ``r``
+   to rank ``r``, each preceded by a small header: a non-finite flag and, with error feedback,
+   its per-tensor scales (fp32).
+2. Rank ``r`` now holds every worker's bits for its slice ``(M, C)`` and votes on it: the majority
+   by counting set bits, or the LLR-weighted vote with the statistics of its slice.
+3. One ``all_gather_single`` of the packed results (``C`` bytes each, plus, for the pooled LLR
+   estimators, this rank's ``(M, G)`` int32 disagreement counts) gives everyone ``U``.
+
+Bytes this rank sends per bucket per step (``H = 4·(1 + T·[error_feedback])`` header bytes,
+``T`` tensors in the bucket; ``G = 4M`` for ``estimator="worker"``, ``4MT`` for ``"tensor"``,
+0 otherwise)::
+
+    all-to-all  (M − 1)·(C + H)   ≈ (M − 1)/M · d/8
+    all-gather  (M − 1)·(C + G)   ≈ (M − 1)/M · d/8
+
+i.e. about ``d/8`` per direction, against ``2(M − 1)/M · 4d`` for an fp32 ring all-reduce: 32×
+less. A plain all-gather of every worker's packed signs would send ``(M − 1)·d/8``, ``M`` times
+more, and leave every rank with ``M·d`` bits to count; the sharded vote keeps both the traffic
+and the vote work per rank at ``O(d)``, and the per-coordinate LLR statistics at ``M · d/M = d``
+fp32 per rank instead of ``M·d``. Majority and LLR use the same scheme, so their bytes are equal.
+:func:`sign_hook_bytes` gives the exact figures; they are what the ``meter`` records.
+
+Both collectives run synchronously inside the hook, which returns a completed future: issuing
+the all-gather from the all-to-all's callback would let buckets' collectives reach gloo in a
+different order on different ranks, and would run statistics updates on gloo's thread. The cost
+is that the vote does not overlap the rest of the backward pass.
+
+Teardown (torch 2.13, gloo): destroying the process group right after the last hook call hung in
+about one run in four while these hooks were developed. gdb showed gloo's worker thread waiting
+for the GIL to release a finished collective's (Python-created) tensors, while the main thread,
+holding the GIL, joined that thread in ``~ProcessGroupGloo``. Nothing here is specific to sign
+hooks. A ``dist.barrier()`` before ``destroy_process_group()`` avoided it in every later run.
+
+Behaviour at the edges
+----------------------
+* **Non-finite gradients.** A NaN has no sign (``NaN >= 0`` is False, so it would silently vote
+  −1). Every rank flags non-finite values in its header, so all ranks learn of them in the same
+  collective and act alike (a rank raising alone would leave the others blocked in the next
+  collective). ``nonfinite="raise"`` (default) raises ``ValueError`` naming the bucket and the
+  ranks; ``nonfinite="propagate"`` returns a NaN bucket on every rank (so an AMP ``GradScaler``
+  skips the step) and leaves the state untouched for that round.
+* **One rank.** No collective is issued; the result is ``sign(grad)`` (or the EF scaled sign).
+  Warning about it is the strategy's job.
+* **fp16/bf16 buckets.** Signs ignore precision; the result is cast to the bucket's dtype.
+  Momentum and residual buffers are kept in fp32 whatever the bucket's dtype.
+* **Padding.** ``d`` need not be a multiple of ``8M``; padding bits never reach the result and are
+  not counted as disagreements.
+* **Bucket layout.** State is keyed by ``bucket.index()`` and kept in the bucket's *canonical*
+  layout, the tensor order the state first saw (DDP's initial layout, the same in every process).
+  DDP rebuilds its buckets after the first iteration, in gradient-ready order, which typically
+  reverses the tensors inside a bucket: the hook then permutes the gradient into the canonical
+  order and the result back (two copies of the bucket), so statistics, residuals and momentum
+  keep meaning the same coordinates, also after a restart. If a rebuild regroups tensors into
+  other buckets, the affected buckets' state restarts from zero, with a warning on rank 0. Build
+  the state before the first backward, so that its canonical layout is DDP's initial one.
+* **Checkpoints.** ``state_dict()`` holds this rank's state only: its residual and momentum, and
+  for ``estimator="coordinate"`` its slice of the statistics (the pooled statistics are the same
+  on every rank). A checkpoint must keep one per rank; loading another rank's dict raises.
+"""
+
+# No ``from __future__ import annotations``: DDP checks the hooks' annotations at run time.
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn import functional as F
+
+from lightning_pdist.algorithms.llr_vote import (
+    DEFAULT_MAX_WEIGHT,
+    LLRConfig,
+    LLRState,
+    column_ids,
+    disagreement_counts,
+    llr_observe_,
+    llr_vote,
+    observations_per_round,
+)
+from lightning_pdist.algorithms.sign import ef_scaled_vote, worker_vote
+from lightning_pdist.comm.accounting import CommMeter, all_gather_bytes, all_to_all_bytes
+from lightning_pdist.comm.bits import majority_bits, pack_bits, pack_signs, packed_numel, unpack_bits, unpack_signs
+
+__all__ = [
+    "NONFINITE_POLICIES",
+    "ITSignSGDState",
+    "SignBucketState",
+    "SignSGDState",
+    "it_signsgd_hook",
+    "shard_bytes",
+    "sign_hook_bytes",
+    "signsgd_mv_hook",
+]
+
+NONFINITE_POLICIES = ("raise", "propagate")
+
+
+def shard_bytes(numel: int, world_size: int) -> int:
+    """``C = ceil(numel / (8·world_size))``: packed bytes of one rank's slice of a bucket."""
+    return math.ceil(numel / (8 * world_size))
+
+
+def sign_hook_bytes(
+    numel: int, world_size: int, num_tensors: int = 1, *, error_feedback: bool = False, estimator: str | None = None
+) -> dict[str, int]:
+    """Bytes one rank sends for one bucket in one step, by collective, as the hooks count them.
+
+    Args:
+        numel: coordinates in the bucket ``d``.
+        world_size: ``M``.
+        num_tensors: tensors in the bucket ``T``.
+        error_feedback: whether scales ride in the all-to-all header.
+        estimator: the IT-signSGD estimator (``None`` for the majority vote).
+
+    Returns:
+        ``{"sign_all_to_all": (M−1)(C+H), "sign_all_gather": (M−1)(C+G)}`` (zeros for one rank).
+    """
+    if world_size == 1:
+        return {"sign_all_to_all": 0, "sign_all_gather": 0}
+    chunk = shard_bytes(numel, world_size)
+    header = 4 * (1 + (num_tensors if error_feedback else 0))
+    counts = {None: 0, "coordinate": 0, "worker": 4 * world_size, "tensor": 4 * world_size * num_tensors}[estimator]
+    return {
+        "sign_all_to_all": all_to_all_bytes(world_size * (chunk + header), world_size),
+        "sign_all_gather": all_gather_bytes(chunk + counts, world_size),
+    }
+
+
+@dataclass
+class SignBucketState:
+    """Run-time state of one DDP bucket on one rank.
+
+    Attributes:
+        lengths: sizes of the bucket's tensors in its canonical layout: the order in which the state
+            first saw them (DDP's initial layout, the same in every process).
+        rounds: votes taken on this bucket.
+        momentum: Signum buffer ``(d,)`` fp32, or ``None`` without momentum.
+        residual: EF residual ``(d,)`` fp32, or ``None`` without error feedback.
+        llr: IT-signSGD statistics (this rank's slice for ``coordinate``), or ``None``.
+    """
+
+    lengths: tuple[int, ...]
+    rounds: int = 0
+    momentum: Tensor | None = None
+    residual: Tensor | None = None
+    llr: LLRState | None = None
+    param_ids: tuple[int, ...] | None = field(default=None, repr=False)  # id() of its tensors, canonical order
+    columns: Tensor | None = field(default=None, repr=False)  # cache: tensor index of this rank's slice
+
+    def state_dict(self) -> dict:
+        clone = lambda t: None if t is None else t.clone()  # noqa: E731
+        return {
+            "lengths": list(self.lengths),
+            "rounds": self.rounds,
+            "momentum": clone(self.momentum),
+            "residual": clone(self.residual),
+            "llr": None if self.llr is None else self.llr.state_dict(),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "SignBucketState":
+        clone = lambda t: None if t is None else t.clone()  # noqa: E731
+        llr = None
+        if state["llr"] is not None:
+            saved = state["llr"]
+            llr = LLRState(saved["estimator"], saved["disagreements"].clone(), saved["observations"].clone())
+            llr.rounds = int(saved["rounds"])
+        return cls(
+            lengths=tuple(state["lengths"]),
+            rounds=int(state["rounds"]),
+            momentum=clone(state["momentum"]),
+            residual=clone(state["residual"]),
+            llr=llr,
+        )
+
+
+@dataclass
+class SignSGDState:
+    """State of :func:`signsgd_mv_hook` (and the base of :class:`ITSignSGDState`).
+
+    Attributes:
+        process_group: group to vote over (``None``: the default group). Never saved.
+        meter: where the bytes this rank sends are counted (``None``: not counted).
+        momentum: Signum's ``β`` in ``[0, 1)``; each worker votes with the sign of
+            ``m ← β·m + (1 − β)·g``. ``0`` (default) is plain signSGD. ``0.9`` is the papers' value.
+            Leave the optimizer's own momentum at 0: momentum after the vote is a different
+            algorithm (server-side momentum on ``U``).
+        error_feedback: EF-signSGD: vote with ``sign(g + e)`` and return the scaled vote
+            ``s̄·U`` (per tensor), keeping each worker's residual ``e``. Then use SGD's usual
+            learning rate, not Signum's small ``δ``.
+        nonfinite: ``"raise"`` (default) or ``"propagate"``; see the module docstring.
+        buckets: per-bucket state, keyed by ``bucket.index()``.
+    """
+
+    process_group: dist.ProcessGroup | None = None
+    meter: CommMeter | None = None
+    momentum: float = 0.0
+    error_feedback: bool = False
+    nonfinite: str = "raise"
+    buckets: dict[int, SignBucketState] = field(default_factory=dict, init=False, repr=False)
+    rank: int | None = field(default=None, init=False)
+    world_size: int | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"{name}(momentum={self.momentum}): momentum must be in [0, 1)")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            choices = ", ".join(repr(p) for p in NONFINITE_POLICIES)
+            raise ValueError(f"{name}(nonfinite={self.nonfinite!r}): nonfinite must be one of {choices}")
+        if not isinstance(self.error_feedback, bool):
+            raise TypeError(f"{name}(error_feedback={self.error_feedback!r}): error_feedback must be a bool")
+
+    @property
+    def llr(self) -> LLRConfig | None:
+        """The LLR vote's settings; ``None`` for the plain majority vote."""
+        return None
+
+    def state_dict(self) -> dict:
+        """This rank's state: rank, world size and every bucket's buffers. No process group."""
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "buckets": {index: bucket.state_dict() for index, bucket in self.buckets.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a :meth:`state_dict` saved by the same rank of a run with the same settings.
+
+        Raises:
+            ValueError: the saved buffers belong to other settings (momentum, error feedback,
+                aggregation or estimator) than this state's.
+        """
+        name = type(self).__name__
+        buckets = {int(i): SignBucketState.from_state_dict(b) for i, b in state["buckets"].items()}
+        for index, bucket in buckets.items():
+            mismatch = None
+            if bucket.momentum is not None and self.momentum == 0.0:
+                mismatch = "a Signum momentum buffer, but this state has momentum=0.0"
+            elif bucket.residual is not None and not self.error_feedback:
+                mismatch = "an error-feedback residual, but this state has error_feedback=False"
+            elif bucket.llr is not None and self.llr is None:
+                mismatch = "LLR statistics, but this state takes the plain majority vote"
+            elif bucket.llr is not None and bucket.llr.estimator != self.llr.estimator:
+                mismatch = (
+                    f"LLR statistics of estimator={bucket.llr.estimator!r}, "
+                    f"but this state has estimator={self.llr.estimator!r}"
+                )
+            if mismatch:
+                raise ValueError(f"{name}.load_state_dict(bucket {index}): the saved state holds {mismatch}")
+        self.rank = state["rank"]
+        self.world_size = state["world_size"]
+        self.buckets = buckets
+
+    def _bucket(
+        self, index: int, params: list[Tensor], device: torch.device
+    ) -> tuple[SignBucketState, list[int] | None]:
+        """This bucket's state, and where each of its canonical tensors sits in the current layout.
+
+        Returns ``(state, order)`` with ``order[j]`` the current position of the state's ``j``-th
+        tensor, or ``order=None`` when the current layout is the canonical one.
+        """
+        ids = tuple(id(p) for p in params)
+        lengths = tuple(p.numel() for p in params)
+        found = next((b for b in self.buckets.values() if b.param_ids and set(b.param_ids) == set(ids)), None)
+        if found is None:
+            saved = self.buckets.get(index)
+            if saved is not None and saved.param_ids is None and saved.lengths == lengths:
+                # First sight after load_state_dict: DDP's first iteration uses the same initial layout in every
+                # process, so the saved canonical layout is this one.
+                saved.param_ids, found = ids, saved
+        if found is None:
+            stale = {i for i, b in self.buckets.items() if i == index or (b.param_ids and set(b.param_ids) & set(ids))}
+            if stale and self.rank == 0:
+                old = ", ".join(f"{i}: {list(self.buckets[i].lengths)}" for i in sorted(stale))
+                warnings.warn(
+                    f"{type(self).__name__}: DDP bucket {index} now holds tensors of sizes {list(lengths)} that were "
+                    f"in other buckets before ({old}); the sign-vote state of those buckets (statistics, residual, "
+                    "momentum) restarts from zero. Buckets whose tensors only change order keep their state; ones "
+                    "that regroup tensors cannot, because their statistics are sharded by position.",
+                    stacklevel=3,
+                )
+            for i in stale:
+                del self.buckets[i]
+            found = SignBucketState(lengths=lengths, param_ids=ids)
+            if self.momentum > 0:
+                found.momentum = torch.zeros(sum(lengths), device=device)
+            if self.error_feedback:
+                found.residual = torch.zeros(sum(lengths), device=device)
+            self.buckets[index] = found
+        if found.param_ids == ids:
+            return found, None
+        return found, [ids.index(pid) for pid in found.param_ids]
+
+    def _check_group(self, rank: int, world_size: int, hook: str) -> None:
+        if self.rank is None:
+            self.rank, self.world_size = rank, world_size
+        elif (self.rank, self.world_size) != (rank, world_size):
+            raise RuntimeError(
+                f"{hook}: this {type(self).__name__} belongs to rank {self.rank} of {self.world_size} (it was used "
+                f"or restored there) but now runs on rank {rank} of {world_size}; every rank needs its own state, "
+                "restored from that rank's state_dict with the same world size"
+            )
+
+
+@dataclass
+class ITSignSGDState(SignSGDState):
+    """State of :func:`it_signsgd_hook`: :class:`SignSGDState` plus the LLR vote's settings.
+
+    Attributes:
+        warmup_rounds: rounds of plain majority vote before the LLR weights apply (statistics
+            are collected from the first round).
+        estimator: ``"worker"`` (default), ``"tensor"`` or ``"coordinate"`` (paper eq. 4);
+            ``"worker"`` pools over the bucket.
+        decay: ``1.0`` for eq. 4's running fraction, ``< 1`` for an exponential moving average.
+        max_weight: bound on ``|w|`` (default ``log 99``: ``p`` held in ``[0.01, 0.99]``).
+        negative_weights: allow ``w < 0`` (exact Chair–Varshney rule for inverting workers).
+
+    See :mod:`lightning_pdist.algorithms.llr_vote` for the rule and each choice.
+    """
+
+    warmup_rounds: int = 10
+    estimator: str = "worker"
+    decay: float = 1.0
+    max_weight: float = DEFAULT_MAX_WEIGHT
+    negative_weights: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._llr = LLRConfig(
+            warmup_rounds=self.warmup_rounds,
+            estimator=self.estimator,
+            decay=self.decay,
+            max_weight=self.max_weight,
+            negative_weights=self.negative_weights,
+            owner="ITSignSGDState",
+        )
+
+    @property
+    def llr(self) -> LLRConfig:
+        return self._llr
+
+
+# Newer torch (2.13 here) names it all_gather_single and deprecates all_gather_into_tensor; on gloo both need a
+# flat output (a 2-D one raises "invalid tensor size").
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _permute(flat: Tensor, lengths: list[int], order: list[int]) -> Tensor:
+    """Concatenate the segments of ``flat`` (of ``lengths``) so that segment ``order[j]`` comes ``j``-th."""
+    segments = flat.split(lengths)
+    return torch.cat([segments[i] for i in order])
+
+
+def _inverse(order: list[int]) -> list[int]:
+    inverse = [0] * len(order)
+    for j, i in enumerate(order):
+        inverse[i] = j
+    return inverse
+
+
+def _reinterpret(raw: Tensor, dtype: torch.dtype) -> Tensor:
+    """Copy a (rows, bytes) ``uint8`` slice into fresh, aligned memory and view it as ``dtype``."""
+    # .contiguous() is not enough: a one-row slice counts as contiguous but keeps its row stride and offset.
+    fresh = torch.empty(raw.shape, dtype=torch.uint8, device=raw.device)
+    return fresh.copy_(raw).view(dtype)
+
+
+def _completed(value: Tensor) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def _worker_message(state: SignSGDState, entry: SignBucketState, buffer: Tensor, world_size: int, chunk: int):
+    """This worker's side: momentum/EF, signs, and the all-to-all input. Nothing is committed yet."""
+    lowest, highest = torch.aminmax(buffer)  # NaN propagates; 30x faster than isfinite(buffer).all() on CPU
+    finite = bool(torch.isfinite(lowest)) and bool(torch.isfinite(highest))
+    num_scales = len(entry.lengths) if state.error_feedback else 0
+    header = torch.zeros(1 + num_scales, device=buffer.device)  # fp32: [non-finite flag, EF scales ...]
+    vote = None
+    if finite:
+        vote = worker_vote(buffer, entry.momentum, entry.residual, beta=state.momentum, lengths=entry.lengths)
+        if num_scales:
+            header[1:] = vote.scales
+        packed = pack_signs(vote.vector)  # (ceil(d/8),)
+    else:
+        header[0] = 1.0
+        packed = torch.zeros(packed_numel(buffer.numel()), dtype=torch.uint8, device=buffer.device)
+    header_bytes = header.view(torch.uint8)  # (H,)
+    packed = F.pad(packed, (0, world_size * chunk - packed.numel())).view(world_size, chunk)  # (M, C)
+    send = torch.cat([header_bytes.expand(world_size, -1), packed], dim=1)  # (M, H + C): row r goes to rank r
+    return send, header_bytes.numel(), vote
+
+
+def _vote_on_slice(
+    state: SignSGDState, entry: SignBucketState, rows: Tensor, start: int, stop: int, world_size: int
+) -> tuple[Tensor, Tensor]:
+    """Aggregate this rank's slice from every worker's bits ``rows`` (M, C).
+
+    Returns the vote as bits ``(stop − start,)`` and the bytes of this slice's disagreement counts
+    (pooled LLR estimators only; empty otherwise), which travel with the all-gather.
+    """
+    llr, lengths, n_local = state.llr, entry.lengths, stop - start
+    no_counts = torch.zeros(0, dtype=torch.uint8, device=rows.device)
+    if llr is None:
+        return majority_bits(rows, n_local), no_counts
+    signs = unpack_signs(rows, n_local)  # (M, n_local) int8 ±1
+    if entry.llr is None:
+        columns = {"coordinate": n_local, "tensor": len(lengths), "worker": 1}[llr.estimator]
+        entry.llr = LLRState.zeros(llr.estimator, world_size, columns)
+    if llr.estimator == "tensor" and entry.columns is None:
+        entry.columns = column_ids(lengths, start, stop)  # (n_local,)
+    u, _ = llr_vote(signs, entry.llr, llr, entry.columns)
+    counts = disagreement_counts(signs, u, llr.estimator, entry.columns, len(lengths))
+    if llr.estimator == "coordinate":
+        llr_observe_(entry.llr, counts, 1.0, llr.decay)
+        return u > 0, no_counts
+    return u > 0, counts.to(torch.int32).view(torch.uint8).reshape(-1)  # (M·G·4,): summed over slices later
+
+
+def _sign_hook(state: SignSGDState, bucket: dist.GradBucket, hook: str) -> torch.futures.Future[torch.Tensor]:
+    group = state.process_group
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    state._check_group(rank, world_size, hook)
+    llr = state.llr
+
+    params = bucket.parameters()
+    numel = bucket.buffer().numel()
+    assert sum(p.numel() for p in params) == numel, f"bucket {bucket.index()}: its tensors do not fill it"
+    entry, order = state._bucket(bucket.index(), params, bucket.buffer().device)
+    lengths = entry.lengths
+    # Work in the canonical layout, so that sharded statistics and buffers keep meaning the same coordinates
+    # after DDP rebuilds its buckets; the result is permuted back at the end.
+    buffer = bucket.buffer()
+    if order is not None:
+        buffer = _permute(buffer, [p.numel() for p in params], order)
+
+    chunk = shard_bytes(numel, world_size)  # C: packed bytes per slice
+    start = min(rank * 8 * chunk, numel)
+    stop = min(start + 8 * chunk, numel)  # the last slices hold fewer than 8C coordinates, or none
+
+    # 1. all-to-all: row m of recv is worker m's header and its bits for this rank's slice.
+    send, header_size, vote = _worker_message(state, entry, buffer, world_size, chunk)  # (M, H + C)
+    recv = send
+    if world_size > 1:
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        if state.meter is not None:
+            state.meter.add("sign_all_to_all", all_to_all_bytes(send.numel(), world_size))
+    headers = _reinterpret(recv[:, :header_size], torch.float32)  # (M, 1 + num_scales)
+
+    bad_ranks = headers[:, 0].nonzero().flatten().tolist()
+    if bad_ranks:
+        if state.nonfinite == "raise":
+            raise ValueError(
+                f"{hook}: bucket {bucket.index()} holds non-finite gradients (NaN/Inf) on rank(s) {bad_ranks}; a NaN "
+                "has no sign and must not become a silent vote. Lower the learning rate or fix the loss, or pass "
+                "nonfinite='propagate' to hand a NaN bucket to the optimizer (for a GradScaler to skip the step)."
+            )
+        return _completed(torch.full_like(buffer, float("nan")))
+    entry.momentum, entry.residual = vote.momentum, vote.residual  # every rank's round is valid: commit
+
+    # 2. vote on this rank's slice.
+    vote_bits, counts_bytes = _vote_on_slice(state, entry, recv[:, header_size:], start, stop, world_size)
+    payload = torch.cat([F.pad(pack_bits(vote_bits), (0, chunk - packed_numel(stop - start))), counts_bytes])
+    entry.rounds += 1
+
+    # 3. all-gather: row r of gathered is rank r's packed vote (and its disagreement counts).
+    gathered = payload
+    if world_size > 1:
+        gathered = torch.empty(world_size * payload.numel(), dtype=torch.uint8, device=buffer.device)
+        _all_gather_flat(gathered, payload, group=group)
+        if state.meter is not None:
+            state.meter.add("sign_all_gather", all_gather_bytes(payload.numel(), world_size))
+    gathered = gathered.view(world_size, -1)  # (M, C + G)
+    bits = unpack_bits(gathered[:, :chunk], 8 * chunk).reshape(-1)[:numel]  # (d,)
+    if llr is not None and llr.estimator != "coordinate":
+        counts = _reinterpret(gathered[:, chunk:], torch.int32).view(world_size, world_size, -1)  # (M slices, M, G)
+        llr_observe_(entry.llr, counts.sum(0), observations_per_round(llr.estimator, lengths), llr.decay)
+    if state.error_feedback:
+        result = ef_scaled_vote(bits.to(torch.int8) * 2 - 1, headers[:, 1:].contiguous(), lengths)
+    else:
+        result = bits.to(torch.int8) * 2 - 1
+    result = result.to(buffer.dtype)
+    if order is not None:
+        result = _permute(result, list(lengths), _inverse(order))
+    return _completed(result)
+
+
+def signsgd_mv_hook(state: SignSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """signSGD with majority vote (Bernstein et al., ICLR 2019): the bucket becomes ``sign(Σ_m sign(v_m))``.
+
+    ``v_m`` is the gradient, or Signum's momentum, or ``g + e`` under error feedback (see
+    :class:`SignSGDState`). Ties go to ``+1``. The optimizer (SGD with ``lr=δ``) applies it.
+    """
+    if not isinstance(state, SignSGDState) or isinstance(state, ITSignSGDState):
+        raise TypeError(
+            f"signsgd_mv_hook(state={type(state).__name__}): state must be a SignSGDState "
+            "(an ITSignSGDState belongs to it_signsgd_hook)"
+        )
+    return _sign_hook(state, bucket, "signsgd_mv_hook")
+
+
+def it_signsgd_hook(state: ITSignSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """IT-signSGD (paper 004): the bucket becomes ``sign(Σ_m w_m Y_m)`` with learned LLR weights.
+
+    The plain majority vote for the first ``state.warmup_rounds`` rounds; see
+    :mod:`lightning_pdist.algorithms.llr_vote` for the weights and :class:`ITSignSGDState`.
+    """
+    if not isinstance(state, ITSignSGDState):
+        raise TypeError(f"it_signsgd_hook(state={type(state).__name__}): state must be an ITSignSGDState")
+    return _sign_hook(state, bucket, "it_signsgd_hook")
