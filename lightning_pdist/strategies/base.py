@@ -130,6 +130,7 @@ class PdistStrategy(DDPStrategy):
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
+            self._loaded_pdist_state = None  # validate/test/predict: the weights are all they need
             return
         self.setup_algorithm()
         if self._loaded_pdist_state is not None:
