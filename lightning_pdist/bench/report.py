@@ -1,0 +1,113 @@
+"""Shared output helpers of the benchmark suites: JSON documents, row checks, text tables, figures.
+
+Every suite writes ``DIR/<suite>.json`` (a document with ``suite``, ``created``, ``command``,
+``networks`` and ``rows``) and ``DIR/<suite>.png``; docs/benchmarks.md quotes the JSON. This module
+imports no torch, so reports can be rebuilt from a JSON file alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+__all__ = ["check_rows", "command_line", "host_info", "markdown_table", "new_document", "utc_now", "write_json"]
+
+
+def utc_now() -> str:
+    """The current time as an ISO-8601 UTC timestamp with seconds, e.g. ``2026-05-09T07:35:25Z``."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def command_line(suite: str, argv: Sequence[str]) -> str:
+    """The shell command that reruns ``suite`` with ``argv``: ``python -m lightning_pdist.bench <suite> ...``."""
+    return shlex.join(["python", "-m", "lightning_pdist.bench", suite, *argv])
+
+
+def host_info() -> dict[str, Any]:
+    """What the figures depend on besides the network: CPU count, load at the start, library versions."""
+    info: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "loadavg_1m_at_start": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    for name in ("torch", "lightning"):
+        module = sys.modules.get(name)
+        if module is None:
+            try:
+                module = __import__(name)
+            except ImportError:
+                module = None
+        info[name] = getattr(module, "__version__", None)
+    return info
+
+
+def new_document(suite: str, command: str, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The skeleton every suite's JSON shares; the suite fills ``networks`` and ``rows``."""
+    return {
+        "suite": suite,
+        "created": utc_now(),
+        "command": command,
+        "host": host_info(),
+        "config": dict(config),
+        "networks": {},
+        "rows": [],
+    }
+
+
+def check_rows(rows: Iterable[Mapping[str, Any]], required: Sequence[str], owner: str) -> None:
+    """Raise ``ValueError`` naming the row and the keys if any row lacks one of ``required``."""
+    for i, row in enumerate(rows):
+        missing = [k for k in required if k not in row]
+        if missing:
+            raise ValueError(f"{owner}: row {i} ({dict(row)!r}) lacks the required keys {missing}")
+
+
+def write_json(document: Mapping[str, Any], path: str | Path) -> Path:
+    """Write ``document`` as indented JSON (NaN refused, so the file is strict JSON); return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(document, indent=1, allow_nan=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def _cell(value: Any, fmt: str | Callable[[Any], str] | None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if callable(fmt):
+        return fmt(value)
+    if fmt:
+        return format(value, fmt)
+    return str(value)
+
+
+def markdown_table(
+    rows: Sequence[Mapping[str, Any]],
+    columns: Sequence[tuple[str, str, str | Callable[[Any], str] | None]],
+) -> str:
+    """A GitHub-markdown table (also readable as plain text) of ``rows``.
+
+    Args:
+        rows: dicts, one per table row.
+        columns: ``(header, key, fmt)``: ``fmt`` is a format spec (``".3f"``), a callable, or ``None``
+            for ``str``; a missing or ``None`` value prints as ``–``.
+    """
+    header = [h for h, _, _ in columns]
+    body = [[_cell(row.get(key), fmt) for _, key, fmt in columns] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
+    lines = [
+        "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
+    lines += ["| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |" for r in body]
+    return "\n".join(lines)

@@ -1,0 +1,236 @@
+"""One rank of a benchmark run: ``python -m lightning_pdist.bench.worker --spec JSON --out-dir DIR``.
+
+The launchers (:func:`lightning_pdist.bench.averaging.launch_loopback` on 127.0.0.1, or
+:func:`lightning_pdist.bench.netns.launch_ranks` inside emulated hosts) start this module once per
+rank with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK=0``, ``NODE_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT`` and ``GLOO_SOCKET_IFNAME`` set, so each rank is its own Lightning "node":
+``Trainer(accelerator="cpu", devices=1, num_nodes=world_size)``. Lightning sees ``LOCAL_RANK`` and
+treats the processes as launched externally; the process group is real ``gloo`` over TCP.
+
+Each rank trains ``ClassifierModule(model="cnn")`` on :class:`~lightning_pdist.data.DigitsDataModule`
+for ``steps`` optimizer steps with no validation during ``fit`` (so no evaluation traffic mixes
+with training traffic), then evaluates the model it holds after ``fit`` (the strategy's output: DDP's
+model, the replica average, BMUF's global model, EASGD's center) on the whole validation split,
+in-process, and writes ``DIR/rank<r>.json``::
+
+    {"rank", "world_size", "spec", "train_steps", "samples_seen", "val_acc", "val_samples",
+     "comm_bytes", "comm_by_kind", "logged_comm_bytes_total", "loop_comm_bytes",
+     "loop_s", "loop_cpu_s", "fit_s", "param_digest", "model_params", "tx": {...} | null,
+     "tx_packets": {...} | null}
+
+``tx`` and ``tx_packets`` hold this host's kernel ``tx_bytes`` and ``tx_packets`` counters read at
+process start, at ``on_train_start``, at ``on_train_end`` (before the strategy's own
+``on_train_end``, which loads the consensus model) and after ``fit``, when the rank runs on an
+emulated link (``GLOO_SOCKET_IFNAME`` is not ``lo``). The benchmark splits the kernel's byte count
+into set-up, training-loop and wind-down phases with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+STRATEGIES = ("pdist_ddp", "local_sgd", "bmuf", "easgd", "simuparallel_sgd")
+PERIODIC = ("local_sgd", "bmuf", "easgd")
+SPEC_KEYS = ("strategy", "period", "world_size", "steps", "batch_size", "lr", "momentum", "width", "seed")
+
+
+def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """Validate a run spec (a plain dict, as it travels on the command line); return it.
+
+    Raises:
+        ValueError: a key is missing or unknown, or a value breaks its rule (the message says which).
+    """
+    missing = [k for k in SPEC_KEYS if k not in spec]
+    unknown = sorted(set(spec) - set(SPEC_KEYS))
+    if missing or unknown:
+        raise ValueError(f"worker spec={spec!r}: missing keys {missing}, unknown keys {unknown}; keys are {SPEC_KEYS}")
+    if spec["strategy"] not in STRATEGIES:
+        raise ValueError(f"worker spec(strategy={spec['strategy']!r}): strategy must be one of {STRATEGIES}")
+    period = spec["period"]
+    if spec["strategy"] in PERIODIC:
+        if not isinstance(period, int) or period < 1:
+            raise ValueError(f"worker spec(period={period!r}): {spec['strategy']} needs an int period >= 1")
+    elif spec["strategy"] == "pdist_ddp" and period != 1:
+        raise ValueError(f"worker spec(period={period!r}): pdist_ddp communicates every step; period must be 1")
+    elif spec["strategy"] == "simuparallel_sgd" and period is not None:
+        raise ValueError(f"worker spec(period={period!r}): simuparallel_sgd averages once; period must be None")
+    for key in ("world_size", "steps", "batch_size", "width"):
+        if not isinstance(spec[key], int) or spec[key] < 1:
+            raise ValueError(f"worker spec({key}={spec[key]!r}): {key} must be an int >= 1")
+    if not isinstance(spec["seed"], int) or spec["seed"] < 0:
+        raise ValueError(f"worker spec(seed={spec['seed']!r}): seed must be an int >= 0")
+    if not spec["lr"] > 0:
+        raise ValueError(f"worker spec(lr={spec['lr']!r}): lr must be > 0")
+    if not 0 <= spec["momentum"] < 1:
+        raise ValueError(f"worker spec(momentum={spec['momentum']!r}): momentum must be in [0, 1)")
+    return spec
+
+
+def read_tx(ifname: str | None) -> tuple[int, int] | None:
+    """This namespace's kernel ``(tx_bytes, tx_packets)`` of ``ifname``; ``None`` on loopback or when unreadable.
+
+    ``ip netns exec`` mounts a sysfs of the namespace, so ``/sys/class/net`` shows the host's veth.
+    """
+    if not ifname or ifname == "lo":
+        return None
+    stats = Path(f"/sys/class/net/{ifname}/statistics")
+    try:
+        return int((stats / "tx_bytes").read_text()), int((stats / "tx_packets").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def build_strategy(spec: dict[str, Any]) -> Any:
+    """The strategy object named by ``spec["strategy"]``, on gloo."""
+    from lightning_pdist import (
+        BMUFStrategy,
+        EASGDStrategy,
+        LocalSGDStrategy,
+        PdistStrategy,
+        SimuParallelSGDStrategy,
+    )
+
+    common = {"process_group_backend": "gloo"}
+    name, period = spec["strategy"], spec["period"]
+    if name == "pdist_ddp":
+        return PdistStrategy(**common)
+    if name == "local_sgd":
+        return LocalSGDStrategy(period=period, **common)
+    if name == "bmuf":
+        return BMUFStrategy(period=period, **common)
+    if name == "easgd":
+        return EASGDStrategy(period=period, **common)
+    return SimuParallelSGDStrategy(**common)
+
+
+def param_digest(module: Any) -> str:
+    """A short hash of the module's parameters, bit for bit: equal digests mean equal models."""
+    import torch
+
+    flat = torch.cat([p.detach().reshape(-1).double() for p in module.parameters()])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+
+
+def evaluate(module: Any, dataset: Any) -> tuple[float, int]:
+    """Accuracy of ``module`` on ``dataset`` in this process (no collectives), and its size."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    module.eval()
+    correct = total = 0
+    with torch.no_grad():
+        for x, y in DataLoader(dataset, batch_size=256, shuffle=False):
+            correct += int((module(x).argmax(dim=1) == y).sum())
+            total += len(y)
+    return correct / total, total
+
+
+def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """Train one rank as ``spec`` says; write and return its result dict."""
+    import torch
+    from lightning.pytorch import Callback, Trainer, seed_everything
+
+    from lightning_pdist.data import DigitsDataModule
+    from lightning_pdist.models.classifier import ClassifierModule
+
+    check_spec(spec)
+    torch.set_num_threads(1)  # one core per rank; the ranks already share the machine
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    tx: dict[str, tuple[int, int] | None] = {"start": read_tx(ifname)}
+
+    class Probe(Callback):
+        """Clock and kernel counter at the edges of the training loop."""
+
+        def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+            tx["train_start"] = read_tx(ifname)
+            self.t0, self.cpu0 = time.perf_counter(), time.process_time()
+
+        def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
+            # Runs before the strategy's on_train_end (Lightning calls callbacks first), so the
+            # consensus exchange at the end of fit falls in the wind-down phase.
+            self.loop_s = time.perf_counter() - self.t0
+            self.loop_cpu_s = time.process_time() - self.cpu0
+            tx["train_end"] = read_tx(ifname)
+            self.loop_comm_bytes = trainer.strategy.comm_meter.total_bytes
+            logged = trainer.callback_metrics.get("pdist/comm_bytes_total")
+            self.logged = None if logged is None else float(logged)
+
+    seed_everything(spec["seed"], workers=True, verbose=False)
+    data = DigitsDataModule(batch_size=spec["batch_size"], seed=spec["seed"])
+    module = ClassifierModule(
+        model="cnn", width=spec["width"], optimizer="sgd", lr=spec["lr"], momentum=spec["momentum"]
+    )
+    probe = Probe()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=spec["world_size"],
+        strategy=build_strategy(spec),
+        max_steps=spec["steps"],
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe],
+    )
+    fit_t0 = time.perf_counter()
+    trainer.fit(module, datamodule=data)
+    fit_s = time.perf_counter() - fit_t0
+    tx["after_fit"] = read_tx(ifname)
+    if trainer.world_size != spec["world_size"]:
+        raise RuntimeError(
+            f"worker: the Trainer formed world_size={trainer.world_size}, the spec says {spec['world_size']}; "
+            "launch one process per rank with RANK/WORLD_SIZE/LOCAL_RANK/NODE_RANK set"
+        )
+    val_acc, val_samples = evaluate(module, data.val_set)
+    meter = trainer.strategy.comm_meter
+    result = {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "spec": spec,
+        "train_steps": trainer.global_step,
+        "samples_seen": trainer.global_step * spec["batch_size"],
+        "val_acc": val_acc,
+        "val_samples": val_samples,
+        "comm_bytes": meter.total_bytes,
+        "comm_by_kind": dict(meter.by_kind),
+        "logged_comm_bytes_total": probe.logged,
+        "loop_comm_bytes": probe.loop_comm_bytes,
+        "loop_s": probe.loop_s,
+        "loop_cpu_s": probe.loop_cpu_s,
+        "fit_s": fit_s,
+        "param_digest": param_digest(module),
+        "model_params": sum(p.numel() for p in module.parameters()),
+        "tx": {k: v[0] for k, v in tx.items()} if all(tx.values()) else None,
+        "tx_packets": {k: v[1] for k, v in tx.items()} if all(tx.values()) else None,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"rank{result['rank']}.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_pdist.bench.worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="the run spec as a JSON object (keys: %s)" % ", ".join(SPEC_KEYS))
+    parser.add_argument("--out-dir", required=True, type=Path, help="where rank<r>.json is written")
+    args = parser.parse_args(argv)
+    try:
+        spec = json.loads(args.spec)
+    except json.JSONDecodeError as err:
+        parser.error(f"--spec {args.spec!r}: must be a JSON object ({err})")
+    if not isinstance(spec, dict):
+        parser.error(f"--spec {args.spec!r}: must be a JSON object")
+    run(spec, args.out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
