@@ -11,11 +11,12 @@ from lightning_pdist.strategies import (
     EASGDStrategy,
     LocalSGDStrategy,
     PdistStrategy,
+    SignSGDStrategy,
     SimuParallelSGDStrategy,
 )
 
-__all__ = ["BMUFStrategy", "EASGDStrategy", "LocalSGDStrategy", "PdistStrategy", "SimuParallelSGDStrategy"]
+__all__ = ["BMUFStrategy", "EASGDStrategy", "LocalSGDStrategy", "PdistStrategy", "SignSGDStrategy", "SimuParallelSGDStrategy"]
 __version__ = "0.1.0"
 
-for _strategy in (PdistStrategy, LocalSGDStrategy, SimuParallelSGDStrategy, BMUFStrategy, EASGDStrategy):
+for _strategy in (PdistStrategy, LocalSGDStrategy, SimuParallelSGDStrategy, BMUFStrategy, EASGDStrategy, SignSGDStrategy):
     _strategy.register_strategies(StrategyRegistry)
