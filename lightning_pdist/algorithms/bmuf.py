@@ -49,6 +49,12 @@ class BMUFConfig:
 
     def __post_init__(self) -> None:
         bm = self.block_momentum
+        if bm is not None and not _is_number(bm):
+            raise TypeError(f"{self.owner}(block_momentum={bm!r}): block_momentum must be a number or None")
+        if not _is_number(self.block_lr):
+            raise TypeError(f"{self.owner}(block_lr={self.block_lr!r}): block_lr must be a number")
+        if not isinstance(self.nesterov, bool):
+            raise TypeError(f"{self.owner}(nesterov={self.nesterov!r}): nesterov must be a bool")
         if bm is not None and not (0.0 <= bm < 1.0):
             raise ValueError(f"{self.owner}(block_momentum={bm}): block_momentum must be in [0, 1) or None")
         if not self.block_lr > 0:
@@ -135,3 +141,7 @@ def bmuf_global_model(
     if nesterov:
         return anchor + block_momentum * delta
     return anchor.clone()
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -41,6 +41,8 @@ class EASGDConfig:
     owner: str = "EASGDConfig"
 
     def __post_init__(self) -> None:
+        if self.alpha is not None and (isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float))):
+            raise TypeError(f"{self.owner}(alpha={self.alpha!r}): alpha must be a number or None")
         if self.alpha is not None and not (0.0 < self.alpha <= 1.0):
             raise ValueError(f"{self.owner}(alpha={self.alpha}): alpha must be in (0, 1] or None")
 

@@ -13,7 +13,7 @@ Lifecycle of one run (every rank):
   in at the start of the loop and swapped out at its end, so training continues undisturbed.
 * ``trainer.save_checkpoint``: ``state_dict`` holds the consensus model (what users load for
   inference); ``checkpoint["pdist"]["replicas"]`` holds every rank's own weights and optimizer
-  state (gathered to rank 0) so a resumed run continues exactly, mid-period included.
+  state (gathered with ``all_gather_object``; rank 0 writes the file) so a resumed run continues exactly, mid-period included.
 * end of ``fit``: every rank loads the consensus model, so the module the user holds is the output.
 
 Decisions a user meets:
@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -54,6 +55,9 @@ class ModelAveragingStrategy(PdistStrategy):
 
     Subclasses set ``self.schedule`` and implement :meth:`synchronize` and :meth:`consensus`.
     """
+
+    #: What the rule does with one rank, for the one-rank warning.
+    one_rank_behaviour = "the result is plain single-process training"
 
     def __init__(self, schedule: PeriodicSchedule, **kwargs: Any) -> None:
         owner = type(self).__name__
@@ -138,7 +142,10 @@ class ModelAveragingStrategy(PdistStrategy):
             )
         _, world_size = self.rank_world
         if world_size == 1:
-            rank_zero_warn(f"{owner}: world_size == 1, so there is nothing to average; this runs plain local SGD.")
+            rank_zero_warn(
+                f"{owner}: world_size == 1, so there is nothing to average across ranks; the rule still runs on the "
+                f"single replica ({self.one_rank_behaviour})."
+            )
         self._hook_state.process_group = None
         self._finalized = False
         self._set_phase()
@@ -221,7 +228,7 @@ class ModelAveragingStrategy(PdistStrategy):
             self.load_vector(own)
         return {
             "model": {k: v.detach().cpu().clone() for k, v in module_state.items()},
-            "optimizer_states": [opt.state_dict() for opt in self.optimizers],
+            "optimizer_states": [move_data_to_device(opt.state_dict(), "cpu") for opt in self.optimizers],
         }
 
     @override

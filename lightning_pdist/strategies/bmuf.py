@@ -37,6 +37,10 @@ class BMUFStrategy(ModelAveragingStrategy):
     """
 
     strategy_name = "bmuf"
+    one_rank_behaviour = (
+        "with one rank G = A - W, so block momentum and block_lr still act on top of local training; "
+        "the default block_momentum 1 - 1/1 = 0 with block_lr 1 is plain training"
+    )
 
     def __init__(
         self,

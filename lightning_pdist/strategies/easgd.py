@@ -35,6 +35,10 @@ class EASGDStrategy(ModelAveragingStrategy):
     """
 
     strategy_name = "easgd"
+    one_rank_behaviour = (
+        "the replica and the center still pull towards each other with alpha every period, "
+        "and validation and the output use the center"
+    )
 
     def __init__(self, period: int = 4, alpha: float | None = None, warmup_steps: int = 0, **kwargs: Any) -> None:
         owner = type(self).__name__

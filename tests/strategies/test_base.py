@@ -150,3 +150,19 @@ def test_constructors_reject_bad_values_naming_the_strategy(make, match):
     """Strategy constructors validate before any process starts, naming class, argument, value and rule."""
     with pytest.raises(ValueError, match=match):
         make()
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: LocalSGDStrategy(period=2.5), r"LocalSGDStrategy\(period=2.5\): period must be an int"),
+        (lambda: BMUFStrategy(block_momentum="0.5"), r"BMUFStrategy\(block_momentum='0.5'\): block_momentum must be a number"),
+        (lambda: BMUFStrategy(block_lr=None), r"BMUFStrategy\(block_lr=None\): block_lr must be a number"),
+        (lambda: BMUFStrategy(nesterov="yes"), r"BMUFStrategy\(nesterov='yes'\): nesterov must be a bool"),
+        (lambda: EASGDStrategy(alpha=True), r"EASGDStrategy\(alpha=True\): alpha must be a number or None"),
+    ],
+)
+def test_constructors_reject_wrong_types_naming_the_argument(make, match):
+    """A value of the wrong type raises TypeError naming class, argument and value, not Python's comparison error."""
+    with pytest.raises(TypeError, match=match):
+        make()
