@@ -17,7 +17,8 @@ def _imports(path: Path) -> list[str]:
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.append(node.module)
+            # `from torch import distributed` imports torch.distributed: check module.name too
+            names += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level > 0:
             names.append("lightning_pdist." + path.parent.name)  # relative: stays in its own layer
     return names
@@ -55,7 +56,10 @@ def test_layer_imports_only_what_it_may(layer, allowed):
 def test_checker_catches_forbidden_edges(tmp_path):
     """The checker itself flags lightning in comm and torch.distributed in algorithms."""
     f = tmp_path / "m.py"
-    f.write_text("import torch.distributed as dist\nfrom lightning.pytorch import Trainer\nimport torch\n")
+    f.write_text("import torch.distributed as dist\nfrom lightning.pytorch import Trainer\nimport torch\n"
+                 "from torch import distributed\n")
     names = _imports(f)
-    assert [n for n in names if not _allowed_in_algorithms(n)] == ["torch.distributed", "lightning.pytorch"]
-    assert [n for n in names if not _allowed_in_comm(n)] == ["lightning.pytorch"]
+    assert [n for n in names if not _allowed_in_algorithms(n)] == [
+        "torch.distributed", "lightning.pytorch", "lightning.pytorch.Trainer", "torch.distributed"
+    ]
+    assert [n for n in names if not _allowed_in_comm(n)] == ["lightning.pytorch", "lightning.pytorch.Trainer"]

@@ -1,0 +1,335 @@
+"""1-bit sign voting (signSGD-MV, IT-signSGD, with Signum and EF-signSGD options) as a Lightning strategy.
+
+The strategy is :class:`~lightning_pdist.strategies.base.PdistStrategy` (DDP) whose default comm
+hook is :func:`~lightning_pdist.comm.sign_hooks.signsgd_mv_hook` or
+:func:`~lightning_pdist.comm.sign_hooks.it_signsgd_hook`, counted by the strategy's ``comm_meter``.
+Every rank gets the same voted sign ``U`` in its gradients and the user's optimizer applies it, so
+the replicas stay identical without any parameter traffic.
+
+Lifecycle (every rank): ``setup`` wraps the model in DDP and registers the hook with a fresh
+hook state; a resumed run then loads *its own* hook state from ``checkpoint["pdist"]``. Each
+backward pass is one vote (one round); ``pdist/comm_bytes`` is logged after every optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_pdist.algorithms.llr_vote import DEFAULT_MAX_WEIGHT, LLRConfig
+from lightning_pdist.algorithms.sign_simulator import AGGREGATIONS
+from lightning_pdist.comm.accounting import CommMeter
+from lightning_pdist.comm.sign_hooks import (
+    NONFINITE_POLICIES,
+    ITSignSGDState,
+    SignSGDState,
+    it_signsgd_hook,
+    signsgd_mv_hook,
+)
+from lightning_pdist.strategies.base import PdistStrategy
+
+__all__ = ["SignSGDConfig", "SignSGDStrategy"]
+
+# The options that only the LLR vote reads, with their defaults (a non-default one under "majority" warns).
+_LLR_DEFAULTS = {"warmup_rounds": 10, "estimator": "worker", "decay": 1.0, "max_weight": DEFAULT_MAX_WEIGHT,
+                 "negative_weights": False}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SignSGDConfig:
+    """The settings of :class:`SignSGDStrategy`; checks itself on construction.
+
+    See :class:`SignSGDStrategy` for each field; ``owner`` names the class in error messages.
+    """
+
+    aggregation: str = "majority"
+    warmup_rounds: int = 10
+    estimator: str = "worker"
+    decay: float = 1.0
+    max_weight: float = DEFAULT_MAX_WEIGHT
+    negative_weights: bool = False
+    momentum: float = 0.0
+    error_feedback: bool = False
+    nonfinite: str = "raise"
+    owner: str = "SignSGDConfig"
+
+    def __post_init__(self) -> None:
+        owner = self.owner
+        if self.aggregation not in AGGREGATIONS:
+            choices = ", ".join(repr(a) for a in AGGREGATIONS)
+            raise ValueError(f"{owner}(aggregation={self.aggregation!r}): aggregation must be one of {choices}")
+        self.llr_config()  # checks warmup_rounds, estimator, decay, max_weight, also under "majority"
+        if isinstance(self.momentum, bool) or not isinstance(self.momentum, (int, float)):
+            raise TypeError(f"{owner}(momentum={self.momentum!r}): momentum must be a float")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"{owner}(momentum={self.momentum}): momentum (Signum's beta) must be in [0, 1)")
+        for name in ("error_feedback", "negative_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{owner}({name}={getattr(self, name)!r}): {name} must be a bool")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            choices = ", ".join(repr(p) for p in NONFINITE_POLICIES)
+            raise ValueError(f"{owner}(nonfinite={self.nonfinite!r}): nonfinite must be one of {choices}")
+
+    def llr_config(self) -> LLRConfig:
+        """The LLR vote's settings (validated even when ``aggregation="majority"`` ignores them)."""
+        return LLRConfig(
+            warmup_rounds=self.warmup_rounds,
+            estimator=self.estimator,
+            decay=self.decay,
+            max_weight=self.max_weight,
+            negative_weights=self.negative_weights,
+            owner=self.owner,
+        )
+
+    def ignored_llr_options(self) -> list[str]:
+        """LLR-only options set to non-default values under ``aggregation="majority"`` (``name=value``)."""
+        if self.aggregation == "llr":
+            return []
+        changed = []
+        for name, default in _LLR_DEFAULTS.items():
+            value = getattr(self, name)
+            same = math.isclose(value, default) if isinstance(default, float) else value == default
+            if not same:
+                changed.append(f"{name}={value!r}")
+        return changed
+
+    def make_hook(self, meter: CommMeter | None) -> tuple[SignSGDState, Callable]:
+        """A fresh hook state (counted by ``meter``) and the hook that goes with it."""
+        common = dict(meter=meter, momentum=float(self.momentum), error_feedback=self.error_feedback,
+                      nonfinite=self.nonfinite)  # fmt: skip
+        if self.aggregation == "majority":
+            return SignSGDState(**common), signsgd_mv_hook
+        llr = {name: getattr(self, name) for name in _LLR_DEFAULTS}
+        return ITSignSGDState(**common, **llr), it_signsgd_hook
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "owner"}
+
+
+class SignSGDStrategy(PdistStrategy):
+    """Sign voting: every rank sends one bit per coordinate and applies the voted sign ``U``.
+
+    Update rule, with ``M`` ranks, ``Y_m = sign(v_m)`` the sign of rank ``m``'s vector ``v_m``
+    (its gradient; Signum's momentum with ``momentum > 0``; ``g + e`` with ``error_feedback``)::
+
+        signSGD-MV   U_n = sign(Σ_m Y_{m,n})                        (Bernstein et al., ICLR 2019)
+        IT-signSGD   U_n = sign(Σ_m w_{m,n} Y_{m,n}),  w = log((1 − p)/p)     (paper 004, eqs. 3–4)
+        every rank   x ← x − δ·U   with torch.optim.SGD(lr=δ, momentum=0)     (eq. 5)
+
+    ``sign(0) = +1`` and ties vote ``+1``. IT-signSGD takes the plain majority for the first
+    ``warmup_rounds`` rounds, then weighs each worker by the log-likelihood ratio of its
+    estimated disagreement rate ``p`` with the vote (the Chair–Varshney fusion rule);
+    :mod:`lightning_pdist.algorithms.llr_vote` has the estimators and every choice. Transport and
+    bytes: :mod:`lightning_pdist.comm.sign_hooks` (about ``d/8`` bytes per direction per rank,
+    :func:`~lightning_pdist.comm.sign_hooks.sign_hook_bytes`, 32× less than an fp32 all-reduce).
+
+    Registered names: ``"signsgd_mv"`` (``aggregation="majority"``) and ``"it_signsgd"``
+    (``aggregation="llr"``), each with ``_fork`` and ``_spawn`` variants.
+
+    **The optimizer applies the vote.** The hook replaces each rank's gradient by ``U`` (``±1``)
+    before the optimizer runs, so:
+
+    * ``SGD(lr=δ)`` is the paper's step ``x ← x − δ·U``: ``lr`` *is* the sign step size ``δ``,
+      typically 1e-4 … 5e-3, far below SGD's usual learning rate (every coordinate moves by ``δ``).
+    * ``weight_decay=λ`` is added by the optimizer *after* the vote to the ``±1`` gradient:
+      ``x ← x − δ·(U + λ·x)``. It is not voted on and costs no bits; scale ``λ`` against 1, not
+      against the gradient's magnitude.
+    * The optimizer's ``momentum`` accumulates *voted* signs (server-side momentum on ``U``), a
+      different algorithm from Signum, whose momentum each worker applies *before* its sign
+      (this strategy's ``momentum``). Leave the optimizer's momentum at 0 for the papers' methods.
+    * Adaptive optimizers (Adam) rescale ``U`` per coordinate; that is sign-Adam, not signSGD.
+    * With ``error_feedback=True`` the result is the scaled vote ``s̄·U`` in gradient units
+      (EF-signSGD, Karimireddy et al. 2019); use SGD's usual learning rate then, not ``δ``.
+
+    Decisions a user meets:
+
+    * **One optimizer.** Every backward pass votes on the whole model and counts one round; with
+      several optimizers (alternating backward passes, as in GANs) the parameters outside the
+      current loss would vote ``sign(0) = +1`` and corrupt the statistics, so setup refuses them.
+    * **Manual optimization** works (with one optimizer): the vote happens in ``manual_backward``.
+    * **Gradient accumulation** works and votes once per optimizer step: DDP's ``no_sync`` skips
+      the hook on accumulating batches, and the last backward votes on the accumulated gradient,
+      i.e. signSGD with a ``k``-times larger batch (one round per optimizer step).
+    * **Precision.** ``32``, ``bf16-mixed``, ``16-true`` and ``bf16-true`` work (signs ignore
+      precision; half-precision buckets come back in their dtype). ``16-mixed`` with a
+      ``GradScaler`` is refused: the scaler would divide the voted ``±1`` by its loss scale, and
+      the overflows it expects would stop training under ``nonfinite="raise"``.
+    * **One rank** works and warns: the update is ``δ·sign(grad)`` (signSGD), nothing is sent.
+    * **Non-finite gradients** raise on every rank at once (``nonfinite="raise"``), or give every
+      rank a NaN gradient for that step (``"propagate"``). Nothing here skips that optimizer step,
+      so with ``"propagate"`` your code must (plain SGD would write NaN into the parameters).
+    * **Checkpoints** hold every rank's hook state (LLR statistics, EF residual, Signum momentum,
+      round counters), gathered into ``checkpoint["pdist"]["hook_states"]``; a resumed run with
+      the same world size restores its own, so it continues exactly. The model in ``state_dict``
+      is the model every rank holds.
+
+    Args:
+        aggregation: ``"majority"`` (signSGD-MV, default) or ``"llr"`` (IT-signSGD).
+        warmup_rounds: IT-signSGD's rounds of plain majority vote before the weights apply
+            (statistics are collected from the first round). Default 10; the pooled estimators
+            need only a few, ``"coordinate"`` a few tens.
+        estimator: how ``p`` is pooled: ``"worker"`` (default: one ``p`` per worker and DDP
+            bucket; thousands of observations per round, and in the heterogeneous-batch setting
+            the error rate belongs to the worker), ``"tensor"`` (per parameter tensor) or
+            ``"coordinate"`` (the paper's eq. 4; noisy for many rounds).
+        decay: ``1.0`` for eq. 4's running fraction; ``< 1`` for an exponential moving average
+            (``0.99`` ≈ the last 100 rounds) when worker quality drifts.
+        max_weight: bound on ``|w|`` (default ``log 99``: ``p`` held in ``[0.01, 0.99]``).
+        negative_weights: allow ``w < 0`` (the exact Chair–Varshney rule inverts workers that are
+            wrong more often than not); default False ignores them instead.
+        momentum: Signum's ``β`` in ``[0, 1)``, applied on each worker *before* the sign
+            (``m ← β·m + (1 − β)·g``). Default 0 (plain signSGD); ``0.9`` is the papers' value.
+        error_feedback: EF-signSGD (scaled signs plus a local residual).
+        nonfinite: ``"raise"`` (default) or ``"propagate"``.
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`; the comm-hook
+            arguments must be left unset (this strategy owns gradient communication).
+
+    Example::
+
+        Trainer(accelerator="cpu", devices=2, strategy="it_signsgd")
+        Trainer(accelerator="cpu", devices=2, strategy=SignSGDStrategy("llr", warmup_rounds=5, estimator="tensor"))
+    """
+
+    strategy_name = "signsgd_mv"
+
+    def __init__(
+        self,
+        aggregation: str = "majority",
+        warmup_rounds: int = 10,
+        estimator: str = "worker",
+        decay: float = 1.0,
+        max_weight: float = DEFAULT_MAX_WEIGHT,
+        negative_weights: bool = False,
+        momentum: float = 0.0,
+        error_feedback: bool = False,
+        nonfinite: str = "raise",
+        **kwargs: Any,
+    ) -> None:
+        owner = type(self).__name__
+        for name in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
+            if kwargs.get(name) is not None:
+                raise ValueError(
+                    f"{owner}({name}={kwargs[name]!r}): {owner} owns gradient communication (the sign vote); "
+                    f"{name} must be left unset"
+                )
+        self.config = SignSGDConfig(
+            aggregation=aggregation,
+            warmup_rounds=warmup_rounds,
+            estimator=estimator,
+            decay=decay,
+            max_weight=max_weight,
+            negative_weights=negative_weights,
+            momentum=momentum,
+            error_feedback=error_feedback,
+            nonfinite=nonfinite,
+            owner=owner,
+        )
+        ignored = self.config.ignored_llr_options()
+        if ignored:
+            rank_zero_warn(
+                f"{owner}(aggregation='majority', {', '.join(ignored)}): these options belong to the LLR vote "
+                "(aggregation='llr') and are ignored by the majority vote."
+            )
+        super().__init__(**kwargs)
+        self.hook_state: SignSGDState | None = None
+
+    @property
+    def aggregation(self) -> str:
+        return self.config.aggregation
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        names = {"signsgd_mv": ("majority", "signSGD with majority vote"), "it_signsgd": ("llr", "IT-signSGD")}
+        for name, (aggregation, description) in names.items():
+            description = f"{description}: 1-bit sign voting (SignSGDStrategy(aggregation={aggregation!r}))"
+            strategy_registry.register(name, cls, description=description, aggregation=aggregation, override=True)
+            for start_method in ("fork", "spawn"):
+                strategy_registry.register(
+                    f"{name}_{start_method}",
+                    cls,
+                    description=f"{name} with the {start_method} start method",
+                    aggregation=aggregation,
+                    start_method=start_method,
+                    override=True,
+                )
+
+    # ------------------------------------------------------------------ comm hook
+    @override
+    def _default_comm_hook(self) -> tuple[object, Callable]:
+        # A fresh state per DDP model, built before its first backward (so its canonical bucket layout is DDP's
+        # initial one); a resumed run loads its saved state into it in load_pdist_state_dict.
+        self.hook_state, hook = self.config.make_hook(self.comm_meter)
+        return self.hook_state, hook
+
+    # ------------------------------------------------------------------ lifecycle
+    @override
+    def setup_algorithm(self) -> None:
+        owner = type(self).__name__
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"{owner}: configure_optimizers returned {len(self.optimizers)} optimizers; {owner} supports exactly "
+                "one, because every backward pass votes on the whole model (parameters outside the current loss "
+                "would vote sign(0) = +1) and counts one round"
+            )
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:
+            precision = getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__)
+            raise ValueError(
+                f"{owner}(precision={precision!r}): a gradient scaler ({type(scaler).__name__}) would divide the "
+                "voted ±1 by its loss scale (a step of lr/scale) and its expected overflows would stop the vote; "
+                "use precision '32', 'bf16-mixed', '16-true' or 'bf16-true'"
+            )
+        _, world_size = self.rank_world
+        if world_size == 1:
+            rank_zero_warn(
+                f"{owner}: world_size == 1, so there is no vote; each step applies lr * sign(grad) (signSGD"
+                f"{' with error feedback' if self.config.error_feedback else ''}) and sends nothing."
+            )
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def pdist_state_dict(self) -> dict:
+        state = super().pdist_state_dict()
+        state["config"] = self.config.as_dict()
+        if self.hook_state is None:  # the same on every rank: no model was wrapped for training
+            state["hook_states"] = None
+            return state
+        own = self.hook_state.state_dict()
+        _, world_size = self.rank_world
+        if world_size > 1:
+            # Collective: save_checkpoint runs on every rank. Each rank holds different buffers (its residual,
+            # its momentum, its slice of per-coordinate statistics), so all of them are kept.
+            hook_states: list[Any] = [None] * world_size
+            dist.all_gather_object(hook_states, own)
+        else:
+            hook_states = [own]
+        state["hook_states"] = hook_states
+        return state
+
+    @override
+    def load_pdist_state_dict(self, state: dict) -> None:
+        super().load_pdist_state_dict(state)
+        owner = type(self).__name__
+        hook_states = state.get("hook_states")
+        rank, world_size = self.rank_world
+        if self.hook_state is None:
+            return
+        if hook_states is None:
+            rank_zero_warn(
+                f"{owner}: the checkpoint holds no sign-vote state (saved by {state.get('strategy')!r}); the vote "
+                "statistics, residuals and momentum start from zero."
+            )
+            return
+        if len(hook_states) != world_size:
+            rank_zero_warn(
+                f"{owner}: the checkpoint holds the sign-vote state of {len(hook_states)} ranks but world_size is "
+                f"{world_size}; the vote statistics, residuals and momentum start from zero."
+            )
+            return
+        self.hook_state.load_state_dict(hook_states[rank])
