@@ -14,6 +14,7 @@ Lightning) inside its functions: ``--help`` imports every suite module.
 
 SUITES: dict[str, str] = {
     "averaging": "lightning_pdist.bench.averaging",
+    "sign": "lightning_pdist.bench.sign",
 }
 
 __all__ = ["SUITES"]
