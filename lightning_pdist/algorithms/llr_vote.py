@@ -78,7 +78,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_pdist.algorithms.sign import binary_sign, majority_vote
+from lightning_pdist.algorithms.sign import binary_sign, majority_vote, sign_patterns, vote_table
 
 __all__ = [
     "DEFAULT_MAX_WEIGHT",
@@ -92,6 +92,7 @@ __all__ = [
     "llr_vote",
     "llr_weights",
     "observations_per_round",
+    "pooled_vote_tables",
     "vote_weights",
     "weighted_vote",
 ]
@@ -296,6 +297,16 @@ def observations_per_round(estimator: str, lengths: Sequence[int]) -> Tensor | f
     return torch.tensor([float(sum(lengths))], dtype=torch.float64)
 
 
+def _state_weights(state: LLRState, config: LLRConfig) -> Tensor:
+    """``w`` of every column of the state, fp32: ``(M, n)`` (coordinate) or ``(M, G)`` (pooled)."""
+    return llr_weights(
+        state.disagreements,
+        state.observations,
+        max_weight=config.max_weight,
+        negative_weights=config.negative_weights,
+    ).to(torch.float32)
+
+
 def vote_weights(state: LLRState, config: LLRConfig, columns: Tensor | None = None) -> Tensor:
     """The weights ``w`` for the coordinates the state covers, as ``(M, n)`` or ``(M, 1)`` fp32.
 
@@ -305,12 +316,7 @@ def vote_weights(state: LLRState, config: LLRConfig, columns: Tensor | None = No
         columns: for the ``tensor`` estimator, each coordinate's tensor index
             (:func:`column_ids`).
     """
-    w = llr_weights(
-        state.disagreements,
-        state.observations,
-        max_weight=config.max_weight,
-        negative_weights=config.negative_weights,
-    ).to(torch.float32)
+    w = _state_weights(state, config)
     if state.estimator == "tensor":
         if columns is None:
             raise ValueError("vote_weights(columns=None): the 'tensor' estimator needs each coordinate's tensor index")
@@ -336,6 +342,34 @@ def llr_vote(
         return majority_vote(signs), None
     w = vote_weights(state, config, columns)
     return weighted_vote(signs, w), w
+
+
+def pooled_vote_tables(state: LLRState, config: LLRConfig) -> Tensor:
+    """:func:`llr_vote` of each pooled group as a truth table over the ``2^M`` sign patterns.
+
+    With a pooled estimator every coordinate of group ``j`` (a tensor, or the whole bucket) votes
+    with the same weights ``w_{:,j}``, so its ``U`` depends only on its ``M`` signs; row ``j`` holds
+    ``U > 0`` for each pattern (:func:`~lightning_pdist.algorithms.sign.sign_patterns`), computed by
+    :func:`weighted_vote` itself (or the majority vote during the warm-up), hence bit-identical to
+    voting coordinate by coordinate. Cost ``O(G · M · 2^M)``, independent of ``d``.
+
+    Args:
+        state: pooled statistics (``tensor`` or ``worker``).
+        config: warm-up and clipping.
+
+    Returns:
+        ``(G, 2^M)`` bool.
+    """
+    if state.estimator == "coordinate":
+        raise ValueError("pooled_vote_tables(state.estimator='coordinate'): per-coordinate weights have no table")
+    num_workers, num_groups = state.disagreements.shape
+    if state.rounds < config.warmup_rounds:
+        return vote_table(num_workers).expand(num_groups, -1)
+    w = _state_weights(state, config)  # (M, G)
+    size = 2**num_workers
+    # Group j's patterns are columns j·2^M … (j+1)·2^M − 1: one weighted_vote call for all groups.
+    patterns = sign_patterns(num_workers).repeat(1, num_groups)  # (M, G·2^M)
+    return (weighted_vote(patterns, w.repeat_interleave(size, dim=1)) > 0).view(num_groups, size)
 
 
 def disagreement_counts(

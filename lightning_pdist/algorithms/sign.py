@@ -49,7 +49,9 @@ __all__ = [
     "ef_sign_compress",
     "majority_vote",
     "segment_l1_mean",
+    "sign_patterns",
     "signum_momentum",
+    "vote_table",
     "worker_vote",
 ]
 
@@ -82,6 +84,33 @@ def majority_vote(signs: Tensor) -> Tensor:
     # Exact: |Σ| <= M. int16 sums twice as fast as int32 and holds up to 32767 workers.
     total = signs.sum(0, dtype=torch.int16 if signs.shape[0] < 2**15 else torch.int32)
     return binary_sign(total)
+
+
+def sign_patterns(num_workers: int) -> Tensor:
+    """Every combination of ``M`` workers' signs: ``(M, 2^M)`` ``int8``, ``Y_{m,p} = +1`` iff bit ``m`` of ``p`` is set."""
+    if not 1 <= num_workers <= 24:
+        raise ValueError(f"sign_patterns(num_workers={num_workers}): num_workers must be in [1, 24] (2^M columns)")
+    p = torch.arange(2**num_workers)
+    bits = (p >> torch.arange(num_workers).unsqueeze(1)) & 1  # (M, 2^M)
+    return bits.to(torch.int8).mul_(2).sub_(1)
+
+
+def vote_table(num_workers: int, vote=majority_vote) -> Tensor:
+    """A vote as a truth table: entry ``p`` is True iff ``vote`` gives ``+1`` for sign pattern ``p``.
+
+    A vote whose rule is the same for every coordinate (the majority vote, or the LLR vote with
+    weights pooled over a tensor or a worker) depends on a coordinate only through its ``M``
+    signs, so the table of its ``2^M`` outcomes, computed by the vote itself, equals it to the bit
+    on any input. :func:`~lightning_pdist.comm.bits.truth_table_bits` applies it to packed signs.
+
+    Args:
+        num_workers: ``M``.
+        vote: ``(M, n)`` ±1 → ``(n,)`` ±1, column by column (default :func:`majority_vote`).
+
+    Returns:
+        ``(2^M,)`` bool, indexed as :func:`sign_patterns`.
+    """
+    return vote(sign_patterns(num_workers)) > 0
 
 
 def signum_momentum(momentum: Tensor, grad: Tensor, beta: float) -> Tensor:

@@ -13,11 +13,24 @@ passes over ``n/8`` bytes. ``python -m lightning_pdist.comm.bits`` times both.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["majority_bits", "pack_bits", "pack_signs", "packed_numel", "unpack_bits", "unpack_signs", "vote_counts"]
+__all__ = [
+    "count_ones",
+    "majority_bits",
+    "mask_bits_",
+    "pack_bits",
+    "pack_signs",
+    "packed_numel",
+    "truth_table_bits",
+    "unpack_bits",
+    "unpack_signs",
+    "vote_counts",
+]
 
 _SHIFTS = (7, 6, 5, 4, 3, 2, 1, 0)
 
@@ -97,8 +110,9 @@ def pack_signs(x: Tensor) -> Tensor:
 
 def unpack_signs(packed: Tensor, n: int, dtype: torch.dtype = torch.int8) -> Tensor:
     """Unpack to ``±1`` of ``dtype``: ``(..., B)`` ``uint8`` → ``(..., n)``."""
-    bits = unpack_bits(packed, n)
-    return bits.to(dtype) * 2 - 1
+    bits = unpack_bits(packed, n)  # fresh memory, so the arithmetic below may run in place
+    signs = bits.view(torch.int8) if dtype == torch.int8 else bits.to(dtype)
+    return signs.mul_(2).sub_(1)  # in place: half the time of bits.to(dtype) * 2 - 1
 
 
 def vote_counts(packed: Tensor, n: int) -> Tensor:
@@ -136,6 +150,97 @@ def majority_bits(packed: Tensor, n: int) -> Tensor:
     num_workers = packed.shape[0]
     # count >= ceil(M/2) instead of 2·count >= M: no doubling, so no uint8 overflow.
     return vote_counts(packed, n) >= (num_workers + 1) // 2
+
+
+def mask_bits_(packed: Tensor, start: int, stop: int) -> Tensor:
+    """Zero, in place, every bit of each row outside coordinates ``start … stop−1``; return ``packed``.
+
+    Args:
+        packed: ``(..., B)`` ``uint8``.
+        start: first coordinate kept, ``0 <= start <= stop``.
+        stop: one past the last coordinate kept, ``<= 8·B``.
+    """
+    if not 0 <= start <= stop <= 8 * packed.shape[-1]:
+        raise ValueError(f"mask_bits_(start={start}, stop={stop}): need 0 <= start <= stop <= 8 * {packed.shape[-1]}")
+    first, last = start // 8, stop // 8  # the bytes holding coordinates start and stop
+    packed[..., :first] = 0
+    if start % 8:
+        packed[..., first] &= 0xFF >> (start % 8)  # MSB first: coordinate 8i + j is bit 7 − j
+    if last < packed.shape[-1]:
+        if stop % 8:
+            packed[..., last] &= (0xFF << (8 - stop % 8)) & 0xFF
+            last += 1
+        packed[..., last:] = 0
+    return packed
+
+
+# Set bits of every byte value, for popcount by table lookup where numpy (< 2.0) has no bitwise_count.
+_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
+
+
+def count_ones(packed: Tensor) -> Tensor:
+    """Set bits of each row of a packed tensor: ``(..., B)`` ``uint8`` → ``(...,)`` ``int64``."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"count_ones(packed.dtype={packed.dtype}): packed must be a uint8 tensor")
+    if packed.device.type != "cpu":
+        table = torch.from_numpy(_POPCOUNT).to(packed.device)
+        return table[packed.long()].sum(-1, dtype=torch.int64)
+    array = packed.detach().numpy()
+    # numpy >= 2.0's bitwise_count is a SIMD popcount, 7x faster than the table lookup.
+    ones = np.bitwise_count(array) if hasattr(np, "bitwise_count") else _POPCOUNT[array]
+    return torch.from_numpy(ones.sum(-1, dtype=np.int64))
+
+
+def truth_table_bits(rows: Tensor, table: Sequence[bool]) -> Tensor:
+    """Apply a boolean function of the ``M`` rows bit by bit, on the packed bytes.
+
+    Output bit ``n`` is ``table[p]`` with ``p = Σ_m bit_{m,n}·2^m`` (row ``m`` is bit ``m`` of the
+    pattern index). Any per-coordinate vote whose weights do not vary within the rows, the
+    majority vote and the LLR vote with pooled weights alike, is such a function of ``M`` bits,
+    and evaluating it on packed bytes does ``O(B)`` byte operations per table node instead of
+    unpacking ``M·8B`` bytes: about 30x less work for ``M = 2``.
+
+    The function is evaluated by Shannon expansion on the highest row,
+    ``f = (row & f|row=1) | (~row & f|row=0)``, recursively. Constant sub-tables cost nothing, and
+    equal sub-tables are computed once (``memo``), which keeps threshold functions (every vote) at
+    a few operations per row: the majority of two rows is ``row0 | row1``.
+
+    Args:
+        rows: ``(M, B)`` ``uint8``.
+        table: ``2^M`` booleans (e.g. from :func:`~lightning_pdist.algorithms.sign.vote_table`).
+
+    Returns:
+        ``(B,)`` ``uint8`` (a new tensor; padding bits are computed like any other, mask them with
+        :func:`mask_bits_`).
+    """
+    num_rows, num_bytes = rows.shape
+    table = tuple(bool(v) for v in table)
+    if len(table) != 2**num_rows:
+        raise ValueError(f"truth_table_bits(len(table)={len(table)}): need 2**M = {2**num_rows} entries for M rows")
+    memo: dict[tuple[bool, ...], Tensor | int] = {}
+    ZEROS, ONES = 0x00, 0xFF  # constant sub-functions stay Python ints: no tensor work for them
+
+    def expand(sub: tuple[bool, ...]) -> Tensor | int:
+        if all(sub) or not any(sub):
+            return ONES if sub[0] else ZEROS
+        if sub not in memo:
+            half = len(sub) // 2
+            row = rows[half.bit_length() - 1]  # a sub-table of 2^k entries depends on rows 0 … k−1; split on k−1
+            low, high = expand(sub[:half]), expand(sub[half:])
+            if isinstance(high, int) and isinstance(low, int):  # (ONES, ZEROS): the other pair is constant
+                memo[sub] = row if high == ONES else ~row
+            elif isinstance(high, int):
+                memo[sub] = row | low if high == ONES else ~row & low
+            elif isinstance(low, int):
+                memo[sub] = row & high if low == ZEROS else ~row | high
+            else:
+                memo[sub] = (row & high) | (~row & low)
+        return memo[sub]
+
+    out = expand(table)
+    if isinstance(out, int):
+        return torch.full((num_bytes,), out, dtype=torch.uint8, device=rows.device)
+    return out.clone() if out._base is not None else out  # a row itself (f = row) is a view of rows
 
 
 def _benchmark(numel: int = 4 * 1024 * 1024, repeats: int = 10) -> dict[str, float]:

@@ -96,10 +96,20 @@ from lightning_pdist.algorithms.llr_vote import (
     llr_observe_,
     llr_vote,
     observations_per_round,
+    pooled_vote_tables,
 )
-from lightning_pdist.algorithms.sign import ef_scaled_vote, worker_vote
+from lightning_pdist.algorithms.sign import ef_scaled_vote, vote_table, worker_vote
 from lightning_pdist.comm.accounting import CommMeter, all_gather_bytes, all_to_all_bytes
-from lightning_pdist.comm.bits import majority_bits, pack_bits, pack_signs, packed_numel, unpack_bits, unpack_signs
+from lightning_pdist.comm.bits import (
+    count_ones,
+    majority_bits,
+    mask_bits_,
+    pack_bits,
+    pack_signs,
+    packed_numel,
+    truth_table_bits,
+    unpack_signs,
+)
 
 __all__ = [
     "NONFINITE_POLICIES",
@@ -413,30 +423,82 @@ def _worker_message(state: SignSGDState, entry: SignBucketState, buffer: Tensor,
     return send, header_bytes.numel(), vote
 
 
+# Votes on up to this many workers run on the packed bytes through a truth table of their 2^M outcomes; the table
+# and its evaluation grow as 2^M, so larger groups unpack the signs (M·n bytes per slice, the same O(d) per rank).
+MAX_TABLE_WORKERS = 12
+
+
+def _slice_segments(state: SignSGDState, lengths: tuple[int, ...], start: int, stop: int) -> list[tuple[int, int, int]]:
+    """``(group, first, stop)`` for each run of the slice's coordinates that shares one vote rule, slice-relative.
+
+    The ``tensor`` estimator's groups are the bucket's tensors; every other vote has one group.
+    """
+    if state.llr is None or state.llr.estimator != "tensor":
+        return [(0, 0, stop - start)]
+    segments, offset = [], 0
+    for j, length in enumerate(lengths):
+        a, b = max(offset, start), min(offset + length, stop)
+        if a < b:
+            segments.append((j, a - start, b - start))
+        offset += length
+    return segments
+
+
 def _vote_on_slice(
     state: SignSGDState, entry: SignBucketState, rows: Tensor, start: int, stop: int, world_size: int
 ) -> tuple[Tensor, Tensor]:
     """Aggregate this rank's slice from every worker's bits ``rows`` (M, C).
 
-    Returns the vote as bits ``(stop − start,)`` and the bytes of this slice's disagreement counts
-    (pooled LLR estimators only; empty otherwise), which travel with the all-gather.
+    Returns the packed vote ``(C,)`` ``uint8`` (bits past the slice's ``stop − start`` coordinates are 0)
+    and the bytes of this slice's disagreement counts (pooled LLR estimators only; empty otherwise),
+    which travel with the all-gather.
     """
     llr, lengths, n_local = state.llr, entry.lengths, stop - start
-    no_counts = torch.zeros(0, dtype=torch.uint8, device=rows.device)
-    if llr is None:
-        return majority_bits(rows, n_local), no_counts
-    signs = unpack_signs(rows, n_local)  # (M, n_local) int8 ±1
-    if entry.llr is None:
+    if llr is not None and entry.llr is None:
         columns = {"coordinate": n_local, "tensor": len(lengths), "worker": 1}[llr.estimator]
         entry.llr = LLRState.zeros(llr.estimator, world_size, columns)
+    if world_size > MAX_TABLE_WORKERS or (llr is not None and llr.estimator == "coordinate"):
+        return _vote_on_unpacked_slice(state, entry, rows, start, stop, world_size)
+    # One vote rule per segment (majority, or LLR with pooled weights): a truth table applied to the packed bytes.
+    tables = vote_table(world_size).unsqueeze(0) if llr is None else pooled_vote_tables(entry.llr, llr)  # (G, 2^M)
+    segments = _slice_segments(state, lengths, start, stop)
+    vote = torch.zeros(rows.shape[1], dtype=torch.uint8, device=rows.device)  # (C,)
+    for group, a, b in segments:
+        first, last = a // 8, packed_numel(b)  # bytes holding the segment; the end bytes may be shared
+        part = truth_table_bits(rows[:, first:last], tables[group].tolist())
+        vote[first:last] |= mask_bits_(part, a - 8 * first, b - 8 * first)
+    if llr is None:
+        return vote, torch.zeros(0, dtype=torch.uint8, device=rows.device)
+    # 1[Y ≠ U] is the XOR of the packed bits; its set bits per segment are the disagreement counts.
+    differs = rows ^ vote  # (M, C)
+    counts = torch.zeros(world_size, entry.llr.disagreements.shape[1], dtype=torch.int64, device=rows.device)
+    for group, a, b in segments:
+        first, last = a // 8, packed_numel(b)
+        counts[:, group] = count_ones(mask_bits_(differs[:, first:last].clone(), a - 8 * first, b - 8 * first))
+    return vote, counts.to(torch.int32).view(torch.uint8).reshape(-1)  # (M·G·4,): summed over slices later
+
+
+def _vote_on_unpacked_slice(
+    state: SignSGDState, entry: SignBucketState, rows: Tensor, start: int, stop: int, world_size: int
+) -> tuple[Tensor, Tensor]:
+    """:func:`_vote_on_slice` on unpacked signs: per-coordinate LLR weights, or more than MAX_TABLE_WORKERS."""
+    llr, lengths, n_local = state.llr, entry.lengths, stop - start
+    no_counts = torch.zeros(0, dtype=torch.uint8, device=rows.device)
+
+    def packed(bits: Tensor) -> Tensor:
+        return F.pad(pack_bits(bits), (0, rows.shape[1] - packed_numel(n_local)))  # (C,)
+
+    if llr is None:
+        return packed(majority_bits(rows, n_local)), no_counts
+    signs = unpack_signs(rows, n_local)  # (M, n_local) int8 ±1
     if llr.estimator == "tensor" and entry.columns is None:
         entry.columns = column_ids(lengths, start, stop)  # (n_local,)
     u, _ = llr_vote(signs, entry.llr, llr, entry.columns)
     counts = disagreement_counts(signs, u, llr.estimator, entry.columns, len(lengths))
     if llr.estimator == "coordinate":
         llr_observe_(entry.llr, counts, 1.0, llr.decay)
-        return u > 0, no_counts
-    return u > 0, counts.to(torch.int32).view(torch.uint8).reshape(-1)  # (M·G·4,): summed over slices later
+        return packed(u > 0), no_counts
+    return packed(u > 0), counts.to(torch.int32).view(torch.uint8).reshape(-1)  # (M·G·4,): summed over slices later
 
 
 def _sign_hook(state: SignSGDState, bucket: dist.GradBucket, hook: str) -> torch.futures.Future[torch.Tensor]:
@@ -482,8 +544,8 @@ def _sign_hook(state: SignSGDState, bucket: dist.GradBucket, hook: str) -> torch
     entry.momentum, entry.residual = vote.momentum, vote.residual  # every rank's round is valid: commit
 
     # 2. vote on this rank's slice.
-    vote_bits, counts_bytes = _vote_on_slice(state, entry, recv[:, header_size:], start, stop, world_size)
-    payload = torch.cat([F.pad(pack_bits(vote_bits), (0, chunk - packed_numel(stop - start))), counts_bytes])
+    vote_bytes, counts_bytes = _vote_on_slice(state, entry, recv[:, header_size:], start, stop, world_size)
+    payload = torch.cat([vote_bytes, counts_bytes])  # (C + G,)
     entry.rounds += 1
 
     # 3. all-gather: row r of gathered is rank r's packed vote (and its disagreement counts).
@@ -494,14 +556,11 @@ def _sign_hook(state: SignSGDState, bucket: dist.GradBucket, hook: str) -> torch
         if state.meter is not None:
             state.meter.add("sign_all_gather", all_gather_bytes(payload.numel(), world_size))
     gathered = gathered.view(world_size, -1)  # (M, C + G)
-    bits = unpack_bits(gathered[:, :chunk], 8 * chunk).reshape(-1)[:numel]  # (d,)
+    voted = unpack_signs(gathered[:, :chunk], 8 * chunk).reshape(-1)[:numel]  # (d,) int8 ±1: U
     if llr is not None and llr.estimator != "coordinate":
         counts = _reinterpret(gathered[:, chunk:], torch.int32).view(world_size, world_size, -1)  # (M slices, M, G)
         llr_observe_(entry.llr, counts.sum(0), observations_per_round(llr.estimator, lengths), llr.decay)
-    if state.error_feedback:
-        result = ef_scaled_vote(bits.to(torch.int8) * 2 - 1, headers[:, 1:].contiguous(), lengths)
-    else:
-        result = bits.to(torch.int8) * 2 - 1
+    result = ef_scaled_vote(voted, headers[:, 1:].contiguous(), lengths) if state.error_feedback else voted
     result = result.to(buffer.dtype)
     if order is not None:
         result = _permute(result, list(lengths), _inverse(order))

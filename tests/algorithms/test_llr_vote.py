@@ -229,3 +229,23 @@ def test_simulator_llr_equals_llr_round(estimator):
         vote, _ = llr_round_(torch.where(grads >= 0, 1, -1).to(torch.int8), state, config, lengths)
         assert torch.equal(sim.aggregate(grads, lengths), vote.float())
     assert torch.equal(sim.llr_state().disagreements, state.disagreements)
+
+
+@pytest.mark.parametrize("estimator", ["worker", "tensor"])
+def test_pooled_vote_tables_equal_the_vote_on_every_pattern(estimator):
+    """Each row of pooled_vote_tables is llr_vote of its group's weights on all 2^M sign patterns."""
+    from lightning_pdist.algorithms.llr_vote import pooled_vote_tables
+    from lightning_pdist.algorithms.sign import sign_patterns
+
+    groups = 1 if estimator == "worker" else 3
+    state = LLRState.zeros(estimator, 4, groups)
+    state.observations.fill_(100.0)
+    state.disagreements.copy_(torch.tensor([[1.0], [10.0], [30.0], [60.0]]).expand(4, groups))
+    config = LLRConfig(warmup_rounds=0, estimator=estimator)
+    tables = pooled_vote_tables(state, config)
+    patterns = sign_patterns(4)
+    for j in range(groups):
+        w = llr_weights(state.disagreements[:, j : j + 1], state.observations[j]).to(torch.float32)
+        assert torch.equal(tables[j], weighted_vote(patterns, w) > 0)
+    with pytest.raises(ValueError, match="coordinate"):
+        pooled_vote_tables(LLRState.zeros("coordinate", 2, 3), LLRConfig(estimator="coordinate"))

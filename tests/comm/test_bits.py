@@ -93,3 +93,32 @@ def test_vote_counts_rejects_1d():
     """vote_counts needs one packed row per worker."""
     with pytest.raises(ValueError, match=r"vote_counts\(packed.shape=\(4,\)\): packed must be a 2-D"):
         vote_counts(torch.zeros(4, dtype=torch.uint8), 32)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 5])
+def test_truth_table_bits_equals_unpacked_lookup(workers):
+    """Applying a truth table on packed bytes equals looking each coordinate's sign pattern up in it."""
+    from lightning_pdist.comm.bits import truth_table_bits
+
+    g = torch.Generator().manual_seed(workers)
+    rows = torch.randint(0, 256, (workers, 13), dtype=torch.uint8, generator=g)
+    for table in (torch.rand(2**workers, generator=g) > 0.5, torch.zeros(2**workers, dtype=torch.bool)):
+        bits = unpack_bits(rows, 8 * 13).to(torch.int64)  # (M, n)
+        pattern = (bits << torch.arange(workers).unsqueeze(1)).sum(0)
+        assert torch.equal(unpack_bits(truth_table_bits(rows, table.tolist()).unsqueeze(0), 104)[0], table[pattern])
+
+
+def test_mask_bits_and_count_ones():
+    """mask_bits_ keeps exactly coordinates start..stop-1; count_ones counts set bits per row."""
+    from lightning_pdist.comm.bits import count_ones, mask_bits_
+
+    packed = torch.full((2, 5), 0xFF, dtype=torch.uint8)
+    mask_bits_(packed, 3, 29)
+    expected = torch.zeros(2, 40, dtype=torch.bool)
+    expected[:, 3:29] = True
+    assert torch.equal(unpack_bits(packed, 40), expected)
+    assert count_ones(packed).tolist() == [26, 26]
+    with pytest.raises(ValueError, match="start <= stop"):
+        mask_bits_(packed, 5, 3)
+    with pytest.raises(TypeError, match="uint8"):
+        count_ones(packed.to(torch.int8))
