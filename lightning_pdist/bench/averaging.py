@@ -47,7 +47,14 @@ from pathlib import Path
 from typing import Any
 
 from lightning_pdist.bench.netns import EmulatedNetwork, LaunchError, launch_ranks, measure_link_rate, parse_rate
-from lightning_pdist.bench.report import check_rows, command_line, markdown_table, new_document, write_json
+from lightning_pdist.bench.report import (
+    check_rows,
+    command_line,
+    markdown_table,
+    new_document,
+    save_figure,
+    write_json,
+)
 from lightning_pdist.bench.worker import PERIODIC, STRATEGIES
 
 SUITE = "averaging"
@@ -814,11 +821,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "averagi
     ax_time.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 # -- command line -------------------------------------------------------------------------------

@@ -111,3 +111,22 @@ def markdown_table(
     ]
     lines += ["| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |" for r in body]
     return "\n".join(lines)
+
+
+def save_figure(fig: Any, path: str | Path, dpi: int) -> Path:
+    """Write a matplotlib figure to ``path`` (creating its folder) and close it; return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def check_spec_keys(spec: dict[str, Any], keys: Sequence[str], who: str) -> None:
+    """Raise ``ValueError`` naming ``who`` when ``spec`` lacks one of ``keys`` or has another key."""
+    missing = [k for k in keys if k not in spec]
+    unknown = sorted(set(spec) - set(keys))
+    if missing or unknown:
+        raise ValueError(f"{who} spec={spec!r}: missing keys {missing}, unknown keys {unknown}; keys are {tuple(keys)}")

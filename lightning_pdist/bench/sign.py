@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import command_line, markdown_table, new_document, write_json
+from lightning_pdist.bench.report import command_line, markdown_table, new_document, save_figure, write_json
 from lightning_pdist.bench.sign_repro import BATCH_MODES, DATASETS
 from lightning_pdist.bench.sign_worker import HOOKS
 
@@ -351,11 +351,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
         ax_t.legend(fontsize=7)
     fig.suptitle(f"sign suite, {doc['created']}", fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)
 
 
 # -- command line -------------------------------------------------------------------------------

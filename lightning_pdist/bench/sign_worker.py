@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning_pdist.bench.report import check_spec_keys
+
 HOOKS = ("fp32_allreduce", "fp16_compress", "powersgd", "signsgd_mv", "it_signsgd")
 SPEC_KEYS = ("hook", "world_size", "warmup_steps", "steps", "batch_size", "in_features", "hidden", "seed",
              "powersgd_rank", "it_warmup_rounds")  # fmt: skip
@@ -41,10 +43,7 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
     Raises:
         ValueError: a key is missing or unknown, or a value breaks its rule (the message says which).
     """
-    missing = [k for k in SPEC_KEYS if k not in spec]
-    unknown = sorted(set(spec) - set(SPEC_KEYS))
-    if missing or unknown:
-        raise ValueError(f"sign_worker spec={spec!r}: missing keys {missing}, unknown keys {unknown}")
+    check_spec_keys(spec, SPEC_KEYS, "sign_worker")
     if spec["hook"] not in HOOKS:
         raise ValueError(f"sign_worker spec(hook={spec['hook']!r}): hook must be one of {HOOKS}")
     for key in ("world_size", "steps", "batch_size", "in_features", "hidden", "powersgd_rank"):

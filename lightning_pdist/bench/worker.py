@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning_pdist.bench.report import check_spec_keys
+
 STRATEGIES = ("pdist_ddp", "local_sgd", "bmuf", "easgd", "simuparallel_sgd")
 PERIODIC = ("local_sgd", "bmuf", "easgd")
 SPEC_KEYS = ("strategy", "period", "world_size", "steps", "batch_size", "lr", "momentum", "width", "seed")
@@ -46,10 +48,7 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
     Raises:
         ValueError: a key is missing or unknown, or a value breaks its rule (the message says which).
     """
-    missing = [k for k in SPEC_KEYS if k not in spec]
-    unknown = sorted(set(spec) - set(SPEC_KEYS))
-    if missing or unknown:
-        raise ValueError(f"worker spec={spec!r}: missing keys {missing}, unknown keys {unknown}; keys are {SPEC_KEYS}")
+    check_spec_keys(spec, SPEC_KEYS, "worker")
     if spec["strategy"] not in STRATEGIES:
         raise ValueError(f"worker spec(strategy={spec['strategy']!r}): strategy must be one of {STRATEGIES}")
     period = spec["period"]
