@@ -14,9 +14,12 @@ from lightning_pdist.strategies import (
     SignSGDStrategy,
     SimuParallelSGDStrategy,
 )
+from lightning_pdist.strategies import ParameterServerStrategy
 
 __all__ = ["BMUFStrategy", "EASGDStrategy", "LocalSGDStrategy", "PdistStrategy", "SignSGDStrategy", "SimuParallelSGDStrategy"]
+__all__ += ["ParameterServerStrategy"]
 __version__ = "0.1.0"
 
 for _strategy in (PdistStrategy, LocalSGDStrategy, SimuParallelSGDStrategy, BMUFStrategy, EASGDStrategy, SignSGDStrategy):
     _strategy.register_strategies(StrategyRegistry)
+ParameterServerStrategy.register_strategies(StrategyRegistry)

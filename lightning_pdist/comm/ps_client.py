@@ -1,0 +1,168 @@
+"""Worker side of the parameter-server transport: one TCP connection per server, requests in parallel.
+
+Every failure names the server: a server that died closes its sockets, so the next request fails at once
+with ``ServerUnavailable("parameter server 1 at 127.0.0.1:40123 closed the connection ...")``; a server
+that hangs fails the request after ``timeout`` seconds. One thread per server sends and then receives, so
+a server that is answering another worker never waits on this one (no cycle of full socket buffers).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from torch import Tensor
+
+from lightning_pdist.comm.ps_wire import Kind, PeerClosed, bytes_to_tensor, recv_message, send_message
+
+__all__ = ["ParameterServerClient", "ServerConnection", "ServerError", "ServerUnavailable"]
+
+
+class ServerUnavailable(RuntimeError):
+    """A parameter server closed the connection, refused it, or did not answer in time."""
+
+
+class ServerError(RuntimeError):
+    """A parameter server answered a request with an error."""
+
+
+class ServerConnection:
+    """A connection to parameter server ``index`` at ``address`` (``"host:port"``)."""
+
+    def __init__(self, index: int, address: str, timeout: float = 300.0, connect_timeout: float = 30.0):
+        self.index = index
+        self.address = address
+        self.timeout = timeout
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        host, _, port = address.rpartition(":")
+        try:
+            self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=connect_timeout)
+        except OSError as err:
+            raise ServerUnavailable(f"parameter server {index} at {address}: cannot connect ({err})") from None
+        self.sock.settimeout(timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _where(self) -> str:
+        return f"parameter server {self.index} at {self.address}"
+
+    def send(self, kind: Kind, meta: dict | None = None, payload: Any = None) -> None:
+        try:
+            self.bytes_sent += send_message(self.sock, kind, meta, payload)
+        except OSError as err:
+            raise ServerUnavailable(f"{self._where()} is gone: sending {kind.name} failed ({err})") from None
+
+    def request(self, kind: Kind, meta: dict | None = None, payload: Any = None) -> tuple[dict, bytearray]:
+        """Send one request and wait for its reply: ``(meta, payload)``."""
+        self.send(kind, meta, payload)
+        try:
+            reply, meta_in, payload_in, nbytes = recv_message(self.sock)
+        except (PeerClosed, ConnectionResetError, BrokenPipeError):
+            raise ServerUnavailable(f"{self._where()} closed the connection (it exited or crashed) during {kind.name}") from None
+        except TimeoutError:
+            raise ServerUnavailable(f"{self._where()} did not answer {kind.name} within {self.timeout:g} s") from None
+        except (OSError, ValueError) as err:
+            raise ServerUnavailable(f"{self._where()} failed during {kind.name}: {err}") from None
+        self.bytes_received += nbytes
+        if reply == Kind.ERROR:
+            raise ServerError(f"{self._where()} refused {kind.name}: {meta_in.get('message', '?')}")
+        return meta_in, payload_in
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class ParameterServerClient:
+    """Connections from one worker to every server, and the exchanges a training step needs.
+
+    Args:
+        addresses: ``"host:port"`` of server 0, 1, ...
+        worker: this worker's index in ``[0, num_workers)``.
+        timeout: seconds a request may wait for its reply (a sync step waits for the slowest worker).
+    """
+
+    def __init__(self, addresses: list[str], worker: int, timeout: float = 300.0):
+        self.worker = worker
+        self.connections: list[ServerConnection] = []
+        try:
+            for index, address in enumerate(addresses):
+                self.connections.append(ServerConnection(index, address, timeout=timeout))
+        except BaseException:
+            self.close()
+            raise
+        self._pool = ThreadPoolExecutor(max_workers=len(addresses), thread_name_prefix="pdist-ps-client") if len(addresses) > 1 else None
+        self.last_wait_s = 0.0
+
+    @property
+    def num_servers(self) -> int:
+        return len(self.connections)
+
+    def map(self, kind: Kind, metas: list[dict], payloads: list[Any] | None = None) -> list[tuple[dict, bytearray]]:
+        """One request per server, in parallel; returns the replies in server order.
+
+        The time from the first send to the last reply is kept in :attr:`last_wait_s` (for sync
+        training it includes waiting for the other workers).
+        """
+        payloads = payloads if payloads is not None else [None] * len(self.connections)
+        start = time.perf_counter()
+        try:
+            if self._pool is None:
+                results = [c.request(kind, m, p) for c, m, p in zip(self.connections, metas, payloads)]
+            else:
+                futures = [self._pool.submit(c.request, kind, m, p) for c, m, p in zip(self.connections, metas, payloads)]
+                results = [f.result() for f in futures]  # re-raises the first failure (lowest server index)
+        except BaseException:
+            # A failed exchange is fatal: wake any thread still blocked on another server, so that the
+            # process can exit at once instead of after that server's timeout.
+            self.abort()
+            raise
+        self.last_wait_s = time.perf_counter() - start
+        return results
+
+    def abort(self) -> None:
+        """Shut every connection down (unblocks threads waiting on a reply); the client is unusable after."""
+        for connection in self.connections:
+            try:
+                connection.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def hello(self) -> list[dict]:
+        return [meta for meta, _ in self.map(Kind.HELLO, [{"worker": self.worker}] * self.num_servers)]
+
+    def pull(self, wait_version: int | None = None, record: bool = True) -> tuple[list[Tensor], list[dict]]:
+        """Every server's shard (tensors over the received bytes) and reply metadata."""
+        meta = {"worker": self.worker, "wait_version": wait_version, "record": record}
+        replies = self.map(Kind.PULL, [meta] * self.num_servers)
+        return [bytes_to_tensor(p, m["dtype"]) for m, p in replies], [m for m, _ in replies]
+
+    def push(self, shards: list[Tensor], versions: list[int], hparams: list[dict], pull: bool = False):
+        """Push a gradient shard to every server; with ``pull`` also get the new shards back (one round trip).
+
+        ``versions[s]`` is the version of server ``s``'s shard the gradient was computed on (the step id
+        that synchronous servers drop late gradients by). Returns ``(shards or None, reply metas)``.
+        """
+        metas = [{"worker": self.worker, "version": v, "hparams": hparams} for v in versions]
+        replies = self.map(Kind.PUSHPULL if pull else Kind.PUSH, metas, shards)
+        metas = [m for m, _ in replies]
+        if not pull:
+            return None, metas
+        return [bytes_to_tensor(p, m["dtype"]) for m, p in replies], metas
+
+    def bye(self) -> None:
+        for connection in self.connections:
+            try:
+                connection.send(Kind.BYE, {"worker": self.worker})
+            except ServerUnavailable:
+                pass
+
+    def close(self) -> None:
+        for connection in self.connections:
+            connection.close()
+        if getattr(self, "_pool", None) is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

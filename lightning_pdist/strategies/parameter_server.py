@@ -1,0 +1,685 @@
+"""Parameter-server training (sync, backup workers, Downpour async, SSP, DC-ASGD) as a Lightning strategy.
+
+Process layout (one node)::
+
+    rank 0 ──fork──> server 0 … server S-1        (dedicated processes, one shard of the flat vector each)
+    worker 0 … worker N-1  ──TCP──>  every server  (push gradient shards, pull parameter shards)
+    worker 0 … worker N-1  ──private gloo group──  (Lightning's barrier/broadcast/reduce only)
+
+The Lightning ranks are the workers. Global rank 0 starts the servers (``os.fork``, bound to
+``server_host``) before it opens any other socket, sends each its shard and the optimizer, and the
+workers pull the initial parameters (so they all start from rank 0's weights, as with DDP). Each
+training step a worker runs forward/backward (``closure``), pushes its gradient's shards and pulls
+parameter shards back; the user's optimizer object never steps on the worker, it only carries the
+hyperparameters (learning-rate schedulers keep working: every push carries the current ones).
+
+Why not ``torch.distributed``'s default group (``lightning-integration.md`` §0.3, §3): Lightning
+broadcasts on it before every batch, which would keep asynchronous workers in lockstep. The default
+group is never initialized; the workers' Lightning collectives go through a private gloo group
+(:class:`~lightning_pdist.comm.ps_workers.WorkerGroup`) and the servers speak framed TCP
+(:mod:`lightning_pdist.comm.ps_wire`), which ``tc`` shapes and whose failures name the peer.
+
+Several nodes: with torchrun/SLURM every node runs the same script; global rank 0's node hosts the
+servers. Set ``server_host`` to an address of that node the others can reach (or ``"0.0.0.0"``; workers
+then connect to ``MASTER_ADDR``) and ``allowed_networks`` to the cluster's range. Or start servers
+yourself (``python -m lightning_pdist.comm.ps_server --host H --port P``) and pass ``server_addresses``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_pdist.algorithms.sharding import SHARDINGS, ShardingPlan, param_specs, plan_sharding
+from lightning_pdist.comm.ps_client import ParameterServerClient
+from lightning_pdist.comm.ps_server import ELEMENTWISE_OPTIMIZERS, MODES, STALENESS_BUCKETS, ServerProcess, start_server
+from lightning_pdist.comm.ps_wire import Kind, dumps_state, loads_state, parse_networks
+from lightning_pdist.comm.ps_workers import WorkerGroup
+from lightning_pdist.strategies.base import PdistStrategy
+
+__all__ = ["ParameterServerConfig", "ParameterServerStrategy"]
+
+_OWNED_DDP_ARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class ParameterServerConfig:
+    """The validated settings of a :class:`ParameterServerStrategy` (see its docstring)."""
+
+    num_servers: int | None = None
+    sharding: str = "memory"
+    mode: str = "sync"
+    staleness: int = 0
+    backup_workers: int = 0
+    push_every: int = 1
+    pull_every: int = 1
+    delay_compensation: float = 0.0
+    partition_bytes: int | None = None
+    server_host: str = "127.0.0.1"
+    server_addresses: tuple[str, ...] | None = None
+    allowed_networks: str = "127.0.0.0/8"
+    server_timeout: float = 300.0
+    owner: str = "ParameterServerStrategy"
+
+    def _fail(self, arg: str, rule: str, error: type = ValueError) -> None:
+        raise error(f"{self.owner}({arg}={getattr(self, arg)!r}): {rule}")
+
+    def __post_init__(self) -> None:
+        if self.num_servers is not None:
+            if not _is_int(self.num_servers):
+                self._fail("num_servers", "num_servers must be an int or None", TypeError)
+            if self.num_servers < 1:
+                self._fail("num_servers", "num_servers must be >= 1 (None: one server per two workers)")
+        for arg, choices in (("sharding", SHARDINGS), ("mode", MODES)):
+            value = getattr(self, arg)
+            if not isinstance(value, str):
+                self._fail(arg, f"{arg} must be a str", TypeError)
+            if value not in choices:
+                self._fail(arg, f"{arg} must be one of {', '.join(map(repr, choices))}")
+        for arg in ("staleness", "backup_workers", "push_every", "pull_every"):
+            if not _is_int(getattr(self, arg)):
+                self._fail(arg, f"{arg} must be an int", TypeError)
+        if self.staleness < 0:
+            self._fail("staleness", "staleness must be >= 0 (0 is bulk-synchronous)")
+        if self.staleness > 0 and self.mode != "ssp":
+            self._fail("staleness", f"staleness bounds mode='ssp' only; mode is {self.mode!r}")
+        if self.backup_workers < 0:
+            self._fail("backup_workers", "backup_workers must be >= 0")
+        if self.backup_workers > 0 and self.mode != "sync":
+            self._fail("backup_workers", f"backup workers are a mode='sync' technique; mode is {self.mode!r}")
+        for arg in ("push_every", "pull_every"):
+            if getattr(self, arg) < 1:
+                self._fail(arg, f"{arg} must be >= 1")
+            if getattr(self, arg) != 1 and self.mode != "async":
+                self._fail(arg, f"{arg} applies to mode='async' (Downpour); mode is {self.mode!r} "
+                                "(for sync, accumulate_grad_batches accumulates gradients)")  # fmt: skip
+        dc = self.delay_compensation
+        if not isinstance(dc, (int, float)) or isinstance(dc, bool):
+            self._fail("delay_compensation", "delay_compensation must be a float", TypeError)
+        if not dc >= 0:
+            self._fail("delay_compensation", "delay_compensation (DC-ASGD's lambda) must be >= 0")
+        if dc > 0 and self.mode == "sync":
+            self._fail("delay_compensation", "delay compensation corrects stale gradients of mode='async' or 'ssp'; "
+                                             "sync gradients are never stale")  # fmt: skip
+        if self.partition_bytes is not None and self.sharding != "memory":
+            self._fail("partition_bytes", "partition_bytes applies to sharding='memory'")
+        if not isinstance(self.server_timeout, (int, float)) or not self.server_timeout > 0:
+            self._fail("server_timeout", "server_timeout must be a number of seconds > 0")
+        if self.server_addresses is not None:
+            for address in self.server_addresses:
+                host, _, port = str(address).rpartition(":")
+                if not host or not port.isdigit():
+                    self._fail("server_addresses", f"{address!r} is not 'host:port'")
+            if self.num_servers is not None and self.num_servers != len(self.server_addresses):
+                self._fail("num_servers", f"server_addresses lists {len(self.server_addresses)} servers")
+        try:
+            parse_networks(self.allowed_networks)
+        except ValueError as err:  # "allowed_networks='...': rule" -> "Owner(allowed_networks='...'): rule"
+            argument, _, rule = str(err).partition(": ")
+            raise ValueError(f"{self.owner}({argument}): {rule}") from None
+
+    def servers_for(self, world_size: int) -> int:
+        """``S``: the given number, the listed addresses, or one server per two workers (paper 000)."""
+        if self.server_addresses is not None:
+            return len(self.server_addresses)
+        return self.num_servers if self.num_servers is not None else max(1, math.ceil(world_size / 2))
+
+    def check_world_size(self, world_size: int) -> None:
+        if self.backup_workers >= world_size:
+            raise ValueError(
+                f"{self.owner}(backup_workers={self.backup_workers}): with {world_size} workers, backup_workers must be "
+                f"<= world_size - 1 = {world_size - 1} (a step needs at least one gradient)"
+            )
+
+
+class ParameterServerStrategy(PdistStrategy):
+    """Data-parallel training through dedicated parameter-server processes.
+
+    Servers hold the parameters, sharded by :func:`~lightning_pdist.algorithms.sharding.plan_sharding`,
+    and run the user's optimizer on their shard. Workers compute gradients and exchange shards with
+    every server. Modes (the server rules are in :mod:`lightning_pdist.algorithms.ps_rules`):
+
+    * ``sync``: each server averages the ``N`` workers' gradients of step ``t`` and steps once; workers
+      pull the result. With SGD this is DDP. ``backup_workers=b``: the first ``N - b`` gradients of the
+      step are averaged and late ones dropped by step id (Chen et al. 2016).
+    * ``async`` (Downpour, Dean et al. 2012): a worker pushes its accumulated gradient every
+      ``push_every`` steps and pulls every ``pull_every`` steps (its parameters change only by pulls);
+      each push is applied on arrival as one server step on ``g / N``. Shards are not mutually
+      consistent, and gradients are stale by about ``N - 1`` updates.
+    * ``ssp`` (Ho et al. 2013): as async with ``push_every = pull_every = 1``, but a worker waits before
+      its next step until no worker is more than ``staleness`` steps behind; ``staleness=0`` is BSP and,
+      with SGD, equals ``sync``.
+    * ``delay_compensation=λ > 0`` (async/ssp): DC-ASGD, ``g + λ·g⊙g⊙(w - w_bak(m))`` with ``w_bak(m)`` the
+      parameters worker ``m`` last pulled (Zheng et al. 2017; λ ≈ 0.04 to start).
+
+    Dividing async pushes by ``N`` keeps the learning rate's meaning per sample across modes. Asynchrony
+    acts like extra momentum of about ``1 - 1/N`` (Mitliagkas et al. 2016): lower the optimizer's
+    momentum when going async with many workers.
+
+    Validation/test during ``fit`` use the servers' current parameters; after ``fit`` every worker holds
+    them. Checkpoints store them as ``state_dict`` and every server's shard, optimizer state and rule
+    state under ``checkpoint["pdist"]["servers"]``; resuming (same ``num_servers`` and ``sharding``)
+    restores the servers exactly.
+
+    Logged every step (this worker's view): ``pdist/comm_bytes`` (bytes it sent), ``pdist/ps/wait_s``
+    (time in push/pull, including waiting for other workers), ``pdist/ps/server{s}_bytes_in``/``_out``
+    (server ``s``'s traffic since this worker's previous exchange), ``pdist/ps/server_bytes_max``/``_mean``,
+    and for async/ssp ``pdist/ps/staleness`` plus the staleness histogram ``pdist/ps/staleness_hist/{τ}``.
+
+    Args:
+        num_servers: servers ``S >= 1``; ``None``: ``ceil(N / 2)``, one per two workers (paper 000).
+        sharding: ``"memory"`` (equal-byte ranges; balanced) or ``"layer"`` (whole layers, greedy).
+        mode: ``"sync"``, ``"async"`` or ``"ssp"``.
+        staleness: SSP bound in steps (``mode="ssp"`` only).
+        backup_workers: ``b`` in ``[0, N - 1]`` (``mode="sync"`` only).
+        push_every: async: steps between pushes of the accumulated (summed) gradient.
+        pull_every: async: steps between pulls.
+        delay_compensation: DC-ASGD ``λ >= 0`` (async/ssp).
+        partition_bytes: ``memory`` sharding in fixed-size partitions dealt round-robin (BytePS style).
+        server_host: address the servers bind to (on global rank 0's node).
+        server_addresses: ``["host:port", ...]`` of servers started elsewhere; none are started then.
+        allowed_networks: comma-separated address ranges servers accept connections from. There is no
+            authentication: run inside a trusted network (see the method card).
+        server_timeout: seconds a worker waits for a server's reply before failing (sync steps wait for
+            the slowest worker, so keep it generous). A server that dies fails its workers at once.
+        **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (``start_method``,
+            ``timeout`` of the workers' gloo group, ...). Nothing is wrapped in ``DistributedDataParallel``.
+    """
+
+    strategy_name = "parameter_server"
+
+    def __init__(
+        self,
+        num_servers: int | None = None,
+        sharding: str = "memory",
+        mode: str = "sync",
+        staleness: int = 0,
+        backup_workers: int = 0,
+        push_every: int = 1,
+        pull_every: int = 1,
+        delay_compensation: float = 0.0,
+        partition_bytes: int | None = None,
+        server_host: str = "127.0.0.1",
+        server_addresses: list[str] | None = None,
+        allowed_networks: str = "127.0.0.0/8",
+        server_timeout: float = 300.0,
+        **kwargs: Any,
+    ) -> None:
+        owner = type(self).__name__
+        for name in _OWNED_DDP_ARGS:
+            if kwargs.get(name) is not None:
+                raise ValueError(f"{owner}({name}={kwargs[name]!r}): gradients go to the parameter servers; {name} must be left unset")
+        self.config = ParameterServerConfig(
+            num_servers=num_servers, sharding=sharding, mode=mode, staleness=staleness, backup_workers=backup_workers,
+            push_every=push_every, pull_every=pull_every, delay_compensation=delay_compensation,
+            partition_bytes=partition_bytes, server_host=server_host,
+            server_addresses=tuple(server_addresses) if server_addresses is not None else None,
+            allowed_networks=allowed_networks, server_timeout=server_timeout, owner=owner,
+        )  # fmt: skip
+        super().__init__(**kwargs)
+        self.num_servers, self.sharding, self.mode = num_servers, sharding, mode
+        self.staleness, self.backup_workers, self.delay_compensation = staleness, backup_workers, delay_compensation
+        self.push_every, self.pull_every = push_every, pull_every
+        self.servers: list[ServerProcess] = []
+        self.server_addresses: list[str] = []
+        self.plan: ShardingPlan | None = None
+        self.workers: WorkerGroup | None = None
+        self.client: ParameterServerClient | None = None
+        self.step = 0  # optimizer steps this worker took
+        self.staleness_histogram = [0] * STALENESS_BUCKETS
+        self.dropped_pushes = 0
+        self._versions: list[int] = []
+        self._accumulated: Tensor | None = None
+        self._server_seen: list[tuple[int, int]] = []
+        self._eval_backup: Tensor | None = None
+        self._finalized = False
+
+    # ------------------------------------------------------------------ world
+    @override
+    def set_world_ranks(self) -> None:
+        super().set_world_ranks()
+        self.config.check_world_size(self.world_size)
+
+    @property
+    def server_pids(self) -> list[int]:
+        """Process ids of the servers this process started (global rank 0 only)."""
+        return [abs(s.pid) for s in self.servers]
+
+    @override
+    def setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        env = self.cluster_environment
+        host, port = env.main_address, env.main_port
+        if self.global_rank == 0 and self.config.server_addresses is None:
+            # Fork the servers before this process opens any other socket (they close inherited ones anyway).
+            self._start_servers(host)
+        timeout = self._timeout if isinstance(self._timeout, timedelta) else timedelta(minutes=30)
+        self.workers = WorkerGroup(host, port, self.global_rank, self.world_size, timeout=timeout)
+        if self.config.server_addresses is not None:
+            self.server_addresses = list(self.config.server_addresses)
+        elif self.world_size > 1:
+            if self.global_rank == 0:
+                self.workers.publish("pdist/ps/addresses", ",".join(self.server_addresses))
+            else:
+                self.server_addresses = self.workers.lookup("pdist/ps/addresses").split(",")
+
+    def _start_servers(self, main_address: str) -> None:
+        count = self.config.servers_for(self.world_size)
+        try:
+            for index in range(count):
+                self.servers.append(start_server(
+                    index, host=self.config.server_host, allowed_networks=self.config.allowed_networks,
+                    io_timeout=self.config.server_timeout,
+                ))  # fmt: skip
+        except BaseException:
+            self._stop_servers()
+            raise
+        wildcard = self.config.server_host in ("0.0.0.0", "::", "")
+        self.server_addresses = [f"{main_address if wildcard else s.host}:{s.port}" for s in self.servers]
+
+    # ------------------------------------------------------------------ Lightning collectives (private group)
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self.workers is not None:
+            self.workers.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.workers.broadcast_object(obj, src) if self.workers is not None else obj
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if not isinstance(tensor, Tensor) or self.workers is None or self.world_size == 1:
+            return tensor
+        op = str(getattr(reduce_op, "name", reduce_op) if reduce_op is not None else "sum").lower()
+        mean = op in ("mean", "avg")
+        if mean and not tensor.is_floating_point():
+            tensor = tensor.float()
+        out = self.workers.all_reduce_(tensor.detach().clone(), "sum" if mean else op)
+        return out / self.world_size if mean else out
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        if self.workers is None or self.world_size == 1:
+            return tensor
+        return torch.stack(self.workers.all_gather(tensor.detach()))
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def configure_ddp(self) -> None:
+        """Nothing to wrap: gradients go to the servers, not through DDP."""
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self._route_metric_sync()
+        if not fitting:
+            self._loaded_pdist_state = None
+            self._broadcast_module_from_rank_zero()
+            return
+        self.setup_algorithm()
+        self._loaded_pdist_state = None
+
+    @override
+    def setup_algorithm(self) -> None:
+        owner = type(self).__name__
+        if len(self.optimizers) != 1:
+            raise ValueError(f"{owner}: configure_optimizers returned {len(self.optimizers)} optimizers; the servers run exactly one")
+        optimizer = self.optimizers[0]
+        name = type(optimizer).__name__
+        if name not in ELEMENTWISE_OPTIMIZERS or type(optimizer) is not getattr(torch.optim, name):
+            raise ValueError(
+                f"{owner}: configure_optimizers returned {type(optimizer).__module__}.{type(optimizer).__qualname__}; parameter "
+                "servers rebuild the optimizer on each shard, which is exact only for element-wise optimizers: "
+                f"torch.optim.{', torch.optim.'.join(ELEMENTWISE_OPTIMIZERS)}"
+            )
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(f"{owner}: precision plugins with a gradient scaler are not supported (use 32-true or bf16)")
+        params = self._params()
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"{owner}: the model's parameters have dtypes {sorted(map(str, dtypes))}; the servers need one")
+        world_size, rank = self.world_size, self.global_rank
+        if world_size == 1:
+            rank_zero_warn(f"{owner}: world_size == 1: one worker and its servers; this is the local optimizer, remotely.")
+        try:
+            self.plan = plan_sharding(param_specs(self.lightning_module), len(self.server_addresses) or self.config.servers_for(world_size),
+                                      self.config.sharding, self.config.partition_bytes)  # fmt: skip
+        except ValueError as err:
+            raise ValueError(f"{owner}: {err}") from None
+        self.client = ParameterServerClient(self.server_addresses, rank, timeout=self.config.server_timeout)
+        if rank == 0:
+            self.client.map(Kind.INIT, *self._init_requests(optimizer))
+            if self._loaded_pdist_state is not None:
+                self._restore_servers(self._loaded_pdist_state)
+        if self._loaded_pdist_state is not None:
+            super().load_pdist_state_dict(self._loaded_pdist_state)
+            self.step = int(self._loaded_pdist_state.get("step", 0))
+        self.barrier()
+        self.client.hello()
+        shards, metas = self.client.pull(record=True)
+        self._load_shards(shards, metas)
+        self._server_seen = [(m["bytes_in"], m["bytes_out"]) for m in metas]
+        self._accumulated = None
+        self._finalized = False
+
+    def _params(self) -> list[Tensor]:
+        return [p for _, p in self.lightning_module.named_parameters()]
+
+    def _flat_params(self) -> Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self._params()])
+
+    @torch.no_grad()
+    def _set_flat_params(self, flat: Tensor) -> None:
+        offset = 0
+        for p in self._params():
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def _init_requests(self, optimizer: Optimizer) -> tuple[list[dict], list[Tensor]]:
+        group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        names = dict(self.lightning_module.named_parameters())
+        hparams = [_group_hparams(group, i, self) for i, group in enumerate(optimizer.param_groups)]
+        flat = self._flat_params()
+        metas, payloads = [], []
+        for server in range(self.plan.num_servers):
+            segments: list[list[int]] = []
+            for piece in self.plan.param_slices(server):
+                group = group_of.get(id(names[piece.name]), -1)
+                if segments and segments[-1][0] == group:
+                    segments[-1][1] += piece.numel
+                else:
+                    segments.append([group, piece.numel])
+            metas.append({
+                "mode": self.config.mode, "num_workers": self.world_size, "dtype": str(flat.dtype), "segments": segments,
+                "optimizer": type(optimizer).__name__, "param_groups": hparams,
+                "backup_workers": self.config.backup_workers, "staleness": self.config.staleness,
+                "delay_compensation": float(self.config.delay_compensation),
+            })  # fmt: skip
+            payloads.append(self.plan.gather(flat, server))
+        return metas, payloads
+
+    def _load_shards(self, shards: list[Tensor], metas: list[dict]) -> None:
+        flat = self._flat_params()
+        for server, shard in enumerate(shards):
+            self.plan.scatter_(flat, server, shard)
+        self._set_flat_params(flat)
+        self._versions = [int(m["version"]) for m in metas]
+
+    def _broadcast_module_from_rank_zero(self) -> None:
+        # validate/test/predict outside fit: no servers; every worker evaluates rank 0's weights.
+        if self.workers is None or self.world_size == 1:
+            return
+        state = self.workers.broadcast_object({k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()})
+        self.lightning_module.load_state_dict(state)
+
+    def _route_metric_sync(self) -> None:
+        # torchmetrics syncs over the default group only if it is initialized, which it never is here: point
+        # every Metric at the workers' group instead, so epoch-level metrics cover all workers' data.
+        if self.workers is None or self.world_size == 1:
+            return
+        try:
+            from torchmetrics import Metric
+        except ImportError:
+            return
+        gather = lambda tensor, group=None: self.workers.all_gather_varying(tensor)  # noqa: E731
+        for module in self.lightning_module.modules():
+            if isinstance(module, Metric):
+                module.dist_sync_fn = gather
+                module.distributed_available_fn = lambda: True
+
+    # ------------------------------------------------------------------ training step
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self.client is None:
+            raise RuntimeError(f"{type(self).__name__}.optimizer_step: the servers are not set up (call within Trainer.fit)")
+        model = model if model is not None else self.lightning_module
+        # forward + backward, then on_before_optimizer_step and gradient clipping; the step itself is the servers'
+        closure_result = self.precision_plugin._wrap_closure(model, optimizer, closure)
+        self._exchange(optimizer)
+        optimizer._opt_called = True  # the servers stepped: keeps LR schedulers from warning about call order
+        self._log_comm_bytes()
+        return closure_result
+
+    def _flat_grad(self) -> Tensor:
+        return torch.cat([
+            (p.grad.detach() if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self._params()
+        ])  # fmt: skip
+
+    def _exchange(self, optimizer: Optimizer) -> None:
+        self.step += 1
+        grad = self._flat_grad()
+        hparams = [_numeric_hparams(group) for group in optimizer.param_groups]
+        sent_before = sum(c.bytes_sent for c in self.client.connections)
+        metas: list[dict] = []
+        if self.config.mode == "async":
+            self._accumulated = grad if self._accumulated is None else self._accumulated.add_(grad)
+            push = self.step % self.config.push_every == 0
+            pull = self.step % self.config.pull_every == 0
+            if push:
+                shards = [self.plan.gather(self._accumulated, s) for s in range(self.plan.num_servers)]
+                self._accumulated = None
+                new, metas = self.client.push(shards, self._versions, hparams, pull=pull)
+                if pull:
+                    self._load_shards(new, metas)
+            elif pull:
+                new, metas = self.client.pull(record=True)
+                self._load_shards(new, metas)
+        else:
+            shards = [self.plan.gather(grad, s) for s in range(self.plan.num_servers)]
+            new, metas = self.client.push(shards, self._versions, hparams, pull=True)
+            self._load_shards(new, metas)
+        for p in self._params():
+            p.grad = None
+        self.comm_meter.add("ps_push", sum(c.bytes_sent for c in self.client.connections) - sent_before)
+        self._log_ps_metrics(metas)
+
+    def _log_ps_metrics(self, metas: list[dict]) -> None:
+        module = self.lightning_module
+        can_log = module is not None and module._trainer is not None and module._current_fx_name is not None
+        values: dict[str, float] = {"pdist/ps/wait_s": self.client.last_wait_s if metas else 0.0}
+        loads = []
+        for server, meta in enumerate(metas):
+            seen_in, seen_out = self._server_seen[server]
+            d_in, d_out = meta["bytes_in"] - seen_in, meta["bytes_out"] - seen_out
+            self._server_seen[server] = (meta["bytes_in"], meta["bytes_out"])
+            values[f"pdist/ps/server{server}_bytes_in"] = float(d_in)
+            values[f"pdist/ps/server{server}_bytes_out"] = float(d_out)
+            loads.append(d_in + d_out)
+        if loads:
+            values["pdist/ps/server_bytes_max"] = float(max(loads))
+            values["pdist/ps/server_bytes_mean"] = float(sum(loads) / len(loads))
+        taus = [m["staleness"] for m in metas if "staleness" in m]
+        if self.config.mode == "sync":
+            self.dropped_pushes += sum(1 for m in metas if m.get("accepted") is False)
+            if self.config.backup_workers:
+                values["pdist/ps/dropped_pushes"] = float(self.dropped_pushes)
+        elif metas:
+            if taus:
+                values["pdist/ps/staleness"] = float(sum(taus) / len(taus))
+            if all("histogram" in m for m in metas):
+                self.staleness_histogram = [sum(h) for h in zip(*(m["histogram"] for m in metas))]
+                for tau, count in enumerate(self.staleness_histogram):
+                    if count:
+                        values[f"pdist/ps/staleness_hist/{tau}"] = float(count)
+        if can_log:
+            for name, value in values.items():
+                module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "pdist/ps/wait_s")
+
+    # ------------------------------------------------------------------ evaluation and end of fit
+    def _fitting(self) -> bool:
+        module = self.lightning_module
+        return (module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+                and self.client is not None and not self._finalized)  # fmt: skip
+
+    def _servers_params(self) -> Tensor:
+        """The servers' current parameters as a flat vector (a pull that does not count as the worker's)."""
+        shards, _ = self.client.pull(record=False)
+        flat = self._flat_params()
+        for server, shard in enumerate(shards):
+            self.plan.scatter_(flat, server, shard)
+        return flat
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self._fitting() and self._eval_backup is None:
+            servers = self._servers_params()
+            self._eval_backup = self._flat_params()
+            self._set_flat_params(servers)
+
+    @override
+    def on_validation_end(self) -> None:
+        if self._eval_backup is not None:
+            self._set_flat_params(self._eval_backup)
+            self._eval_backup = None
+        super().on_validation_end()
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if not self._fitting():
+            return
+        if self._accumulated is not None:  # async: push what push_every left over
+            shards = [self.plan.gather(self._accumulated, s) for s in range(self.plan.num_servers)]
+            self._accumulated = None
+            self.client.push(shards, self._versions, [_numeric_hparams(g) for g in self.optimizers[0].param_groups])
+        self.client.bye()  # this worker pushes no more: SSP stops waiting for it, backup workers stop counting on it
+        self.barrier()  # every worker has pushed its last gradient
+        self._set_flat_params(self._servers_params())
+        self.barrier()  # every worker has pulled: rank 0 may shut the servers down in teardown
+        self._finalized = True
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._fitting() or self._eval_backup is not None:  # after fit / during validation: the module holds them
+            return super().lightning_module_state_dict()
+        own = self._flat_params()
+        self._set_flat_params(self._servers_params())
+        state = {k: v.detach().clone() for k, v in super().lightning_module_state_dict().items()}
+        self._set_flat_params(own)
+        return state
+
+    @override
+    def pdist_state_dict(self) -> dict:
+        state = super().pdist_state_dict()
+        state.update(step=self.step, mode=self.config.mode, staleness_histogram=list(self.staleness_histogram))
+        if self.plan is not None:
+            state["plan"] = self.plan.summary()
+        if self.client is not None and self.global_rank == 0:
+            replies = self.client.map(Kind.GET_STATE, [{}] * self.client.num_servers)
+            state["servers"] = [loads_state(payload) for _, payload in replies]
+        return state
+
+    def _restore_servers(self, state: dict) -> None:
+        servers = state.get("servers")
+        owner = type(self).__name__
+        if servers is None:
+            rank_zero_warn(f"{owner}: the checkpoint holds no server state; the servers start from its weights with a fresh optimizer.")
+            return
+        if len(servers) != self.plan.num_servers:
+            raise ValueError(
+                f"{owner}(num_servers={self.plan.num_servers}): the checkpoint holds {len(servers)} servers' state; resume with "
+                "the same num_servers and sharding"
+            )
+        self.client.map(Kind.SET_STATE, [{}] * len(servers), [dumps_state(s) for s in servers])
+
+    @override
+    def load_pdist_state_dict(self, state: dict) -> None:
+        # Consumed in setup_algorithm, where the servers exist (see PdistStrategy.load_checkpoint).
+        self._loaded_pdist_state = state
+
+    # ------------------------------------------------------------------ teardown
+    @override
+    def teardown(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            if self.global_rank == 0 and self.servers:
+                try:
+                    client.map(Kind.SHUTDOWN, [{}] * client.num_servers)
+                except Exception:  # a server already gone: _stop_servers still reaps it
+                    pass
+            client.close()
+        self._stop_servers()
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+        super().teardown()
+
+    def _stop_servers(self) -> None:
+        servers, self.servers = self.servers, []
+        for server in servers:
+            server.close_lifeline()
+        for server in servers:
+            server.stop(timeout=10.0)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        super().register_strategies(strategy_registry)
+        for mode in ("async", "ssp"):
+            strategy_registry.register(
+                f"{cls.strategy_name}_{mode}", cls, description=f"parameter server, mode={mode!r}", mode=mode, override=True
+            )
+        strategy_registry.register("ps", cls, description="alias of parameter_server", override=True)
+
+
+def _group_hparams(group: dict, index: int, strategy: ParameterServerStrategy) -> dict:
+    out = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, tuple):
+            value = list(value)
+        if value is None or isinstance(value, (bool, int, float, str)) or (
+            isinstance(value, list) and all(isinstance(v, (int, float)) for v in value)
+        ):
+            out[key] = value
+        else:
+            raise TypeError(
+                f"{type(strategy).__name__}: param group {index} has {key}={value!r}; the servers rebuild the optimizer "
+                "from numbers, strings and booleans only"
+            )
+    return out
+
+
+def _numeric_hparams(group: dict) -> dict:
+    """The hyperparameters a scheduler may change: numbers and tuples of numbers."""
+    out = {}
+    for key, value in group.items():
+        if key == "params" or isinstance(value, bool):
+            continue
+        if isinstance(value, Tensor) and value.numel() == 1:
+            out[key] = value.item()
+        elif isinstance(value, (int, float)):
+            out[key] = value
+        elif isinstance(value, (tuple, list)) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            out[key] = list(value)
+    return out
