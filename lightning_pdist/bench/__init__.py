@@ -15,6 +15,7 @@ Lightning) inside its functions: ``--help`` imports every suite module.
 SUITES: dict[str, str] = {
     "averaging": "lightning_pdist.bench.averaging",
     "sign": "lightning_pdist.bench.sign",
+    "ps_sharding": "lightning_pdist.bench.ps_sharding",
 }
 
 __all__ = ["SUITES"]

@@ -32,16 +32,28 @@ class ServerConnection:
     """A connection to parameter server ``index`` at ``address`` (``"host:port"``)."""
 
     def __init__(self, index: int, address: str, timeout: float = 300.0, connect_timeout: float = 30.0):
+        """Connect to the server (``connect_timeout``: how long a refused connection is retried, in s)."""
         self.index = index
         self.address = address
         self.timeout = timeout
         self.bytes_sent = 0
         self.bytes_received = 0
         host, _, port = address.rpartition(":")
-        try:
-            self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=connect_timeout)
-        except OSError as err:
-            raise ServerUnavailable(f"parameter server {index} at {address}: cannot connect ({err})") from None
+        # Servers started by hand or by another launcher may still be importing torch: a refused connection
+        # is retried until ``connect_timeout``; any other error fails at once.
+        deadline = time.monotonic() + connect_timeout
+        while True:
+            try:
+                self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=connect_timeout)
+                break
+            except ConnectionRefusedError as err:
+                if time.monotonic() >= deadline:
+                    raise ServerUnavailable(
+                        f"parameter server {index} at {address}: cannot connect ({err}; retried for {connect_timeout:g} s)"
+                    ) from None
+                time.sleep(0.1)
+            except OSError as err:
+                raise ServerUnavailable(f"parameter server {index} at {address}: cannot connect ({err})") from None
         self.sock.settimeout(timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 

@@ -3,6 +3,7 @@
 import os
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -241,3 +242,22 @@ def test_servers_exit_when_the_process_that_started_them_dies(how):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_refused_connections_are_retried_until_connect_timeout():
+    """A server still starting up is waited for; one that never comes fails after connect_timeout, naming it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(ServerUnavailable, match=rf"parameter server 3 at 127.0.0.1:{port}: cannot connect .*retried for 0.5 s"):
+        ServerConnection(3, f"127.0.0.1:{port}", connect_timeout=0.5)
+    assert 0.5 <= time.monotonic() - t0 < 5
+
+    late = threading.Timer(0.3, lambda: listeners.append(socket.create_server(("127.0.0.1", port))))
+    listeners: list[socket.socket] = []
+    late.start()
+    conn = ServerConnection(0, f"127.0.0.1:{port}", connect_timeout=10)
+    conn.close()
+    late.join()
+    listeners[0].close()

@@ -1,0 +1,485 @@
+"""Parameter-server suite: paper 000 Fig. 2 (layer-wise vs memory-balanced sharding) and the async straggler test.
+
+``python -m lightning_pdist.bench ps_sharding [--quick] --out DIR [--parts sharding straggler]
+[--workers 1 2 4 8] [--rate 100mbit] [--width 0.0625]`` writes:
+
+* ``DIR/ps_sharding.json``: ``rows`` (Part A, one per run: ``{"workers", "servers", "sharding", "mode",
+  "samples_per_s", "speedup_vs_1_worker", "max_server_bytes_per_step", "mean_server_bytes_per_step",
+  "network", "bound_samples_per_s", ...}``), ``ratios`` (memory / layer throughput at each worker count,
+  next to the paper's 1.20 at 4 and 1.66 at 8 workers) and ``straggler`` (Part B rows
+  ``{"mode", "slowed", "worker", "steps_per_s", ...}`` and the summary per mode);
+* ``DIR/ps_sharding.png``: throughput vs workers per sharding with the communication bounds, the
+  busiest server's bytes per step, and each worker's step rate with and without a straggler.
+
+Every process is a host of its own in an :class:`~lightning_pdist.bench.netns.EmulatedNetwork`: links of
+``--rate`` both ways (``tc tbf``), one switch. Servers first (``servers = ceil(workers / 2)``, the
+paper's ratio), then the workers, each a real Lightning ``Trainer`` with ``ParameterServerStrategy``
+pointed at the servers' addresses (:mod:`~lightning_pdist.bench.ps_worker`). The model is
+``vgg16_scaled(width)``: VGG-16's layer shapes scaled down, ``fc6`` still 74.2% of the weights, so the
+``layer`` plan leaves one server with ~74% of the bytes as in the paper. The link rate is chosen so that
+moving the shards, not the 2 cores, sets the pace; each row carries the compute share that shows it.
+
+Communication bound of a sync step: every worker pushes its gradient (``P`` bytes, cut by the plan) and
+then pulls the new parameters, so each phase takes at least ``max(P, W·f_max·P) / rate`` seconds, where
+``f_max`` is the busiest server's share of the bytes (``1/S`` for ``memory``). The bound is
+``W·B / (2·max(1, W·f_max)·P / rate)`` samples/s; ``bound_balanced`` uses ``f_max = 1/S``.
+
+Without network namespaces (not root, no ``ip``/``tc``) the suite says why and stops with exit
+status 1: loopback figures are never passed off as network figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_pdist.bench.netns import parse_rate
+from lightning_pdist.bench.report import command_line, markdown_table, new_document, save_figure, write_json
+
+SUITE = "ps_sharding"
+PARTS = ("sharding", "straggler")
+SHARDINGS = ("layer", "memory")
+ROW_KEYS = ("workers", "servers", "sharding", "mode", "samples_per_s", "speedup_vs_1_worker",
+            "max_server_bytes_per_step", "mean_server_bytes_per_step", "network")  # fmt: skip
+PAPER_RATIOS = {4: 1.20, 8: 1.66}  # paper 000 Fig. 2: memory-based over layer-wise sharding, VGG-16
+QUICK = {"width": 0.0625, "steps": 6, "straggler_steps": 8}
+FULL = {"width": 0.125, "steps": 12, "straggler_steps": 16}
+SERVER_PORT = 29400
+
+
+@dataclass(frozen=True)
+class SuiteConfig:
+    """Everything that decides what the suite runs; validated on construction.
+
+    Raises:
+        ValueError: a value breaks its rule; the message names the option, the value and the rule.
+    """
+
+    parts: tuple[str, ...] = PARTS
+    workers: tuple[int, ...] = (1, 2, 4, 8)
+    shardings: tuple[str, ...] = SHARDINGS
+    workers_per_server: int = 2
+    rate: str = "100mbit"
+    width: float = QUICK["width"]
+    batch_size: int = 32
+    warmup_steps: int = 2
+    steps: int = QUICK["steps"]
+    straggler_workers: int = 4
+    straggler_steps: int = QUICK["straggler_steps"]
+    slow_delay_s: float = 1.0
+    timeout: float = 600.0
+    quick: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(option: str, value: Any, rule: str) -> ValueError:
+            return ValueError(f"{SUITE}({option}={value!r}): {rule}")
+
+        for option, values, allowed in (("--parts", self.parts, PARTS), ("--shardings", self.shardings, SHARDINGS),
+                                        ("--workers", self.workers, None)):  # fmt: skip
+            if not values or len(set(values)) != len(values):
+                raise bad(option, values, "give at least one value, none repeated")
+            if allowed is not None and any(v not in allowed for v in values):
+                raise bad(option, values, f"each value must be one of {allowed}")
+        if any(isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 16 for w in self.workers):
+            raise bad("--workers", self.workers, "each worker count must be an int in [1, 16]")
+        for option, value in (("--workers-per-server", self.workers_per_server), ("--batch-size", self.batch_size),
+                              ("--warmup-steps", self.warmup_steps), ("--steps", self.steps),
+                              ("--straggler-steps", self.straggler_steps)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad(option, value, "must be an int >= 1")
+        if isinstance(self.straggler_workers, bool) or not isinstance(self.straggler_workers, int) or not 2 <= self.straggler_workers <= 16:
+            raise bad("--straggler-workers", self.straggler_workers, "must be an int in [2, 16] (one straggler and others)")
+        try:
+            parse_rate(self.rate)
+        except ValueError:
+            raise bad("--rate", self.rate, "must look like '100mbit' or '1gbit'") from None
+        if not 0 < self.width <= 1:
+            raise bad("--width", self.width, "must be in (0, 1] (1 is the full VGG-16)")
+        if not self.slow_delay_s > 0:
+            raise bad("--slow-delay", self.slow_delay_s, "must be > 0 seconds")
+        if not self.timeout > 0:
+            raise bad("--timeout", self.timeout, "must be > 0 seconds")
+
+    def servers_for(self, workers: int) -> int:
+        return math.ceil(workers / self.workers_per_server)
+
+
+def worker_spec(config: SuiteConfig, workers: int, sharding: str, mode: str = "sync", steps: int | None = None,
+                slow_worker: int | None = None, subnet: str = "10.0.0.0/8") -> dict[str, Any]:  # fmt: skip
+    """The :mod:`~lightning_pdist.bench.ps_worker` spec of one run (validated)."""
+    from lightning_pdist.bench.ps_worker import check_spec
+
+    return check_spec({
+        "workers": workers, "servers": config.servers_for(workers), "sharding": sharding, "mode": mode,
+        "width": float(config.width), "batch_size": config.batch_size, "warmup_steps": config.warmup_steps,
+        "steps": steps or config.steps, "server_port": SERVER_PORT, "slow_worker": slow_worker,
+        "slow_delay_s": config.slow_delay_s if slow_worker is not None else 0.0, "seed": 0, "subnet": subnet,
+    })  # fmt: skip
+
+
+def plan_shares(width: float, servers: int) -> dict[str, dict[str, float]]:
+    """Busiest server's share of the bytes under each plan, for ``vgg16_scaled(width)`` on ``servers`` servers."""
+    from lightning_pdist.algorithms.sharding import param_specs, plan_sharding
+    from lightning_pdist.models.vgg import vgg16_scaled
+
+    specs = param_specs(vgg16_scaled(width=width, device="meta"))
+    out = {}
+    for sharding in SHARDINGS:
+        plan = plan_sharding(specs, servers, sharding)
+        out[sharding] = {"max_share": plan.max_bytes / plan.nbytes, "bytes": plan.nbytes}
+    return out
+
+
+def bound_samples_per_s(workers: int, batch_size: int, param_bytes: int, max_share: float, rate_bits: int) -> float:
+    """Samples/s a sync step can reach when push and pull each run at line rate on the busiest link."""
+    step_s = 2 * max(1.0, workers * max_share) * param_bytes * 8 / rate_bits
+    return workers * batch_size / step_s
+
+
+# -- running ------------------------------------------------------------------------------------
+
+
+def _read(out_dir: Path, prefix: str, count: int) -> list[dict[str, Any]]:
+    results = []
+    for i in range(count):
+        path = out_dir / f"{prefix}{i}.json"
+        if not path.exists():
+            raise RuntimeError(f"{SUITE}: {prefix} {i} exited cleanly but wrote no {path}")
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+class Runner:
+    """Launches runs on one emulated network (servers on the first hosts, workers after them)."""
+
+    def __init__(self, net: Any, config: SuiteConfig, scratch: Path, log: Callable[[str], None]) -> None:
+        from lightning_pdist.bench.averaging import _worker_env
+
+        self.net, self.config, self.scratch, self.log = net, config, scratch, log
+        self.env = _worker_env()
+        self.port = 29500
+        self.count = 0
+
+    def launch(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Run ``spec``; return workers' and servers' results, wall time and the servers' kernel bytes."""
+        from lightning_pdist.bench.netns import launch_ranks
+
+        net, servers, workers = self.net, spec["servers"], spec["workers"]
+        self.count += 1
+        self.port += 1  # a fresh rendezvous port per run: the last run's sockets may linger in TIME_WAIT
+        out = self.scratch / f"run{self.count}"
+        hosts = ",".join(net.host_ip(i) for i in range(servers + workers))
+        argv = [sys.executable, "-m", "lightning_pdist.bench.ps_worker", "--spec", json.dumps(spec),
+                "--hosts", hosts, "--out-dir", str(out)]  # fmt: skip
+        before = [(net.rx_bytes(i), net.tx_bytes(i)) for i in range(servers)]
+        t0 = time.perf_counter()
+        launch_ranks(net, argv, servers + workers, self.port, env=self.env, timeout=self.config.timeout)
+        wall = time.perf_counter() - t0
+        kernel = [net.rx_bytes(i) - b[0] + net.tx_bytes(i) - b[1] for i, b in zip(range(servers), before)]
+        return {"workers": _read(out, "worker", workers), "servers": _read(out, "server", servers),
+                "wall_s": wall, "kernel_server_bytes": kernel}  # fmt: skip
+
+
+def build_row(spec: dict[str, Any], result: dict[str, Any], config: SuiteConfig, network: str) -> dict[str, Any]:
+    """One Part A row from a sync run's results."""
+    ws, steps, batch = spec["workers"], spec["steps"], spec["batch_size"]
+    per_worker = result["workers"]
+    samples_per_s = sum(w["steps_per_s"] for w in per_worker) * batch
+    # Every reply carries the server's running totals, so any worker sees all workers' traffic; worker 0's view.
+    loads = [(i + o) / steps for i, o in zip(per_worker[0]["server_bytes_in"], per_worker[0]["server_bytes_out"])]
+    params = per_worker[0]["params"]
+    shares = plan_shares(config.width, spec["servers"])
+    rate_bits = parse_rate(config.rate)
+    served = sum(s["bytes_in"] + s["bytes_out"] for s in result["servers"])
+    step_s = ws * batch / samples_per_s
+    compute_s = ws * max(w["compute_ms_per_step"] for w in per_worker) / 1000 / 2  # all workers' compute on 2 cores
+    return {
+        "workers": ws,
+        "servers": spec["servers"],
+        "sharding": spec["sharding"],
+        "mode": spec["mode"],
+        "samples_per_s": round(samples_per_s, 2),
+        "speedup_vs_1_worker": None,
+        "max_server_bytes_per_step": round(max(loads)),
+        "mean_server_bytes_per_step": round(sum(loads) / len(loads)),
+        "network": network,
+        "rate": config.rate,
+        "params": params,
+        "plan_max_share": round(shares[spec["sharding"]]["max_share"], 4),
+        "bound_samples_per_s": round(bound_samples_per_s(ws, batch, 4 * params, shares[spec["sharding"]]["max_share"], rate_bits), 2),
+        "bound_balanced_samples_per_s": round(bound_samples_per_s(ws, batch, 4 * params, 1 / spec["servers"], rate_bits), 2),
+        "step_s": round(step_s, 4),
+        "compute_share": round(compute_s / step_s, 3),
+        "wait_share": round(sum(w["wait_s"] for w in per_worker) / sum(w["loop_s"] for w in per_worker), 3),
+        "kernel_server_ratio": round(sum(result["kernel_server_bytes"]) / served, 4) if served else None,
+        "process_wall_s": round(result["wall_s"], 1),
+    }
+
+
+def add_speedups(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Fill ``speedup_vs_1_worker`` per sharding; return memory/layer ratios per worker count."""
+    for row in rows:
+        base = next((r for r in rows if r["workers"] == 1 and r["sharding"] == row["sharding"]), None)
+        row["speedup_vs_1_worker"] = round(row["samples_per_s"] / base["samples_per_s"], 3) if base else None
+    ratios = {}
+    for ws in sorted({r["workers"] for r in rows}):
+        by = {r["sharding"]: r for r in rows if r["workers"] == ws}
+        if "layer" in by and "memory" in by:
+            ratios[str(ws)] = {
+                "measured": round(by["memory"]["samples_per_s"] / by["layer"]["samples_per_s"], 3),
+                "bound": round(by["memory"]["bound_samples_per_s"] / by["layer"]["bound_samples_per_s"], 3),
+                "paper": PAPER_RATIOS.get(ws),
+            }
+    return ratios
+
+
+def run_sharding(runner: Runner, config: SuiteConfig, network: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Part A: every worker count under every sharding, sync mode."""
+    rows = []
+    total = len(config.workers) * len(config.shardings)
+    for ws in config.workers:
+        for sharding in config.shardings:
+            spec = worker_spec(config, ws, sharding, subnet=str(runner.net.subnet))
+            row = build_row(spec, runner.launch(spec), config, network)
+            rows.append(row)
+            runner.log(f"[A {len(rows)}/{total}] {ws} workers, {row['servers']} servers, {sharding}: "
+                       f"{row['samples_per_s']:.1f} samples/s (bound {row['bound_samples_per_s']:.1f}), busiest server "
+                       f"{row['max_server_bytes_per_step'] / 1e6:.2f} MB/step, compute share {row['compute_share']:.2f}, "
+                       f"kernel/served {row['kernel_server_ratio']}, run {row['process_wall_s']} s")  # fmt: skip
+    return rows, add_speedups(rows)
+
+
+def run_straggler(runner: Runner, config: SuiteConfig, network: str) -> dict[str, Any]:
+    """Part B: sync and async, with and without worker 0 sleeping ``slow_delay_s`` before every batch."""
+    rows = []
+    ws = config.straggler_workers
+    for mode in ("sync", "async"):
+        for slow in (None, 0):
+            spec = worker_spec(config, ws, "memory", mode, config.straggler_steps, slow, str(runner.net.subnet))
+            result = runner.launch(spec)
+            for w in result["workers"]:
+                rows.append({"mode": mode, "slowed": slow is not None, "worker": w["worker"],
+                             "straggler": slow == w["worker"], "steps_per_s": round(w["steps_per_s"], 3),
+                             "slow_delay_s": w["slow_delay_s"], "workers": ws, "servers": spec["servers"],
+                             "network": network, "rate": config.rate})  # fmt: skip
+            rates = ", ".join(f"{w['steps_per_s']:.2f}" for w in result["workers"])
+            runner.log(f"[B] {mode}, {'worker 0 slowed by ' + str(config.slow_delay_s) + ' s' if slow is not None else 'no straggler'}: "
+                       f"steps/s per worker {rates}")  # fmt: skip
+    summary = []
+    for mode in ("sync", "async"):
+        def others(slowed: bool, m: str = mode) -> float:
+            rates = [r["steps_per_s"] for r in rows if r["mode"] == m and r["slowed"] == slowed and r["worker"] != 0]
+            return sum(rates) / len(rates)
+
+        summary.append({"mode": mode, "others_steps_per_s": round(others(False), 3),
+                        "others_steps_per_s_with_straggler": round(others(True), 3),
+                        "ratio": round(others(True) / others(False), 3),
+                        "straggler_steps_per_s": next(r["steps_per_s"] for r in rows
+                                                      if r["mode"] == mode and r["straggler"])})  # fmt: skip
+    return {"rows": rows, "summary": summary}
+
+
+def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any] | None:
+    """Run the requested parts on an emulated network; write ``out/ps_sharding.{json,png}``; return the document.
+
+    Returns ``None`` (and writes nothing) when network namespaces are not available here.
+    """
+    from lightning_pdist.bench.netns import EmulatedNetwork, measure_link_rate
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{SUITE}(--out={str(out)!r}): --out must be a directory, and this is a file")
+    ok, reason = EmulatedNetwork.available()
+    if not ok:
+        log(f"{SUITE}: cannot build emulated links here ({reason}); this suite measures communication and does "
+            "not run on loopback. Run it as root on a machine with iproute2 (ip, tc).")  # fmt: skip
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    doc = new_document(SUITE, command, asdict(config))
+    hosts = max([config.servers_for(w) + w for w in config.workers] + [config.servers_for(config.straggler_workers) + config.straggler_workers])
+    t_suite = time.perf_counter()
+    scratch = Path(tempfile.mkdtemp(prefix="pdist-ps-"))
+    try:
+        with EmulatedNetwork(num_hosts=hosts, rate=config.rate) as net:
+            goodput = measure_link_rate(net, 0, 1, 4 << 20)
+            network = f"emulated {config.rate}"
+            doc["networks"][network] = {"detail": net.describe(), "rate": config.rate, "burst_bytes": net.burst_bytes,
+                                        "measured_tcp_goodput_bytes_per_s": round(goodput)}  # fmt: skip
+            log(f"{SUITE}: {net.describe()}; TCP goodput host 0 -> 1: {goodput * 8 / 1e6:.1f} Mbit/s")
+            runner = Runner(net, config, scratch, log)
+            doc["ratios"], doc["straggler"] = {}, None
+            if "sharding" in config.parts:
+                doc["rows"], doc["ratios"] = run_sharding(runner, config, network)
+            if "straggler" in config.parts:
+                doc["straggler"] = run_straggler(runner, config, network)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    doc["suite_wall_s"] = round(time.perf_counter() - t_suite, 1)
+    write_json(doc, out / f"{SUITE}.json")
+    plot(doc, out / f"{SUITE}.png")
+    return doc
+
+
+# -- output -------------------------------------------------------------------------------------
+
+ROW_COLUMNS = (
+    ("workers", "workers", None), ("servers", "servers", None), ("sharding", "sharding", None),
+    ("samples/s", "samples_per_s", ".1f"), ("speedup vs 1", "speedup_vs_1_worker", ".2f"),
+    ("bound samples/s", "bound_samples_per_s", ".1f"), ("busiest server MB/step", "max_server_bytes_per_step", lambda v: f"{v / 1e6:.2f}"),
+    ("mean server MB/step", "mean_server_bytes_per_step", lambda v: f"{v / 1e6:.2f}"),
+    ("plan max share", "plan_max_share", ".3f"), ("compute share", "compute_share", ".2f"),
+    ("wait share", "wait_share", ".2f"), ("kernel/served", "kernel_server_ratio", ".3f"),
+)  # fmt: skip
+STRAGGLER_COLUMNS = (
+    ("mode", "mode", None), ("others' steps/s", "others_steps_per_s", ".3f"),
+    ("others' steps/s, worker 0 slowed", "others_steps_per_s_with_straggler", ".3f"), ("ratio", "ratio", ".3f"),
+    ("straggler steps/s", "straggler_steps_per_s", ".3f"),
+)  # fmt: skip
+
+
+def ratio_lines(ratios: dict[str, Any]) -> list[str]:
+    return [
+        f"- {ws} workers: memory / layer = {r['measured']:.2f} measured, {r['bound']:.2f} by the communication bounds"
+        + (f", {r['paper']:.2f} in the paper" if r["paper"] else "")
+        for ws, r in ratios.items()
+    ]
+
+
+def docs_section(doc: dict[str, Any], json_path: str) -> str:
+    """The figures of a suite document as markdown for docs/benchmarks.md; everything is read from ``doc``."""
+    host, cfg = doc["host"], doc["config"]
+    (name, net), = doc["networks"].items()
+    first = doc["rows"][0] if doc["rows"] else {}
+    lines = [
+        f"Command: `{doc['command']}`  ",
+        f"Run: {doc['created']}, {doc['suite_wall_s']} s for the whole suite, on {host['cpus']} CPUs "
+        f"(1-min load average {host['loadavg_1m_at_start']} at the start), torch {host['torch']}.  ",
+        f"Output: `{json_path}`", "",
+        f"Network: {net['detail']} (TCP goodput host 0 → 1 measured at {net['measured_tcp_goodput_bytes_per_s'] * 8 / 1e6:.1f} "
+        "Mbit/s). Every server and every worker is a host of its own.", "",
+    ]  # fmt: skip
+    if doc["rows"]:
+        lines += [
+            "### Part A: paper 000 Fig. 2, layer-wise vs memory-balanced sharding (sync)", "",
+            f"`vgg16_scaled(width={cfg['width']})` = {first.get('params', 0):,} parameters, batch {cfg['batch_size']} of "
+            f"synthetic 32x32 images per worker, plain SGD; one server per {cfg['workers_per_server']} workers; "
+            f"{cfg['steps']} timed steps after {cfg['warmup_steps']}. Server bytes per step: in + out, from the servers' own "
+            "counters in their replies; kernel/served: the server hosts' veth rx + tx over the whole run against the bytes "
+            "the servers framed. Compute share: the workers' forward + backward on 2 cores over the step time.", "",
+            markdown_table(doc["rows"], ROW_COLUMNS), "", *ratio_lines(doc["ratios"]),
+        ]  # fmt: skip
+    if doc.get("straggler"):
+        lines += [
+            "", "### Part B: a straggler in sync and async mode", "",
+            f"{cfg['straggler_workers']} workers, memory sharding, {cfg['straggler_steps']} timed steps; worker 0 sleeps "
+            f"{cfg['slow_delay_s']} s before every batch in the slowed runs.", "",
+            markdown_table(doc["straggler"]["summary"], STRAGGLER_COLUMNS),
+        ]  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(doc: dict[str, Any], path: str | Path) -> Path:
+    """Throughput vs workers, the busiest server's bytes, and the straggler runs' step rates."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    colors = {"layer": "tab:red", "memory": "tab:blue"}
+    for sharding in SHARDINGS:
+        rows = sorted((r for r in doc["rows"] if r["sharding"] == sharding), key=lambda r: r["workers"])
+        if not rows:
+            continue
+        x = [r["workers"] for r in rows]
+        axes[0].plot(x, [r["samples_per_s"] for r in rows], "o-", color=colors[sharding], label=f"{sharding} (measured)")
+        axes[0].plot(x, [r["bound_samples_per_s"] for r in rows], "--", color=colors[sharding], alpha=0.6, label=f"{sharding} (bound)")
+        axes[1].plot(x, [r["max_server_bytes_per_step"] / 1e6 for r in rows], "o-", color=colors[sharding], label=f"{sharding}: busiest")
+        axes[1].plot(x, [r["mean_server_bytes_per_step"] / 1e6 for r in rows], ":", color=colors[sharding], label=f"{sharding}: mean")
+    net = next(iter(doc["networks"]), "")
+    axes[0].set(xlabel="workers", ylabel="samples/s", title=f"sync PS throughput ({net})")
+    axes[1].set(xlabel="workers", ylabel="MB per step", title="server bytes per step (in + out)")
+    for ax in axes[:2]:
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=8)
+    straggler = doc.get("straggler")
+    if straggler:
+        labels, values, bar_colors = [], [], []
+        for mode in ("sync", "async"):
+            for slowed in (False, True):
+                for r in (r for r in straggler["rows"] if r["mode"] == mode and r["slowed"] == slowed):
+                    labels.append(f"{mode}{' slow' if slowed else ''} w{r['worker']}")
+                    values.append(r["steps_per_s"])
+                    bar_colors.append("tab:gray" if r["straggler"] else ("tab:orange" if mode == "sync" else "tab:green"))
+        axes[2].bar(range(len(values)), values, color=bar_colors)
+        axes[2].set_xticks(range(len(values)), labels, rotation=90, fontsize=7)
+        axes[2].set(ylabel="steps/s", title="per-worker step rate (gray: the straggler)")
+    else:
+        axes[2].axis("off")
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=110)
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Add the suite's options to ``parser``."""
+    d = SuiteConfig()
+    add = parser.add_argument
+    add("--quick", action="store_true", help=f"the small plan ({QUICK}). Without it: {FULL}")
+    add("--out", required=True, type=Path, help="directory for ps_sharding.json and ps_sharding.png")
+    add("--parts", nargs="+", default=list(PARTS), help="sharding (Part A), straggler (Part B) or both (default)")
+    add("--workers", type=int, nargs="+", default=list(d.workers), help="worker counts (default %(default)s)")
+    add("--shardings", nargs="+", default=list(d.shardings), help="layer, memory or both (default)")
+    add("--workers-per-server", type=int, default=d.workers_per_server, help="servers = ceil(workers / this) (default %(default)s)")
+    add("--rate", default=d.rate, help="every link's rate, both ways (default %(default)s)")
+    add("--width", type=float, default=None, help="vgg16_scaled width (default: 1/16 quick, 1/8 full)")
+    add("--batch-size", type=int, default=d.batch_size, help="batch per worker (default %(default)s)")
+    add("--warmup-steps", type=int, default=d.warmup_steps, help="untimed steps (default %(default)s)")
+    add("--steps", type=int, default=None, help="timed steps of Part A (default: 6 quick, 12 full)")
+    add("--straggler-workers", type=int, default=d.straggler_workers, help="workers in Part B (default %(default)s)")
+    add("--straggler-steps", type=int, default=None, help="timed steps of Part B (default: 8 quick, 16 full)")
+    add("--slow-delay", type=float, default=d.slow_delay_s, dest="slow_delay_s", help="the straggler's sleep per batch, s (default %(default)s)")
+    add("--timeout", type=float, default=d.timeout, help="seconds per run (default %(default)s)")
+
+
+def config_from_args(args: argparse.Namespace) -> SuiteConfig:
+    """The validated :class:`SuiteConfig` of parsed arguments (``ValueError`` names a bad option)."""
+    plan = QUICK if args.quick else FULL
+    pick = lambda value, key: plan[key] if value is None else value  # noqa: E731
+    return SuiteConfig(
+        parts=tuple(args.parts), workers=tuple(args.workers), shardings=tuple(args.shardings),
+        workers_per_server=args.workers_per_server, rate=args.rate, width=float(pick(args.width, "width")),
+        batch_size=args.batch_size, warmup_steps=args.warmup_steps, steps=pick(args.steps, "steps"),
+        straggler_workers=args.straggler_workers, straggler_steps=pick(args.straggler_steps, "straggler_steps"),
+        slow_delay_s=args.slow_delay_s, timeout=args.timeout, quick=args.quick,
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Run the suite for parsed ``args`` (``argv`` is recorded as the command); print the tables."""
+    try:
+        config = config_from_args(args)
+    except ValueError as err:
+        print(f"python -m lightning_pdist.bench {SUITE}: error: {err}", file=sys.stderr)
+        return 2
+    doc = run_suite(config, args.out, command_line(SUITE, argv))
+    if doc is None:
+        return 1
+    out = Path(args.out)
+    section = docs_section(doc, str(out / f"{SUITE}.json"))
+    (out / "docs_section.md").write_text(section + "\n")
+    print()
+    print(section)
+    print(f"\nwrote {out / (SUITE + '.json')}, {out / (SUITE + '.png')} and {out / 'docs_section.md'} in {doc['suite_wall_s']} s")
+    return 0

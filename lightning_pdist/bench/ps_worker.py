@@ -1,0 +1,198 @@
+"""One process of a parameter-server benchmark run: ``python -m lightning_pdist.bench.ps_worker --spec JSON
+--hosts IP,IP,... --out-dir DIR``.
+
+:func:`~lightning_pdist.bench.netns.launch_ranks` starts ``servers + workers`` copies of this module, one
+per emulated host, and numbers them by ``RANK``. The role follows from it:
+
+* ``RANK < servers``: a parameter server (:class:`~lightning_pdist.comm.ps_server.ShardServer`, the same
+  request loop the strategy forks) bound to its own host's address at ``spec["server_port"]``, accepting
+  the emulated subnet only. It exits when every worker has gone and writes ``server<i>.json``
+  (``bytes_in``, ``bytes_out``: every framed message it received and sent).
+* otherwise: worker ``RANK - servers``, a real Lightning ``Trainer(num_nodes=workers, devices=1)`` with
+  ``ParameterServerStrategy(server_addresses=...)`` training ``ClassifierModule(vgg16_scaled(width))`` on
+  synthetic 32x32 images. Its environment is renumbered first (``RANK``, ``NODE_RANK``, ``WORLD_SIZE``,
+  ``MASTER_ADDR`` = the first worker's host), so the workers' own gloo group never touches the servers.
+  It times ``steps`` optimizer steps after ``warmup_steps`` untimed ones and writes ``worker<r>.json``::
+
+      {"worker", "steps", "loop_s", "steps_per_s", "compute_ms_per_step", "wait_s",
+       "server_bytes_in", "server_bytes_out", "params", "slow_delay_s"}
+
+  ``server_bytes_in/out[s]`` are server ``s``'s bytes during the timed steps as its replies to this
+  worker report them (all workers' traffic, not just this one's). Worker ``spec["slow_worker"]``
+  sleeps ``spec["slow_delay_s"]`` before every batch: the straggler of the async benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning_pdist.bench.report import check_spec_keys
+
+MODES = ("sync", "async", "ssp")
+SHARDINGS = ("layer", "memory")
+SPEC_KEYS = ("workers", "servers", "sharding", "mode", "width", "batch_size", "warmup_steps", "steps",
+             "server_port", "slow_worker", "slow_delay_s", "seed", "subnet")  # fmt: skip
+
+
+def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """Validate a run spec (a plain dict, as it travels on the command line); return it.
+
+    Raises:
+        ValueError: a key is missing or unknown, or a value breaks its rule (the message says which).
+    """
+    check_spec_keys(spec, SPEC_KEYS, "ps_worker")
+    if spec["mode"] not in MODES:
+        raise ValueError(f"ps_worker spec(mode={spec['mode']!r}): mode must be one of {MODES}")
+    if spec["sharding"] not in SHARDINGS:
+        raise ValueError(f"ps_worker spec(sharding={spec['sharding']!r}): sharding must be one of {SHARDINGS}")
+    for key in ("workers", "servers", "batch_size", "steps", "server_port"):
+        if not isinstance(spec[key], int) or spec[key] < 1:
+            raise ValueError(f"ps_worker spec({key}={spec[key]!r}): {key} must be an int >= 1")
+    if not isinstance(spec["warmup_steps"], int) or spec["warmup_steps"] < 1:
+        raise ValueError(f"ps_worker spec(warmup_steps={spec['warmup_steps']!r}): warmup_steps must be an int >= 1 (the clock starts after it)")
+    for key in ("seed",):
+        if not isinstance(spec[key], int) or spec[key] < 0:
+            raise ValueError(f"ps_worker spec({key}={spec[key]!r}): {key} must be an int >= 0")
+    if not isinstance(spec["width"], float) or not 0 < spec["width"] <= 1:
+        raise ValueError(f"ps_worker spec(width={spec['width']!r}): width must be a float in (0, 1]")
+    if spec["slow_worker"] is not None and not (isinstance(spec["slow_worker"], int) and 0 <= spec["slow_worker"] < spec["workers"]):
+        raise ValueError(f"ps_worker spec(slow_worker={spec['slow_worker']!r}): slow_worker must be None or in [0, {spec['workers']})")
+    if not isinstance(spec["slow_delay_s"], (int, float)) or spec["slow_delay_s"] < 0:
+        raise ValueError(f"ps_worker spec(slow_delay_s={spec['slow_delay_s']!r}): slow_delay_s must be >= 0")
+    return spec
+
+
+def run_server(spec: dict[str, Any], index: int, host: str, out_dir: Path) -> dict[str, Any]:
+    """Serve until every worker has gone; write ``server<index>.json``."""
+    import socket
+
+    import torch
+
+    from lightning_pdist.comm.ps_server import ShardServer
+
+    torch.set_num_threads(1)
+    listener = socket.create_server((host, spec["server_port"]), backlog=128)
+    server = ShardServer(index, listener, None, allowed_networks=spec["subnet"], idle_timeout=120.0)
+    server.serve()
+    listener.close()
+    result = {"server": index, "bytes_in": server.bytes_in, "bytes_out": server.bytes_out}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"server{index}.json").write_text(json.dumps(result))
+    return result
+
+
+def run_worker(spec: dict[str, Any], worker: int, hosts: list[str], out_dir: Path) -> dict[str, Any]:
+    """Train as worker ``worker`` of ``spec["workers"]``; write ``worker<worker>.json``."""
+    import torch
+    from lightning.pytorch import Callback, Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_pdist.models.classifier import ClassifierModule
+    from lightning_pdist.models.vgg import vgg16_scaled
+    from lightning_pdist.strategies.parameter_server import ParameterServerStrategy
+
+    servers, workers = spec["servers"], spec["workers"]
+    os.environ.update(RANK=str(worker), NODE_RANK=str(worker), WORLD_SIZE=str(workers), MASTER_ADDR=hosts[servers])
+    torch.set_num_threads(1)
+    torch.manual_seed(spec["seed"])
+    net = vgg16_scaled(width=spec["width"])
+    num_classes = net.classifier[-1].out_features
+    model = ClassifierModule(model=net, num_classes=num_classes, optimizer="sgd", lr=0.01)
+    total = spec["warmup_steps"] + spec["steps"]
+    g = torch.Generator().manual_seed(1000 + worker)
+    n = spec["batch_size"] * total * workers  # the sampler hands each worker its 1/workers
+    data = TensorDataset(torch.randn(n, 3, net.in_size, net.in_size, generator=g), torch.randint(0, num_classes, (n,), generator=g))
+
+    compute_ms = _compute_ms(model, data, spec["batch_size"])
+    slow = spec["slow_delay_s"] if spec["slow_worker"] == worker else 0.0
+
+    class Timer(Callback):
+        def __init__(self) -> None:
+            self.t0: float | None = None
+            self.t1 = 0.0
+            self.wait = 0.0
+            self.seen_in = [0.0] * servers
+            self.seen_out = [0.0] * servers
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if slow:
+                time.sleep(slow)
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            step = trainer.global_step
+            if step == spec["warmup_steps"]:
+                self.t0 = time.perf_counter()
+            elif step > spec["warmup_steps"]:
+                metrics = trainer.callback_metrics
+                self.wait += float(metrics.get("pdist/ps/wait_s", 0.0))
+                for s in range(servers):
+                    self.seen_in[s] += float(metrics.get(f"pdist/ps/server{s}_bytes_in", 0.0))
+                    self.seen_out[s] += float(metrics.get(f"pdist/ps/server{s}_bytes_out", 0.0))
+                self.t1 = time.perf_counter()
+
+    timer = Timer()
+    strategy = ParameterServerStrategy(
+        sharding=spec["sharding"], mode=spec["mode"], allowed_networks=spec["subnet"],
+        server_addresses=[f"{hosts[s]}:{spec['server_port']}" for s in range(servers)], server_timeout=120.0,
+    )  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu", devices=1, num_nodes=workers, strategy=strategy, max_steps=total, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        num_sanity_val_steps=0, callbacks=[timer],
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(data, batch_size=spec["batch_size"]))
+    loop_s = timer.t1 - timer.t0
+    result = {
+        "worker": worker,
+        "steps": spec["steps"],
+        "loop_s": loop_s,
+        "steps_per_s": spec["steps"] / loop_s,
+        "compute_ms_per_step": compute_ms,
+        "wait_s": timer.wait,
+        "server_bytes_in": timer.seen_in,
+        "server_bytes_out": timer.seen_out,
+        "params": sum(p.numel() for p in net.parameters()),
+        "slow_delay_s": slow,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"worker{worker}.json").write_text(json.dumps(result))
+    return result
+
+
+def _compute_ms(model: Any, data: Any, batch_size: int) -> float:
+    """Forward + backward of one batch on this core, without any communication (mean of 3 after 1)."""
+    from torch.nn import functional as F
+
+    x, y = data.tensors[0][:batch_size], data.tensors[1][:batch_size]
+    times = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        F.cross_entropy(model(x), y).backward()
+        times.append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    return 1000 * sum(times[1:]) / 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_pdist.bench.ps_worker")
+    parser.add_argument("--spec", required=True, help="the run spec as JSON")
+    parser.add_argument("--hosts", required=True, help="comma-separated addresses of hosts 0, 1, ... (servers first)")
+    parser.add_argument("--out-dir", required=True, type=Path)
+    args = parser.parse_args(argv)
+    spec = check_spec(json.loads(args.spec))
+    hosts = args.hosts.split(",")
+    rank = int(os.environ["RANK"])
+    if rank < spec["servers"]:
+        run_server(spec, rank, hosts[rank], args.out_dir)
+    else:
+        run_worker(spec, rank - spec["servers"], hosts, args.out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

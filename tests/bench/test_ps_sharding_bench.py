@@ -1,0 +1,117 @@
+"""The ps_sharding suite: config rules, the communication bound, the report, and one real emulated run."""
+
+import json
+
+import pytest
+
+from lightning_pdist.bench import ps_sharding
+from lightning_pdist.bench.__main__ import main as bench_main
+from lightning_pdist.bench.netns import EmulatedNetwork
+from lightning_pdist.bench.ps_sharding import SuiteConfig, add_speedups, bound_samples_per_s, plan_shares
+from lightning_pdist.bench.ps_worker import check_spec
+
+_OK, _REASON = EmulatedNetwork.available()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"workers": (0, 2)}, r"--workers=\(0, 2\)\): each worker count must be an int in \[1, 16\]"),
+        ({"workers": (2, 2)}, r"--workers=\(2, 2\)\): give at least one value, none repeated"),
+        ({"shardings": ("rows",)}, r"--shardings=\('rows',\)\): each value must be one of \('layer', 'memory'\)"),
+        ({"rate": "fast"}, r"--rate='fast'\): must look like '100mbit'"),
+        ({"width": 1.5}, r"--width=1.5\): must be in \(0, 1\]"),
+        ({"steps": 0}, r"--steps=0\): must be an int >= 1"),
+        ({"straggler_workers": 1}, r"--straggler-workers=1\): must be an int in \[2, 16\]"),
+        ({"slow_delay_s": 0.0}, r"--slow-delay=0.0\): must be > 0 seconds"),
+    ],
+)
+def test_config_rejects_bad_values_naming_option_value_and_rule(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SuiteConfig(**kwargs)
+
+
+def test_cli_answers_bad_values_with_exit_status_2(tmp_path, capsys):
+    assert bench_main(["ps_sharding", "--out", str(tmp_path), "--workers", "0"]) == 2
+    assert "ps_sharding(--workers=(0,)): each worker count" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_without_namespaces_the_suite_stops_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """Never loopback figures under a network's name: no namespaces, no run, exit status 1."""
+    monkeypatch.setattr(EmulatedNetwork, "available", staticmethod(lambda: (False, "not root")))
+    assert bench_main(["ps_sharding", "--quick", "--out", str(tmp_path / "out")]) == 1
+    assert "cannot build emulated links here (not root)" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+
+
+def test_worker_spec_is_checked():
+    spec = ps_sharding.worker_spec(SuiteConfig(), 8, "layer")
+    assert spec["servers"] == 4 and spec["slow_worker"] is None
+    with pytest.raises(ValueError, match=r"slow_worker=8\): slow_worker must be None or in \[0, 8\)"):
+        check_spec({**spec, "slow_worker": 8})
+    with pytest.raises(ValueError, match=r"warmup_steps=0\): warmup_steps must be an int >= 1"):
+        check_spec({**spec, "warmup_steps": 0})
+    with pytest.raises(ValueError, match="unknown"):
+        check_spec({**spec, "extra": 1})
+
+
+def test_plan_shares_of_the_scaled_model_are_the_real_vgg16s():
+    """vgg16_scaled keeps the full VGG-16's plan shares: fc6 (74%) and a few convs on one server under layer."""
+    from lightning_pdist.algorithms.sharding import param_specs, plan_sharding
+    from lightning_pdist.models.vgg import vgg16
+
+    full = param_specs(vgg16(device="meta"))
+    for servers in (2, 4):
+        shares = plan_shares(0.0625, servers)
+        plan = plan_sharding(full, servers, "layer")
+        assert shares["layer"]["max_share"] == pytest.approx(plan.max_bytes / plan.nbytes, abs=2e-3)
+        assert shares["memory"]["max_share"] == pytest.approx(1 / servers, abs=1e-4)
+    assert plan_shares(0.0625, 4)["layer"]["max_share"] == pytest.approx(105_751_360 / 138_357_544, abs=2e-3)  # A6
+    assert plan_shares(0.0625, 1)["layer"]["max_share"] == 1.0
+
+
+def test_bound_is_push_then_pull_on_the_busiest_link():
+    """8 workers, 4 MB of parameters, 100 Mbit/s: memory on 4 servers moves 8 MB per phase on a server link."""
+    p, rate = 4_000_000, 100_000_000
+    memory = bound_samples_per_s(8, 32, p, 1 / 4, rate)
+    assert memory == pytest.approx(8 * 32 / (2 * 2 * p * 8 / rate))
+    layer = bound_samples_per_s(8, 32, p, 0.75, rate)
+    assert memory / layer == pytest.approx(3.0)
+    # one worker, one server: the worker's own link is as busy as the server's
+    assert bound_samples_per_s(1, 32, p, 1.0, rate) == pytest.approx(32 / (2 * p * 8 / rate))
+
+
+def test_speedups_and_ratios_are_computed_from_the_rows():
+    rows = [
+        {"workers": w, "sharding": s, "samples_per_s": v, "bound_samples_per_s": b}
+        for w, s, v, b in [(1, "layer", 10.0, 12.0), (1, "memory", 10.0, 12.0), (4, "layer", 20.0, 30.0),
+                           (4, "memory", 30.0, 48.0)]  # fmt: skip
+    ]
+    ratios = add_speedups(rows)
+    assert [r["speedup_vs_1_worker"] for r in rows] == [1.0, 1.0, 2.0, 3.0]
+    assert ratios["4"] == {"measured": 1.5, "bound": 1.6, "paper": 1.20}
+    assert ratios["1"]["paper"] is None
+
+
+@pytest.mark.skipif(not _OK, reason=_REASON)
+def test_real_run_on_emulated_links_writes_rows_plot_and_docs(tmp_path, capsys):
+    """One and two workers (one server), both plans, one timed step each on 1 Gbit/s links; then the report."""
+    out = tmp_path / "out"
+    argv = ["ps_sharding", "--out", str(out), "--parts", "sharding", "--workers", "1", "2", "--steps", "1",
+            "--warmup-steps", "1", "--width", "0.03125", "--rate", "1gbit", "--batch-size", "8"]  # fmt: skip
+    assert bench_main(argv) == 0
+    doc = json.loads((out / "ps_sharding.json").read_text())
+    assert (out / "ps_sharding.png").stat().st_size > 10_000
+    assert len(doc["rows"]) == 4
+    for row in doc["rows"]:
+        assert set(ps_sharding.ROW_KEYS) <= set(row)
+        assert row["network"] == "emulated 1gbit" and row["servers"] == 1 and row["samples_per_s"] > 0
+        # push + pull of the whole model per worker, as the server counts it (framing adds a little)
+        assert 2 * row["workers"] * 4 * row["params"] <= row["max_server_bytes_per_step"] < 2.05 * row["workers"] * 4 * row["params"]
+        assert row["max_server_bytes_per_step"] == row["mean_server_bytes_per_step"]
+        assert 1.0 < row["kernel_server_ratio"] < 1.15
+    assert doc["ratios"]["2"]["bound"] == 1.0
+    section = (out / "docs_section.md").read_text()
+    assert "layer-wise vs memory-balanced" in section and "emulated" in section
+    assert "samples/s" in capsys.readouterr().out
