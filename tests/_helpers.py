@@ -154,3 +154,18 @@ def assert_matches_reference(snapdir, reference: dict, world: int, atol: float =
     for t, flats in reference.items():
         for r in range(world):
             torch.testing.assert_close(load_snapshot(snapdir, r, t), flats[r], atol=atol, rtol=0, msg=lambda m: f"rank {r} step {t}: {m}")
+
+
+def server_processes(group: int | None = -1) -> list[int]:
+    """Live (non-zombie) processes named pdist-ps* in process group ``group`` (-1: this pytest's; None: any)."""
+    group = os.getpgrp() if group == -1 else group
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # state ppid pgrp ...
+                if (entry / "comm").read_text().startswith("pdist-ps") and stat[0] != "Z" and group in (None, int(stat[2])):
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids

@@ -20,9 +20,12 @@ pointed at the servers' addresses (:mod:`~lightning_pdist.bench.ps_worker`). The
 moving the shards, not the 2 cores, sets the pace; each row carries the compute share that shows it.
 
 Communication bound of a sync step: every worker pushes its gradient (``P`` bytes, cut by the plan) and
-then pulls the new parameters, so each phase takes at least ``max(P, W·f_max·P) / rate`` seconds, where
-``f_max`` is the busiest server's share of the bytes (``1/S`` for ``memory``). The bound is
-``W·B / (2·max(1, W·f_max)·P / rate)`` samples/s; ``bound_balanced`` uses ``f_max = 1/S``.
+pulls the new parameters, so each direction of the busiest link carries ``max(P, W·f_max·P)`` bytes per
+step, where ``f_max`` is the busiest server's share of the bytes (``1/S`` for ``memory``). Links are full
+duplex, so the bound is ``W·B·rate / max(P, W·f_max·P)`` samples/s (``bound_balanced``: ``f_max = 1/S``).
+It is reachable only where one worker's push overlaps another's pull. In sync mode a server replies only
+once every push of the step has arrived, so on a server's link the pushes and then the pulls take turns and
+a step takes about twice the bound's time (a lone worker, too, pushes, waits and then pulls).
 
 Without network namespaces (not root, no ``ip``/``tc``) the suite says why and stops with exit
 status 1: loopback figures are never passed off as network figures.
@@ -51,8 +54,8 @@ SHARDINGS = ("layer", "memory")
 ROW_KEYS = ("workers", "servers", "sharding", "mode", "samples_per_s", "speedup_vs_1_worker",
             "max_server_bytes_per_step", "mean_server_bytes_per_step", "network")  # fmt: skip
 PAPER_RATIOS = {4: 1.20, 8: 1.66}  # paper 000 Fig. 2: memory-based over layer-wise sharding, VGG-16
-QUICK = {"width": 0.0625, "steps": 6, "straggler_steps": 8}
-FULL = {"width": 0.125, "steps": 12, "straggler_steps": 16}
+QUICK = {"width": 0.0625, "steps": 6, "straggler_steps": 8, "slow_delay_s": 1.0}
+FULL = {"width": 0.125, "steps": 12, "straggler_steps": 16, "slow_delay_s": 3.0}  # 4x the bytes: slower steps
 SERVER_PORT = 29400
 
 
@@ -140,8 +143,8 @@ def plan_shares(width: float, servers: int) -> dict[str, dict[str, float]]:
 
 
 def bound_samples_per_s(workers: int, batch_size: int, param_bytes: int, max_share: float, rate_bits: int) -> float:
-    """Samples/s a sync step can reach when push and pull each run at line rate on the busiest link."""
-    step_s = 2 * max(1.0, workers * max_share) * param_bytes * 8 / rate_bits
+    """Samples/s of a sync step whose busiest link carries its bytes at line rate in each direction at once."""
+    step_s = max(1.0, workers * max_share) * param_bytes * 8 / rate_bits
     return workers * batch_size / step_s
 
 
@@ -162,10 +165,10 @@ class Runner:
     """Launches runs on one emulated network (servers on the first hosts, workers after them)."""
 
     def __init__(self, net: Any, config: SuiteConfig, scratch: Path, log: Callable[[str], None]) -> None:
-        from lightning_pdist.bench.averaging import _worker_env
+        from lightning_pdist.bench.launch import worker_env
 
         self.net, self.config, self.scratch, self.log = net, config, scratch, log
-        self.env = _worker_env()
+        self.env = worker_env()
         self.port = 29500
         self.count = 0
 
@@ -334,7 +337,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
 ROW_COLUMNS = (
     ("workers", "workers", None), ("servers", "servers", None), ("sharding", "sharding", None),
     ("samples/s", "samples_per_s", ".1f"), ("speedup vs 1", "speedup_vs_1_worker", ".2f"),
-    ("bound samples/s", "bound_samples_per_s", ".1f"), ("busiest server MB/step", "max_server_bytes_per_step", lambda v: f"{v / 1e6:.2f}"),
+    ("bound samples/s", "bound_samples_per_s", ".1f"), ("of bound", "of_bound", ".0%"), ("busiest server MB/step", "max_server_bytes_per_step", lambda v: f"{v / 1e6:.2f}"),
     ("mean server MB/step", "mean_server_bytes_per_step", lambda v: f"{v / 1e6:.2f}"),
     ("plan max share", "plan_max_share", ".3f"), ("compute share", "compute_share", ".2f"),
     ("wait share", "wait_share", ".2f"), ("kernel/served", "kernel_server_ratio", ".3f"),
@@ -375,7 +378,8 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
             f"{cfg['steps']} timed steps after {cfg['warmup_steps']}. Server bytes per step: in + out, from the servers' own "
             "counters in their replies; kernel/served: the server hosts' veth rx + tx over the whole run against the bytes "
             "the servers framed. Compute share: the workers' forward + backward on 2 cores over the step time.", "",
-            markdown_table(doc["rows"], ROW_COLUMNS), "", *ratio_lines(doc["ratios"]),
+            markdown_table([{**r, "of_bound": r["samples_per_s"] / r["bound_samples_per_s"]} for r in doc["rows"]], ROW_COLUMNS),
+            "", *ratio_lines(doc["ratios"]),
         ]  # fmt: skip
     if doc.get("straggler"):
         lines += [
@@ -449,7 +453,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--steps", type=int, default=None, help="timed steps of Part A (default: 6 quick, 12 full)")
     add("--straggler-workers", type=int, default=d.straggler_workers, help="workers in Part B (default %(default)s)")
     add("--straggler-steps", type=int, default=None, help="timed steps of Part B (default: 8 quick, 16 full)")
-    add("--slow-delay", type=float, default=d.slow_delay_s, dest="slow_delay_s", help="the straggler's sleep per batch, s (default %(default)s)")
+    add("--slow-delay", type=float, default=None, dest="slow_delay_s", help="the straggler's sleep per batch, s (default: 1 quick, 3 full)")
     add("--timeout", type=float, default=d.timeout, help="seconds per run (default %(default)s)")
 
 
@@ -462,7 +466,7 @@ def config_from_args(args: argparse.Namespace) -> SuiteConfig:
         workers_per_server=args.workers_per_server, rate=args.rate, width=float(pick(args.width, "width")),
         batch_size=args.batch_size, warmup_steps=args.warmup_steps, steps=pick(args.steps, "steps"),
         straggler_workers=args.straggler_workers, straggler_steps=pick(args.straggler_steps, "straggler_steps"),
-        slow_delay_s=args.slow_delay_s, timeout=args.timeout, quick=args.quick,
+        slow_delay_s=float(pick(args.slow_delay_s, "slow_delay_s")), timeout=args.timeout, quick=args.quick,
     )  # fmt: skip
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_pdist.bench.averaging import _own_cpu_s, _worker_env, busy_cpu_s, free_port, launch_loopback
+from lightning_pdist.bench.launch import busy_cpu_s, free_port, launch_loopback, own_cpu_s, worker_env
 from lightning_pdist.bench.netns import EmulatedNetwork, launch_ranks, measure_link_rate
 from lightning_pdist.bench.sign_worker import HOOKS, check_spec
 
@@ -110,9 +110,9 @@ def _read_ranks(out_dir: Path, world_size: int) -> list[dict[str, Any]]:
 
 
 def _timed(launch: Callable[[], Any]) -> float | None:
-    busy0, ours0, t0 = busy_cpu_s(), _own_cpu_s(), time.perf_counter()
+    busy0, ours0, t0 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
     launch()
-    wall, ours, busy1 = time.perf_counter() - t0, _own_cpu_s() - ours0, busy_cpu_s()
+    wall, ours, busy1 = time.perf_counter() - t0, own_cpu_s() - ours0, busy_cpu_s()
     # Other sessions share the cores; their CPU time during the run says how far to trust the timings.
     return None if busy0 is None or busy1 is None else round(max(0.0, busy1 - busy0 - ours) / wall, 2)
 
@@ -126,7 +126,7 @@ def run_comm(config: Any, scratch: Path, log: Callable[[str], None] = print) -> 
     specs = comm_plan(config)
     argv = lambda spec, out: [sys.executable, "-m", "lightning_pdist.bench.sign_worker",  # noqa: E731
                               "--spec", json.dumps(spec), "--out-dir", str(out)]  # fmt: skip
-    env = _worker_env()
+    env = worker_env()
     rows: list[dict[str, Any]] = []
     networks: dict[str, dict[str, Any]] = {}
     count = 0

@@ -2,7 +2,7 @@
 --out-dir DIR``.
 
 Plain ``torch.nn.parallel.DistributedDataParallel`` on gloo (no Lightning): the launcher
-(:func:`~lightning_pdist.bench.averaging.launch_loopback` or
+(:func:`~lightning_pdist.bench.launch.launch_loopback` or
 :func:`~lightning_pdist.bench.netns.launch_ranks`) sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT`` and ``GLOO_SOCKET_IFNAME``. The rank trains ``MLP(in_features, hidden)`` on
 synthetic batches with one of :data:`HOOKS` registered, and times ``steps`` optimizer steps after

@@ -1,6 +1,6 @@
 """One rank of a benchmark run: ``python -m lightning_pdist.bench.worker --spec JSON --out-dir DIR``.
 
-The launchers (:func:`lightning_pdist.bench.averaging.launch_loopback` on 127.0.0.1, or
+The launchers (:func:`lightning_pdist.bench.launch.launch_loopback` on 127.0.0.1, or
 :func:`lightning_pdist.bench.netns.launch_ranks` inside emulated hosts) start this module once per
 rank with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK=0``, ``NODE_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT`` and ``GLOO_SOCKET_IFNAME`` set, so each rank is its own Lightning "node":

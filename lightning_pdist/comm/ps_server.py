@@ -197,6 +197,7 @@ class ShardServer:
         self.version = 0
         self.bytes_in = 0
         self.bytes_out = 0
+        self.closed_bytes = (0, 0)  # sync: (bytes_in, bytes_out) when the last step closed
         self.histogram = [0] * STALENESS_BUCKETS
         self.pending: list[_Pending] = []
         self.gone: set[int] = set()  # workers whose connection closed (or said BYE)
@@ -350,6 +351,9 @@ class ShardServer:
             if mean is not None:
                 self.shard.apply_(mean)
                 self.version += 1
+                # Every reply of the previous step went out before this step's last push could arrive, and
+                # no reply of this step has: the counters now differ from the last close by exactly one step.
+                self.closed_bytes = (self.bytes_in, self.bytes_out)
             return {"accepted": accepted, "staleness": 0, "contributors": list(self.aggregator.last_contributors)}
         if self.dc is not None:
             grad = self.dc.compensate(worker, grad, self.shard.flat)
@@ -389,7 +393,9 @@ class ShardServer:
 
     def _stats(self) -> dict:
         stats = {"bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
-        if self.config.get("mode") != "sync":
+        if self.config.get("mode") == "sync":
+            stats["step_bytes_in"], stats["step_bytes_out"] = self.closed_bytes
+        else:
             stats["histogram"] = list(self.histogram)
         return stats
 

@@ -505,8 +505,11 @@ class ParameterServerStrategy(PdistStrategy):
         loads = []
         for server, meta in enumerate(metas):
             seen_in, seen_out = self._server_seen[server]
-            d_in, d_out = meta["bytes_in"] - seen_in, meta["bytes_out"] - seen_out
-            self._server_seen[server] = (meta["bytes_in"], meta["bytes_out"])
+            # Sync servers report their counters at the close of each step (exact per-step load); the live
+            # counters of async/ssp servers depend on when this worker's reply went out.
+            now_in, now_out = meta.get("step_bytes_in", meta["bytes_in"]), meta.get("step_bytes_out", meta["bytes_out"])
+            d_in, d_out = now_in - seen_in, now_out - seen_out
+            self._server_seen[server] = (now_in, now_out)
             values[f"pdist/ps/server{server}_bytes_in"] = float(d_in)
             values[f"pdist/ps/server{server}_bytes_out"] = float(d_out)
             loads.append(d_in + d_out)

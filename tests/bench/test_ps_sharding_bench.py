@@ -71,15 +71,15 @@ def test_plan_shares_of_the_scaled_model_are_the_real_vgg16s():
     assert plan_shares(0.0625, 1)["layer"]["max_share"] == 1.0
 
 
-def test_bound_is_push_then_pull_on_the_busiest_link():
-    """8 workers, 4 MB of parameters, 100 Mbit/s: memory on 4 servers moves 8 MB per phase on a server link."""
+def test_bound_is_the_busiest_links_bytes_at_line_rate():
+    """8 workers, 4 MB of parameters, 100 Mbit/s: memory on 4 servers moves 8 MB each way on a server link."""
     p, rate = 4_000_000, 100_000_000
     memory = bound_samples_per_s(8, 32, p, 1 / 4, rate)
-    assert memory == pytest.approx(8 * 32 / (2 * 2 * p * 8 / rate))
+    assert memory == pytest.approx(8 * 32 / (2 * p * 8 / rate))
     layer = bound_samples_per_s(8, 32, p, 0.75, rate)
     assert memory / layer == pytest.approx(3.0)
     # one worker, one server: the worker's own link is as busy as the server's
-    assert bound_samples_per_s(1, 32, p, 1.0, rate) == pytest.approx(32 / (2 * p * 8 / rate))
+    assert bound_samples_per_s(1, 32, p, 1.0, rate) == pytest.approx(32 / (p * 8 / rate))
 
 
 def test_speedups_and_ratios_are_computed_from_the_rows():

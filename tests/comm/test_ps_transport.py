@@ -5,29 +5,14 @@ import signal
 import socket
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from _helpers import server_processes
 
 from lightning_pdist.comm.ps_client import ParameterServerClient, ServerConnection, ServerError, ServerUnavailable
 from lightning_pdist.comm.ps_server import ParameterShard, start_server
 from lightning_pdist.comm.ps_wire import Kind, address_allowed, loads_state, parse_networks, recv_message, send_message
-
-
-def server_processes(group: int | None = -1) -> list[int]:
-    """Live (non-zombie) processes named pdist-ps* in process group ``group`` (-1: this pytest's; None: any)."""
-    group = os.getpgrp() if group == -1 else group
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # state ppid pgrp ...
-                if (entry / "comm").read_text().startswith("pdist-ps") and stat[0] != "Z" and group in (None, int(stat[2])):
-                    pids.append(int(entry.name))
-            except OSError:
-                pass
-    return pids
 
 
 @pytest.fixture(autouse=True)

@@ -3,32 +3,16 @@
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from _helpers import TinyRegression, fit, make_net, rank_batches, regression_data
+from _helpers import TinyRegression, fit, make_net, rank_batches, regression_data, server_processes
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 from lightning_pdist import ParameterServerStrategy
-
-
-def server_processes(group: int | None = -1) -> list[int]:
-    """Live (non-zombie) processes named pdist-ps* in process group ``group`` (-1: this pytest's; None: any)."""
-    group = os.getpgrp() if group == -1 else group
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # state ppid pgrp ...
-                if (entry / "comm").read_text().startswith("pdist-ps") and stat[0] != "Z" and group in (None, int(stat[2])):
-                    pids.append(int(entry.name))
-            except OSError:
-                pass
-    return pids
 
 
 @pytest.fixture(autouse=True)
@@ -129,6 +113,27 @@ def test_metrics_are_logged_through_lightning():
             "pdist/ps/server_bytes_max", "pdist/ps/staleness"} <= logged  # fmt: skip
     assert any(k.startswith("pdist/ps/staleness_hist/") for k in logged)
     assert trainer.callback_metrics["pdist/comm_bytes"] > 0
+
+
+class RecordServerBytes(Callback):
+    def __init__(self):
+        self.steps = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        m = trainer.callback_metrics
+        self.steps.append([(float(m[f"pdist/ps/server{s}_bytes_in"]), float(m[f"pdist/ps/server{s}_bytes_out"])) for s in range(2)])
+
+    def on_train_end(self, trainer, pl_module):
+        shard = 4 * sum(p.numel() for p in pl_module.parameters()) // 2  # memory sharding: half the bytes each
+        for step in self.steps[1:]:  # the first step also carries the other worker's initial pull
+            for d_in, d_out in step:
+                assert 2 * shard < d_in < 2 * shard + 1024 and 2 * shard < d_out < 2 * shard + 1024, (step, shard)
+        assert len({tuple(int(d_in) for d_in, _ in step) for step in self.steps[1:]}) == 1  # pushes: same bytes every step
+
+
+def test_sync_servers_report_exactly_one_steps_bytes():
+    """Sync: each server's logged in/out per step is the two workers' pushes and pulls of its shard, every step."""
+    fit(ps(num_servers=2), TinyRegression(), max_steps=6, callbacks=[RecordServerBytes()])
 
 
 def test_resume_restores_the_servers_exactly(tmp_path):
