@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gzip
 import os
 import socket
+import struct
 from pathlib import Path
 
+import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
@@ -169,3 +172,28 @@ def server_processes(group: int | None = -1) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def idx_bytes(array: np.ndarray, type_code: int = 0x08) -> bytes:
+    """``array`` in the IDX format of the MNIST files (big-endian)."""
+    header = bytes([0, 0, type_code, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+    return header + array.astype(array.dtype.newbyteorder(">")).tobytes()
+
+
+def write_mnist(folder, n_train=40, n_test=20, gz=True, seed=0):
+    """Tiny random MNIST files (the four standard names) in ``folder``; returns the arrays written."""
+    from lightning_pdist.data.mnist import MNIST_FILES
+
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays = {
+        "train_images": rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
+        "train_labels": (np.arange(n_train) % 10).astype(np.uint8),
+        "test_images": rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8),
+        "test_labels": (np.arange(n_test) % 10).astype(np.uint8),
+    }
+    for key, array in arrays.items():
+        data = idx_bytes(array)
+        path = folder / (MNIST_FILES[key] + (".gz" if gz else ""))
+        path.write_bytes(gzip.compress(data) if gz else data)
+    return arrays

@@ -250,3 +250,21 @@ def test_tiny_end_to_end_repro_run_writes_json_plot_and_docs(tmp_path, capsys):
     section = (out / "docs_section.md").read_text()
     assert section == docs_section(doc, str(out / "sign.json")) + "\n"
     assert "Command: `python -m lightning_pdist.bench sign --quick" in section and "digits mode 4" in section
+
+
+def test_repro_reads_mnist_from_a_data_dir(tmp_path):
+    """--data-dir with MNIST files adds an mnist Part A: 784 features, 10 classes, rows for both methods."""
+    from _helpers import write_mnist
+
+    from lightning_pdist.bench.sign_repro import load_data
+
+    write_mnist(tmp_path / "mnist", n_train=120, n_test=30)
+    data = load_data("mnist", tmp_path / "mnist")
+    assert data.train_x.shape[1] == 784 and len(data.train_x) + len(data.val_x) == 120
+    out = tmp_path / "run"
+    argv = ["sign", "--quick", "--out", str(out), "--parts", "repro", "--datasets", "mnist", "--data-dir",
+            str(tmp_path / "mnist"), "--batch-modes", "4", "--seeds", "0", "--rounds", "2", "--eval-every", "2",
+            "--hidden", "8", "--small-batch", "2", "--large-batch", "4"]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads((out / "sign.json").read_text())["repro"]["rows"]
+    assert {(r["dataset"], r["method"], r["round"]) for r in rows} == {("mnist", m, t) for m in ("signsgd_mv", "it_signsgd") for t in (0, 2)}
