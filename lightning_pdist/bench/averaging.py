@@ -49,6 +49,7 @@ from lightning_pdist.bench.launch import busy_cpu_s, free_port, launch_loopback,
 from lightning_pdist.bench.netns import EmulatedNetwork, launch_ranks, measure_link_rate, parse_rate
 from lightning_pdist.bench.report import (
     check_rows,
+    cli_config,
     command_line,
     markdown_table,
     new_document,
@@ -769,10 +770,8 @@ def config_from_args(args: argparse.Namespace) -> SuiteConfig:
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Run the suite for parsed ``args`` (``argv`` is recorded as the command); print the tables."""
-    try:
-        config = config_from_args(args)
-    except ValueError as err:
-        print(f"python -m lightning_pdist.bench {SUITE}: error: {err}", file=sys.stderr)
+    config = cli_config(SUITE, config_from_args, args)
+    if config is None:
         return 2
     doc = run_suite(config, args.out, command_line(SUITE, argv))
     print()

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import command_line, markdown_table, new_document, save_figure, write_json
+from lightning_pdist.bench.report import markdown_table, new_document, run_documented_suite, save_figure, write_json
 
 SUITE = "ps_sharding"
 PARTS = ("sharding", "straggler")
@@ -472,18 +472,4 @@ def config_from_args(args: argparse.Namespace) -> SuiteConfig:
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Run the suite for parsed ``args`` (``argv`` is recorded as the command); print the tables."""
-    try:
-        config = config_from_args(args)
-    except ValueError as err:
-        print(f"python -m lightning_pdist.bench {SUITE}: error: {err}", file=sys.stderr)
-        return 2
-    doc = run_suite(config, args.out, command_line(SUITE, argv))
-    if doc is None:
-        return 1
-    out = Path(args.out)
-    section = docs_section(doc, str(out / f"{SUITE}.json"))
-    (out / "docs_section.md").write_text(section + "\n")
-    print()
-    print(section)
-    print(f"\nwrote {out / (SUITE + '.json')}, {out / (SUITE + '.png')} and {out / 'docs_section.md'} in {doc['suite_wall_s']} s")
-    return 0
+    return run_documented_suite(SUITE, args, argv, config_from_args, run_suite, docs_section)
