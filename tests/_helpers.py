@@ -6,9 +6,11 @@ import gzip
 import os
 import socket
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
@@ -197,3 +199,13 @@ def write_mnist(folder, n_train=40, n_test=20, gz=True, seed=0):
         path = folder / (MNIST_FILES[key] + (".gz" if gz else ""))
         path.write_bytes(gzip.compress(data) if gz else data)
     return arrays
+
+
+@pytest.fixture(autouse=True)
+def no_orphaned_servers():
+    """Every test of a module that imports this fixture leaves no parameter-server process behind."""
+    yield
+    deadline = time.monotonic() + 15
+    while server_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server_processes() == []

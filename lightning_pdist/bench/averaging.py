@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_pdist.bench.launch import busy_cpu_s, free_port, launch_loopback, own_cpu_s, worker_env
+from lightning_pdist.bench.launch import busy_cpu_s, free_port, launch_loopback, own_cpu_s, read_results, worker_env
 from lightning_pdist.bench.netns import EmulatedNetwork, launch_ranks, measure_link_rate, parse_rate
 from lightning_pdist.bench.report import (
     check_rows,
@@ -182,17 +182,6 @@ def plan_runs(config: SuiteConfig) -> list[dict[str, Any]]:
 def worker_argv(spec: dict[str, Any], out_dir: Path) -> list[str]:
     """The command line of one rank of ``spec``."""
     return [sys.executable, "-m", "lightning_pdist.bench.worker", "--spec", json.dumps(spec), "--out-dir", str(out_dir)]
-
-
-def read_rank_results(out_dir: Path, world_size: int) -> list[dict[str, Any]]:
-    """The ``rank<r>.json`` files of one run, in rank order."""
-    results = []
-    for rank in range(world_size):
-        path = out_dir / f"rank{rank}.json"
-        if not path.exists():
-            raise RuntimeError(f"averaging: rank {rank} exited cleanly but wrote no {path}")
-        results.append(json.loads(path.read_text()))
-    return results
 
 
 @dataclass
@@ -364,7 +353,7 @@ def _run_one(
     wall, ours, busy1 = time.perf_counter() - t0, own_cpu_s() - ours0, busy_cpu_s()
     # Other sessions share this machine's cores; their CPU time during the run says how far to trust wall times.
     other = None if busy0 is None or busy1 is None else max(0.0, busy1 - busy0 - ours)
-    return read_rank_results(out_dir, spec["world_size"]), RunTiming(wall, ours, other)
+    return read_results(out_dir, "rank", spec["world_size"], SUITE), RunTiming(wall, ours, other)
 
 
 def _describe(row: dict[str, Any]) -> str:

@@ -8,6 +8,7 @@ during a run, which every suite reports next to its timings (the machine has 2 s
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tempfile
@@ -18,7 +19,7 @@ from typing import Any
 
 from lightning_pdist.bench.netns import LaunchError
 
-__all__ = ["busy_cpu_s", "free_port", "launch_loopback", "own_cpu_s", "worker_env"]
+__all__ = ["busy_cpu_s", "free_port", "launch_loopback", "own_cpu_s", "read_results", "worker_env"]
 
 
 def launch_loopback(
@@ -134,3 +135,18 @@ def own_cpu_s() -> float:
 
     usages = (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
     return sum(u.ru_utime + u.ru_stime for u in usages)
+
+
+def read_results(out_dir: Path, prefix: str, count: int, suite: str) -> list[dict[str, Any]]:
+    """The ``<prefix><i>.json`` files processes ``0 .. count-1`` of one run wrote, in order.
+
+    Raises:
+        RuntimeError: one is missing (its process exited cleanly without writing it); the message names ``suite``.
+    """
+    results = []
+    for i in range(count):
+        path = out_dir / f"{prefix}{i}.json"
+        if not path.exists():
+            raise RuntimeError(f"{suite}: {prefix} {i} exited cleanly but wrote no {path}")
+        results.append(json.loads(path.read_text()))
+    return results

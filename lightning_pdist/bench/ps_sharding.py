@@ -45,7 +45,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_pdist.bench.netns import parse_rate
+from lightning_pdist.bench.launch import read_results, worker_env
+from lightning_pdist.bench.netns import launch_ranks, parse_rate
 from lightning_pdist.bench.report import markdown_table, new_document, run_documented_suite, save_figure, write_json
 
 SUITE = "ps_sharding"
@@ -151,22 +152,10 @@ def bound_samples_per_s(workers: int, batch_size: int, param_bytes: int, max_sha
 # -- running ------------------------------------------------------------------------------------
 
 
-def _read(out_dir: Path, prefix: str, count: int) -> list[dict[str, Any]]:
-    results = []
-    for i in range(count):
-        path = out_dir / f"{prefix}{i}.json"
-        if not path.exists():
-            raise RuntimeError(f"{SUITE}: {prefix} {i} exited cleanly but wrote no {path}")
-        results.append(json.loads(path.read_text()))
-    return results
-
-
 class Runner:
     """Launches runs on one emulated network (servers on the first hosts, workers after them)."""
 
     def __init__(self, net: Any, config: SuiteConfig, scratch: Path, log: Callable[[str], None]) -> None:
-        from lightning_pdist.bench.launch import worker_env
-
         self.net, self.config, self.scratch, self.log = net, config, scratch, log
         self.env = worker_env()
         self.port = 29500
@@ -174,8 +163,6 @@ class Runner:
 
     def launch(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Run ``spec``; return workers' and servers' results, wall time and the servers' kernel bytes."""
-        from lightning_pdist.bench.netns import launch_ranks
-
         net, servers, workers = self.net, spec["servers"], spec["workers"]
         self.count += 1
         self.port += 1  # a fresh rendezvous port per run: the last run's sockets may linger in TIME_WAIT
@@ -188,7 +175,7 @@ class Runner:
         launch_ranks(net, argv, servers + workers, self.port, env=self.env, timeout=self.config.timeout)
         wall = time.perf_counter() - t0
         kernel = [net.rx_bytes(i) - b[0] + net.tx_bytes(i) - b[1] for i, b in zip(range(servers), before)]
-        return {"workers": _read(out, "worker", workers), "servers": _read(out, "server", servers),
+        return {"workers": read_results(out, "worker", workers, SUITE), "servers": read_results(out, "server", servers, SUITE),
                 "wall_s": wall, "kernel_server_bytes": kernel}  # fmt: skip
 
 

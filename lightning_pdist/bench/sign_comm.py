@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_pdist.bench.launch import busy_cpu_s, free_port, launch_loopback, own_cpu_s, worker_env
+from lightning_pdist.bench.launch import busy_cpu_s, free_port, launch_loopback, own_cpu_s, read_results, worker_env
 from lightning_pdist.bench.netns import EmulatedNetwork, launch_ranks, measure_link_rate
 from lightning_pdist.bench.sign_worker import HOOKS, check_spec
 
@@ -99,16 +99,6 @@ def add_speedups(rows: list[dict[str, Any]]) -> None:
         row["speedup_vs_fp32"] = round(base["ms_per_step"] / row["ms_per_step"], 3) if base else None
 
 
-def _read_ranks(out_dir: Path, world_size: int) -> list[dict[str, Any]]:
-    results = []
-    for rank in range(world_size):
-        path = out_dir / f"rank{rank}.json"
-        if not path.exists():
-            raise RuntimeError(f"sign: rank {rank} exited cleanly but wrote no {path}")
-        results.append(json.loads(path.read_text()))
-    return results
-
-
 def _timed(launch: Callable[[], Any]) -> float | None:
     busy0, ours0, t0 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
     launch()
@@ -137,7 +127,7 @@ def run_comm(config: Any, scratch: Path, log: Callable[[str], None] = print) -> 
         count += 1
         out = scratch / f"comm{count}"
         load = _timed(lambda: launch(argv(spec, out), spec["world_size"]))
-        row = build_comm_row(spec, _read_ranks(out, spec["world_size"]), network, rate, detail, load)
+        row = build_comm_row(spec, read_results(out, "rank", spec["world_size"], "sign"), network, rate, detail, load)
         kernel = row["kernel_tx_bytes_per_rank_per_step"]
         log(f"[B {count}/{total}] {network_key(network, rate)} {spec['hook']} n={spec['world_size']}: "
             f"{row['ms_per_step']:.1f} ms/step, {row['bytes_per_rank_per_step'] / 1e6:.3f} MB/rank/step logged"

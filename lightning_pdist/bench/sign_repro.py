@@ -172,7 +172,8 @@ def train_run(
     """Train one run; return ``{"curve": [(round, val_acc), ...], "wall_s", "params", "final_weights"}``.
 
     The curve holds round 0 (the initial model), every ``eval_every`` rounds, and the last round.
-    ``final_weights`` are IT-signSGD's last LLR weights per worker (``None`` for the majority vote).
+    ``final_weights`` are IT-signSGD's last LLR weights per worker, averaged over coordinates for the tensor and
+    coordinate estimators (``None`` for the majority vote).
     """
     import torch
 
@@ -198,7 +199,11 @@ def train_run(
         sign_round_(model, optimizer, sim, batches)
         if t % eval_every == 0 or t == rounds:
             curve.append((t, accuracy(model, data.val_x, data.val_y)))
-    weights = None if sim.last_weights is None else [round(float(w), 4) for w in sim.last_weights.flatten()]
+    # One number per worker whatever the estimator: the tensor and coordinate estimators' weights are averaged
+    # over their tensors/coordinates (kept whole, the coordinate estimator's would be M·d numbers per run).
+    weights = None if sim.last_weights is None else [
+        round(float(w), 4) for w in sim.last_weights.reshape(num_workers, -1).mean(1)
+    ]
     return {
         "curve": curve,
         "wall_s": time.perf_counter() - t0,

@@ -8,21 +8,11 @@ import time
 
 import pytest
 import torch
-from _helpers import server_processes
+from _helpers import no_orphaned_servers, server_processes  # noqa: F401  (autouse fixture)
 
 from lightning_pdist.comm.ps_client import ParameterServerClient, ServerConnection, ServerError, ServerUnavailable
 from lightning_pdist.comm.ps_server import ParameterShard, start_server
 from lightning_pdist.comm.ps_wire import Kind, address_allowed, loads_state, parse_networks, recv_message, send_message
-
-
-@pytest.fixture(autouse=True)
-def no_orphaned_servers():
-    """Every test must leave no server process behind."""
-    yield
-    deadline = time.monotonic() + 15
-    while server_processes() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server_processes() == []
 
 
 @pytest.fixture

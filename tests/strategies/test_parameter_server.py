@@ -2,27 +2,17 @@
 
 import os
 import signal
-import time
 
 import pytest
 import torch
-from _helpers import TinyRegression, fit, make_net, rank_batches, regression_data, server_processes
+from _helpers import TinyRegression, fit, make_net, rank_batches, regression_data
+from _helpers import no_orphaned_servers  # noqa: F401  (autouse fixture)
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 from lightning_pdist import ParameterServerStrategy
-
-
-@pytest.fixture(autouse=True)
-def no_orphaned_servers():
-    """Every run, however it ends, leaves no parameter-server process behind."""
-    yield
-    deadline = time.monotonic() + 15
-    while server_processes() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server_processes() == []
 
 
 def flat(module) -> torch.Tensor:
