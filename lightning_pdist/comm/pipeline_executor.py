@@ -53,7 +53,8 @@ class StageExecutor:
         input_fn: first stage of a multi-stage pipeline: micro-batch id -> the network's input.
         loss_fn: last stage: ``loss_fn(j, forward)`` returns micro-batch ``j``'s loss, where ``forward(x)``
             runs this stage (``x`` is used only by a one-stage pipeline; later stages use what arrived).
-        update_fn: applies one optimizer step from the parameters' ``.grad`` (and may all-reduce them).
+        update_fn: applies one optimizer step from the parameters' ``.grad`` (and may all-reduce them);
+            the executor fills ``.grad`` from its accumulators just before and clears it after.
         weight_stashing: keep the forward's weights for its backward (see the module docstring).
         vertical_sync: ``pipedream``: use the input stage's version for every micro-batch.
     """
@@ -83,6 +84,9 @@ class StageExecutor:
         self.newest = 0  # updates applied: the newest weight version's id
         self.stashed: dict[int, list[Tensor]] = {}  # older versions a forward may still need
         self.in_flight: dict[int, _InFlight] = {}
+        # Gradients accumulate here, not in .grad, until the update: Lightning's zero_grad after each
+        # training_step must not wipe a 2BW batch whose backwards span two windows.
+        self.grads: dict[str, Tensor] = {}
         self._drain_mark = (0, 0)  # (micro-batch, version) where the pipeline was last empty
         self.max_versions = 1  # most weight versions alive at once (measured at every forward and update)
 
@@ -218,8 +222,7 @@ class StageExecutor:
             grads = (None,) * len(inputs)
         for name, g in zip(names, grads):
             if g is not None:
-                p = self.params[name]
-                p.grad = g if p.grad is None else p.grad.add_(g)
+                self.grads[name] = g if name not in self.grads else self.grads[name].add_(g)
         if record.inputs is not None and not self.is_first:
             g_in = grads[-1] if grads[-1] is not None else torch.zeros_like(record.inputs)
             self.p2p.send(g_in, self.prev_rank, BACKWARD, j, version=record.version)
@@ -232,6 +235,8 @@ class StageExecutor:
             for p in self.params.values():
                 p.data = p.data.clone()
         self._measure()
+        for name, p in self.params.items():
+            p.grad = self.grads.pop(name, None)
         self.update_fn()
         for p in self.params.values():
             p.grad = None

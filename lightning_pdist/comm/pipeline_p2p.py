@@ -25,6 +25,7 @@ peer has taken it (:meth:`P2P.reap`). Bytes sent (header and payload) go to the 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +67,8 @@ class P2P:
     group: dist.ProcessGroup | None
     max_message_bytes: int = 1 << 31
     meter: CommMeter | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    wait_s: float = 0.0  # seconds spent blocked in recv (the stage's idle time, bubbles included)
     _pending: list[tuple[dist.Work, Tensor]] = field(default_factory=list)  # buffers stay alive until taken
 
     def send(self, tensor: Tensor, dst: int, stream: int, microbatch: int, version: int = 0) -> None:
@@ -75,7 +78,7 @@ class P2P:
         if tensor.ndim > MAX_NDIM:
             raise ValueError(f"pipeline p2p: tensor of {tensor.ndim} dims; at most {MAX_NDIM}")
         payload = tensor.detach().contiguous()
-        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
         header[:6] = torch.tensor([MAGIC, stream, microbatch, version, _CODE[payload.dtype], payload.ndim])
         header[6 : 6 + payload.ndim] = torch.tensor(payload.shape, dtype=torch.int64)
         tag = stream
@@ -88,7 +91,8 @@ class P2P:
 
     def recv(self, src: int, stream: int, microbatch: int) -> Message:
         """Receive the next message of ``stream`` from global rank ``src``; it must be ``microbatch``."""
-        header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        start = time.perf_counter()
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         dist.recv(header, src=src, group=self.group, tag=stream)
         magic, got_stream, got_mb, version, code, ndim = (int(v) for v in header[:6])
         where = f"pipeline p2p from rank {src}"
@@ -105,8 +109,9 @@ class P2P:
             raise RuntimeError(f"{where}: message of {nbytes} bytes exceeds max_message_bytes={self.max_message_bytes}")
         if got_mb != microbatch:
             raise RuntimeError(f"{where}: got micro-batch {got_mb} on stream {stream}, the schedule expects {microbatch}")
-        tensor = torch.empty(shape, dtype=dtype)
+        tensor = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(tensor, src=src, group=self.group, tag=stream)
+        self.wait_s += time.perf_counter() - start
         return Message(tensor, got_mb, version)
 
     def reap(self) -> None:

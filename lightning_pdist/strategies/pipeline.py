@@ -1,0 +1,612 @@
+"""Pipeline parallelism as a Lightning strategy: GPipe, 1F1B, PipeDream (weight stashing) and PipeDream-2BW.
+
+Process layout: ``world_size = num_stages · R``. Global rank ``r`` runs stage ``r // R`` of pipeline
+replica ``r % R`` (stage-major, as Megatron places pipeline stages outermost)::
+
+    replica 0:  rank 0 (stage 0) ──p2p──> rank R (stage 1) ──p2p──> ... rank (K-1)·R (stage K-1)
+    replica 1:  rank 1 (stage 0) ──p2p──> rank R+1         ──p2p──> ...
+    each stage's R replicas all-reduce their gradients before every update (PipeDream's replicated stages)
+
+Every rank loads the same batches as the other stages of its replica (the sampler shards the data
+over the ``R`` replicas). Per Lightning training step, one batch becomes ``num_microbatches``
+micro-batches and each stage runs its *window* of the schedule
+(:class:`~lightning_pdist.comm.pipeline_executor.StageExecutor`): flushed schedules (``gpipe``,
+``1f1b``) finish the batch with one update; ``pipedream`` and ``2bw`` leave micro-batches in flight
+across steps and drain only before validation, at the end of ``fit`` and when a checkpoint is written.
+
+The contract with the user's module (checked at setup, refusals say what to add): its trainable
+parameters all live in one ``nn.Sequential`` (found automatically, or named by ``network=``), the
+module calls it once per step, and automatic optimization with one optimizer. Nothing else changes:
+on the last stage the module's own ``training_step``/``validation_step``/``test_step``/``predict_step``
+run per micro-batch with the network's output in place of the network (the loss comes from the
+module), and whatever they log is logged on every stage. The first stage learns the network's input
+by running the same hook up to the network call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_pdist.algorithms.flat import flatten, unflatten_into_
+from lightning_pdist.algorithms.pipeline_partition import BALANCES
+from lightning_pdist.algorithms.pipeline_schedule import SCHEDULES
+from lightning_pdist.comm.collectives import all_reduce_mean_
+from lightning_pdist.comm.pipeline_executor import StageExecutor
+from lightning_pdist.comm.pipeline_p2p import P2P
+from lightning_pdist.strategies.base import PdistStrategy
+from lightning_pdist.strategies.pipeline_logging import LogRecorder, aggregate, replay
+from lightning_pdist.strategies.pipeline_module import NetworkInput, StageSplit, batch_size_of, split_batch
+
+__all__ = ["PipelineConfig", "PipelineStrategy"]
+
+_OWNED_DDP_ARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The validated settings of a :class:`PipelineStrategy` (see its docstring)."""
+
+    num_stages: int | None = None
+    schedule: str = "1f1b"
+    num_microbatches: int | None = None
+    balance: str | None = None
+    split_points: tuple[str, ...] | None = None
+    network: str | None = None
+    vertical_sync: bool = False
+    weight_stashing: bool = True
+    max_message_bytes: int = 1 << 31
+    owner: str = "PipelineStrategy"
+
+    def _fail(self, arg: str, rule: str, error: type = ValueError) -> None:
+        raise error(f"{self.owner}({arg}={getattr(self, arg)!r}): {rule}")
+
+    def __post_init__(self) -> None:
+        for arg in ("num_stages", "num_microbatches"):
+            value = getattr(self, arg)
+            if value is not None and not _is_int(value):
+                self._fail(arg, f"{arg} must be an int or None", TypeError)
+            if value is not None and value < 1:
+                self._fail(arg, f"{arg} must be >= 1")
+        if not isinstance(self.schedule, str) or self.schedule not in SCHEDULES:
+            self._fail("schedule", f"schedule must be one of {', '.join(map(repr, SCHEDULES))}")
+        if self.schedule in ("1f1b", "2bw") and self.num_stages and self.num_microbatches and self.num_microbatches < self.num_stages:
+            self._fail("num_microbatches", f"schedule={self.schedule!r} needs num_microbatches >= num_stages "
+                                           f"({self.num_stages}): its warm-up keeps that many in flight (use 'gpipe' for fewer)")  # fmt: skip
+        if self.balance is not None and self.balance not in BALANCES:
+            self._fail("balance", f"balance must be None or one of {', '.join(map(repr, BALANCES))}")
+        if self.split_points is not None:
+            if self.balance is not None:
+                self._fail("balance", "give balance or split_points, not both")
+            if not all(isinstance(p, str) for p in self.split_points):
+                self._fail("split_points", "split_points must be a list of layer names", TypeError)
+            if self.num_stages is not None and len(self.split_points) != self.num_stages - 1:
+                self._fail("split_points", f"{self.num_stages} stages need {self.num_stages - 1} split points")
+        if self.vertical_sync and self.schedule != "pipedream":
+            self._fail("vertical_sync", f"vertical sync applies to schedule='pipedream', not {self.schedule!r}")
+        if not self.weight_stashing and self.schedule != "pipedream":
+            self._fail("weight_stashing", f"turning stashing off is PipeDream's ablation; schedule {self.schedule!r} "
+                                          "either never updates mid-flight (flushed) or needs its two versions (2bw)")  # fmt: skip
+        if not _is_int(self.max_message_bytes) or self.max_message_bytes < 1:
+            self._fail("max_message_bytes", "max_message_bytes must be a positive int")
+
+    def stages_for(self, world_size: int) -> int:
+        return self.num_stages if self.num_stages is not None else world_size
+
+    def microbatches_for(self, world_size: int) -> int:
+        return self.num_microbatches if self.num_microbatches is not None else 2 * self.stages_for(world_size)
+
+    def check_world_size(self, world_size: int) -> None:
+        K = self.stages_for(world_size)
+        if world_size % K:
+            raise ValueError(
+                f"{self.owner}(num_stages={K}): world_size {world_size} is not a multiple of num_stages "
+                f"(world_size = num_stages x replicas; with {world_size} processes use a divisor of {world_size})"
+            )
+        m = self.microbatches_for(world_size)
+        if self.schedule in ("1f1b", "2bw") and m < K:
+            raise ValueError(f"{self.owner}(num_microbatches={m}): schedule={self.schedule!r} needs num_microbatches >= "
+                             f"num_stages ({K})")  # fmt: skip
+        if self.split_points is not None and len(self.split_points) != K - 1:
+            raise ValueError(f"{self.owner}(split_points={list(self.split_points)!r}): {K} stages need {K - 1} split points")
+
+
+class PipelineStrategy(PdistStrategy):
+    """Pipeline-parallel training of an ``nn.Sequential`` network, optionally replicated (pipeline × data parallel).
+
+    Schedules (:mod:`lightning_pdist.algorithms.pipeline_schedule` has the rules, the method card the timelines):
+
+    * ``"gpipe"``: all forwards, all backwards, one update per batch. Exact: equals one-process training
+      with gradient accumulation over the micro-batches. Bubble ``(K-1)/(m+K-1)``.
+    * ``"1f1b"`` (default, PipeDream-Flush): the same update and bubble, activation memory for at most
+      ``K - s`` micro-batches on stage ``s``.
+    * ``"pipedream"``: asynchronous 1F1B, no flush; every micro-batch is a mini-batch with its own
+      update on each stage (so ``num_microbatches`` updates per Lightning step; the learning rate is per
+      micro-batch). Weight stashing keeps ``K - s`` weight versions on stage ``s``; ``vertical_sync``
+      makes every stage use the input stage's version (``K`` versions each).
+    * ``"2bw"``: PipeDream-2BW, ``W(t+1) = W(t) - ν·∇f(W(t-1))`` with gradients accumulated over the
+      batch's micro-batches; two weight versions per stage.
+
+    Logged per step: ``pdist/comm_bytes`` (this rank: activations, gradients, headers, replica all-reduce),
+    ``pdist/pipeline/bubble`` (mean over stages of the share of the step spent waiting for a neighbour),
+    and per stage ``pdist/pipeline/stage{s}/bubble``, ``/comm_bytes`` and ``/stash_depth`` (weight versions
+    alive, measured from the storages). Checkpoints hold the whole model (``state_dict``, readable by
+    ``load_from_checkpoint`` in one process), every stage's optimizer state and, for ``2bw``, the older
+    weight version; the asynchronous schedules drain first, so a checkpoint is a drained pipeline.
+
+    Args:
+        num_stages: pipeline depth ``K``; ``None``: the world size (no replicas). ``world_size`` must be a
+            multiple of it.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"pipedream"`` or ``"2bw"``.
+        num_microbatches: micro-batches per batch ``m``; ``None``: ``2K``, which keeps the flushed bubble at
+            ``(K-1)/(3K-1) <= 1/3`` while micro-batches stay large. ``1f1b`` and ``2bw`` need ``m >= K``. A batch
+            smaller than ``m`` is cut into as many micro-batches as it has samples.
+        balance: ``"parameters"`` (default) or ``"time"`` (profiles each layer on the module's
+            ``example_input_array``).
+        split_points: names of the layers that start stages 1..K-1 (instead of ``balance``), e.g.
+            ``["model.net.4"]``.
+        network: name of the ``nn.Sequential`` to split when it cannot be found automatically.
+        vertical_sync: ``pipedream`` only.
+        weight_stashing: ``pipedream`` only; ``False`` is the ablation in which a backward uses the newest
+            weights (PipeDream paper, Fig. 13): warned, never a default.
+        max_message_bytes: a received header announcing a larger tensor is refused before allocating.
+        **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (``start_method``,
+            ``process_group_backend``, ``timeout``). Nothing is wrapped in ``DistributedDataParallel``.
+    """
+
+    strategy_name = "pipeline"
+
+    def __init__(
+        self,
+        num_stages: int | None = None,
+        schedule: str = "1f1b",
+        num_microbatches: int | None = None,
+        balance: str | None = None,
+        split_points: list[str] | None = None,
+        network: str | None = None,
+        vertical_sync: bool = False,
+        weight_stashing: bool = True,
+        max_message_bytes: int = 1 << 31,
+        **kwargs: Any,
+    ) -> None:
+        owner = type(self).__name__
+        for name in _OWNED_DDP_ARGS:
+            if kwargs.get(name) is not None:
+                raise ValueError(f"{owner}({name}={kwargs[name]!r}): the pipeline moves activations, not DDP buckets; {name} must be left unset")
+        self.config = PipelineConfig(
+            num_stages=num_stages, schedule=schedule, num_microbatches=num_microbatches, balance=balance,
+            split_points=tuple(split_points) if split_points is not None else None, network=network,
+            vertical_sync=vertical_sync, weight_stashing=weight_stashing, max_message_bytes=max_message_bytes, owner=owner,
+        )  # fmt: skip
+        if not weight_stashing:
+            rank_zero_warn(f"{owner}(weight_stashing=False): backwards will use newer weights than their forwards "
+                           "(PipeDream's no-stashing ablation); gradients are not those of any one weight version")  # fmt: skip
+        super().__init__(**kwargs)
+        self.num_stages, self.schedule, self.num_microbatches = num_stages, schedule, num_microbatches
+        self.split: StageSplit | None = None
+        self.executor: StageExecutor | None = None
+        self._pp_group: Any = None
+        self._dp_group: Any = None
+        self._groups_made = False
+        self._failed = False
+        self._window: dict[str, Any] = {}
+        self._step_stats = (0.0, 0.0)
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def pipeline_stages(self) -> int:
+        return self.config.stages_for(self.world_size)
+
+    @property
+    def replicas(self) -> int:
+        return self.world_size // self.pipeline_stages
+
+    @property
+    def stage(self) -> int:
+        return self.global_rank // self.replicas
+
+    @property
+    def replica(self) -> int:
+        return self.global_rank % self.replicas
+
+    def stage_rank(self, stage: int) -> int:
+        """Global rank of ``stage`` in this rank's replica."""
+        return stage * self.replicas + self.replica
+
+    @override
+    def set_world_ranks(self) -> None:
+        super().set_world_ranks()
+        self.config.check_world_size(self.world_size)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every stage of a replica reads the same batches; replicas read disjoint shards.
+        return {"num_replicas": self.replicas, "rank": self.replica}
+
+    def _make_groups(self) -> None:
+        if self._groups_made or self.world_size == 1:
+            return
+        K, R = self.pipeline_stages, self.replicas
+        for r in range(R):  # every rank creates every group, in the same order
+            group = dist.new_group([s * R + r for s in range(K)])
+            if r == self.replica:
+                self._pp_group = group
+        for s in range(K):
+            group = dist.new_group([s * R + r for r in range(R)])
+            if s == self.stage:
+                self._dp_group = group
+        self._groups_made = True
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def configure_ddp(self) -> None:
+        """Nothing to wrap: stages exchange activations; replicas all-reduce in :meth:`_update`."""
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        module = self.lightning_module
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._check_trainer(trainer)
+        self.accelerator.setup(trainer)
+        self.model_to_device()
+        self._make_groups()
+        self._broadcast_module_from_rank_zero()
+        try:
+            self.split = StageSplit(module, self.pipeline_stages, self.stage, self.config.network, self.config.balance,
+                                    list(self.config.split_points) if self.config.split_points else None,
+                                    getattr(module, "example_input_array", None))  # fmt: skip
+        except ValueError as err:
+            raise ValueError(f"{type(self).__name__}: {err}") from None
+        self._agree_on_partition()
+        self.precision_plugin.convert_module(self.model)
+        if fitting:
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise ValueError(f"{type(self).__name__}: configure_optimizers returned {len(self.optimizers)} optimizers; "
+                                 "each pipeline stage steps exactly one (over its own layers)")  # fmt: skip
+        self.setup_precision_plugin()
+        self.executor = self._make_executor()
+        if fitting and self._loaded_pdist_state is not None:
+            self.load_pdist_state_dict(self._loaded_pdist_state)
+        self._loaded_pdist_state = None
+
+    def _check_trainer(self, trainer: Any) -> None:
+        owner, module = type(self).__name__, self.lightning_module
+        if not module.automatic_optimization:
+            raise ValueError(f"{owner}: {type(module).__name__}.automatic_optimization is False; the pipeline runs every "
+                             "backward and update inside its schedule, so it needs automatic optimization")  # fmt: skip
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(f"{owner}: Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}): the pipeline "
+                             "already accumulates over micro-batches; raise num_microbatches or the batch size instead")  # fmt: skip
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
+            raise ValueError(f"{owner}: Trainer(gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}): the gradient "
+                             "norm spans all stages; use gradient_clip_algorithm='value' (stage-local)")  # fmt: skip
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(f"{owner}: precision with a gradient scaler (16-mixed) is not supported; use 32-true or bf16-mixed")
+
+    def _broadcast_module_from_rank_zero(self) -> None:
+        # Every stage starts from rank 0's weights, as with DDP (and a resumed run's are equal anyway).
+        if self.world_size == 1:
+            return
+        tensors = [t for t in self.lightning_module.state_dict().values() if isinstance(t, Tensor) and t.is_floating_point()]
+        flat = flatten(tensors).to(self.root_device)
+        dist.broadcast(flat, src=0)
+        unflatten_into_(flat.cpu(), tensors)
+
+    def _agree_on_partition(self) -> None:
+        # balance="time" measures on each rank; rank 0's cut is the one everyone uses.
+        if self.world_size == 1 or self.config.balance != "time":
+            return
+        bounds = [list(self.split.partition.bounds)]
+        dist.broadcast_object_list(bounds, src=0)
+        if [tuple(b) for b in bounds[0]] != list(self.split.partition.bounds):
+            raise RuntimeError(f"{type(self).__name__}(balance='time'): ranks measured different cuts ({bounds[0]} on rank 0, "
+                               f"{list(self.split.partition.bounds)} here); use split_points to fix the cut")  # fmt: skip
+
+    def _make_executor(self) -> StageExecutor:
+        K, s = self.pipeline_stages, self.stage
+        p2p = P2P(self._pp_group, max_message_bytes=self.config.max_message_bytes, meter=self.comm_meter, device=self.root_device)
+        return StageExecutor(
+            self.split.stage_module, s, K, self.config.schedule, p2p,
+            prev_rank=self.stage_rank(s - 1) if s > 0 else None, next_rank=self.stage_rank(s + 1) if s < K - 1 else None,
+            input_fn=lambda j: self._window["inputs"][j - self._window["start"]],
+            loss_fn=self._loss, update_fn=self._update,
+            weight_stashing=self.config.weight_stashing, vertical_sync=self.config.vertical_sync,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ the user's hooks, per stage
+    def _capture_input(self, hook: str, batch: Any, rest: tuple) -> Tensor:
+        """Run ``hook`` up to its network call and return the network's input (first stage)."""
+
+        def hand_over(x: Any, *_: Any, **__: Any) -> Any:
+            raise NetworkInput(x)
+
+        module = self.lightning_module
+        try:
+            with self.split.calling(hand_over), LogRecorder(module), torch.no_grad():
+                getattr(module, hook)(batch, *rest)
+        except NetworkInput as captured:
+            x = captured.value
+            if not isinstance(x, Tensor) or x.ndim == 0 or x.shape[0] != batch_size_of(batch):
+                raise RuntimeError(f"{type(self).__name__}: {hook} fed the network a {type(x).__name__} "
+                                   f"{tuple(getattr(x, 'shape', ()))}; the pipeline needs one tensor with the batch's "
+                                   f"{batch_size_of(batch)} samples along dimension 0")  # fmt: skip
+            return x
+        raise RuntimeError(f"{type(self).__name__}: {type(module).__name__}.{hook} never called its network {self.split.path!r}")
+
+    def _call_user(self, hook: str, batch: Any, rest: tuple, network: Callable[..., Any], recorder: LogRecorder) -> Any:
+        module = self.lightning_module
+        with self.split.calling(network) as calls, recorder:
+            out = getattr(module, hook)(batch, *rest)
+        if calls[0] != 1:
+            raise RuntimeError(f"{type(self).__name__}: {type(module).__name__}.{hook} never called its network {self.split.path!r}")
+        return out
+
+    def _loss(self, j: int, forward: Callable[[Any], Tensor]) -> Tensor:
+        """Last stage: the module's training_step on micro-batch ``j``, the network replaced by the pipeline."""
+        w = self._window
+        chunk = w["chunks"][j - w["start"]]
+        recorder = LogRecorder(self.lightning_module, batch_size_of(chunk))
+        out = self._call_user("training_step", chunk, w["rest"], lambda x=None, *a, **k: forward(x), recorder)
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if not isinstance(loss, Tensor):
+            raise RuntimeError(f"{type(self).__name__}: training_step returned {type(out).__name__} for a micro-batch; under a "
+                               "pipeline it must return the loss (a tensor, or a dict with 'loss'): a step cannot be skipped")  # fmt: skip
+        w["records"] += recorder.records
+        w["losses"].append((float(loss.detach()), batch_size_of(chunk)))
+        return loss
+
+    def _update(self) -> None:
+        """One optimizer step of this stage (called by the executor), after the replicas' gradient average."""
+        optimizer = self.optimizers[0]
+        if self.replicas > 1:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            all_reduce_mean_(flat, self._dp_group, meter=self.comm_meter, kind="replica_all_reduce")
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self.precision_plugin.optimizer_step(optimizer, model=self.lightning_module, closure=_no_closure)
+
+    # ------------------------------------------------------------------ training
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        batch, rest = args[0], tuple(args[1:]) + tuple(kwargs.values())
+        executor = self.executor
+        n = min(self.config.microbatches_for(self.world_size), batch_size_of(batch))
+        start = executor.cursor.available
+        self._window = {"start": start, "rest": rest, "records": [], "losses": []}
+        if executor.is_last:
+            self._window["chunks"] = split_batch(batch, n)
+        if executor.is_first and not executor.is_last:
+            self._window["inputs"] = self._capture_input("training_step", batch, rest).tensor_split(n)
+        wait0, began = executor.p2p.wait_s, time.perf_counter()
+        with self.precision_plugin.train_step_context():
+            executor.admit(n)
+            executor.run()
+        self._step_stats = (executor.p2p.wait_s - wait0, time.perf_counter() - began)
+        payload = self._share_step(self._window)
+        replay(self.lightning_module, payload["records"])
+        self._log_pipeline_stats(payload["stats"])
+        return torch.tensor(payload["loss"], device=self.root_device)
+
+    def _share_step(self, window: dict) -> dict:
+        """Last stage's loss and logs, and every stage's step statistics, on every stage of the replica."""
+        executor = self.executor
+        mine: dict[str, Any] = {"stats": self._stage_stats()}
+        if executor.is_last:
+            losses = window["losses"]
+            total = sum(size for _, size in losses)
+            mine["loss"] = sum(v * size for v, size in losses) / total if total else float("nan")
+            mine["records"] = aggregate(self.lightning_module, window["records"])
+        if self.pipeline_stages == 1:
+            gathered = [mine]
+        else:
+            gathered = [None] * self.pipeline_stages
+            dist.all_gather_object(gathered, mine, group=self._pp_group)
+        last = gathered[-1]
+        return {"loss": last.get("loss", float("nan")), "records": last.get("records", []), "stats": [g["stats"] for g in gathered]}
+
+    def _stage_stats(self) -> dict:
+        wait, wall = self._step_stats
+        versions, _ = self.executor.weight_versions()
+        return {"bubble": wait / wall if wall > 0 else 0.0, "bytes": float(self.comm_meter.step_bytes),
+                "stash": float(max(versions, self.executor.max_versions))}  # fmt: skip
+
+    def _log_pipeline_stats(self, stats: list[dict]) -> None:
+        module = self.lightning_module
+        module.log("pdist/pipeline/bubble", sum(s["bubble"] for s in stats) / len(stats), on_step=True, on_epoch=False)
+        for s, st in enumerate(stats):
+            for key in ("bubble", "stash"):
+                name = "stash_depth" if key == "stash" else key
+                module.log(f"pdist/pipeline/stage{s}/{name}", float(st[key]), on_step=True, on_epoch=False)
+            module.log(f"pdist/pipeline/stage{s}/comm_bytes", st["bytes"], on_step=True, on_epoch=False)
+        self.executor.max_versions = 1
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Nothing: the backwards ran inside the schedule (training_step)."""
+        return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        # closure() runs training_step, i.e. this stage's window, whose U actions step the optimizer.
+        output = closure()
+        self._log_comm_bytes()
+        return output
+
+    def drain(self) -> None:
+        """Finish every micro-batch in flight (pipedream/2bw); a no-op for flushed schedules."""
+        if self.executor is not None and not self.executor.drained:
+            self.executor.run(draining=True)
+
+    @override
+    def on_validation_start(self) -> None:
+        self.drain()
+
+    @override
+    def on_train_end(self) -> None:
+        self.drain()
+
+    # ------------------------------------------------------------------ evaluation
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._evaluate("validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._evaluate("test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._evaluate("predict_step", args, kwargs)
+
+    def _evaluate(self, hook: str, args: tuple, kwargs: dict) -> Any:
+        """Forward-only pipeline over the batch's micro-batches, then the module's hook on the last stage."""
+        module = self.lightning_module
+        if self.pipeline_stages == 1:
+            return getattr(module, hook)(*args, **kwargs)
+        batch, rest = args[0], tuple(args[1:]) + tuple(kwargs.values())
+        executor = self.executor
+        n = min(self.config.microbatches_for(self.world_size), batch_size_of(batch))
+        inputs = self._capture_input(hook, batch, rest).tensor_split(n) if executor.is_first else None
+        outputs = executor.forward_only(n, (lambda j: inputs[j]) if inputs is not None else None)
+        mine: dict[str, Any] = {}
+        if executor.is_last:
+            network_output = torch.cat(outputs)
+            recorder = LogRecorder(module, batch_size_of(batch))
+            result = self._call_user(hook, batch, rest, lambda *a, **k: network_output, recorder)
+            mine = {"records": aggregate(module, recorder.records), "result": result if hook == "predict_step" else None}
+        gathered = [None] * self.pipeline_stages
+        dist.all_gather_object(gathered, mine, group=self._pp_group)
+        replay(module, gathered[-1]["records"])
+        if executor.is_last:
+            return result
+        return gathered[-1]["result"]
+
+    # ------------------------------------------------------------------ checkpoints
+    def _gather_stages(self, obj: Any) -> list[Any] | None:
+        """``obj`` of every stage of replica 0, on global rank 0 (``None`` elsewhere)."""
+        if self.pipeline_stages == 1:
+            return [obj] if self.global_rank == 0 else None
+        if self.replica != 0:
+            return None
+        out = [None] * self.pipeline_stages if self.global_rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self._pp_group)
+        return out
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model on rank 0 (each stage's layers gathered), after draining the pipeline."""
+        if self.split is None:
+            return super().lightning_module_state_dict()
+        self.drain()
+        local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+        parts = self._gather_stages(local)
+        if parts is None:
+            return {}
+        merged: dict[str, Any] = {}
+        for part in parts:
+            merged.update(part)
+        return {k: merged[k] for k in self.split.full_keys if k in merged}
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        parts = self._gather_stages(super().optimizer_state(optimizer))
+        return {"pipeline_stages": parts} if parts is not None else {}
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = checkpoint["optimizer_states"]
+        if len(states) != 1 or "pipeline_stages" not in states[0]:
+            raise ValueError(f"{type(self).__name__}: the checkpoint's optimizer state was not written by a pipeline; "
+                             "resume it with the strategy that wrote it, or load only the weights")  # fmt: skip
+        stages = states[0]["pipeline_stages"]
+        if len(stages) != self.pipeline_stages:
+            raise ValueError(f"{type(self).__name__}(num_stages={self.pipeline_stages}): the checkpoint holds "
+                             f"{len(stages)} stages' optimizer state; resume with the same num_stages")  # fmt: skip
+        self.optimizers[0].load_state_dict(stages[self.stage])
+
+    @override
+    def pdist_state_dict(self) -> dict:
+        state = super().pdist_state_dict()
+        if self.executor is None or self.split is None:
+            return state
+        self.drain()
+        stages = self._gather_stages(self.executor.state_dict())
+        state["pipeline"] = {"schedule": self.config.schedule, "bounds": [list(b) for b in self.split.partition.bounds],
+                             "names": list(self.split.partition.names), "stages": stages}  # fmt: skip
+        return state
+
+    @override
+    def load_pdist_state_dict(self, state: dict) -> None:
+        super().load_pdist_state_dict(state)
+        pipeline = state.get("pipeline")
+        if pipeline is None:
+            return
+        bounds = [tuple(b) for b in pipeline["bounds"]]
+        if bounds != list(self.split.partition.bounds) or pipeline["names"] != list(self.split.partition.names):
+            raise ValueError(f"{type(self).__name__}: the checkpoint cut the network as {bounds}, this run as "
+                             f"{list(self.split.partition.bounds)}; resume with the same stages (split_points fixes the cut)")  # fmt: skip
+        self.executor.load_state_dict(pipeline["stages"][self.stage])
+
+    # ------------------------------------------------------------------ teardown
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        split, self.split = self.split, None
+        if split is not None and not self._failed:
+            if self.executor is not None:
+                self.executor.p2p.wait_all()
+            # Every rank ends holding the whole trained model, as after any other strategy's fit.
+            local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+            parts = [local]
+            if self.pipeline_stages > 1:
+                parts = [None] * self.pipeline_stages
+                dist.all_gather_object(parts, local, group=self._pp_group)
+            merged: dict[str, Any] = {}
+            for part in parts:
+                merged.update(part)
+            split.restore(merged, self.root_device)
+        self.executor = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        super().register_strategies(strategy_registry)
+        aliases = {"pipeline_gpipe": "gpipe", "pipeline_1f1b": "1f1b", "pipedream": "pipedream", "pipedream_2bw": "2bw"}
+        for name, schedule in aliases.items():
+            for suffix, extra in (("", {}), ("_fork", {"start_method": "fork"}), ("_spawn", {"start_method": "spawn"})):
+                strategy_registry.register(f"{name}{suffix}", cls, description=f"pipeline, schedule={schedule!r}",
+                                           schedule=schedule, override=True, **extra)  # fmt: skip
+
+
+def _no_closure() -> None:
+    """The optimizer's closure: the gradients are already there (the schedule ran the backwards)."""
+    return None
