@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch import nn
 
 
-class SmallCNN(nn.Module):
+class SmallCNN(nn.Sequential):
     """Three 3x3 convolutions, one 2x2 max-pool, and a linear head on a 4x4 pooled map.
 
     ::
@@ -29,13 +31,11 @@ class SmallCNN(nn.Module):
     """
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int = 8, width: int = 16):
-        super().__init__()
         limits = (("in_channels", in_channels, 1), ("num_classes", num_classes, 2), ("image_size", image_size, 4))
         for arg, value, low in (*limits, ("width", width, 1)):
             if value < low:
                 raise ValueError(f"SmallCNN({arg}={value}): {arg} must be >= {low}")
-        self.in_channels, self.image_size = in_channels, image_size
-        self.features = nn.Sequential(
+        features = nn.Sequential(
             nn.Conv2d(in_channels, width, 3, padding=1),
             nn.ReLU(),
             nn.Conv2d(width, 2 * width, 3, padding=1),
@@ -45,7 +45,10 @@ class SmallCNN(nn.Module):
             nn.ReLU(),
             nn.AdaptiveAvgPool2d(4),
         )
-        self.head = nn.Linear(2 * width * 4 * 4, num_classes)
+        # An nn.Sequential (features, flatten, head): parameter names stay features.* and head.*, and a
+        # pipeline can cut it between any two layers.
+        super().__init__(OrderedDict(features=features, flatten=nn.Flatten(1), head=nn.Linear(2 * width * 4 * 4, num_classes)))
+        self.in_channels, self.image_size = in_channels, image_size
         for layer in self.features:
             if isinstance(layer, nn.Conv2d):
                 # He init: torch's default (kaiming_uniform with a=sqrt(5)) shrinks the signal through three
@@ -65,4 +68,4 @@ class SmallCNN(nn.Module):
                 f"SmallCNN.forward(x={tuple(x.shape)}): x must be "
                 f"(B, {self.in_channels}, {self.image_size}, {self.image_size})"
             )
-        return self.head(self.features(x).flatten(1))
+        return super().forward(x)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch import nn
 
 PAD = 0  # the padding id of lightning_pdist.data.imdb; kept here so models never import data
 
 
-class BagOfEmbeddings(nn.Module):
+class BagOfEmbeddings(nn.Sequential):
     """Mean of the non-padding token embeddings, then a linear layer (fastText without n-grams).
 
     ``EmbeddingBag(mode="mean", padding_idx=0)`` skips padding in the mean; an all-padding row gives a
@@ -22,13 +24,13 @@ class BagOfEmbeddings(nn.Module):
     """
 
     def __init__(self, vocab_size: int = 20000, num_classes: int = 2, embed_dim: int = 64):
-        super().__init__()
         limits = (("vocab_size", vocab_size, 2), ("num_classes", num_classes, 2), ("embed_dim", embed_dim, 1))
         for arg, value, low in limits:
             if value < low:
                 raise ValueError(f"BagOfEmbeddings({arg}={value}): {arg} must be >= {low}")
-        self.embedding = nn.EmbeddingBag(vocab_size, embed_dim, mode="mean", padding_idx=PAD)
-        self.head = nn.Linear(embed_dim, num_classes)
+        # An nn.Sequential (embedding, head), so a pipeline can cut it; parameter names are embedding.* and head.*.
+        super().__init__(OrderedDict(embedding=nn.EmbeddingBag(vocab_size, embed_dim, mode="mean", padding_idx=PAD),
+                                     head=nn.Linear(embed_dim, num_classes)))  # fmt: skip
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``(B, num_classes)`` for int64 token ids ``(B, L)``."""
@@ -36,4 +38,4 @@ class BagOfEmbeddings(nn.Module):
             raise ValueError(
                 f"BagOfEmbeddings.forward(tokens={tuple(tokens.shape)} {tokens.dtype}): tokens must be int64 (B, L)"
             )
-        return self.head(self.embedding(tokens))
+        return super().forward(tokens)
