@@ -277,10 +277,13 @@ class PipelineStrategy(PdistStrategy):
         self._agree_on_partition()
         self.precision_plugin.convert_module(self.model)
         if fitting:
-            self.setup_optimizers(trainer)
-            if len(self.optimizers) != 1:
-                raise ValueError(f"{type(self).__name__}: configure_optimizers returned {len(self.optimizers)} optimizers; "
-                                 "each pipeline stage steps exactly one (over its own layers)")  # fmt: skip
+            try:
+                self.setup_optimizers(trainer)
+            except Exception as err:
+                held = self.split.partition.stage_names(self.stage)
+                raise ValueError(f"{type(self).__name__}: configure_optimizers failed on stage {self.stage}, which holds only "
+                                 f"{held[0]}..{held[-1]} ({type(err).__name__}: {err}); under a pipeline it must build one "
+                                 "optimizer over self.parameters(), which on each stage are that stage's layers") from err  # fmt: skip
         self.setup_precision_plugin()
         self.executor = self._make_executor()
         if fitting and self._loaded_pdist_state is not None:
@@ -295,8 +298,9 @@ class PipelineStrategy(PdistStrategy):
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(f"{owner}: Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}): the pipeline "
                              "already accumulates over micro-batches; raise num_microbatches or the batch size instead")  # fmt: skip
-        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
-            raise ValueError(f"{owner}: Trainer(gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}): the gradient "
+        algorithm = str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm or "norm"))
+        if trainer.gradient_clip_val and algorithm != "value":
+            raise ValueError(f"{owner}: Trainer(gradient_clip_algorithm={algorithm!r}): the gradient "
                              "norm spans all stages; use gradient_clip_algorithm='value' (stage-local)")  # fmt: skip
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise ValueError(f"{owner}: precision with a gradient scaler (16-mixed) is not supported; use 32-true or bf16-mixed")

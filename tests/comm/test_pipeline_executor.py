@@ -1,19 +1,19 @@
 """Tier 2: pipeline stages on real gloo processes (2 and 3 stages) against plain-torch references.
 
 Each world is fork-launched once (module-scoped fixture) and trains the same small network with every
-schedule, one batch (window) at a time as the strategy does, then drains. The references below are
-written from the update rules alone: gradient accumulation for the flushed schedules, a closed-form
-version rule for PipeDream (stage ``s`` runs mini-batch ``k`` on its weights after ``max(0, k-K+s+1)``
-updates), and ``W(t+1) = W(t) - lr·∇f(W(t-1))`` for 2BW.
+schedule, one batch (window) at a time as the strategy does, then drains. The references
+(``tests/_pipeline_reference.py``) are written from the update rules alone: gradient accumulation for
+the flushed schedules, a closed-form version rule for PipeDream (stage ``s`` runs mini-batch ``k`` on its
+weights after ``max(0, k-K+s+1)`` updates), and ``W(t+1) = W(t) - lr·∇f(W(t-1))`` for 2BW.
 """
 
+import _pipeline_reference as reference
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _helpers import free_port
 from torch import nn
-from torch.func import functional_call
 
 from lightning_pdist.algorithms.pipeline_schedule import Action, build_schedule, validate
 from lightning_pdist.comm.accounting import CommMeter
@@ -97,7 +97,7 @@ def world(request, tmp_path_factory):
     return K, launch(K, tmp_path_factory.mktemp(f"pipe{K}"))
 
 
-# --- references (plain torch, one process) -------------------------------------------------------------------
+# --- references (tests/_pipeline_reference.py, plain torch, one process) -------------------------------------
 
 
 def stage_params(net, K):
@@ -105,59 +105,19 @@ def stage_params(net, K):
 
 
 def reference_accumulation(K):
-    """GPipe/1F1B: SGD on the whole batch, gradients accumulated over M micro-batches (mean loss)."""
-    net = make_net()
     xs, ys = make_data()
-    for t in range(BATCHES):
-        net.zero_grad()
-        for x, y in zip(xs[t].tensor_split(M), ys[t].tensor_split(M)):
-            (nn.functional.mse_loss(net(x), y) / M).backward()
-        with torch.no_grad():
-            for p in net.parameters():
-                p -= LR * p.grad
-    return stage_params(net, K)
+    return stage_params(reference.accumulation(make_net(), [[(xs[t], ys[t])] for t in range(BATCHES)], M, LR), K)
 
 
 def reference_pipedream(K, vertical_sync=False):
-    """Mini-batch k runs stage s on version max(0, k-K+s+1) (vertical sync: the input stage's), backward too."""
-    net = make_net()
-    versions = [[stage_params(net, K)[s]] for s in range(K)]  # versions[s][v] = stage s's weights after v updates
     xs, ys = make_data()
     mbs = [(x, y) for t in range(BATCHES) for x, y in zip(xs[t].tensor_split(M), ys[t].tensor_split(M))]
-    for k, (x, y) in enumerate(mbs):
-        leaves, h = [], x
-        for s in range(K):
-            v = max(0, k - K + 1) if vertical_sync else max(0, k - K + s + 1)
-            w = [t.clone().requires_grad_() for t in versions[s][v]]
-            names = [n for n, _ in stage_of(net, K, s).named_parameters()]
-            h = functional_call(stage_of(net, K, s), dict(zip(names, w)), (h,))
-            leaves.append(w)
-        grads = torch.autograd.grad(nn.functional.mse_loss(h, y), [t for w in leaves for t in w])
-        i = 0
-        for s in range(K):
-            new = [p - LR * grads[i + n] for n, p in enumerate(versions[s][-1])]
-            i += len(new)
-            versions[s].append([t.detach() for t in new])
-    return [versions[s][-1] for s in range(K)]
+    return stage_params(reference.pipedream(make_net(), SPLITS[K], mbs, LR, vertical_sync), K)
 
 
 def reference_2bw(K):
-    """W(t+1) = W(t) - lr * mean_j grad f_j(W(t-1)), with W(-1) = W(0), on the whole network."""
-    net = make_net()
     xs, ys = make_data()
-    flat = lambda m: [p.detach().clone() for p in m.parameters()]  # noqa: E731
-    names = [n for n, _ in net.named_parameters()]
-    previous, current = flat(net), flat(net)
-    for t in range(BATCHES):
-        w = [p.clone().requires_grad_() for p in previous]
-        loss = sum(nn.functional.mse_loss(functional_call(net, dict(zip(names, w)), (x,)), y)
-                   for x, y in zip(xs[t].tensor_split(M), ys[t].tensor_split(M))) / M  # fmt: skip
-        grads = torch.autograd.grad(loss, w)
-        previous, current = current, [c - LR * g for c, g in zip(current, grads)]
-    with torch.no_grad():
-        for p, c in zip(net.parameters(), current):
-            p.copy_(c)
-    return stage_params(net, K)
+    return stage_params(reference.two_bw(make_net(), [(xs[t], ys[t]) for t in range(BATCHES)], M, LR), K)
 
 
 def assert_stages(results, case, expected):
