@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pdist.algorithms.flat import flatten, unflatten_into_
-from lightning_pdist.algorithms.pipeline_partition import BALANCES
+from lightning_pdist.algorithms.pipeline_partition import BALANCES, Partition
 from lightning_pdist.algorithms.pipeline_schedule import SCHEDULES
 from lightning_pdist.comm.collectives import all_reduce_mean_
 from lightning_pdist.comm.pipeline_executor import StageExecutor
@@ -271,10 +271,9 @@ class PipelineStrategy(PdistStrategy):
         try:
             self.split = StageSplit(module, self.pipeline_stages, self.stage, self.config.network, self.config.balance,
                                     list(self.config.split_points) if self.config.split_points else None,
-                                    getattr(module, "example_input_array", None))  # fmt: skip
+                                    getattr(module, "example_input_array", None), self._rank_zeros_partition)  # fmt: skip
         except ValueError as err:
             raise ValueError(f"{type(self).__name__}: {err}") from None
-        self._agree_on_partition()
         self.precision_plugin.convert_module(self.model)
         if fitting:
             try:
@@ -314,15 +313,13 @@ class PipelineStrategy(PdistStrategy):
         dist.broadcast(flat, src=0)
         unflatten_into_(flat.cpu(), tensors)
 
-    def _agree_on_partition(self) -> None:
-        # balance="time" measures on each rank; rank 0's cut is the one everyone uses.
+    def _rank_zeros_partition(self, mine: Partition) -> Partition:
+        # balance="time" measures on every rank and timings differ: everyone uses rank 0's cut.
         if self.world_size == 1 or self.config.balance != "time":
-            return
-        bounds = [list(self.split.partition.bounds)]
-        dist.broadcast_object_list(bounds, src=0)
-        if [tuple(b) for b in bounds[0]] != list(self.split.partition.bounds):
-            raise RuntimeError(f"{type(self).__name__}(balance='time'): ranks measured different cuts ({bounds[0]} on rank 0, "
-                               f"{list(self.split.partition.bounds)} here); use split_points to fix the cut")  # fmt: skip
+            return mine
+        chosen = [mine]
+        dist.broadcast_object_list(chosen, src=0)
+        return chosen[0]
 
     def _make_executor(self) -> StageExecutor:
         K, s = self.pipeline_stages, self.stage

@@ -81,7 +81,7 @@ class StageSplit:
 
     def __init__(self, module: nn.Module, num_stages: int, stage: int, network: str | None = None,
                  balance: str | None = None, split_points: list[str] | None = None,
-                 example_input: Any = None) -> None:  # fmt: skip
+                 example_input: Any = None, agree: Callable[[Partition], Partition] | None = None) -> None:  # fmt: skip
         self.module, self.stage, self.num_stages = module, stage, num_stages
         self.path, net = find_network(module, network)
         self.layers = list_layers(net, self.path)
@@ -92,6 +92,8 @@ class StageSplit:
             self.partition = partition(self.layers, num_stages, layer_times(self.layers, _network_input(module, self.path, example_input)))
         else:
             self.partition = partition(self.layers, num_stages)
+        if agree is not None:  # e.g. every rank takes rank 0's timing-based cut
+            self.partition = agree(self.partition)
         self._check_shared_parameters()
         a, b = self.partition.bounds[stage]
         self.stage_module = nn.Sequential(*[layer for _, layer in self.layers[a:b]])

@@ -305,3 +305,86 @@ def test_time_balance_profiles_the_example_input():
     module.example_input_array = torch.zeros(4, 4)
     fit(pipeline(num_stages=2, num_microbatches=2, balance="time"), module, devices=2, max_steps=2)
     assert reference.flat(module).isfinite().all()
+
+
+# --- registration, metrics, BatchNorm and dropout ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, schedule",
+    [("pipeline", "1f1b"), ("pipeline_gpipe", "gpipe"), ("pipeline_1f1b", "1f1b"), ("pipedream", "pipedream"),
+     ("pipedream_2bw", "2bw"), ("pipedream_fork", "pipedream"), ("pipeline_spawn", "1f1b")],
+)  # fmt: skip
+def test_names_are_registered(name, schedule):
+    """Each registered name builds a PipelineStrategy with its schedule (and start method)."""
+    strategy = Trainer(accelerator="cpu", devices=2, strategy=name, logger=False).strategy
+    assert isinstance(strategy, PipelineStrategy) and strategy.config.schedule == schedule
+    assert strategy._start_method == ("fork" if name.endswith("_fork") else "spawn" if name.endswith("_spawn") else "popen")
+
+
+@pytest.mark.parametrize("schedule, depths", [("gpipe", (1, 1)), ("pipedream", (2, 1)), ("2bw", (2, 2))])
+def test_logged_stash_depth_and_bytes_per_stage(schedule, depths):
+    """Each stage logs the weight versions it held (the schedule's depth) and the bytes it sent that step."""
+    trainer = fit(pipeline(num_stages=2, schedule=schedule, num_microbatches=2), DeepRegression(lr=LR), devices=2, max_steps=4)
+    metrics = trainer.callback_metrics
+    assert tuple(int(metrics[f"pdist/pipeline/stage{s}/stash_depth"]) for s in range(2)) == depths
+    per_message = 16 * 8 + 2 * 8 * 4  # header + one (2, 8) fp32 activation or gradient
+    assert float(metrics["pdist/comm_bytes"]) == 2 * per_message  # stage 0: two activations per step
+    assert float(metrics["pdist/pipeline/stage1/comm_bytes"]) == 2 * per_message  # stage 1: two gradients
+    assert 0.0 <= float(metrics["pdist/pipeline/bubble"]) < 1.0
+
+
+def test_replicas_count_their_all_reduce():
+    """With 2 replicas a stage also sends 2(R-1)/R of its gradient bytes per update."""
+    trainer = fit(pipeline(num_stages=2, num_microbatches=2), DeepRegression(lr=LR), devices=4, max_steps=2)
+    stage0_params = (4 * 8 + 8) + (8 * 8 + 8)  # net.0 and net.2
+    assert float(trainer.callback_metrics["pdist/comm_bytes"]) == 2 * (16 * 8 + 2 * 8 * 4) + stage0_params * 4
+
+
+def bn_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+class BNRegression(DeepRegression):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.net = bn_net()
+
+
+def test_batchnorm_normalizes_each_micro_batch():
+    """BatchNorm uses each micro-batch's statistics and updates its running stats once per micro-batch (as GPipe)."""
+    module = BNRegression(lr=LR)
+    fit(pipeline(num_stages=2, schedule="gpipe", num_microbatches=2, split_points=["net.3"]), module, devices=2, max_steps=4)
+    expected = reference.accumulation(bn_net(), batches(4), 2, LR)
+    assert_model_equals(module, expected)
+    torch.testing.assert_close(module.net[1].running_mean, expected[1].running_mean, atol=1e-6, rtol=0)
+    torch.testing.assert_close(module.net[1].running_var, expected[1].running_var, atol=1e-6, rtol=0)
+    assert int(module.net[1].num_batches_tracked) == 8
+
+
+class DropoutRegression(DeepRegression):
+    def __init__(self, p=0.5, **kwargs):
+        super().__init__(**kwargs)
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(p), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def test_dropout_is_reproducible_and_off_in_evaluation():
+    """Dropout masks come from each stage's seeded RNG: equal runs agree, differ from p=0, and eval has no dropout."""
+    runs = []
+    for p in (0.5, 0.5, 0.0):
+        module = DropoutRegression(p=p, lr=LR)
+        fit(pipeline(num_stages=2, schedule="pipedream", num_microbatches=2), module, devices=2, max_steps=4)
+        runs.append(reference.flat(module))
+    torch.testing.assert_close(runs[0], runs[1], atol=0, rtol=0)
+    assert not torch.allclose(runs[0], runs[2])
+    module = DropoutRegression(p=0.5)
+    data = DataLoader(regression_data(16, seed=3), batch_size=8)
+    os.environ["MASTER_PORT"] = str(free_port())
+    results = Trainer(accelerator="cpu", devices=2, strategy=pipeline(num_microbatches=2), logger=False, enable_progress_bar=False,
+                      enable_model_summary=False).test(module, data)  # fmt: skip
+    x, y = regression_data(16, seed=3).tensors
+    module.eval()
+    with torch.no_grad():
+        assert results[0]["test/loss"] == pytest.approx(float(nn.functional.mse_loss(module(x), y)), abs=1e-6)
