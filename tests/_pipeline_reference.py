@@ -6,7 +6,8 @@ Each takes a freshly built ``nn.Sequential``, trains it in place with SGD and re
   micro-batches of each replica's batch, gradients averaged over replicas, one SGD step.
 * :func:`pipedream`: mini-batch ``k`` (a micro-batch) runs stage ``s`` on its weights after
   ``max(0, k - K + s + 1)`` updates (vertical sync: the input stage's ``max(0, k - K + 1)``), forward and
-  backward alike; then every stage takes one SGD step with that gradient.
+  backward alike; then every stage takes one SGD step with that gradient. After a drain at ``d`` the
+  count restarts: ``d + max(0, k - d - K + s + 1)``.
 * :func:`two_bw`: ``W(t+1) = W(t) - lr * mean_j grad f_j(W(t-1))``, ``W(-1) = W(0)``.
 """
 
@@ -43,14 +44,16 @@ def accumulation(net: nn.Sequential, steps: list[list[tuple]], m: int, lr: float
 
 
 def pipedream(net: nn.Sequential, bounds: list[tuple[int, int]], microbatches: list[tuple], lr: float,
-              vertical_sync: bool = False) -> nn.Sequential:  # fmt: skip
+              vertical_sync: bool = False, drains: tuple[int, ...] = ()) -> nn.Sequential:  # fmt: skip
+    """``drains``: micro-batch counts after which the pipeline was emptied (the warm-up starts again)."""
     K = len(bounds)
     stages = [nn.Sequential(*[net[i] for i in range(a, b)]) for a, b in bounds]
     versions = [[[p.detach().clone() for p in st.parameters()]] for st in stages]
     for k, (x, y) in enumerate(microbatches):
         leaves, h = [], x
+        mark = max([d for d in drains if d <= k], default=0)  # one update per earlier micro-batch up to the drain
         for s, st in enumerate(stages):
-            v = max(0, k - K + 1) if vertical_sync else max(0, k - K + s + 1)
+            v = mark + (max(0, k - mark - K + 1) if vertical_sync else max(0, k - mark - K + s + 1))
             w = [t.clone().requires_grad_() for t in versions[s][v]]
             h = functional_call(st, dict(zip([n for n, _ in st.named_parameters()], w)), (h,))
             leaves.append(w)

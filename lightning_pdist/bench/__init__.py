@@ -16,6 +16,7 @@ SUITES: dict[str, str] = {
     "averaging": "lightning_pdist.bench.averaging",
     "sign": "lightning_pdist.bench.sign",
     "ps_sharding": "lightning_pdist.bench.ps_sharding",
+    "pipeline": "lightning_pdist.bench.pipeline",
 }
 
 __all__ = ["SUITES"]

@@ -20,8 +20,10 @@ newest weights and the forward's activations (PipeDream's "no stashing" baseline
 
 from __future__ import annotations
 
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -57,6 +59,8 @@ class StageExecutor:
             the executor fills ``.grad`` from its accumulators just before and clears it after.
         weight_stashing: keep the forward's weights for its backward (see the module docstring).
         vertical_sync: ``pipedream``: use the input stage's version for every micro-batch.
+        seed: the stage's own random stream for its layers (dropout); stages seeded alike would draw the
+            same masks in lockstep. ``None`` uses the process's global stream.
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class StageExecutor:
         update_fn: Callable[[], None],
         weight_stashing: bool = True,
         vertical_sync: bool = False,
+        seed: int | None = None,
     ) -> None:
         self.module, self.stage, self.num_stages, self.schedule = module, stage, num_stages, schedule
         self.p2p, self.prev_rank, self.next_rank = p2p, prev_rank, next_rank
@@ -88,6 +93,8 @@ class StageExecutor:
         # training_step must not wipe a 2BW batch whose backwards span two windows.
         self.grads: dict[str, Tensor] = {}
         self._drain_mark = (0, 0)  # (micro-batch, version) where the pipeline was last empty
+        self._warned_clamp = False
+        self.rng_state = torch.Generator().manual_seed(seed).get_state() if seed is not None else None
         self.max_versions = 1  # most weight versions alive at once (measured at every forward and update)
 
     # ------------------------------------------------------------------ schedule
@@ -170,6 +177,20 @@ class StageExecutor:
     def _measure(self) -> None:
         self.max_versions = max(self.max_versions, self.weight_versions()[0])
 
+    @contextmanager
+    def stage_rng(self) -> Iterator[None]:
+        """Run the stage's layers on its own CPU random stream (the process's stream is left as it was)."""
+        if self.rng_state is None:
+            yield
+            return
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.rng_state)
+        try:
+            yield
+        finally:
+            self.rng_state = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
     # ------------------------------------------------------------------ actions
     def forward(self, j: int) -> None:
         incoming = None
@@ -189,10 +210,19 @@ class StageExecutor:
             x = self.input_fn(j)
         batch = self.cursor.batch_of(j)
         version = version_for(self.schedule, batch, self.newest, incoming if self.vertical_sync else None, clamp=True)
+        if self.schedule == "2bw" and version != max(0, batch - 1) and not self._warned_clamp:
+            self._warned_clamp = True
+            warnings.warn(
+                f"pipeline stage {self.stage} (2bw): batch {batch} runs on weight version {version}, not {batch - 1}: the batch "
+                "before it had fewer micro-batches than the pipeline holds, so the one-step delay could not be kept "
+                "(use drop_last=True or a batch size that num_microbatches divides)",
+                stacklevel=2,
+            )
         weights = self._weights(version)
 
         def run_stage(user_input: Any = None) -> Tensor:
-            return functional_call(self.module, weights, (user_input if self.num_stages == 1 else x,))
+            with self.stage_rng():
+                return functional_call(self.module, weights, (user_input if self.num_stages == 1 else x,))
 
         if self.is_last:
             output = self.loss_fn(j, run_stage)
@@ -257,11 +287,12 @@ class StageExecutor:
         outputs = []
         for j in range(num_microbatches):
             x = input_fn(j) if self.is_first else self.p2p.recv(self.prev_rank, EVAL, j).tensor
-            y = self.module(x)
+            with self.stage_rng():
+                y = self.module(x)
             if self.is_last:
                 outputs.append(y)
             else:
-                self.p2p.send(y, self.next_rank, EVAL, j)
+                self.p2p.send(y, self.next_rank, EVAL, j, count=False)
         self.p2p.reap()
         return outputs
 
@@ -282,6 +313,7 @@ class StageExecutor:
             "batches": self.cursor.admitted_batches,
             "microbatches": self.cursor.available,
             "stashed": {v: [t.detach().clone() for t in ts] for v, ts in self.stashed.items()},
+            "rng_state": self.rng_state,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -294,3 +326,5 @@ class StageExecutor:
         c.updates = self.newest
         self._drain_mark = (c.forwarded, self.newest)
         self.stashed = {int(v): [t.clone() for t in ts] for v, ts in state["stashed"].items()}
+        if state.get("rng_state") is not None:
+            self.rng_state = state["rng_state"]

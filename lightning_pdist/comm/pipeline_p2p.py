@@ -71,8 +71,11 @@ class P2P:
     wait_s: float = 0.0  # seconds spent blocked in recv (the stage's idle time, bubbles included)
     _pending: list[tuple[dist.Work, Tensor]] = field(default_factory=list)  # buffers stay alive until taken
 
-    def send(self, tensor: Tensor, dst: int, stream: int, microbatch: int, version: int = 0) -> None:
-        """Post ``tensor`` to global rank ``dst`` without waiting for the peer to take it."""
+    def send(self, tensor: Tensor, dst: int, stream: int, microbatch: int, version: int = 0, count: bool = True) -> None:
+        """Post ``tensor`` to global rank ``dst`` without waiting for the peer to take it.
+
+        ``count=False`` keeps the bytes off the meter (evaluation traffic is not training traffic).
+        """
         if tensor.dtype not in _CODE:
             raise TypeError(f"pipeline p2p: cannot send dtype {tensor.dtype}; supported: {', '.join(map(str, DTYPES))}")
         if tensor.ndim > MAX_NDIM:
@@ -85,7 +88,7 @@ class P2P:
         head_work = dist.isend(header, dst=dst, group=self.group, tag=tag)
         body_work = dist.isend(payload, dst=dst, group=self.group, tag=tag)
         self._pending += [(head_work, header), (body_work, payload)]
-        if self.meter is not None:
+        if self.meter is not None and count:
             self.meter.add("pipeline_p2p", header.numel() * 8 + payload.numel() * payload.element_size())
         self.reap()
 

@@ -330,6 +330,8 @@ class PipelineStrategy(PdistStrategy):
             input_fn=lambda j: self._window["inputs"][j - self._window["start"]],
             loss_fn=self._loss, update_fn=self._update,
             weight_stashing=self.config.weight_stashing, vertical_sync=self.config.vertical_sync,
+            # Megatron's rule: the seed plus 100 per pipeline stage, so stages draw different dropout masks.
+            seed=torch.initial_seed() + 100 * s,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the user's hooks, per stage
@@ -377,8 +379,8 @@ class PipelineStrategy(PdistStrategy):
     def _update(self) -> None:
         """One optimizer step of this stage (called by the executor), after the replicas' gradient average."""
         optimizer = self.optimizers[0]
-        if self.replicas > 1:
-            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if self.replicas > 1 and grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
             all_reduce_mean_(flat, self._dp_group, meter=self.comm_meter, kind="replica_all_reduce")
             offset = 0
@@ -455,8 +457,8 @@ class PipelineStrategy(PdistStrategy):
         return output
 
     def drain(self) -> None:
-        """Finish every micro-batch in flight (pipedream/2bw); a no-op for flushed schedules."""
-        if self.executor is not None and not self.executor.drained:
+        """Finish every micro-batch in flight (pipedream/2bw); every stage marks the point (vertical sync counts from it)."""
+        if self.executor is not None:
             self.executor.run(draining=True)
 
     @override

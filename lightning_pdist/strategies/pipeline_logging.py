@@ -8,7 +8,8 @@ the same keys: loggers write global rank 0 (the first stage), and ``ModelCheckpo
 So on the last stage :class:`LogRecorder` replaces ``module.log`` during the user's calls and keeps
 each call; :func:`aggregate` folds the calls of one step's micro-batches into one value per key (the
 batch-size-weighted mean, or the ``reduce_fx`` the user asked for: ``sum``, ``max``, ``min``); the
-records travel to the other stages of the pipeline (one ``broadcast_object_list`` per step), and
+records travel to the other stages of the pipeline (one ``all_gather_object`` per step, which also
+carries every stage's step statistics), and
 :func:`replay` logs them on every stage through the real ``LightningModule.log``.
 
 torchmetrics ``Metric`` objects travel by attribute name: every stage logs its own copy, and since

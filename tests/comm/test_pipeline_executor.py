@@ -195,3 +195,33 @@ def test_dispatch_refuses_an_action_it_does_not_know():
     del executor.handlers["U"]
     with pytest.raises(ValueError, match=r"cannot run action 0U0"):
         executor.dispatch(Action(0, "U", 0))
+
+
+def _short_batch_worker(rank, K, port, out):
+    import warnings
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=K)
+    net = make_net()
+    stage = stage_of(net, K, rank)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=LR)
+    executor = StageExecutor(
+        stage, rank, K, "2bw", P2P(None), prev_rank=rank - 1 if rank > 0 else None, next_rank=rank + 1 if rank < K - 1 else None,
+        input_fn=lambda j: x[:1], loss_fn=lambda j, forward: nn.functional.mse_loss(forward(x[:1]), y[:1]), update_fn=optimizer.step,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (4, 1, 4, 4):
+            executor.admit(n)
+            executor.run()
+        executor.run(draining=True)
+    torch.save([str(w.message) for w in caught], f"{out}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_2bw_warns_when_a_short_batch_breaks_the_delay(tmp_path):
+    """A batch of fewer micro-batches than the pipeline holds forces a newer version: the stage says so, once."""
+    mp.start_processes(_short_batch_worker, args=(3, free_port(), str(tmp_path)), nprocs=3, start_method="fork")
+    messages = torch.load(tmp_path / "rank0.pt")
+    assert len(messages) == 1 and "batch 2 runs on weight version 0, not 1" in messages[0], messages

@@ -97,6 +97,17 @@ def test_pipedream_vertical_sync_equals_its_reference():
     assert_model_equals(module, reference.pipedream(deep_net(), [(0, 2), (2, 4), (4, 7)], mbs, LR, vertical_sync=True))
 
 
+@pytest.mark.parametrize("vertical_sync", [False, True])
+def test_pipedream_drains_for_validation_and_restarts(vertical_sync):
+    """Validation every 2 steps drains the pipeline; afterwards the version rule restarts (reference with drains)."""
+    module = DeepRegression(lr=LR)
+    fit(pipeline(schedule="pipedream", num_microbatches=2, vertical_sync=vertical_sync, split_points=["net.2", "net.4"]),
+        module, devices=3, max_steps=6, limit_val_batches=1, val_check_interval=2)  # fmt: skip
+    mbs = [(xm, ym) for (x, y), in batches(6) for xm, ym in zip(x.tensor_split(2), y.tensor_split(2))]
+    expected = reference.pipedream(deep_net(), [(0, 2), (2, 4), (4, 7)], mbs, LR, vertical_sync, drains=(4, 8))
+    assert_model_equals(module, expected)
+
+
 def test_2bw_follows_its_update_rule():
     """2BW through Lightning equals W(t+1) = W(t) - lr * grad f(W(t-1))."""
     module = DeepRegression(lr=LR)
@@ -182,7 +193,18 @@ def test_resume_is_exact(tmp_path, schedule):
         torch.testing.assert_close(load_snapshot(resumed, rank, 8), load_snapshot(ckpt_run, rank, 8), atol=1e-6, rtol=0)
 
 
-def test_validate_test_and_predict_run_through_the_pipeline():
+class SavePredictions(Callback):
+    def __init__(self, dirpath):
+        self.dirpath, self.outputs = dirpath, []
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.outputs.append(outputs)
+
+    def on_predict_end(self, trainer, pl_module):
+        torch.save(torch.cat(self.outputs), self.dirpath / f"rank{trainer.global_rank}.pt")
+
+
+def test_validate_test_and_predict_run_through_the_pipeline(tmp_path):
     """Outside fit, the pipeline evaluates forward only: test loss and predictions equal the one-process model's."""
     module = DeepRegression()
     data = DataLoader(regression_data(16, seed=3), batch_size=8)
@@ -193,6 +215,12 @@ def test_validate_test_and_predict_run_through_the_pipeline():
     with torch.no_grad():
         assert results[0]["test/loss"] == pytest.approx(float(nn.functional.mse_loss(deep_net()(x), y)), abs=1e-6)
     assert_model_equals(module, deep_net())
+    os.environ["MASTER_PORT"] = str(free_port())
+    Trainer(accelerator="cpu", devices=2, strategy=pipeline(num_microbatches=2), logger=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[SavePredictions(tmp_path)]).predict(module, data)  # fmt: skip
+    with torch.no_grad():
+        for rank in range(2):  # the last stage's predictions reach every stage
+            torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), deep_net()(x), atol=1e-6, rtol=0)
 
 
 def test_classifier_accuracy_metric_is_exact_across_stages():
@@ -368,6 +396,32 @@ class DropoutRegression(DeepRegression):
         super().__init__(**kwargs)
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(p), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+class RecordMasks(Callback):
+    """Saves, per rank, which units every Dropout layer of the module zeroed in training."""
+
+    def __init__(self, dirpath):
+        self.dirpath, self.masks = dirpath, []
+
+    def on_train_start(self, trainer, pl_module):
+        for layer in pl_module.net:
+            if isinstance(layer, nn.Dropout):
+                layer.register_forward_hook(lambda mod, inp, out: self.masks.append(out.detach() == 0))
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(self.masks, self.dirpath / f"rank{trainer.global_rank}.pt")
+
+
+def test_stages_draw_their_own_dropout_masks(tmp_path):
+    """Two stages seeded alike still draw different masks (each stage has its own stream: seed + 100 * stage)."""
+    module = DeepRegression(lr=LR)
+    module.net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 2))
+    fit(pipeline(num_stages=2, num_microbatches=2, split_points=["net.3"]), module, devices=2, max_steps=3,
+        callbacks=[RecordMasks(tmp_path)])  # fmt: skip
+    first, second = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert len(first) == len(second) == 6
+    assert any(not torch.equal(a, b) for a, b in zip(first, second))
 
 
 def test_dropout_is_reproducible_and_off_in_evaluation():

@@ -1,0 +1,664 @@
+"""Pipeline suite: our four schedules against torch.distributed.pipelining, DeepSpeed, fairscale and DDP.
+
+``python -m lightning_pdist.bench pipeline [--quick] --out DIR [--parts throughput bubble stash convergence]
+[--network loopback|emulated|both] [--rate 100mbit] [--stages 2 4]`` writes ``DIR/pipeline.json``,
+``DIR/pipeline.png`` and ``DIR/docs_section.md``. Every row names the network it ran on.
+
+1. **throughput** (``rows``): samples/s of one MLP (``depth`` × ``Linear(width, width)``, cut evenly), the same
+   batch and micro-batches, ``warmup_steps`` untimed, the median of ``steps`` timed steps (the slowest stage's).
+   Ours (``gpipe``, ``1f1b``, ``pipedream``, ``2bw``) is driven at the executor level, as torch's schedules are:
+   no Lightning on either side; one extra row (``ours+lightning``) runs ``Trainer(strategy=PipelineStrategy)``
+   to show Lightning's overhead. DeepSpeed runs in a launch of its own (its failure is recorded, never a
+   number); fairscale's ``Pipe`` is **one process** (K ``'cpu'`` devices, one thread); DDP holds the whole
+   model on every rank and splits the batch. With 4 stages, 4 processes share 2 cores (``oversubscribed``).
+   ``ratios``: ours 1F1B over torch's ``Schedule1F1B`` from the same launch.
+2. **bubble** (``bubble.rows``): mean over stages of (seconds blocked in ``recv``) / (step wall time), ours only,
+   loopback, against ``(K-1)/(m+K-1)`` and :func:`~lightning_pdist.algorithms.pipeline_schedule.validate`'s
+   simulation (forward 1, backward 2): the whole program of ``steps`` batches, and its steady state (the makespan
+   one more batch adds), which is what the timed steps see (the fill falls in the warm-up).
+3. **stash** (``stash.rows``): per stage with ``stash_width``-wide layers (tens of MB): ``executor.max_versions``,
+   the bytes ``weight_versions()`` counts at the same instants, and the process's RSS growth (VmHWM after −
+   VmRSS before; glibc's mmap threshold is fixed so that freed tensors leave the RSS), against
+   ``validate(...).stash_depth``. RSS growth also holds gradients and activations, so each variant is set
+   against a baseline with the same update pattern and one version (2BW against 1F1B, PipeDream against
+   PipeDream without stashing): the difference is the stash.
+4. **convergence** (``convergence``): validation accuracy after every epoch against samples seen, through
+   Lightning on digits with ``ClassifierModule(model="cnn")``: DDP (``PdistStrategy``: Lightning's DDP plus
+   byte accounting, same global batch), ``gpipe``, ``pipedream`` with and without weight stashing, ``2bw``.
+5. **bytes** (``bytes.rows``): the convergence runs' training bytes per epoch (all ranks, from the ``CommMeter``;
+   evaluation traffic apart) against survey 002's Table 1: pipelined SGD moves activations, ``O(N·T·M)``
+   (2 directions × cuts × samples × activation bytes, plus a 128-byte header per message), data parallelism
+   the model, ``O(N²·L·M)`` (per rank ``2(R-1)/R`` × model bytes per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_pdist.bench.launch import busy_cpu_s, free_port, launch_loopback, own_cpu_s, read_results, worker_env
+from lightning_pdist.bench.netns import EmulatedNetwork, LaunchError, launch_ranks, measure_link_rate, parse_rate
+from lightning_pdist.bench.report import check_rows, markdown_table, new_document, run_documented_suite, save_figure, write_json
+
+SUITE = "pipeline"
+PARTS = ("throughput", "bubble", "stash", "convergence")
+NETWORKS = ("loopback", "emulated")
+SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw")
+ENGINES = ("ours_gpipe", "ours_1f1b", "ours_pipedream", "ours_2bw", "torch_gpipe", "torch_1f1b", "ddp", "deepspeed",
+           "fairscale", "lightning")  # fmt: skip
+METHODS = ("ddp", "gpipe", "pipedream", "pipedream_nostash", "2bw")  # convergence runs
+STASH_VARIANTS = ("1f1b", "2bw", "pipedream", "pipedream_nostash")
+BASELINE = {"1f1b": "1f1b", "2bw": "1f1b", "pipedream": "pipedream_nostash", "pipedream_nostash": "pipedream_nostash"}
+ROW_KEYS = ("engine", "schedule", "stages", "processes", "network", "samples_per_s", "median_step_s", "error")
+BACKWARD_COST = 2.0  # a Linear layer's backward is two matmuls to the forward's one
+QUICK = {"width": 512, "steps": 5, "warmup_steps": 2, "epochs": 3, "seeds": (0,)}
+FULL = {"width": 1024, "steps": 20, "warmup_steps": 3, "epochs": 8, "seeds": (0, 1)}
+
+
+@dataclass(frozen=True)
+class SuiteConfig:
+    """Everything that decides what the suite runs; validated on construction.
+
+    Raises:
+        ValueError: a value breaks its rule; the message names the option, the value and the rule.
+    """
+
+    parts: tuple[str, ...] = PARTS
+    networks: tuple[str, ...] = NETWORKS
+    rate: str = "100mbit"
+    stages: tuple[int, ...] = (2, 4)
+    engines: tuple[str, ...] = ENGINES
+    width: int = QUICK["width"]
+    depth: int = 8
+    batch_size: int = 64
+    num_microbatches: int = 4
+    warmup_steps: int = QUICK["warmup_steps"]
+    steps: int = QUICK["steps"]
+    lr: float = 1e-3
+    bubble_points: tuple[tuple[int, int], ...] = ((2, 2), (2, 4), (2, 8), (4, 4))
+    bubble_width: int = 1024
+    stash_stages: tuple[int, ...] = (2,)
+    stash_width: int = 2048
+    methods: tuple[str, ...] = METHODS
+    converge_stages: int = 2
+    converge_lr: float = 0.2
+    converge_batch_size: int = 32
+    epochs: int = QUICK["epochs"]
+    seeds: tuple[int, ...] = QUICK["seeds"]
+    timeout: float = 600.0
+    quick: bool = True
+
+    @property
+    def converge_microbatches(self) -> int:
+        return max(4, self.converge_stages)
+
+    def __post_init__(self) -> None:
+        def bad(option: str, value: Any, rule: str) -> ValueError:
+            return ValueError(f"{SUITE}({option}={value!r}): {rule}")
+
+        for option, values, allowed in (("--parts", self.parts, PARTS), ("--network", self.networks, NETWORKS),
+                                        ("--engines", self.engines, ENGINES), ("--methods", self.methods, METHODS),
+                                        ("--stages", self.stages, None),
+                                        ("--stash-stages", self.stash_stages, None), ("--seeds", self.seeds, None),
+                                        ("--bubble-points", self.bubble_points, None)):  # fmt: skip
+            if not values or len(set(values)) != len(values):
+                raise bad(option, values, "give at least one value, none repeated")
+            if allowed is not None and any(v not in allowed for v in values):
+                raise bad(option, values, f"each value must be one of {allowed}")
+        for option, values in (("--stages", self.stages), ("--stash-stages", self.stash_stages),
+                               ("--converge-stages", (self.converge_stages,))):  # fmt: skip
+            if any(isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= 8 for k in values):
+                raise bad(option, values if len(values) > 1 else values[0], "a stage count must be an int in [2, 8]")
+        for option, value in (("--width", self.width), ("--depth", self.depth), ("--batch-size", self.batch_size),
+                              ("--microbatches", self.num_microbatches), ("--warmup-steps", self.warmup_steps),
+                              ("--steps", self.steps), ("--bubble-width", self.bubble_width),
+                              ("--stash-width", self.stash_width), ("--converge-batch-size", self.converge_batch_size),
+                              ("--epochs", self.epochs)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad(option, value, "must be an int >= 1")
+        if any(not isinstance(s, int) or s < 0 for s in self.seeds):
+            raise bad("--seeds", self.seeds, "each seed must be an int >= 0")
+        for k in self.stages:
+            if self.depth % k:
+                raise bad("--depth", self.depth, f"must be a multiple of every stage count (--stages {list(self.stages)})")
+            if self.num_microbatches < k:
+                raise bad("--microbatches", self.num_microbatches, f"must be >= the stage count {k}: 1f1b and 2bw keep K in flight")
+        if self.batch_size % self.num_microbatches or any(self.batch_size % k for k in self.stages):
+            raise bad("--batch-size", self.batch_size, "must be a multiple of --microbatches and of every stage count "
+                      "(DeepSpeed's micro-batches and DDP's shards are whole)")  # fmt: skip
+        for point in self.bubble_points:
+            if len(point) != 2 or not all(isinstance(v, int) for v in point) or not 2 <= point[0] <= 8 or point[1] < point[0]:
+                raise bad("--bubble-points", point, "each point is K:m with K in [2, 8] and m >= K (1f1b and 2bw need it)")
+            if self.depth % point[0] or self.batch_size % point[1]:
+                raise bad("--bubble-points", point, f"K must divide --depth ({self.depth}) and m --batch-size ({self.batch_size})")
+        if self.converge_batch_size % self.converge_microbatches or self.converge_batch_size % self.converge_stages:
+            raise bad("--converge-batch-size", self.converge_batch_size, f"must be a multiple of the {self.converge_microbatches} "
+                      "micro-batches and of --converge-stages (DDP's shards of the same global batch are whole)")  # fmt: skip
+        try:
+            parse_rate(self.rate)
+        except ValueError:
+            raise bad("--rate", self.rate, "must look like '100mbit' or '1gbit'") from None
+        for option, value in (("--lr", self.lr), ("--converge-lr", self.converge_lr), ("--timeout", self.timeout)):
+            if not value > 0:
+                raise bad(option, value, "must be > 0")
+
+
+# -- the plan --------------------------------------------------------------------------------------------
+
+
+def mlp_spec(config: SuiteConfig, job: str, stages: int, **extra: Any) -> dict[str, Any]:
+    """A :mod:`~lightning_pdist.bench.pipeline_worker` spec on the throughput MLP (validated)."""
+    from lightning_pdist.bench.pipeline_worker import check_spec
+
+    spec = {"job": job, "num_stages": stages, "seed": 0, "width": config.width, "depth": config.depth,
+            "batch_size": config.batch_size, "warmup_steps": config.warmup_steps, "steps": config.steps, "lr": config.lr}  # fmt: skip
+    return check_spec({**spec, **extra})
+
+
+def engine_cases(config: SuiteConfig) -> list[dict[str, Any]]:
+    """The cases one ``engines`` launch runs, in order."""
+    m = config.num_microbatches
+    cases = []
+    for name in config.engines:
+        engine, _, schedule = name.partition("_")
+        if engine in ("ours", "torch"):
+            cases.append({"engine": engine, "schedule": schedule, "num_microbatches": m})
+        elif engine == "ddp":
+            cases.append({"engine": "ddp", "schedule": None, "num_microbatches": m})
+    return cases
+
+
+def steady_bubble(schedule: str, stages: int, microbatches: int, batches: int) -> tuple[float, float]:
+    """(whole-program, steady-state) bubble of ``validate``'s simulation of ``batches`` batches."""
+    from lightning_pdist.algorithms.pipeline_schedule import build_schedule, validate
+
+    now = validate(build_schedule(schedule, stages, microbatches, batches), BACKWARD_COST)
+    more = validate(build_schedule(schedule, stages, microbatches, batches + 1), BACKWARD_COST)
+    period = more.makespan - now.makespan
+    return now.bubble_fraction, 1.0 - microbatches * (1.0 + BACKWARD_COST) / period
+
+
+def pipeline_bytes(samples: int, microbatches: int, activation_numel: Sequence[int]) -> int:
+    """Bytes all stages send for ``samples`` in ``microbatches``: each cut, both ways, payload plus header."""
+    from lightning_pdist.bench.pipeline_worker import HEADER_BYTES
+
+    return sum(2 * (samples * numel * 4 + microbatches * HEADER_BYTES) for numel in activation_numel)
+
+
+def ddp_bytes(steps: int, params: int, ranks: int) -> int:
+    """Bytes all ranks send in ``steps`` fp32 all-reduces of ``params``: ``R · 2(R-1)/R · 4P`` per step."""
+    from lightning_pdist.comm.accounting import all_reduce_bytes
+
+    return ranks * steps * all_reduce_bytes(4 * params, ranks)
+
+
+# -- running ---------------------------------------------------------------------------------------------
+
+
+class Runner:
+    """Launches worker runs on loopback or on one emulated network; says how busy the rest of the machine was."""
+
+    def __init__(self, config: SuiteConfig, scratch: Path, log: Callable[[str], None]) -> None:
+        self.config, self.scratch, self.log = config, scratch, log
+        self.env = worker_env()
+        self.count = 0
+        self.port = 29700
+        self.net: EmulatedNetwork | None = None
+
+    def launch(self, spec: dict[str, Any], processes: int, network: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+        """Run ``spec`` on ``processes`` ranks; their results, or ``{"error": ...}`` when a rank failed."""
+        self.count += 1
+        self.port += 1  # a fresh rendezvous port per run: the last run's sockets may linger in TIME_WAIT
+        out = self.scratch / f"run{self.count}"
+        argv = [sys.executable, "-m", "lightning_pdist.bench.pipeline_worker", "--spec", json.dumps(spec), "--out-dir", str(out)]
+        env = {**self.env, **(env or {})}
+        busy0, ours0, t0 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
+        try:
+            if network == "loopback":
+                launch_loopback(argv, processes, free_port(), env=env, timeout=self.config.timeout)
+            else:
+                launch_ranks(self.net, argv, processes, self.port, env=env, timeout=self.config.timeout)
+        except LaunchError as err:
+            return {"error": str(err).splitlines()[-1][:400], "ranks": []}
+        wall, ours, busy1 = time.perf_counter() - t0, own_cpu_s() - ours0, busy_cpu_s()
+        # Other sessions share the cores; their CPU time during the run says how far to trust the timings.
+        other = None if busy0 is None or busy1 is None else round(max(0.0, busy1 - busy0 - ours) / wall, 2)
+        ranks = read_results(out, "rank", processes, SUITE)
+        error = next((r["error"] for r in ranks if "error" in r), None)
+        return {"error": error, "ranks": ranks, "wall_s": round(wall, 1), "other_load_cores": other}
+
+
+def throughput_rows(result: dict[str, Any], spec: dict[str, Any], processes: int, network: str, engine: str = "") -> list[dict[str, Any]]:
+    """Rows of one launch: per case, the slowest stage's median step and ours' measured bubble."""
+    common = {"stages": spec["num_stages"], "processes": processes, "network": network,
+              "oversubscribed": processes > (os.cpu_count() or 1), "width": spec["width"], "depth": spec["depth"],
+              "batch_size": spec["batch_size"], "other_load_cores": result.get("other_load_cores")}  # fmt: skip
+    if result["error"] is not None:
+        schedule = {"deepspeed": "1f1b", "fairscale": "gpipe", "ours+lightning": "1f1b"}.get(engine)
+        return [{"engine": engine, "schedule": schedule, **common, "num_microbatches": spec.get("num_microbatches"),
+                 "samples_per_s": None, "median_step_s": None, "error": result["error"]}]  # fmt: skip
+    rows = []
+    for i, case in enumerate(result["ranks"][0]["cases"]):
+        per_rank = [r["cases"][i] for r in result["ranks"]]
+        step = max(statistics.median(c["step_s"]) for c in per_rank)
+        waits = [sum(c["wait_s"]) / sum(c["step_s"]) for c in per_rank if c["wait_s"] is not None]
+        sent = [statistics.mean(c["bytes"]) for c in per_rank if c["bytes"] is not None]
+        rows.append({
+            "engine": case["engine"], "schedule": None if case["engine"] == "ddp" else case["schedule"], **common,
+            "num_microbatches": case["num_microbatches"], "samples_per_s": round(spec["batch_size"] / step, 2),
+            "median_step_s": round(step, 5), "mean_step_s": round(max(c["loop_s"] for c in per_rank) / len(per_rank[0]["step_s"]), 5),
+            "bubble_measured": round(statistics.mean(waits), 4) if waits else None,
+            "bytes_per_step": round(sum(sent)) if sent else None, "max_versions": case.get("max_versions"), "error": None,
+        })  # fmt: skip
+    return rows
+
+
+def run_throughput(runner: Runner, config: SuiteConfig, network: str) -> list[dict[str, Any]]:
+    """Part 1 on one network: per stage count, the engines launch and DeepSpeed's (fairscale and Lightning once)."""
+    rows = []
+    cases = engine_cases(config)
+    for k in config.stages:
+        launches = []
+        if cases:
+            launches.append(("", mlp_spec(config, "engines", k, cases=cases), k))
+        if "deepspeed" in config.engines:
+            launches.append(("deepspeed", mlp_spec(config, "deepspeed", k, num_microbatches=config.num_microbatches), k))
+        if "fairscale" in config.engines and network == config.networks[0]:
+            launches.append(("fairscale", mlp_spec(config, "fairscale", k, num_microbatches=config.num_microbatches), 1))
+        if "lightning" in config.engines and network == config.networks[0] and k == config.stages[0]:
+            launches.append(("ours+lightning", mlp_spec(config, "lightning", k, num_microbatches=config.num_microbatches,
+                                                        schedule="1f1b"), k))  # fmt: skip
+        for engine, spec, processes in launches:
+            where = "single process" if processes == 1 else network
+            new = throughput_rows(runner.launch(spec, processes, "loopback" if processes == 1 else network), spec, processes, where, engine)
+            rows += new
+            for row in new:
+                what = row["error"] or f"{row['samples_per_s']:.0f} samples/s" + (
+                    f", bubble {row['bubble_measured']:.3f}" if row.get("bubble_measured") is not None else "")
+                runner.log(f"[throughput] {where} K={k} {row['engine']} {row['schedule'] or ''}: {what}")
+    return rows
+
+
+def ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ours 1F1B over torch's Schedule1F1B, per stage count and network (same launch)."""
+    out = []
+    for key in dict.fromkeys((r["stages"], r["network"]) for r in rows):
+        by = {(r["engine"], r["schedule"]): r for r in rows if (r["stages"], r["network"]) == key and r["samples_per_s"]}
+        ours, theirs = by.get(("ours", "1f1b")), by.get(("torch", "1f1b"))
+        if ours and theirs:
+            out.append({"stages": key[0], "network": key[1], "ours_1f1b_samples_per_s": ours["samples_per_s"],
+                        "torch_1f1b_samples_per_s": theirs["samples_per_s"],
+                        "ratio": round(ours["samples_per_s"] / theirs["samples_per_s"], 3)})  # fmt: skip
+    return out
+
+
+def run_bubble(runner: Runner, config: SuiteConfig) -> list[dict[str, Any]]:
+    """Part 2: ours' measured bubble at each K:m point, on loopback, against the formula and the simulation."""
+    from lightning_pdist.algorithms.pipeline_schedule import bubble_formula
+
+    rows = []
+    for k in dict.fromkeys(p[0] for p in config.bubble_points):
+        cases = [{"engine": "ours", "schedule": s, "num_microbatches": m} for kk, m in config.bubble_points if kk == k for s in SCHEDULES]
+        spec = {**mlp_spec(config, "engines", k, cases=cases), "width": config.bubble_width}
+        for row in throughput_rows(runner.launch(spec, k, "loopback"), spec, k, "loopback", "ours"):
+            if row["error"] is not None:
+                rows.append({"stages": k, "network": "loopback", "error": row["error"]})
+                continue
+            m = row["num_microbatches"]
+            whole, steady = steady_bubble(row["schedule"], k, m, config.steps)
+            rows.append({**{key: row[key] for key in ("schedule", "stages", "num_microbatches", "network", "oversubscribed",
+                                                       "width", "bubble_measured", "median_step_s", "error")},
+                         "formula": round(bubble_formula(k, m), 4), "simulated_whole": round(whole, 4),
+                         "simulated_steady": round(steady, 4)})  # fmt: skip
+            runner.log(f"[bubble] K={k} m={m} {row['schedule']}: measured {row['bubble_measured']}, formula "
+                       f"{bubble_formula(k, m):.3f}, simulated steady {steady:.3f}")  # fmt: skip
+    return rows
+
+
+def run_stash(runner: Runner, config: SuiteConfig) -> list[dict[str, Any]]:
+    """Part 3: weight versions, their bytes and RSS growth per stage, each variant against its baseline."""
+    from lightning_pdist.algorithms.pipeline_schedule import build_schedule, validate
+    from lightning_pdist.bench.pipeline_worker import check_spec
+
+    rows = []
+    m = max(4, max(config.stash_stages))
+    for k in config.stash_stages:
+        by_variant = {}
+        for variant in STASH_VARIANTS:
+            schedule = variant.split("_")[0]
+            spec = check_spec({"job": "stash", "num_stages": k, "seed": 0, "width": config.stash_width, "depth": 2 * k,
+                               "batch_size": 2 * m, "num_microbatches": m, "batches": 3, "lr": config.lr,
+                               "schedule": schedule, "weight_stashing": variant != "pipedream_nostash"})  # fmt: skip
+            # A fixed mmap threshold: every tensor of more than 64 KiB is its own mapping, unmapped when freed.
+            result = runner.launch(spec, k, "loopback", env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+            depth = validate(build_schedule(schedule, k, m, spec["batches"])).stash_depth
+            by_variant[variant] = result["ranks"]
+            for s, r in enumerate(result["ranks"]):
+                expected = depth[s] if variant != "pipedream_nostash" else 1
+                rows.append({"stages": k, "variant": variant, "schedule": schedule, "stage": s, "network": "loopback",
+                             "num_microbatches": m, "param_bytes": r["param_bytes"], "stash_depth": depth[s],
+                             "expected_versions": expected, "max_versions": r["max_versions"],
+                             "max_weight_bytes": r["max_weight_bytes"], "expected_weight_bytes": expected * r["param_bytes"],
+                             "rss_growth": r["rss_growth"], "hwm_reset": r["hwm_reset"], "baseline": BASELINE[variant]})  # fmt: skip
+            if result["error"] is not None:
+                rows.append({"stages": k, "variant": variant, "network": "loopback", "error": result["error"]})
+        for row in rows:
+            base = by_variant.get(row.get("baseline"))
+            if row["stages"] == k and base and "stage" in row:
+                b = base[row["stage"]]
+                row["rss_over_baseline"] = row["rss_growth"] - b["rss_growth"]
+                row["expected_over_baseline"] = (row["expected_versions"] - b["max_versions"]) * row["param_bytes"]
+                runner.log(f"[stash] K={k} {row['variant']} stage {row['stage']}: {row['max_versions']} versions "
+                           f"(depth {row['stash_depth']}), {row['max_weight_bytes'] / 1e6:.1f} MB, RSS +{row['rss_growth'] / 1e6:.1f} MB "
+                           f"({row['rss_over_baseline'] / 1e6:+.1f} MB over {row['baseline']}, expected "
+                           f"{row['expected_over_baseline'] / 1e6:+.1f})")  # fmt: skip
+    return rows
+
+
+def run_convergence(runner: Runner, config: SuiteConfig) -> dict[str, Any]:
+    """Parts 4 and 5: accuracy per epoch of every method, and its training bytes per epoch against the formulas."""
+    from lightning_pdist.bench.pipeline_worker import check_spec
+
+    curves, bytes_rows, runs = [], [], []
+    k = config.converge_stages
+    for seed in config.seeds:
+        for method in config.methods:
+            spec = check_spec({"job": "converge", "num_stages": k, "seed": seed, "strategy": method.split("_")[0],
+                               "weight_stashing": method != "pipedream_nostash", "num_microbatches": config.converge_microbatches,
+                               "batch_size": config.converge_batch_size, "lr": config.converge_lr, "epochs": config.epochs})  # fmt: skip
+            result = runner.launch(spec, k, "loopback")
+            if result["error"] is not None:
+                runs.append({"method": method, "seed": seed, "error": result["error"]})
+                continue
+            ranks = result["ranks"]
+            r0 = ranks[0]
+            for e in r0["epochs"]:
+                samples = e["samples"] * (k if method == "ddp" else 1)
+                curves.append({"method": method, "seed": seed, "stages": k, "epoch": e["epoch"], "samples": samples,
+                               "val_acc": round(e["val_acc"], 4), "lr": config.converge_lr, "network": "loopback"})  # fmt: skip
+            measured = sum(r["train_bytes"] for r in ranks)
+            if method == "ddp":
+                formula, term = ddp_bytes(r0["train_steps"], r0["params"], k), "N²·L·M: R · 2(R-1)/R · 4·params per step"
+            else:
+                formula = pipeline_bytes(r0["samples"], r0["microbatches"], r0["activation_numel"])
+                term = "N·T·M: 2 · cuts · samples · 4·activation numel, + 128 B per message"
+            if seed == config.seeds[0]:
+                bytes_rows.append({"method": method, "ranks": k, "network": "loopback (bytes do not depend on it)",
+                                   "epochs": config.epochs, "params": r0["params"], "activation_numel": r0["activation_numel"],
+                                   "samples_per_epoch": r0["samples"] * (k if method == "ddp" else 1) // config.epochs,
+                                   "measured_bytes_per_epoch": measured / config.epochs,
+                                   "formula_bytes_per_epoch": formula / config.epochs, "survey_term": term,
+                                   "measured_over_formula": round(measured / formula, 6) if formula else None})  # fmt: skip
+            runs.append({"method": method, "seed": seed, "error": None, "final_val_acc": round(r0["epochs"][-1]["val_acc"], 4),
+                         "fit_s": round(r0["fit_s"], 1), "eval_bytes": sum(r["eval_bytes"] for r in ranks)})  # fmt: skip
+            runner.log(f"[convergence] {method} seed {seed}: val_acc {[round(e['val_acc'], 3) for e in r0['epochs']]}, "
+                       f"{measured / config.epochs / 1e6:.2f} MB/epoch (formula {formula / config.epochs / 1e6:.2f})")  # fmt: skip
+    return {"rows": curves, "runs": runs, "summary": convergence_summary(runs), "bytes_rows": bytes_rows}
+
+
+def convergence_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Final accuracy per method (mean over seeds) and what stashing bought, in words the JSON keeps."""
+    final = {}
+    for method in METHODS:
+        accs = [r["final_val_acc"] for r in runs if r["method"] == method and r.get("error") is None]
+        final[method] = round(statistics.mean(accs), 4) if accs else None
+    stash, nostash = final.get("pipedream"), final.get("pipedream_nostash")
+    if stash is None or nostash is None:
+        note = "stashing was not compared (a run is missing)"
+    elif abs(stash - nostash) < 0.01:
+        note = (f"no difference at this lr and stage count ({stash:.4f} vs {nostash:.4f}): with few stages a backward "
+                "without stashing uses weights only K-1-s updates newer than its forward's, which a small lr barely moves")
+    else:
+        note = (f"stashing {stash:.4f} vs no stashing {nostash:.4f} ({stash - nostash:+.4f}): without stashing a backward "
+                "uses newer weights than its forward, and at this lr the mismatched gradients "
+                + ("do not train" if nostash < 0.2 else "train worse"))  # fmt: skip
+    return {"final_val_acc": final, "stashing_note": note}
+
+
+def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any] | None:
+    """Run the requested parts; write ``out/pipeline.{json,png}``; return the document."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{SUITE}(--out={str(out)!r}): --out must be a directory, and this is a file")
+    out.mkdir(parents=True, exist_ok=True)
+    doc = new_document(SUITE, command, asdict(config))
+    t_suite = time.perf_counter()
+    scratch = Path(tempfile.mkdtemp(prefix="pdist-pipeline-"))
+    runner = Runner(config, scratch, log)
+    clock = time.perf_counter()
+
+    def lap(part: str) -> None:
+        nonlocal clock
+        doc["part_wall_s"][part] = round(time.perf_counter() - clock, 1)
+        clock = time.perf_counter()
+
+    doc["part_wall_s"] = {}
+    try:
+        if "throughput" in config.parts:
+            for network in config.networks:
+                if network == "loopback":
+                    doc["networks"]["loopback"] = {"detail": "loopback: every rank a process on this machine, 127.0.0.1 (lo), unshaped"}
+                    doc["rows"] += run_throughput(runner, config, "loopback")
+                    continue
+                ok, reason = EmulatedNetwork.available()
+                key = f"emulated {config.rate}"
+                if not ok:
+                    doc["networks"][key] = {"skipped": reason}
+                    log(f"{SUITE}: emulated links are not available here, skipping {key}: {reason}")
+                    continue
+                with EmulatedNetwork(num_hosts=max(config.stages), rate=config.rate) as net:
+                    runner.net = net
+                    goodput = measure_link_rate(net, 0, 1, 4 << 20)
+                    doc["networks"][key] = {"detail": net.describe(), "rate": config.rate, "burst_bytes": net.burst_bytes,
+                                            "measured_tcp_goodput_bytes_per_s": round(goodput)}  # fmt: skip
+                    rows = run_throughput(runner, config, key)
+                    doc["rows"] += [{**r, "rate": config.rate} if r["network"] == key else r for r in rows]
+            check_rows(doc["rows"], ROW_KEYS, SUITE)
+            doc["ratios"] = ratios(doc["rows"])
+            lap("throughput")
+        if "bubble" in config.parts:
+            doc["bubble"] = {"rows": run_bubble(runner, config), "backward_cost": BACKWARD_COST}
+            lap("bubble")
+        if "stash" in config.parts:
+            doc["stash"] = {"rows": run_stash(runner, config)}
+            lap("stash")
+        if "convergence" in config.parts:
+            conv = run_convergence(runner, config)
+            doc["bytes"] = {"rows": conv.pop("bytes_rows")}
+            doc["convergence"] = conv
+            lap("convergence")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    doc["suite_wall_s"] = round(time.perf_counter() - t_suite, 1)
+    write_json(doc, out / f"{SUITE}.json")
+    plot(doc, out / f"{SUITE}.png")
+    return doc
+
+
+# -- output --------------------------------------------------------------------------------------------
+
+THROUGHPUT_COLUMNS = (
+    ("network", "network", None), ("K", "stages", None), ("procs", "processes", None), ("engine", "engine", None),
+    ("schedule", "schedule", None), ("m", "num_microbatches", None), ("samples/s", "samples_per_s", ".1f"),
+    ("median ms", "median_step_s", lambda s: f"{1000 * s:.1f}"), ("bubble", "bubble_measured", ".3f"),
+    ("bytes/step", "bytes_per_step", ",d"), ("other load", "other_load_cores", ".2f"), ("error", "error", None),
+)  # fmt: skip
+BUBBLE_COLUMNS = (
+    ("K", "stages", None), ("m", "num_microbatches", None), ("schedule", "schedule", None),
+    ("measured", "bubble_measured", ".3f"), ("(K-1)/(m+K-1)", "formula", ".3f"),
+    ("simulated, steady", "simulated_steady", ".3f"), ("simulated, whole run", "simulated_whole", ".3f"),
+    ("median ms", "median_step_s", lambda s: f"{1000 * s:.1f}"),
+)  # fmt: skip
+STASH_COLUMNS = (
+    ("K", "stages", None), ("variant", "variant", None), ("stage", "stage", None), ("stash depth", "stash_depth", None),
+    ("versions", "max_versions", None), ("weight MB", "max_weight_bytes", lambda b: f"{b / 1e6:.1f}"),
+    ("RSS growth MB", "rss_growth", lambda b: f"{b / 1e6:.1f}"), ("baseline", "baseline", None),
+    ("over baseline MB", "rss_over_baseline", lambda b: f"{b / 1e6:+.1f}"),
+    ("expected MB", "expected_over_baseline", lambda b: f"{b / 1e6:+.1f}"),
+)  # fmt: skip
+BYTES_COLUMNS = (
+    ("method", "method", None), ("ranks", "ranks", None), ("samples/epoch", "samples_per_epoch", None),
+    ("measured MB/epoch", "measured_bytes_per_epoch", lambda b: f"{b / 1e6:.3f}"),
+    ("formula MB/epoch", "formula_bytes_per_epoch", lambda b: f"{b / 1e6:.3f}"),
+    ("measured/formula", "measured_over_formula", ".4f"), ("survey term", "survey_term", None),
+)  # fmt: skip
+
+
+def docs_section(doc: dict[str, Any], json_path: str) -> str:
+    """The suite's figures as markdown; everything is read from ``doc``."""
+    host, cfg = doc["host"], doc["config"]
+    lines = [
+        f"Command: `{doc['command']}`  ",
+        f"Run: {doc['created']}, {doc['suite_wall_s']} s for the whole suite, on {host['cpus']} CPUs "
+        f"(1-min load average {host['loadavg_1m_at_start']} at the start), torch {host['torch']}.  ",
+        f"Output: `{json_path}`",
+    ]
+    if doc["rows"]:
+        nets = "\n".join(f"- {name}: {info.get('detail', 'skipped: ' + str(info.get('skipped')))}" for name, info in doc["networks"].items())
+        lines += ["", "### Throughput", "", f"MLP: {cfg['depth']} × Linear({cfg['width']}, {cfg['width']}), batch "
+                  f"{cfg['batch_size']} in {cfg['num_microbatches']} micro-batches, {cfg['warmup_steps']} untimed + "
+                  f"{cfg['steps']} timed steps (median of the slowest stage). More processes than CPUs means "
+                  "oversubscribed; fairscale is one process.", "", "Networks:", "", nets, "",
+                  markdown_table(doc["rows"], THROUGHPUT_COLUMNS), ""]  # fmt: skip
+        lines += [f"- ours 1F1B / torch Schedule1F1B, {r['network']}, K={r['stages']}: {r['ratio']:.3f}" for r in doc.get("ratios", [])]
+    if doc.get("bubble"):
+        lines += ["", "### Bubble (loopback)", "", f"Width {cfg['bubble_width']}; simulation with backward cost "
+                  f"{doc['bubble']['backward_cost']}.", "", markdown_table(doc["bubble"]["rows"], BUBBLE_COLUMNS)]  # fmt: skip
+    if doc.get("stash"):
+        lines += ["", "### Weight stashing memory (loopback)", "", markdown_table(doc["stash"]["rows"], STASH_COLUMNS)]
+    conv = doc.get("convergence")
+    if conv:
+        finals = ", ".join(f"{k} {v}" for k, v in conv["summary"]["final_val_acc"].items())
+        lines += ["", "### Convergence (Lightning, digits, loopback)", "",
+                  f"ClassifierModule(model='cnn'), SGD lr {cfg['converge_lr']}, batch {cfg['converge_batch_size']}, "
+                  f"{cfg['converge_stages']} stages/ranks, {cfg['epochs']} epochs, seeds {list(cfg['seeds'])}. "
+                  f"Final val_acc: {finals}.", "", f"Stashing: {conv['summary']['stashing_note']}"]  # fmt: skip
+        lines += [f"- {r['method']} seed {r['seed']}: error {r['error']}" for r in conv["runs"] if r.get("error")]
+    if doc.get("bytes"):
+        lines += ["", "### Bytes per epoch against survey 002 Table 1", "", markdown_table(doc["bytes"]["rows"], BYTES_COLUMNS)]
+    return "\n".join(lines)
+
+
+def plot(doc: dict[str, Any], path: str | Path) -> Path:
+    """Throughput per engine, bubble against the formula, stash memory, accuracy vs samples, bytes per epoch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(18, 9))
+    grid = fig.add_gridspec(2, 3)
+    axes = [fig.add_subplot(grid[0, :2]), fig.add_subplot(grid[0, 2])] + [fig.add_subplot(grid[1, j]) for j in range(3)]
+    rows = [r for r in doc["rows"] if r["samples_per_s"]]
+    groups = list(dict.fromkeys(f"{r['network']} K={r['stages']}" for r in rows))
+    labels = list(dict.fromkeys(f"{r['engine']} {r['schedule'] or ''}".strip() for r in rows))
+    width = 0.8 / max(1, len(labels))
+    for j, label in enumerate(labels):
+        by = {f"{r['network']} K={r['stages']}": r["samples_per_s"] for r in rows if f"{r['engine']} {r['schedule'] or ''}".strip() == label}
+        xs = [i for i, g in enumerate(groups) if g in by]
+        axes[0].bar([x + j * width for x in xs], [by[groups[x]] for x in xs], width, label=label)
+    axes[0].set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], groups, fontsize=7, rotation=15)
+    axes[0].set(ylabel="samples/s", title="throughput (same MLP and batch)")
+    axes[0].legend(fontsize=6, ncol=2)
+    bubble = (doc.get("bubble") or {}).get("rows", [])
+    for schedule, marker in zip(SCHEDULES, "osD^"):
+        pts = [r for r in bubble if r["schedule"] == schedule and r.get("bubble_measured") is not None]
+        axes[1].scatter([r["simulated_steady"] for r in pts], [r["bubble_measured"] for r in pts], marker=marker, label=schedule)
+    axes[1].plot([0, 0.6], [0, 0.6], "k:", lw=1)
+    axes[1].set(xlabel="simulated steady-state bubble (= (K-1)/(m+K-1) when flushed)", ylabel="measured wait / step", title="bubble")
+    axes[1].legend(fontsize=7)
+    stash = [r for r in (doc.get("stash") or {}).get("rows", []) if "stage" in r]
+    names = [f"K{r['stages']} {r['variant']} s{r['stage']}" for r in stash]
+    for j, (key, label) in enumerate((("expected_weight_bytes", "depth × stage bytes"), ("max_weight_bytes", "weight_versions()"),
+                                      ("rss_over_baseline", "RSS growth over baseline"))):  # fmt: skip
+        axes[2].bar([i + j * 0.27 for i in range(len(stash))], [r.get(key, 0) / 1e6 for r in stash], 0.27, label=label)
+    axes[2].set_xticks(range(len(stash)), names, rotation=90, fontsize=6)
+    axes[2].set(ylabel="MB", title="stashed weights per stage")
+    axes[2].legend(fontsize=7)
+    for method in METHODS:
+        for seed in dict.fromkeys(r["seed"] for r in (doc.get("convergence") or {}).get("rows", [])):
+            pts = [r for r in doc["convergence"]["rows"] if r["method"] == method and r["seed"] == seed]
+            if pts:
+                axes[3].plot([r["samples"] for r in pts], [r["val_acc"] for r in pts], "o-", label=f"{method} s{seed}")
+    axes[3].set(xlabel="training samples", ylabel="val accuracy", title="convergence (digits, Lightning)")
+    axes[3].legend(fontsize=7)
+    brows = (doc.get("bytes") or {}).get("rows", [])
+    axes[4].bar([i - 0.2 for i in range(len(brows))], [r["measured_bytes_per_epoch"] / 1e6 for r in brows], 0.4, label="measured")
+    axes[4].bar([i + 0.2 for i in range(len(brows))], [r["formula_bytes_per_epoch"] / 1e6 for r in brows], 0.4, label="formula")
+    axes[4].set_xticks(range(len(brows)), [r["method"] for r in brows], fontsize=7, rotation=15)
+    axes[4].set(ylabel="MB per epoch (all ranks)", title="bytes per epoch vs survey 002 Table 1")
+    axes[4].legend(fontsize=7)
+    fig.suptitle(f"pipeline suite, {doc['created']}", fontsize=9)
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=100)
+
+
+# -- command line ----------------------------------------------------------------------------------------
+
+
+def _point(text: str) -> tuple[int, int]:
+    k, sep, m = text.partition(":")
+    if not sep or not k.isdigit() or not m.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not K:m (two ints, e.g. 2:4)")
+    return int(k), int(m)
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Add the suite's options to ``parser``."""
+    d = SuiteConfig()
+    add = parser.add_argument
+    add("--quick", action="store_true", help=f"the small plan ({QUICK}); without it: {FULL}")
+    add("--out", required=True, type=Path, help="directory for pipeline.json, pipeline.png and docs_section.md")
+    add("--parts", nargs="+", default=list(PARTS), help=f"any of {PARTS} (default all; bytes come with convergence)")
+    add("--network", choices=("loopback", "emulated", "both"), default="both", help="throughput networks (default both)")
+    add("--rate", default=d.rate, help="emulated links' rate, both ways (default %(default)s)")
+    add("--stages", type=int, nargs="+", default=list(d.stages), help="stage counts of the throughput part (default %(default)s)")
+    add("--engines", nargs="+", default=list(ENGINES), help=f"any of {ENGINES}")
+    add("--width", type=int, default=None, help="MLP width (default 512 quick, 1024 full)")
+    add("--depth", type=int, default=d.depth, help="Linear layers of the MLP (default %(default)s)")
+    add("--batch-size", type=int, default=d.batch_size, help="global batch (default %(default)s)")
+    add("--microbatches", type=int, default=d.num_microbatches, dest="num_microbatches", help="micro-batches per batch (default %(default)s)")
+    add("--warmup-steps", type=int, default=None, help="untimed steps (default 2 quick, 3 full)")
+    add("--steps", type=int, default=None, help="timed steps (default 5 quick, 20 full)")
+    add("--bubble-points", type=_point, nargs="+", default=list(d.bubble_points), help="K:m points of the bubble part (default 2:2 2:4 2:8 4:4)")
+    add("--bubble-width", type=int, default=d.bubble_width, help="MLP width of the bubble part (default %(default)s)")
+    add("--stash-stages", type=int, nargs="+", default=list(d.stash_stages), help="stage counts of the stash part (default %(default)s)")
+    add("--stash-width", type=int, default=d.stash_width, help="layer width of the stash part (default %(default)s: 16.8 MB a layer)")
+    add("--methods", nargs="+", default=list(METHODS), help=f"convergence runs, any of {METHODS}")
+    add("--converge-stages", type=int, default=d.converge_stages, help="ranks of the convergence part (default %(default)s)")
+    add("--converge-lr", type=float, default=d.converge_lr, help="SGD lr of the convergence part (default %(default)s)")
+    add("--converge-batch-size", type=int, default=d.converge_batch_size, help="global batch of the convergence part (default %(default)s)")
+    add("--epochs", type=int, default=None, help="epochs of the convergence part (default 3 quick, 8 full)")
+    add("--seeds", type=int, nargs="+", default=None, help="seeds of the convergence part (default 0 quick, 0 1 full)")
+    add("--timeout", type=float, default=d.timeout, help="seconds per launch (default %(default)s)")
+
+
+def config_from_args(args: argparse.Namespace) -> SuiteConfig:
+    """The validated :class:`SuiteConfig` of parsed arguments (``ValueError`` names a bad option)."""
+    plan = QUICK if args.quick else FULL
+    pick = lambda value, key: plan[key] if value is None else value  # noqa: E731
+    return SuiteConfig(
+        parts=tuple(args.parts), networks=NETWORKS if args.network == "both" else (args.network,), rate=args.rate,
+        stages=tuple(args.stages), engines=tuple(args.engines), width=pick(args.width, "width"), depth=args.depth,
+        batch_size=args.batch_size, num_microbatches=args.num_microbatches, warmup_steps=pick(args.warmup_steps, "warmup_steps"),
+        steps=pick(args.steps, "steps"), bubble_points=tuple(args.bubble_points), bubble_width=args.bubble_width,
+        stash_stages=tuple(args.stash_stages), stash_width=args.stash_width, methods=tuple(args.methods),
+        converge_stages=args.converge_stages,
+        converge_lr=args.converge_lr, converge_batch_size=args.converge_batch_size, epochs=pick(args.epochs, "epochs"),
+        seeds=tuple(pick(args.seeds, "seeds")), timeout=args.timeout, quick=args.quick,
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Run the suite for parsed ``args`` (``argv`` is recorded as the command); print the tables."""
+    return run_documented_suite(SUITE, args, argv, config_from_args, run_suite, docs_section)

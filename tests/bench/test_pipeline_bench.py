@@ -1,0 +1,193 @@
+"""The pipeline suite: config rules, its formulas, and tiny real runs of every part (loopback and emulated)."""
+
+import json
+
+import pytest
+
+from lightning_pdist.algorithms.pipeline_schedule import build_schedule, bubble_formula, validate
+from lightning_pdist.bench import SUITES
+from lightning_pdist.bench.__main__ import main as bench_main
+from lightning_pdist.bench.netns import EmulatedNetwork
+from lightning_pdist.bench.pipeline import (
+    ROW_KEYS,
+    SuiteConfig,
+    convergence_summary,
+    ddp_bytes,
+    pipeline_bytes,
+    ratios,
+    steady_bubble,
+)
+from lightning_pdist.bench.pipeline_worker import HEADER_BYTES, check_spec
+from lightning_pdist.bench.report import check_rows
+from lightning_pdist.comm.accounting import all_reduce_bytes
+
+_OK, _REASON = EmulatedNetwork.available()
+TINY = ["--width", "32", "--depth", "4", "--batch-size", "8", "--microbatches", "2", "--warmup-steps", "1", "--steps", "2"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"parts": ("speed",)}, r"pipeline\(--parts=\('speed',\)\): each value must be one of"),
+        ({"engines": ("ours_1f1b", "ours_1f1b")}, r"--engines=.*give at least one value, none repeated"),
+        ({"methods": ("sgd",)}, r"pipeline\(--methods=\('sgd',\)\): each value must be one of"),
+        ({"stages": (1,)}, r"pipeline\(--stages=1\): a stage count must be an int in \[2, 8\]"),
+        ({"stages": (3,), "num_microbatches": 3, "batch_size": 48}, r"pipeline\(--depth=8\): must be a multiple of every stage count"),
+        ({"num_microbatches": 2}, r"pipeline\(--microbatches=2\): must be >= the stage count 4"),
+        ({"batch_size": 66}, r"pipeline\(--batch-size=66\): must be a multiple of --microbatches"),
+        ({"bubble_points": ((4, 2),)}, r"pipeline\(--bubble-points=\(4, 2\)\): each point is K:m with K in \[2, 8\] and m >= K"),
+        ({"bubble_points": ((2, 3),)}, r"pipeline\(--bubble-points=\(2, 3\)\): K must divide --depth \(8\) and m --batch-size \(64\)"),
+        ({"converge_stages": 3}, r"pipeline\(--converge-batch-size=32\): must be a multiple of the 4 micro-batches and of --converge-stages"),
+        ({"rate": "fast"}, r"pipeline\(--rate='fast'\): must look like '100mbit'"),
+        ({"steps": 0}, r"pipeline\(--steps=0\): must be an int >= 1"),
+        ({"converge_lr": 0.0}, r"pipeline\(--converge-lr=0.0\): must be > 0"),
+        ({"seeds": (-1,)}, r"pipeline\(--seeds=\(-1,\)\): each seed must be an int >= 0"),
+    ],
+)
+def test_config_rejects_bad_values_naming_option_value_and_rule(kwargs, match):
+    """Every bad option raises ValueError with the option, the value and the rule."""
+    with pytest.raises(ValueError, match=match):
+        SuiteConfig(**kwargs)
+
+
+def test_cli_answers_bad_values_with_exit_status_2(tmp_path, capsys):
+    """The suite is registered; a bad value exits 2 with its message and writes nothing; a bad K:m is argparse's."""
+    assert SUITES["pipeline"] == "lightning_pdist.bench.pipeline"
+    assert bench_main(["pipeline", "--quick", "--out", str(tmp_path / "o"), "--stages", "2", "9"]) == 2
+    assert "pipeline(--stages=(2, 9)): a stage count must be an int in [2, 8]" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(SystemExit) as exit_info:
+        bench_main(["pipeline", "--out", str(tmp_path / "o"), "--bubble-points", "2x4"])
+    assert exit_info.value.code == 2
+    assert "'2x4' is not K:m" in capsys.readouterr().err
+
+
+def test_worker_spec_is_checked():
+    """Worker specs refuse unknown jobs, missing keys, torch schedules torch lacks and uneven cuts."""
+    spec = {"job": "stash", "num_stages": 2, "seed": 0, "width": 8, "depth": 4, "batch_size": 4, "num_microbatches": 2,
+            "batches": 1, "lr": 0.1, "schedule": "2bw", "weight_stashing": True}  # fmt: skip
+    assert check_spec(dict(spec)) == spec
+    with pytest.raises(ValueError, match=r"job='train'\): job must be one of"):
+        check_spec({**spec, "job": "train"})
+    with pytest.raises(ValueError, match=r"missing keys \['weight_stashing'\]"):
+        check_spec({k: v for k, v in spec.items() if k != "weight_stashing"})
+    with pytest.raises(ValueError, match=r"depth=3\): depth must be a multiple of num_stages \(2\)"):
+        check_spec({**spec, "depth": 3})
+    engines = {"job": "engines", "num_stages": 2, "seed": 0, "width": 8, "depth": 2, "batch_size": 4, "warmup_steps": 1,
+               "steps": 1, "lr": 0.1, "cases": [{"engine": "torch", "schedule": "2bw", "num_microbatches": 2}]}  # fmt: skip
+    with pytest.raises(ValueError, match=r"torch's schedules here are \('gpipe', '1f1b'\)"):
+        check_spec(engines)
+
+
+@pytest.mark.parametrize("K, m", [(2, 2), (2, 8), (3, 5), (4, 4)])
+def test_steady_bubble_is_the_formula_when_flushed_and_zero_without_flushes(K, m):
+    """The simulation's steady state: (K-1)/(m+K-1) for GPipe/1F1B, 0 for PipeDream/2BW (fill and drain aside)."""
+    for schedule in ("gpipe", "1f1b"):
+        whole, steady = steady_bubble(schedule, K, m, 3)
+        assert steady == pytest.approx(bubble_formula(K, m)) and whole == pytest.approx(bubble_formula(K, m))
+    for schedule in ("pipedream", "2bw"):
+        whole, steady = steady_bubble(schedule, K, m, 3)
+        assert steady == pytest.approx(0.0, abs=1e-12) and 0 < whole < bubble_formula(K, m)
+
+
+def test_byte_formulas_follow_the_survey_table():
+    """Pipeline: 2 ways × cuts × (samples × activation + header per message); DDP: R · 2(R-1)/R · model per step."""
+    assert pipeline_bytes(10, 4, [5]) == 2 * (10 * 5 * 4 + 4 * HEADER_BYTES)
+    assert pipeline_bytes(10, 4, [5, 7]) == pipeline_bytes(10, 4, [5]) + pipeline_bytes(10, 4, [7])
+    assert ddp_bytes(3, 1000, 4) == 4 * 3 * all_reduce_bytes(4000, 4) == 4 * 3 * 6000
+
+
+def test_ratios_and_the_stashing_note_come_from_the_rows():
+    """Ours/torch 1F1B per (K, network); the note says when stashing made no difference, and why."""
+    rows = [{"engine": e, "schedule": "1f1b", "stages": 2, "network": "loopback", "samples_per_s": v}
+            for e, v in (("ours", 80.0), ("torch", 100.0))]  # fmt: skip
+    rows.append({"engine": "ours", "schedule": "1f1b", "stages": 4, "network": "loopback", "samples_per_s": 10.0})
+    assert ratios(rows) == [{"stages": 2, "network": "loopback", "ours_1f1b_samples_per_s": 80.0,
+                             "torch_1f1b_samples_per_s": 100.0, "ratio": 0.8}]  # fmt: skip
+    runs = [{"method": "pipedream", "final_val_acc": 0.9}, {"method": "pipedream_nostash", "final_val_acc": 0.895}]
+    summary = convergence_summary(runs)
+    assert summary["final_val_acc"]["pipedream"] == 0.9 and summary["final_val_acc"]["ddp"] is None
+    assert summary["stashing_note"].startswith("no difference at this lr")
+    runs[1]["final_val_acc"] = 0.1
+    assert "do not train" in convergence_summary(runs)["stashing_note"]
+
+
+@pytest.mark.standalone
+def test_real_throughput_and_bubble_run_on_loopback(tmp_path):
+    """Every engine on 2 real ranks: ours' bytes are exactly its messages, versions its depth, failures honest."""
+    out = tmp_path / "out"
+    argv = ["pipeline", "--out", str(out), "--parts", "throughput", "bubble", "--network", "loopback", "--stages", "2",
+            *TINY, "--bubble-points", "2:2", "--bubble-width", "32"]  # fmt: skip
+    assert bench_main(argv) == 0
+    doc = json.loads((out / "pipeline.json").read_text())
+    assert (out / "pipeline.png").stat().st_size > 10_000 and "### Bubble" in (out / "docs_section.md").read_text()
+    check_rows(doc["rows"], ROW_KEYS, "test")
+    by = {(r["engine"], r["schedule"]): r for r in doc["rows"]}
+    assert set(by) == {("ours", s) for s in ("gpipe", "1f1b", "pipedream", "2bw")} | {
+        ("torch", "gpipe"), ("torch", "1f1b"), ("ddp", None), ("deepspeed", "1f1b"), ("fairscale", "gpipe"), ("ours+lightning", "1f1b")}
+    B, m, W = 8, 2, 32
+    for row in doc["rows"]:
+        # a figure or the reason there is none, never both
+        assert (row["samples_per_s"] is None) == (row["error"] is not None)
+        assert row["network"] == ("single process" if row["engine"] == "fairscale" else "loopback")
+        assert not row["oversubscribed"]
+        if row["engine"] == "ours":
+            # per step, stage 0 sends m activations and stage 1 m gradients, each (B/m) x W floats and a header
+            assert row["bytes_per_step"] == 2 * (m * HEADER_BYTES + B * W * 4)
+            assert row["max_versions"] == validate(build_schedule(row["schedule"], 2, m, num_batches=3)).stash_depth[0]
+            assert 0 <= row["bubble_measured"] < 1
+    assert by[("ddp", None)]["bytes_per_step"] == 2 * all_reduce_bytes(4 * (4 * W * W + 4 * W), 2)
+    assert by[("ours", "1f1b")]["samples_per_s"] > 0 and by[("torch", "1f1b")]["samples_per_s"] > 0
+    (ratio,) = doc["ratios"]
+    assert ratio["ratio"] == round(by[("ours", "1f1b")]["samples_per_s"] / by[("torch", "1f1b")]["samples_per_s"], 3)
+    for engine in ("deepspeed", "fairscale"):
+        row = by[(engine, "gpipe" if engine == "fairscale" else "1f1b")]
+        assert row["samples_per_s"] is not None or "cannot be imported" in row["error"]
+    assert [(r["schedule"], r["formula"]) for r in doc["bubble"]["rows"]] == [(s, round(1 / 3, 4)) for s in ("gpipe", "1f1b", "pipedream", "2bw")]
+    for row in doc["bubble"]["rows"]:
+        assert row["simulated_steady"] == (row["formula"] if row["schedule"] in ("gpipe", "1f1b") else 0.0)
+        assert 0 <= row["bubble_measured"] < 1 and row["network"] == "loopback"
+
+
+@pytest.mark.standalone
+@pytest.mark.skipif(not _OK, reason=_REASON)
+def test_real_throughput_run_on_emulated_links_names_the_network(tmp_path):
+    """On emulated links the rows say so and carry the rate; ours' bytes do not depend on the network."""
+    out = tmp_path / "out"
+    argv = ["pipeline", "--out", str(out), "--parts", "throughput", "--network", "emulated", "--rate", "1gbit",
+            "--stages", "2", *TINY, "--engines", "ours_1f1b", "ddp"]  # fmt: skip
+    assert bench_main(argv) == 0
+    doc = json.loads((out / "pipeline.json").read_text())
+    assert [r["engine"] for r in doc["rows"]] == ["ours", "ddp"]
+    assert all(r["network"] == "emulated 1gbit" and r["rate"] == "1gbit" for r in doc["rows"])
+    assert doc["rows"][0]["bytes_per_step"] == 2 * (2 * HEADER_BYTES + 8 * 32 * 4)
+    assert doc["networks"]["emulated 1gbit"]["measured_tcp_goodput_bytes_per_s"] > 0
+
+
+@pytest.mark.standalone
+def test_real_stash_and_convergence_runs(tmp_path):
+    """Versions and their bytes equal the schedule's depth; training bytes per epoch equal Table 1's formulas exactly."""
+    out = tmp_path / "out"
+    argv = ["pipeline", "--out", str(out), "--parts", "stash", "convergence", "--stash-width", "64", "--epochs", "1",
+            "--methods", "ddp", "pipedream"]  # fmt: skip
+    assert bench_main(argv) == 0
+    doc = json.loads((out / "pipeline.json").read_text())
+    stash = {(r["variant"], r["stage"]): r for r in doc["stash"]["rows"]}
+    assert set(stash) == {(v, s) for v in ("1f1b", "2bw", "pipedream", "pipedream_nostash") for s in (0, 1)}
+    assert [stash[("pipedream", s)]["stash_depth"] for s in (0, 1)] == [2, 1]
+    for row in stash.values():
+        assert row["max_versions"] == row["expected_versions"]
+        assert row["max_weight_bytes"] == row["expected_weight_bytes"] == row["max_versions"] * row["param_bytes"]
+        assert row["param_bytes"] == 2 * (64 * 64 + 64) * 4 and row["network"] == "loopback"
+        assert isinstance(row["rss_growth"], int) and isinstance(row["rss_over_baseline"], int)
+    assert stash[("pipedream_nostash", 0)]["max_versions"] == 1 and stash[("2bw", 1)]["expected_over_baseline"] == row["param_bytes"]
+    curves = doc["convergence"]["rows"]
+    assert [(r["method"], r["epoch"], r["samples"]) for r in curves] == [("ddp", 1, 1438), ("pipedream", 1, 1438)]
+    assert all(0 <= r["val_acc"] <= 1 and r["network"] == "loopback" for r in curves)
+    assert "not compared" in doc["convergence"]["summary"]["stashing_note"]
+    rows = {r["method"]: r for r in doc["bytes"]["rows"]}
+    assert rows["ddp"]["measured_bytes_per_epoch"] == rows["ddp"]["formula_bytes_per_epoch"] > 0
+    assert rows["pipedream"]["measured_bytes_per_epoch"] == rows["pipedream"]["formula_bytes_per_epoch"] > 0
+    # the CNN's cut carries 512 floats a sample both ways, plus a header per micro-batch message
+    assert rows["pipedream"]["activation_numel"] == [512]
+    assert rows["pipedream"]["measured_bytes_per_epoch"] == 2 * (1438 * 512 * 4 + 180 * HEADER_BYTES)
