@@ -46,6 +46,7 @@ from lightning_pdist.algorithms.periodic import PeriodicSchedule
 from lightning_pdist.comm.collectives import all_reduce_mean_
 from lightning_pdist.comm.hooks import AllReduceState, periodic_allreduce_hook
 from lightning_pdist.strategies.base import PdistStrategy
+from lightning_pdist.strategies.config import refuse_owned_ddp_args
 
 __all__ = ["ModelAveragingStrategy"]
 
@@ -61,12 +62,7 @@ class ModelAveragingStrategy(PdistStrategy):
 
     def __init__(self, schedule: PeriodicSchedule, **kwargs: Any) -> None:
         owner = type(self).__name__
-        for name in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
-            if kwargs.get(name) is not None:
-                raise ValueError(
-                    f"{owner}({name}={kwargs[name]!r}): {owner} owns gradient communication and model "
-                    f"averaging; {name} must be left unset"
-                )
+        refuse_owned_ddp_args(owner, kwargs, f"{owner} owns gradient communication and model averaging")
         self._user_broadcast_buffers = bool(kwargs.get("broadcast_buffers", True))
         super().__init__(**kwargs)
         self.schedule = schedule

@@ -48,18 +48,12 @@ from lightning_pdist.comm.ps_server import ELEMENTWISE_OPTIMIZERS, MODES, STALEN
 from lightning_pdist.comm.ps_wire import Kind, dumps_state, loads_state, parse_networks
 from lightning_pdist.comm.ps_workers import WorkerGroup
 from lightning_pdist.strategies.base import PdistStrategy
+from lightning_pdist.strategies.config import ConfigErrors, is_int, refuse_owned_ddp_args
 
 __all__ = ["ParameterServerConfig", "ParameterServerStrategy"]
 
-_OWNED_DDP_ARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 @dataclass(frozen=True)
-class ParameterServerConfig:
+class ParameterServerConfig(ConfigErrors):
     """The validated settings of a :class:`ParameterServerStrategy` (see its docstring)."""
 
     num_servers: int | None = None
@@ -77,12 +71,9 @@ class ParameterServerConfig:
     server_timeout: float = 300.0
     owner: str = "ParameterServerStrategy"
 
-    def _fail(self, arg: str, rule: str, error: type = ValueError) -> None:
-        raise error(f"{self.owner}({arg}={getattr(self, arg)!r}): {rule}")
-
     def __post_init__(self) -> None:
         if self.num_servers is not None:
-            if not _is_int(self.num_servers):
+            if not is_int(self.num_servers):
                 self._fail("num_servers", "num_servers must be an int or None", TypeError)
             if self.num_servers < 1:
                 self._fail("num_servers", "num_servers must be >= 1 (None: one server per two workers)")
@@ -93,7 +84,7 @@ class ParameterServerConfig:
             if value not in choices:
                 self._fail(arg, f"{arg} must be one of {', '.join(map(repr, choices))}")
         for arg in ("staleness", "backup_workers", "push_every", "pull_every"):
-            if not _is_int(getattr(self, arg)):
+            if not is_int(getattr(self, arg)):
                 self._fail(arg, f"{arg} must be an int", TypeError)
         if self.staleness < 0:
             self._fail("staleness", "staleness must be >= 0 (0 is bulk-synchronous)")
@@ -222,9 +213,7 @@ class ParameterServerStrategy(PdistStrategy):
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
-        for name in _OWNED_DDP_ARGS:
-            if kwargs.get(name) is not None:
-                raise ValueError(f"{owner}({name}={kwargs[name]!r}): gradients go to the parameter servers; {name} must be left unset")
+        refuse_owned_ddp_args(owner, kwargs, "gradients go to the parameter servers")
         self.config = ParameterServerConfig(
             num_servers=num_servers, sharding=sharding, mode=mode, staleness=staleness, backup_workers=backup_workers,
             push_every=push_every, pull_every=pull_every, delay_compensation=delay_compensation,

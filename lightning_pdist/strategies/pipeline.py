@@ -45,20 +45,14 @@ from lightning_pdist.comm.collectives import all_reduce_mean_
 from lightning_pdist.comm.pipeline_executor import StageExecutor
 from lightning_pdist.comm.pipeline_p2p import P2P
 from lightning_pdist.strategies.base import PdistStrategy
+from lightning_pdist.strategies.config import ConfigErrors, is_int, refuse_owned_ddp_args
 from lightning_pdist.strategies.pipeline_logging import LogRecorder, aggregate, replay
 from lightning_pdist.strategies.pipeline_module import NetworkInput, StageSplit, batch_size_of, split_batch
 
 __all__ = ["PipelineConfig", "PipelineStrategy"]
 
-_OWNED_DDP_ARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 @dataclass(frozen=True)
-class PipelineConfig:
+class PipelineConfig(ConfigErrors):
     """The validated settings of a :class:`PipelineStrategy` (see its docstring)."""
 
     num_stages: int | None = None
@@ -72,13 +66,10 @@ class PipelineConfig:
     max_message_bytes: int = 1 << 31
     owner: str = "PipelineStrategy"
 
-    def _fail(self, arg: str, rule: str, error: type = ValueError) -> None:
-        raise error(f"{self.owner}({arg}={getattr(self, arg)!r}): {rule}")
-
     def __post_init__(self) -> None:
         for arg in ("num_stages", "num_microbatches"):
             value = getattr(self, arg)
-            if value is not None and not _is_int(value):
+            if value is not None and not is_int(value):
                 self._fail(arg, f"{arg} must be an int or None", TypeError)
             if value is not None and value < 1:
                 self._fail(arg, f"{arg} must be >= 1")
@@ -101,7 +92,7 @@ class PipelineConfig:
         if not self.weight_stashing and self.schedule != "pipedream":
             self._fail("weight_stashing", f"turning stashing off is PipeDream's ablation; schedule {self.schedule!r} "
                                           "either never updates mid-flight (flushed) or needs its two versions (2bw)")  # fmt: skip
-        if not _is_int(self.max_message_bytes) or self.max_message_bytes < 1:
+        if not is_int(self.max_message_bytes) or self.max_message_bytes < 1:
             self._fail("max_message_bytes", "max_message_bytes must be a positive int")
 
     def stages_for(self, world_size: int) -> int:
@@ -184,9 +175,7 @@ class PipelineStrategy(PdistStrategy):
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
-        for name in _OWNED_DDP_ARGS:
-            if kwargs.get(name) is not None:
-                raise ValueError(f"{owner}({name}={kwargs[name]!r}): the pipeline moves activations, not DDP buckets; {name} must be left unset")
+        refuse_owned_ddp_args(owner, kwargs, "the pipeline moves activations, not DDP buckets")
         self.config = PipelineConfig(
             num_stages=num_stages, schedule=schedule, num_microbatches=num_microbatches, balance=balance,
             split_points=tuple(split_points) if split_points is not None else None, network=network,

@@ -32,6 +32,7 @@ from lightning_pdist.comm.sign_hooks import (
     signsgd_mv_hook,
 )
 from lightning_pdist.strategies.base import PdistStrategy
+from lightning_pdist.strategies.config import refuse_owned_ddp_args
 
 __all__ = ["SignSGDConfig", "SignSGDStrategy"]
 
@@ -211,12 +212,7 @@ class SignSGDStrategy(PdistStrategy):
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
-        for name in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
-            if kwargs.get(name) is not None:
-                raise ValueError(
-                    f"{owner}({name}={kwargs[name]!r}): {owner} owns gradient communication (the sign vote); "
-                    f"{name} must be left unset"
-                )
+        refuse_owned_ddp_args(owner, kwargs, f"{owner} owns gradient communication (the sign vote)")
         self.config = SignSGDConfig(
             aggregation=aggregation,
             warmup_rounds=warmup_rounds,

@@ -73,6 +73,22 @@ def test_flushed_schedules_equal_gradient_accumulation(schedule):
     assert_model_equals(module, reference.accumulation(deep_net(), batches(6), m, LR))
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream", "2bw"])
+def test_four_stages_on_four_processes(schedule):
+    """Every schedule on 4 stages (one layer each) ends where its plain-torch reference ends."""
+    module = DeepRegression(lr=LR)
+    fit(pipeline(schedule=schedule, num_microbatches=4), module, devices=4, max_steps=3)
+    steps = batches(3)
+    if schedule in ("gpipe", "1f1b"):
+        expected = reference.accumulation(deep_net(), steps, 4, LR)
+    elif schedule == "2bw":
+        expected = reference.two_bw(deep_net(), [b for (b,) in steps], 4, LR)
+    else:
+        mbs = [(xm, ym) for (x, y), in steps for xm, ym in zip(x.tensor_split(4), y.tensor_split(4))]
+        expected = reference.pipedream(deep_net(), [(0, 2), (2, 4), (4, 6), (6, 7)], mbs, LR)
+    assert_model_equals(module, expected)
+
+
 def test_two_stages_times_two_replicas_equal_data_parallel_sgd():
     """4 ranks = 2 stages x 2 replicas (each replica its own shard, replicas all-reduce): one SGD on both shards."""
     module = DeepRegression(lr=LR)
