@@ -128,15 +128,16 @@ class SuiteConfig:
                 raise bad(option, value, "must be an int >= 1")
         if any(not isinstance(s, int) or s < 0 for s in self.seeds):
             raise bad("--seeds", self.seeds, "each seed must be an int >= 0")
-        for k in self.stages:
+        # The throughput and bubble parts' own rules apply only when they run (a tiny stash-only run needs no K:m).
+        for k in self.stages if "throughput" in self.parts else ():
             if self.depth % k:
                 raise bad("--depth", self.depth, f"must be a multiple of every stage count (--stages {list(self.stages)})")
             if self.num_microbatches < k:
                 raise bad("--microbatches", self.num_microbatches, f"must be >= the stage count {k}: 1f1b and 2bw keep K in flight")
-        if self.batch_size % self.num_microbatches or any(self.batch_size % k for k in self.stages):
+        if "throughput" in self.parts and (self.batch_size % self.num_microbatches or any(self.batch_size % k for k in self.stages)):
             raise bad("--batch-size", self.batch_size, "must be a multiple of --microbatches and of every stage count "
                       "(DeepSpeed's micro-batches and DDP's shards are whole)")  # fmt: skip
-        for point in self.bubble_points:
+        for point in self.bubble_points if "bubble" in self.parts else ():
             if len(point) != 2 or not all(isinstance(v, int) for v in point) or not 2 <= point[0] <= 8 or point[1] < point[0]:
                 raise bad("--bubble-points", point, "each point is K:m with K in [2, 8] and m >= K (1f1b and 2bw need it)")
             if self.depth % point[0] or self.batch_size % point[1]:
@@ -228,8 +229,9 @@ class Runner:
                 launch_loopback(argv, processes, free_port(), env=env, timeout=self.config.timeout)
             else:
                 launch_ranks(self.net, argv, processes, self.port, env=env, timeout=self.config.timeout)
-        except LaunchError as err:
-            return {"error": str(err).splitlines()[-1][:400], "ranks": []}
+        except LaunchError as err:  # the row says why; the launcher already stopped the other ranks
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+            return {"error": " | ".join(dict.fromkeys([lines[0], lines[-1]]))[:500], "ranks": []}
         wall, ours, busy1 = time.perf_counter() - t0, own_cpu_s() - ours0, busy_cpu_s()
         # Other sessions share the cores; their CPU time during the run says how far to trust the timings.
         other = None if busy0 is None or busy1 is None else round(max(0.0, busy1 - busy0 - ours) / wall, 2)
@@ -240,7 +242,7 @@ class Runner:
 
 def throughput_rows(result: dict[str, Any], spec: dict[str, Any], processes: int, network: str, engine: str = "") -> list[dict[str, Any]]:
     """Rows of one launch: per case, the slowest stage's median step and ours' measured bubble."""
-    common = {"stages": spec["num_stages"], "processes": processes, "network": network,
+    common = {"stages": spec["num_stages"], "processes": processes, "network": network, "rate": None,
               "oversubscribed": processes > (os.cpu_count() or 1), "width": spec["width"], "depth": spec["depth"],
               "batch_size": spec["batch_size"], "other_load_cores": result.get("other_load_cores")}  # fmt: skip
     if result["error"] is not None:
@@ -317,7 +319,7 @@ def run_bubble(runner: Runner, config: SuiteConfig) -> list[dict[str, Any]]:
             m = row["num_microbatches"]
             whole, steady = steady_bubble(row["schedule"], k, m, config.steps)
             rows.append({**{key: row[key] for key in ("schedule", "stages", "num_microbatches", "network", "oversubscribed",
-                                                       "width", "bubble_measured", "median_step_s", "error")},
+                                                       "width", "bubble_measured", "median_step_s", "other_load_cores", "error")},
                          "formula": round(bubble_formula(k, m), 4), "simulated_whole": round(whole, 4),
                          "simulated_steady": round(steady, 4)})  # fmt: skip
             runner.log(f"[bubble] K={k} m={m} {row['schedule']}: measured {row['bubble_measured']}, formula "
@@ -443,11 +445,12 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
         clock = time.perf_counter()
 
     doc["part_wall_s"] = {}
+    if "loopback" in config.networks or set(config.parts) - {"throughput"}:  # bubble, stash and convergence run on it
+        doc["networks"]["loopback"] = {"detail": "every rank a process on this machine, 127.0.0.1 (lo), unshaped"}
     try:
         if "throughput" in config.parts:
             for network in config.networks:
                 if network == "loopback":
-                    doc["networks"]["loopback"] = {"detail": "loopback: every rank a process on this machine, 127.0.0.1 (lo), unshaped"}
                     doc["rows"] += run_throughput(runner, config, "loopback")
                     continue
                 ok, reason = EmulatedNetwork.available()
@@ -463,6 +466,9 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
                                             "measured_tcp_goodput_bytes_per_s": round(goodput)}  # fmt: skip
                     rows = run_throughput(runner, config, key)
                     doc["rows"] += [{**r, "rate": config.rate} if r["network"] == key else r for r in rows]
+            if any(r["network"] == "single process" for r in doc["rows"]):
+                doc["networks"]["single process"] = {"detail": "fairscale Pipe: one process, its stages on K 'cpu' devices "
+                                                               "sharing one thread; nothing crosses a network"}  # fmt: skip
             check_rows(doc["rows"], ROW_KEYS, SUITE)
             doc["ratios"] = ratios(doc["rows"])
             lap("throughput")
@@ -491,7 +497,8 @@ THROUGHPUT_COLUMNS = (
     ("network", "network", None), ("K", "stages", None), ("procs", "processes", None), ("engine", "engine", None),
     ("schedule", "schedule", None), ("m", "num_microbatches", None), ("samples/s", "samples_per_s", ".1f"),
     ("median ms", "median_step_s", lambda s: f"{1000 * s:.1f}"), ("bubble", "bubble_measured", ".3f"),
-    ("bytes/step", "bytes_per_step", ",d"), ("other load", "other_load_cores", ".2f"), ("error", "error", None),
+    ("bytes/step", "bytes_per_step", ",d"), ("oversubscribed", "oversubscribed", lambda b: "yes" if b else "no"),
+    ("other load", "other_load_cores", ".2f"), ("error", "error", None),
 )  # fmt: skip
 BUBBLE_COLUMNS = (
     ("K", "stages", None), ("m", "num_microbatches", None), ("schedule", "schedule", None),
@@ -524,16 +531,23 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         f"Output: `{json_path}`",
     ]
     if doc["rows"]:
-        nets = "\n".join(f"- {name}: {info.get('detail', 'skipped: ' + str(info.get('skipped')))}" for name, info in doc["networks"].items())
+        nets = "\n".join(f"- {name}: {info.get('detail', 'skipped: ' + str(info.get('skipped')))}"
+                         for name, info in doc["networks"].items())  # fmt: skip
         lines += ["", "### Throughput", "", f"MLP: {cfg['depth']} × Linear({cfg['width']}, {cfg['width']}), batch "
                   f"{cfg['batch_size']} in {cfg['num_microbatches']} micro-batches, {cfg['warmup_steps']} untimed + "
                   f"{cfg['steps']} timed steps (median of the slowest stage). More processes than CPUs means "
                   "oversubscribed; fairscale is one process.", "", "Networks:", "", nets, "",
                   markdown_table(doc["rows"], THROUGHPUT_COLUMNS), ""]  # fmt: skip
         lines += [f"- ours 1F1B / torch Schedule1F1B, {r['network']}, K={r['stages']}: {r['ratio']:.3f}" for r in doc.get("ratios", [])]
+        lines += ["- DeepSpeed runs with its shared-memory all-reduce op switched off (a 75-80 s JIT build the pipeline's "
+                  "p2p never uses) and plain SGD, so no JIT happens; its traffic goes over gloo like everyone's."]  # fmt: skip
+        lines += mlp_bytes_lines(doc["rows"])
     if doc.get("bubble"):
+        loads = [r["other_load_cores"] for r in doc["bubble"]["rows"] if r.get("other_load_cores") is not None]
         lines += ["", "### Bubble (loopback)", "", f"Width {cfg['bubble_width']}; simulation with backward cost "
-                  f"{doc['bubble']['backward_cost']}.", "", markdown_table(doc["bubble"]["rows"], BUBBLE_COLUMNS)]  # fmt: skip
+                  f"{doc['bubble']['backward_cost']}. The measured wait also holds each message's transfer and, where "
+                  f"processes outnumber free cores, the time a neighbour waits for a core (other load during these runs: "
+                  f"{max(loads) if loads else '–'} cores).", "", markdown_table(doc["bubble"]["rows"], BUBBLE_COLUMNS)]  # fmt: skip
     if doc.get("stash"):
         lines += ["", "### Weight stashing memory (loopback)", "", markdown_table(doc["stash"]["rows"], STASH_COLUMNS)]
     conv = doc.get("convergence")
@@ -541,12 +555,31 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         finals = ", ".join(f"{k} {v}" for k, v in conv["summary"]["final_val_acc"].items())
         lines += ["", "### Convergence (Lightning, digits, loopback)", "",
                   f"ClassifierModule(model='cnn'), SGD lr {cfg['converge_lr']}, batch {cfg['converge_batch_size']}, "
-                  f"{cfg['converge_stages']} stages/ranks, {cfg['epochs']} epochs, seeds {list(cfg['seeds'])}. "
+                  f"{cfg['converge_stages']} stages/ranks, {cfg['epochs']} epochs, seeds {list(cfg['seeds'])}; pipedream "
+                  "updates after every micro-batch (batch/m samples, the same lr), the others once per batch. "
                   f"Final val_acc: {finals}.", "", f"Stashing: {conv['summary']['stashing_note']}"]  # fmt: skip
         lines += [f"- {r['method']} seed {r['seed']}: error {r['error']}" for r in conv["runs"] if r.get("error")]
     if doc.get("bytes"):
         lines += ["", "### Bytes per epoch against survey 002 Table 1", "", markdown_table(doc["bytes"]["rows"], BYTES_COLUMNS)]
     return "\n".join(lines)
+
+
+def _legend(ax: Any, **kwargs: Any) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
+
+
+def mlp_bytes_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Per step of the throughput MLP: what the pipeline's activations cost against DDP's all-reduce (all ranks)."""
+    lines = []
+    for k in dict.fromkeys(r["stages"] for r in rows):
+        ours = next((r for r in rows if r["stages"] == k and r["engine"] == "ours" and r.get("bytes_per_step")), None)
+        ddp = next((r for r in rows if r["stages"] == k and r["engine"] == "ddp" and r.get("bytes_per_step")), None)
+        if ours and ddp:
+            times = ddp["bytes_per_step"] / ours["bytes_per_step"]
+            lines.append(f"- bytes per step, K={k}: pipeline {ours['bytes_per_step']:,} (activations and their gradients) vs "
+                         f"DDP {ddp['bytes_per_step']:,} (the model, all-reduced): {times:.1f}x")  # fmt: skip
+    return lines
 
 
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
@@ -560,23 +593,27 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
     grid = fig.add_gridspec(2, 3)
     axes = [fig.add_subplot(grid[0, :2]), fig.add_subplot(grid[0, 2])] + [fig.add_subplot(grid[1, j]) for j in range(3)]
     rows = [r for r in doc["rows"] if r["samples_per_s"]]
-    groups = list(dict.fromkeys(f"{r['network']} K={r['stages']}" for r in rows))
-    labels = list(dict.fromkeys(f"{r['engine']} {r['schedule'] or ''}".strip() for r in rows))
-    width = 0.8 / max(1, len(labels))
-    for j, label in enumerate(labels):
-        by = {f"{r['network']} K={r['stages']}": r["samples_per_s"] for r in rows if f"{r['engine']} {r['schedule'] or ''}".strip() == label}
-        xs = [i for i, g in enumerate(groups) if g in by]
-        axes[0].bar([x + j * width for x in xs], [by[groups[x]] for x in xs], width, label=label)
-    axes[0].set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], groups, fontsize=7, rotation=15)
+    group = lambda r: f"{r['network']} K={r['stages']}"  # noqa: E731
+    label = lambda r: f"{r['engine']} {r['schedule'] or ''}".strip()  # noqa: E731
+    groups = list(dict.fromkeys(map(group, rows)))
+    colors = {name: f"C{i % 10}" for i, name in enumerate(dict.fromkeys(map(label, rows)))}
+    width = 0.8 / max([sum(group(r) == g for r in rows) for g in groups] + [1])
+    seen: set[str] = set()
+    for i, g in enumerate(groups):
+        for j, r in enumerate(r for r in rows if group(r) == g):
+            name = label(r)
+            axes[0].bar(i + j * width, r["samples_per_s"], width, color=colors[name], label=None if name in seen else name)
+            seen.add(name)
+    axes[0].set_xticks([i + (sum(group(r) == g for r in rows) - 1) * width / 2 for i, g in enumerate(groups)], groups, fontsize=7)
     axes[0].set(ylabel="samples/s", title="throughput (same MLP and batch)")
-    axes[0].legend(fontsize=6, ncol=2)
+    _legend(axes[0], fontsize=6, ncol=2)
     bubble = (doc.get("bubble") or {}).get("rows", [])
     for schedule, marker in zip(SCHEDULES, "osD^"):
         pts = [r for r in bubble if r["schedule"] == schedule and r.get("bubble_measured") is not None]
         axes[1].scatter([r["simulated_steady"] for r in pts], [r["bubble_measured"] for r in pts], marker=marker, label=schedule)
     axes[1].plot([0, 0.6], [0, 0.6], "k:", lw=1)
     axes[1].set(xlabel="simulated steady-state bubble (= (K-1)/(m+K-1) when flushed)", ylabel="measured wait / step", title="bubble")
-    axes[1].legend(fontsize=7)
+    _legend(axes[1], fontsize=7)
     stash = [r for r in (doc.get("stash") or {}).get("rows", []) if "stage" in r]
     names = [f"K{r['stages']} {r['variant']} s{r['stage']}" for r in stash]
     for j, (key, label) in enumerate((("expected_weight_bytes", "depth × stage bytes"), ("max_weight_bytes", "weight_versions()"),
@@ -584,20 +621,20 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
         axes[2].bar([i + j * 0.27 for i in range(len(stash))], [r.get(key, 0) / 1e6 for r in stash], 0.27, label=label)
     axes[2].set_xticks(range(len(stash)), names, rotation=90, fontsize=6)
     axes[2].set(ylabel="MB", title="stashed weights per stage")
-    axes[2].legend(fontsize=7)
+    _legend(axes[2], fontsize=7)
     for method in METHODS:
         for seed in dict.fromkeys(r["seed"] for r in (doc.get("convergence") or {}).get("rows", [])):
             pts = [r for r in doc["convergence"]["rows"] if r["method"] == method and r["seed"] == seed]
             if pts:
                 axes[3].plot([r["samples"] for r in pts], [r["val_acc"] for r in pts], "o-", label=f"{method} s{seed}")
     axes[3].set(xlabel="training samples", ylabel="val accuracy", title="convergence (digits, Lightning)")
-    axes[3].legend(fontsize=7)
+    _legend(axes[3], fontsize=7)
     brows = (doc.get("bytes") or {}).get("rows", [])
     axes[4].bar([i - 0.2 for i in range(len(brows))], [r["measured_bytes_per_epoch"] / 1e6 for r in brows], 0.4, label="measured")
     axes[4].bar([i + 0.2 for i in range(len(brows))], [r["formula_bytes_per_epoch"] / 1e6 for r in brows], 0.4, label="formula")
     axes[4].set_xticks(range(len(brows)), [r["method"] for r in brows], fontsize=7, rotation=15)
     axes[4].set(ylabel="MB per epoch (all ranks)", title="bytes per epoch vs survey 002 Table 1")
-    axes[4].legend(fontsize=7)
+    _legend(axes[4], fontsize=7)
     fig.suptitle(f"pipeline suite, {doc['created']}", fontsize=9)
     fig.tight_layout()
     return save_figure(fig, path, dpi=100)
@@ -627,10 +664,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--width", type=int, default=None, help="MLP width (default 512 quick, 1024 full)")
     add("--depth", type=int, default=d.depth, help="Linear layers of the MLP (default %(default)s)")
     add("--batch-size", type=int, default=d.batch_size, help="global batch (default %(default)s)")
-    add("--microbatches", type=int, default=d.num_microbatches, dest="num_microbatches", help="micro-batches per batch (default %(default)s)")
+    add("--microbatches", type=int, default=d.num_microbatches, dest="num_microbatches",
+        help="micro-batches per batch (default %(default)s)")
     add("--warmup-steps", type=int, default=None, help="untimed steps (default 2 quick, 3 full)")
     add("--steps", type=int, default=None, help="timed steps (default 5 quick, 20 full)")
-    add("--bubble-points", type=_point, nargs="+", default=list(d.bubble_points), help="K:m points of the bubble part (default 2:2 2:4 2:8 4:4)")
+    add("--bubble-points", type=_point, nargs="+", default=list(d.bubble_points),
+        help="K:m points of the bubble part (default 2:2 2:4 2:8 4:4)")
     add("--bubble-width", type=int, default=d.bubble_width, help="MLP width of the bubble part (default %(default)s)")
     add("--stash-stages", type=int, nargs="+", default=list(d.stash_stages), help="stage counts of the stash part (default %(default)s)")
     add("--stash-width", type=int, default=d.stash_width, help="layer width of the stash part (default %(default)s: 16.8 MB a layer)")

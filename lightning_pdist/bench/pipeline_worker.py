@@ -360,9 +360,23 @@ def job_lightning(spec: dict[str, Any], rank: int) -> dict[str, Any]:
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Clock()])  # fmt: skip
     trainer.fit(module, DataLoader(TensorDataset(xs, ys), batch_size=spec["batch_size"]))
+    _close_group()
     step_s = times[spec["warmup_steps"] :]
     return {"cases": [{"engine": "ours+lightning", "schedule": spec["schedule"], "num_microbatches": spec["num_microbatches"],
                        "step_s": step_s, "loop_s": sum(step_s), "wait_s": None, "bytes": None}]}  # fmt: skip
+
+
+def _close_group() -> None:
+    """Tear the process group down after ``fit`` (Lightning leaves it up) with every rank done first.
+
+    Left to interpreter shutdown, gloo's threads can die with the process: a rank then ends with SIGABRT
+    ("terminate called without an active exception") after its work is done.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def job_stash(spec: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -450,10 +464,10 @@ def job_converge(spec: dict[str, Any], rank: int) -> dict[str, Any]:
             log["samples"] += len(batch[1])
             log["microbatches"] += min(m, len(batch[1]))
 
-        def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        def on_validation_batch_start(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
             self.sent = trainer.strategy.comm_meter.total_bytes
 
-        def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        def on_validation_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
             log["eval_bytes"] += trainer.strategy.comm_meter.total_bytes - self.sent
 
         def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
@@ -466,6 +480,7 @@ def job_converge(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=data)
     fit_s = time.perf_counter() - t0
+    _close_group()
     activation_numel = []
     if log["bounds"]:  # per-sample numel of what crosses each cut
         from lightning_pdist.algorithms.pipeline_partition import list_layers
@@ -477,8 +492,8 @@ def job_converge(spec: dict[str, Any], rank: int) -> dict[str, Any]:
                 x = torch.nn.Sequential(*layers[a:b])(x)
                 activation_numel.append(x.numel())
     meter = trainer.strategy.comm_meter
-    return {**log, "fit_s": fit_s, "train_steps": trainer.global_step, "train_bytes": meter.total_bytes - log["eval_bytes"], "comm_by_kind": dict(meter.by_kind),
-            "params": sum(p.numel() for p in module.parameters()), "activation_numel": activation_numel,
+    return {**log, "fit_s": fit_s, "train_steps": trainer.global_step, "train_bytes": meter.total_bytes - log["eval_bytes"],
+            "comm_by_kind": dict(meter.by_kind), "params": sum(p.numel() for p in module.parameters()), "activation_numel": activation_numel,
             "train_size": len(data.train_set)}  # fmt: skip
 
 

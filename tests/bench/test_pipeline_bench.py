@@ -1,6 +1,7 @@
 """The pipeline suite: config rules, its formulas, and tiny real runs of every part (loopback and emulated)."""
 
 import json
+import os
 
 import pytest
 
@@ -16,6 +17,7 @@ from lightning_pdist.bench.pipeline import (
     pipeline_bytes,
     ratios,
     steady_bubble,
+    throughput_rows,
 )
 from lightning_pdist.bench.pipeline_worker import HEADER_BYTES, check_spec
 from lightning_pdist.bench.report import check_rows
@@ -112,6 +114,16 @@ def test_ratios_and_the_stashing_note_come_from_the_rows():
     assert "do not train" in convergence_summary(runs)["stashing_note"]
 
 
+def test_a_failed_launch_gives_a_row_with_its_reason_and_no_figure():
+    """A launch that failed (DeepSpeed cannot run, a rank died) leaves the reason in the row, never a number."""
+    spec = {"num_stages": 4, "width": 8, "depth": 4, "batch_size": 8, "num_microbatches": 4}
+    (row,) = throughput_rows({"error": "deepspeed cannot be imported: ImportError: x", "ranks": []}, spec, 4, "loopback", "deepspeed")
+    assert row["samples_per_s"] is None and row["median_step_s"] is None and row["error"].startswith("deepspeed cannot")
+    assert (row["engine"], row["schedule"], row["network"], row["processes"]) == ("deepspeed", "1f1b", "loopback", 4)
+    assert row["oversubscribed"] == (4 > (os.cpu_count() or 1))
+    check_rows([row], ROW_KEYS, "test")
+
+
 @pytest.mark.standalone
 def test_real_throughput_and_bubble_run_on_loopback(tmp_path):
     """Every engine on 2 real ranks: ours' bytes are exactly its messages, versions its depth, failures honest."""
@@ -169,7 +181,7 @@ def test_real_stash_and_convergence_runs(tmp_path):
     """Versions and their bytes equal the schedule's depth; training bytes per epoch equal Table 1's formulas exactly."""
     out = tmp_path / "out"
     argv = ["pipeline", "--out", str(out), "--parts", "stash", "convergence", "--stash-width", "64", "--epochs", "1",
-            "--methods", "ddp", "pipedream"]  # fmt: skip
+            "--methods", "ddp", "pipedream", "--seeds", "0"]  # fmt: skip
     assert bench_main(argv) == 0
     doc = json.loads((out / "pipeline.json").read_text())
     stash = {(r["variant"], r["stage"]): r for r in doc["stash"]["rows"]}
@@ -180,7 +192,9 @@ def test_real_stash_and_convergence_runs(tmp_path):
         assert row["max_weight_bytes"] == row["expected_weight_bytes"] == row["max_versions"] * row["param_bytes"]
         assert row["param_bytes"] == 2 * (64 * 64 + 64) * 4 and row["network"] == "loopback"
         assert isinstance(row["rss_growth"], int) and isinstance(row["rss_over_baseline"], int)
-    assert stash[("pipedream_nostash", 0)]["max_versions"] == 1 and stash[("2bw", 1)]["expected_over_baseline"] == row["param_bytes"]
+    assert stash[("pipedream_nostash", 0)]["max_versions"] == 1
+    # 2BW's second version is the only weight memory it holds beyond 1F1B; PipeDream's first stage one beyond no stashing
+    assert stash[("2bw", 1)]["expected_over_baseline"] == stash[("pipedream", 0)]["expected_over_baseline"] == row["param_bytes"]
     curves = doc["convergence"]["rows"]
     assert [(r["method"], r["epoch"], r["samples"]) for r in curves] == [("ddp", 1, 1438), ("pipedream", 1, 1438)]
     assert all(0 <= r["val_acc"] <= 1 and r["network"] == "loopback" for r in curves)
