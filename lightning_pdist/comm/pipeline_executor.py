@@ -89,9 +89,11 @@ class StageExecutor:
         self.newest = 0  # updates applied: the newest weight version's id
         self.stashed: dict[int, list[Tensor]] = {}  # older versions a forward may still need
         self.in_flight: dict[int, _InFlight] = {}
-        # Gradients accumulate here, not in .grad, until the update: Lightning's zero_grad after each
-        # training_step must not wipe a 2BW batch whose backwards span two windows.
-        self.grads: dict[str, Tensor] = {}
+        # One set of weight leaves per version in use; backwards accumulate into their .grad (not the
+        # parameters'), so Lightning's zero_grad after each training_step cannot wipe a 2BW batch whose
+        # backwards span two windows. Every micro-batch an update sums over ran on one version.
+        self.leaves: dict[int, dict[str, Tensor]] = {}
+        self._last_backward_version = 0
         self._drain_mark = (0, 0)  # (micro-batch, version) where the pipeline was last empty
         self._warned_clamp = False
         self.rng_state = torch.Generator().manual_seed(seed).get_state() if seed is not None else None
@@ -136,10 +138,14 @@ class StageExecutor:
 
     # ------------------------------------------------------------------ weight versions
     def _weights(self, version: int) -> dict[str, Tensor]:
-        if version == self.newest:
-            # Same storage as the parameter, fresh version counter: an update moves the parameter away first.
-            return {name: p.data.requires_grad_(p.requires_grad) for name, p in self.params.items()}
-        return {name: t.detach().requires_grad_(p.requires_grad) for (name, p), t in zip(self.params.items(), self.stashed[version])}
+        if version not in self.leaves:
+            if version == self.newest:
+                # Same storage as the parameter, fresh version counter: an update moves the parameter away first.
+                self.leaves[version] = {name: p.data.requires_grad_(p.requires_grad) for name, p in self.params.items()}
+            else:
+                self.leaves[version] = {name: t.detach().requires_grad_(p.requires_grad)
+                                        for (name, p), t in zip(self.params.items(), self.stashed[version])}  # fmt: skip
+        return self.leaves[version]
 
     def _future_floor(self) -> int:
         """Lowest version a forward still to come can use."""
@@ -162,6 +168,12 @@ class StageExecutor:
         floor = self._future_floor()
         for v in [v for v in self.stashed if v not in used and v < floor]:
             del self.stashed[v]
+
+    def _drop_leaves(self) -> None:
+        """After an update consumed their gradients: leaves no pending backward or coming forward uses."""
+        used, floor = {rec.version for rec in self.in_flight.values()}, self._future_floor()
+        for v in [v for v in self.leaves if v not in used and v < min(floor, self.newest)]:
+            del self.leaves[v]
 
     def weight_versions(self) -> tuple[int, int]:
         """(versions alive, bytes they hold), counted from the distinct storages still referenced."""
@@ -201,6 +213,9 @@ class StageExecutor:
             if x.is_floating_point():
                 x.requires_grad_()
             incoming = message.version
+            # prev ran its forward j, so (1F1B order: F x follows B x-w) it took our gradients up to j - w_prev.
+            if self.schedule != "gpipe":
+                self.p2p.release(self.prev_rank, BACKWARD, j - (self.num_stages - self.stage + 1))
             if self.vertical_sync and incoming != self._input_version(j):
                 raise RuntimeError(
                     f"pipeline stage {self.stage}: micro-batch {j} arrived with version {incoming}, the schedule says "
@@ -244,17 +259,14 @@ class StageExecutor:
             outputs, grad_outputs = record.output * self.scale(j), None
         else:
             outputs, grad_outputs = record.output, self.p2p.recv(self.next_rank, BACKWARD, j).tensor
-        names = [n for n, w in record.weights.items() if w.requires_grad]
-        inputs = [record.weights[n] for n in names] + ([record.inputs] if record.inputs is not None else [])
+            self.p2p.release(self.next_rank, FORWARD, j)  # next ran its backward j, hence its forward j
+        inputs = [w for w in record.weights.values() if w.requires_grad] + ([record.inputs] if record.inputs is not None else [])
         if outputs.requires_grad and inputs:
-            grads = torch.autograd.grad(outputs, inputs, grad_outputs=grad_outputs, allow_unused=True)
-        else:
-            grads = (None,) * len(inputs)
-        for name, g in zip(names, grads):
-            if g is not None:
-                self.grads[name] = g if name not in self.grads else self.grads[name].add_(g)
+            # Accumulates into the version's leaves (and the input leaf): C++ accumulation, no copies.
+            torch.autograd.backward(outputs, grad_tensors=grad_outputs, inputs=inputs)
+        self._last_backward_version = record.version
         if record.inputs is not None and not self.is_first:
-            g_in = grads[-1] if grads[-1] is not None else torch.zeros_like(record.inputs)
+            g_in = record.inputs.grad if record.inputs.grad is not None else torch.zeros_like(record.inputs)
             self.p2p.send(g_in, self.prev_rank, BACKWARD, j, version=record.version)
         del record
         self._release()
@@ -265,13 +277,23 @@ class StageExecutor:
             for p in self.params.values():
                 p.data = p.data.clone()
         self._measure()
+        leaves = self.leaves.get(self._last_backward_version, {})
         for name, p in self.params.items():
-            p.grad = self.grads.pop(name, None)
+            leaf = leaves.get(name)
+            p.grad, leaf_grad = (leaf.grad, None) if leaf is not None else (None, None)
+            if leaf is not None:
+                leaf.grad = leaf_grad
         self.update_fn()
         for p in self.params.values():
             p.grad = None
+        if self.newest not in self.stashed:
+            self.leaves.pop(self.newest, None)  # they alias the storage the optimizer just changed in place
         self.newest += 1
+        if self.cursor.schedule in ("gpipe", "1f1b"):
+            # A flushed batch is over here: every neighbour takes what we sent before it needs anything more.
+            self.p2p.wait_all()
         self._release()
+        self._drop_leaves()
 
     def _current_version_needed(self) -> bool:
         if any(rec.version == self.newest for rec in self.in_flight.values()):
@@ -293,7 +315,7 @@ class StageExecutor:
                 outputs.append(y)
             else:
                 self.p2p.send(y, self.next_rank, EVAL, j, count=False)
-        self.p2p.reap()
+        self.p2p.wait_all()
         return outputs
 
     @property

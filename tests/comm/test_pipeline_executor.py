@@ -175,14 +175,15 @@ def test_weight_versions_alive_equal_the_schedules_stash_depth(world, case):
 
 
 def test_bytes_are_activations_and_gradients(world):
-    """Each stage sends (header + activation) per forward and (header + gradient) per backward, nothing else."""
+    """Each stage sends one frame (header + activation) per forward and one (header + gradient) per backward,
+    plus one header-only frame per stream announcing the shape the first time."""
     K, results = world
     n = BATCHES * M
     header = 16 * 8
     mb = B // M
     for s in range(K):
-        forward = (header + mb * 8 * 4) * n if s < K - 1 else 0
-        backward = (header + mb * 8 * 4) * n if s > 0 else 0
+        forward = header + (header + mb * 8 * 4) * n if s < K - 1 else 0
+        backward = header + (header + mb * 8 * 4) * n if s > 0 else 0
         assert results[s]["gpipe"]["bytes"] == forward + backward
         assert results[s]["2bw"]["drained"]
 

@@ -1,7 +1,7 @@
 """Tier 2: the pipeline's framed point-to-point messages between two gloo ranks, good and hostile.
 
-Rank 1 sends crafted headers; rank 0's receive must refuse each one, naming the sender and the rule,
-before allocating the announced payload.
+Rank 1 sends crafted frames; rank 0's receive must refuse each one, naming the sender and the rule,
+before allocating an announced payload.
 """
 
 import pytest
@@ -11,25 +11,29 @@ import torch.multiprocessing as mp
 from _helpers import free_port
 
 from lightning_pdist.comm.accounting import CommMeter
-from lightning_pdist.comm.pipeline_p2p import BACKWARD, FORWARD, HEADER_LEN, MAGIC, P2P
+from lightning_pdist.comm.pipeline_p2p import ANNOUNCE, BACKWARD, DATA, FORWARD, HEADER_BYTES, HEADER_LEN, MAGIC, P2P
 
 LIMIT = 1 << 20
 
 
-def header(magic=MAGIC, stream=FORWARD, microbatch=0, version=0, code=0, shape=(2, 3)):
+def frame(magic=MAGIC, stream=FORWARD, microbatch=0, version=0, code=0, shape=(2, 3), kind=DATA, size=24):
+    """A raw frame as the receiver expects it after (2, 3) fp32 messages: 128-byte header + 24 bytes."""
     h = torch.zeros(HEADER_LEN, dtype=torch.int64)
     h[:6] = torch.tensor([magic, stream, microbatch, version, code, len(shape)])
     h[6 : 6 + len(shape)] = torch.tensor(shape)
-    return h
+    h[14] = kind
+    return torch.cat([h.view(torch.uint8), torch.zeros(size, dtype=torch.uint8)])
 
 
 HOSTILE = {
-    "bad_magic": header(magic=0x1234),
-    "huge": header(shape=(1 << 20, 1 << 20)),  # 4 TiB announced
-    "bad_dtype": header(code=99),
-    "bad_ndim": header(shape=()).index_fill_(0, torch.tensor([5]), 42),
-    "negative": header(shape=(2, -3)),
-    "wrong_microbatch": header(microbatch=7),
+    "bad_magic": frame(magic=0x1234),
+    "huge": frame(shape=(1 << 20, 1 << 20), kind=ANNOUNCE),  # 4 TiB announced
+    "bad_dtype": frame(code=99),
+    "bad_ndim": frame(shape=()).index_fill_(0, torch.tensor([40]), 42),  # ndim field (int64 #5, low byte)
+    "negative": frame(shape=(2, -3)),
+    "bad_kind": frame(kind=7),
+    "wrong_shape": frame(shape=(3, 2)),
+    "wrong_microbatch": frame(microbatch=7),
 }
 
 
@@ -42,10 +46,8 @@ def _worker(rank, port, out):
         for j in range(3):
             p2p.send(torch.full((2, 3), float(j)), dst=0, stream=FORWARD, microbatch=j, version=10 + j)
         p2p.send(torch.ones(4, dtype=torch.bfloat16), dst=0, stream=BACKWARD, microbatch=5)
-        for name, h in HOSTILE.items():
-            dist.send(h, dst=0, tag=FORWARD)
-            if name == "wrong_microbatch":
-                dist.send(torch.zeros(2, 3), dst=0, tag=FORWARD)
+        for raw in HOSTILE.values():
+            dist.send(raw, dst=0, tag=FORWARD)
         p2p.wait_all()
         results["bytes"] = meter.total_bytes
     else:
@@ -58,8 +60,6 @@ def _worker(rank, port, out):
                 results[name] = "accepted"
             except RuntimeError as err:
                 results[name] = str(err)
-            if name == "wrong_microbatch":  # refused after a valid header: its payload is still on the wire
-                dist.recv(torch.empty(2, 3), src=1, tag=FORWARD)
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -80,16 +80,18 @@ def test_messages_arrive_in_order_with_their_ids(exchange):
     assert received["backward"].dtype == torch.bfloat16
 
 
-def test_sender_counts_header_and_payload_bytes(exchange):
-    """Each message costs its 128-byte header plus the payload."""
-    assert exchange[1]["bytes"] == 3 * (128 + 6 * 4) + (128 + 4 * 2)
+def test_sender_counts_frames_one_per_message_while_shapes_repeat(exchange):
+    """A message is one 128-byte header + payload frame; a new shape costs one announce frame of the old size."""
+    assert exchange[1]["bytes"] == (HEADER_BYTES + 3 * (HEADER_BYTES + 6 * 4)) + (HEADER_BYTES + HEADER_BYTES + 4 * 2)
 
 
 @pytest.mark.parametrize(
     "name, match",
     [("bad_magic", r"from rank 1: bad header \(magic 0x1234"), ("huge", r"exceeds max_message_bytes=1048576"),
-     ("bad_dtype", r"bad header \(dtype code 99"), ("bad_ndim", r"bad header \(dtype code 0, ndim 42\)"),
-     ("negative", r"negative shape \[2, -3\]"), ("wrong_microbatch", r"got micro-batch 7 on stream 0, the schedule expects 0")],
+     ("bad_dtype", r"bad header \(dtype code 99"), ("bad_ndim", r"bad header \(dtype code 0, ndim 42, kind 0\)"),
+     ("negative", r"negative shape \[2, -3\]"), ("bad_kind", r"kind 7\)"),
+     ("wrong_shape", r"expected a data frame of shape \(0, \(2, 3\)\), got kind 0 with \(0, \(3, 2\)\)"),
+     ("wrong_microbatch", r"got micro-batch 7 on stream 0, the schedule expects 0")],
 )  # fmt: skip
 def test_hostile_headers_are_refused_before_allocation(exchange, name, match):
     """A corrupt or hostile header is refused with the sender and the rule (a 4 TiB claim allocates nothing)."""
