@@ -27,7 +27,7 @@
    byte accounting, same global batch), ``gpipe``, ``pipedream`` with and without weight stashing, ``2bw``.
 5. **bytes** (``bytes.rows``): the convergence runs' training bytes per epoch (all ranks, from the ``CommMeter``;
    evaluation traffic apart) against survey 002's Table 1: pipelined SGD moves activations, ``O(N·T·M)``
-   (2 directions × cuts × samples × activation bytes, plus a 128-byte header per message), data parallelism
+   (2 directions × cuts × samples × activation bytes, plus a 128-byte header per message and one frame per shape change), data parallelism
    the model, ``O(N²·L·M)`` (per rank ``2(R-1)/R`` × model bytes per step).
 """
 
@@ -189,11 +189,17 @@ def steady_bubble(schedule: str, stages: int, microbatches: int, batches: int) -
     return now.bubble_fraction, 1.0 - microbatches * (1.0 + BACKWARD_COST) / period
 
 
-def pipeline_bytes(samples: int, microbatches: int, activation_numel: Sequence[int]) -> int:
-    """Bytes all stages send for ``samples`` in ``microbatches``: each cut, both ways, payload plus header."""
+def pipeline_bytes(samples: int, microbatches: int, activation_numel: Sequence[int], announced_after: Sequence[int] = ()) -> int:
+    """Bytes all stages send for ``samples`` in ``microbatches``: each cut, both ways, payload plus header, plus one
+    announce frame per change of micro-batch shape, as large as the frame before it (``announced_after``: the
+    previous micro-batch size at each change, 0 for the first message)."""
     from lightning_pdist.bench.pipeline_worker import HEADER_BYTES
 
-    return sum(2 * (samples * numel * 4 + microbatches * HEADER_BYTES) for numel in activation_numel)
+    def cut(numel: int) -> int:
+        announces = sum(HEADER_BYTES + size * numel * 4 for size in announced_after)
+        return 2 * (samples * numel * 4 + microbatches * HEADER_BYTES + announces)
+
+    return sum(cut(numel) for numel in activation_numel)
 
 
 def ddp_bytes(steps: int, params: int, ranks: int) -> int:
@@ -392,8 +398,8 @@ def run_convergence(runner: Runner, config: SuiteConfig) -> dict[str, Any]:
             if method == "ddp":
                 formula, term = ddp_bytes(r0["train_steps"], r0["params"], k), "N²·L·M: R · 2(R-1)/R · 4·params per step"
             else:
-                formula = pipeline_bytes(r0["samples"], r0["microbatches"], r0["activation_numel"])
-                term = "N·T·M: 2 · cuts · samples · 4·activation numel, + 128 B per message"
+                formula = pipeline_bytes(r0["samples"], r0["microbatches"], r0["activation_numel"], r0["announced_after"])
+                term = "N·T·M: 2 · cuts · samples · 4·activation numel, + 128 B per message, + 1 frame per shape change"
             if seed == config.seeds[0]:
                 bytes_rows.append({"method": method, "ranks": k, "network": "loopback (bytes do not depend on it)",
                                    "epochs": config.epochs, "params": r0["params"], "activation_numel": r0["activation_numel"],

@@ -47,7 +47,7 @@ SPEC_KEYS = {
               "weight_stashing"),
     "converge": ("job", "num_stages", "seed", "strategy", "weight_stashing", "num_microbatches", "batch_size", "lr", "epochs"),
 }
-HEADER_BYTES = 16 * 8  # lightning_pdist.comm.pipeline_p2p: an int64[16] header before every payload
+HEADER_BYTES = 16 * 8  # lightning_pdist.comm.pipeline_p2p.HEADER_BYTES (not imported: this module imports torch lazily)
 
 
 def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
@@ -453,7 +453,8 @@ def job_converge(spec: dict[str, Any], rank: int) -> dict[str, Any]:
         strategy = PipelineStrategy(schedule=spec["strategy"], num_microbatches=m, weight_stashing=spec["weight_stashing"],
                                     process_group_backend="gloo")  # fmt: skip
         data = DigitsDataModule(batch_size=B, seed=spec["seed"])
-    log: dict[str, Any] = {"epochs": [], "samples": 0, "microbatches": 0, "eval_bytes": 0, "bounds": None}
+    log: dict[str, Any] = {"epochs": [], "samples": 0, "microbatches": 0, "eval_bytes": 0, "bounds": None, "announced_after": []}
+    sizes: list[int] = []  # micro-batch sizes in order: a change of shape costs an announce frame of the old size
 
     class Probe(Callback):
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -463,6 +464,10 @@ def job_converge(spec: dict[str, Any], rank: int) -> dict[str, Any]:
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             log["samples"] += len(batch[1])
             log["microbatches"] += min(m, len(batch[1]))
+            for chunk in batch[1].tensor_split(min(m, len(batch[1]))):
+                if not sizes or sizes[-1] != len(chunk):
+                    log["announced_after"].append(sizes[-1] if sizes else 0)
+                sizes.append(len(chunk))
 
         def on_validation_batch_start(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
             self.sent = trainer.strategy.comm_meter.total_bytes

@@ -92,6 +92,13 @@ def test_steady_bubble_is_the_formula_when_flushed_and_zero_without_flushes(K, m
         assert steady == pytest.approx(0.0, abs=1e-12) and 0 < whole < bubble_formula(K, m)
 
 
+def test_header_size_matches_the_transport():
+    """The suite's header constant is the transport's."""
+    from lightning_pdist.comm.pipeline_p2p import HEADER_BYTES as transport
+
+    assert HEADER_BYTES == transport
+
+
 def test_byte_formulas_follow_the_survey_table():
     """Pipeline: 2 ways × cuts × (samples × activation + header per message); DDP: R · 2(R-1)/R · model per step."""
     assert pipeline_bytes(10, 4, [5]) == 2 * (10 * 5 * 4 + 4 * HEADER_BYTES)
@@ -204,4 +211,6 @@ def test_real_stash_and_convergence_runs(tmp_path):
     assert rows["pipedream"]["measured_bytes_per_epoch"] == rows["pipedream"]["formula_bytes_per_epoch"] > 0
     # the CNN's cut carries 512 floats a sample both ways, plus a header per micro-batch message
     assert rows["pipedream"]["activation_numel"] == [512]
-    assert rows["pipedream"]["measured_bytes_per_epoch"] == 2 * (1438 * 512 * 4 + 180 * HEADER_BYTES)
+    # 180 data frames each way, plus two announce frames: the first message's (header only) and the epoch's short
+    # last batch's (32 -> 8, 8, 7, 7: sized like the 8-sample frame before it)
+    assert rows["pipedream"]["measured_bytes_per_epoch"] == 2 * (1438 * 512 * 4 + 180 * HEADER_BYTES + HEADER_BYTES + HEADER_BYTES + 8 * 512 * 4)
