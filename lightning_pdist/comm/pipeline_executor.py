@@ -272,17 +272,21 @@ class StageExecutor:
         self._release()
 
     def update(self, j: int) -> None:
+        # The gradient first, then forget versions nobody needs: a stash copy made before that would briefly
+        # hold one copy of the weights more than the schedule's depth.
+        leaves = self.leaves.get(self._last_backward_version, {})
+        for name, p in self.params.items():
+            leaf = leaves.get(name)
+            p.grad = leaf.grad if leaf is not None else None
+            if leaf is not None:
+                leaf.grad = None
+        del leaves
+        self._drop_leaves()
         if self.weight_stashing and self._current_version_needed():
             self.stashed[self.newest] = [p.data for p in self.params.values()]
             for p in self.params.values():
                 p.data = p.data.clone()
         self._measure()
-        leaves = self.leaves.get(self._last_backward_version, {})
-        for name, p in self.params.items():
-            leaf = leaves.get(name)
-            p.grad, leaf_grad = (leaf.grad, None) if leaf is not None else (None, None)
-            if leaf is not None:
-                leaf.grad = leaf_grad
         self.update_fn()
         for p in self.params.values():
             p.grad = None
