@@ -53,6 +53,7 @@ from lightning_pdist.bench.report import (
     command_line,
     markdown_table,
     new_document,
+    output_dir,
     save_figure,
     write_json,
 )
@@ -458,10 +459,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
     machine's background load between runs affects both networks' figures alike; with
     ``repeats > 1`` each row keeps the fastest run (:func:`merge_repeats`).
     """
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"averaging(--out={str(out)!r}): --out must be a directory, and this is a file")
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(SUITE, out)
     doc = new_document(SUITE, command, asdict(config))
     t_suite = time.perf_counter()
     scratch = Path(tempfile.mkdtemp(prefix="pdist-bench-"))

@@ -48,7 +48,16 @@ from typing import Any
 
 from lightning_pdist.bench.launch import busy_cpu_s, free_port, launch_loopback, own_cpu_s, read_results, worker_env
 from lightning_pdist.bench.netns import EmulatedNetwork, LaunchError, launch_ranks, measure_link_rate, parse_rate
-from lightning_pdist.bench.report import check_rows, markdown_table, new_document, run_documented_suite, save_figure, write_json
+from lightning_pdist.bench.report import (
+    check_rows,
+    finish_suite,
+    markdown_table,
+    new_document,
+    output_dir,
+    run_documented_suite,
+    run_lines,
+    save_figure,
+)
 
 SUITE = "pipeline"
 PARTS = ("throughput", "bubble", "stash", "convergence")
@@ -435,10 +444,7 @@ def convergence_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any] | None:
     """Run the requested parts; write ``out/pipeline.{json,png}``; return the document."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{SUITE}(--out={str(out)!r}): --out must be a directory, and this is a file")
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(SUITE, out)
     doc = new_document(SUITE, command, asdict(config))
     t_suite = time.perf_counter()
     scratch = Path(tempfile.mkdtemp(prefix="pdist-pipeline-"))
@@ -491,10 +497,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
             lap("convergence")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    doc["suite_wall_s"] = round(time.perf_counter() - t_suite, 1)
-    write_json(doc, out / f"{SUITE}.json")
-    plot(doc, out / f"{SUITE}.png")
-    return doc
+    return finish_suite(doc, out, SUITE, t_suite, plot)
 
 
 # -- output --------------------------------------------------------------------------------------------
@@ -529,12 +532,9 @@ BYTES_COLUMNS = (
 
 def docs_section(doc: dict[str, Any], json_path: str) -> str:
     """The suite's figures as markdown; everything is read from ``doc``."""
-    host, cfg = doc["host"], doc["config"]
+    cfg = doc["config"]
     lines = [
-        f"Command: `{doc['command']}`  ",
-        f"Run: {doc['created']}, {doc['suite_wall_s']} s for the whole suite, on {host['cpus']} CPUs "
-        f"(1-min load average {host['loadavg_1m_at_start']} at the start), torch {host['torch']}.  ",
-        f"Output: `{json_path}`",
+        *run_lines(doc, json_path),
     ]
     if doc["rows"]:
         nets = "\n".join(f"- {name}: {info.get('detail', 'skipped: ' + str(info.get('skipped')))}"

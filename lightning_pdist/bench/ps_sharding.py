@@ -47,7 +47,14 @@ from typing import Any
 
 from lightning_pdist.bench.launch import read_results, worker_env
 from lightning_pdist.bench.netns import launch_ranks, parse_rate
-from lightning_pdist.bench.report import markdown_table, new_document, run_documented_suite, save_figure, write_json
+from lightning_pdist.bench.report import (
+    finish_suite,
+    markdown_table,
+    new_document,
+    run_documented_suite,
+    run_lines,
+    save_figure,
+)
 
 SUITE = "ps_sharding"
 PARTS = ("sharding", "straggler")
@@ -313,10 +320,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
                 doc["straggler"] = run_straggler(runner, config, network)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    doc["suite_wall_s"] = round(time.perf_counter() - t_suite, 1)
-    write_json(doc, out / f"{SUITE}.json")
-    plot(doc, out / f"{SUITE}.png")
-    return doc
+    return finish_suite(doc, out, SUITE, t_suite, plot)
 
 
 # -- output -------------------------------------------------------------------------------------
@@ -346,14 +350,11 @@ def ratio_lines(ratios: dict[str, Any]) -> list[str]:
 
 def docs_section(doc: dict[str, Any], json_path: str) -> str:
     """The figures of a suite document as markdown for docs/benchmarks.md; everything is read from ``doc``."""
-    host, cfg = doc["host"], doc["config"]
+    cfg = doc["config"]
     (name, net), = doc["networks"].items()
     first = doc["rows"][0] if doc["rows"] else {}
     lines = [
-        f"Command: `{doc['command']}`  ",
-        f"Run: {doc['created']}, {doc['suite_wall_s']} s for the whole suite, on {host['cpus']} CPUs "
-        f"(1-min load average {host['loadavg_1m_at_start']} at the start), torch {host['torch']}.  ",
-        f"Output: `{json_path}`", "",
+        *run_lines(doc, json_path), "",
         f"Network: {net['detail']} (TCP goodput host 0 → 1 measured at {net['measured_tcp_goodput_bytes_per_s'] * 8 / 1e6:.1f} "
         "Mbit/s). Every server and every worker is a host of its own.", "",
     ]  # fmt: skip

@@ -168,3 +168,33 @@ def run_documented_suite(
     print(section)
     print(f"\nwrote {out / (suite + '.json')}, {out / (suite + '.png')} and {out / 'docs_section.md'} in {doc['suite_wall_s']} s")
     return 0
+
+
+def output_dir(suite: str, out: str | Path) -> Path:
+    """``out`` as a directory, created if needed; ``ValueError`` naming the suite if it is a file."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{suite}(--out={str(out)!r}): --out must be a directory, and this is a file")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def run_lines(doc: Mapping[str, Any], json_path: str) -> list[str]:
+    """The command, run and output lines every suite's docs section starts with."""
+    host = doc["host"]
+    return [
+        f"Command: `{doc['command']}`  ",
+        f"Run: {doc['created']}, {doc['suite_wall_s']} s for the whole suite, on {host['cpus']} CPUs "
+        f"(1-min load average {host['loadavg_1m_at_start']} at the start), torch {host['torch']}.  ",
+        f"Output: `{json_path}`",
+    ]
+
+
+def finish_suite(doc: dict[str, Any], out: Path, suite: str, started: float, plot: Callable[[dict, Path], Any]) -> dict[str, Any]:
+    """Stamp the suite's wall time (since ``started``, a ``time.perf_counter()``), write its JSON and plot."""
+    import time
+
+    doc["suite_wall_s"] = round(time.perf_counter() - started, 1)
+    write_json(doc, out / f"{suite}.json")
+    plot(doc, out / f"{suite}.png")
+    return doc

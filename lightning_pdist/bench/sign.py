@@ -37,7 +37,15 @@ from pathlib import Path
 from typing import Any
 
 from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import markdown_table, new_document, run_documented_suite, save_figure, write_json
+from lightning_pdist.bench.report import (
+    finish_suite,
+    markdown_table,
+    new_document,
+    output_dir,
+    run_documented_suite,
+    run_lines,
+    save_figure,
+)
 from lightning_pdist.bench.sign_repro import BATCH_MODES, DATASETS
 from lightning_pdist.bench.sign_worker import HOOKS
 
@@ -154,10 +162,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
     from lightning_pdist.bench.sign_comm import run_comm
     from lightning_pdist.bench.sign_repro import run_repro
 
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"sign(--out={str(out)!r}): --out must be a directory, and this is a file")
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(SUITE, out)
     doc = new_document(SUITE, command, asdict(config))
     t_suite = time.perf_counter()
     doc["repro"] = None
@@ -174,10 +179,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
             shutil.rmtree(scratch, ignore_errors=True)
         doc["rows"], doc["networks"] = comm["rows"], comm["networks"]
         doc["comm_wall_s"] = round(time.perf_counter() - t0, 1)
-    doc["suite_wall_s"] = round(time.perf_counter() - t_suite, 1)
-    write_json(doc, out / f"{SUITE}.json")
-    plot(doc, out / f"{SUITE}.png")
-    return doc
+    return finish_suite(doc, out, SUITE, t_suite, plot)
 
 
 # -- output -------------------------------------------------------------------------------------
@@ -263,12 +265,9 @@ def verdict_lines(summary: Sequence[dict[str, Any]]) -> list[str]:
 
 def docs_section(doc: dict[str, Any], json_path: str) -> str:
     """The figures of a suite document as markdown for docs/benchmarks.md; everything is read from ``doc``."""
-    host, cfg = doc["host"], doc["config"]
+    cfg = doc["config"]
     lines = [
-        f"Command: `{doc['command']}`  ",
-        f"Run: {doc['created']}, {doc['suite_wall_s']} s for the whole suite, on {host['cpus']} CPUs "
-        f"(1-min load average {host['loadavg_1m_at_start']} at the start), torch {host['torch']}.  ",
-        f"Output: `{json_path}`",
+        *run_lines(doc, json_path),
     ]
     repro = doc.get("repro")
     if repro:

@@ -28,8 +28,6 @@ yourself (``python -m lightning_pdist.comm.ps_server --host H --port P``) and pa
 from __future__ import annotations
 
 import math
-import os
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
