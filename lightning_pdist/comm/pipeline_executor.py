@@ -175,19 +175,22 @@ class StageExecutor:
         for v in [v for v in self.leaves if v not in used and v < min(floor, self.newest)]:
             del self.leaves[v]
 
+    def _version_sets(self) -> dict[int, list[Tensor]]:
+        """The weight tensors of every version still referenced, keyed by the storage of their first tensor."""
+        sets = [list(self.params.values()), *self.stashed.values(), *(list(w.values()) for w in self.leaves.values())]
+        return {tensors[0].untyped_storage().data_ptr(): tensors for tensors in sets}
+
     def weight_versions(self) -> tuple[int, int]:
         """(versions alive, bytes they hold), counted from the distinct storages still referenced."""
         if not self.params:
             return 1, 0
-        seen: dict[int, int] = {}
-        sets = [list(self.params.values())] + list(self.stashed.values()) + [list(r.weights.values()) for r in self.in_flight.values()]
-        for tensors in sets:
-            key = tensors[0].untyped_storage().data_ptr()
-            seen[key] = sum(t.numel() * t.element_size() for t in tensors)
-        return len(seen), sum(seen.values())
+        sets = self._version_sets()
+        return len(sets), sum(t.numel() * t.element_size() for tensors in sets.values() for t in tensors)
 
     def _measure(self) -> None:
-        self.max_versions = max(self.max_versions, self.weight_versions()[0])
+        # Runs at every forward and update: count storages only, no byte sums.
+        if self.params:
+            self.max_versions = max(self.max_versions, len(self._version_sets()))
 
     @contextmanager
     def stage_rng(self) -> Iterator[None]:

@@ -518,9 +518,7 @@ class PipelineStrategy(PdistStrategy):
         parts = self._gather_stages(local)
         if parts is None:
             return {}
-        merged: dict[str, Any] = {}
-        for part in parts:
-            merged.update(part)
+        merged = _merge(parts)
         return {k: merged[k] for k in self.split.full_keys if k in merged}
 
     @override
@@ -581,10 +579,7 @@ class PipelineStrategy(PdistStrategy):
             if self.pipeline_stages > 1:
                 parts = [None] * self.pipeline_stages
                 dist.all_gather_object(parts, local, group=self._pp_group)
-            merged: dict[str, Any] = {}
-            for part in parts:
-                merged.update(part)
-            split.restore(merged, self.root_device)
+            split.restore(_merge(parts), self.root_device)
         self.executor = None
         super().teardown()
 
@@ -597,6 +592,14 @@ class PipelineStrategy(PdistStrategy):
             for suffix, extra in (("", {}), ("_fork", {"start_method": "fork"}), ("_spawn", {"start_method": "spawn"})):
                 strategy_registry.register(f"{name}{suffix}", cls, description=f"pipeline, schedule={schedule!r}",
                                            schedule=schedule, override=True, **extra)  # fmt: skip
+
+
+def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One state dict from every stage's (each holds its own layers' keys)."""
+    merged: dict[str, Any] = {}
+    for part in parts:
+        merged.update(part)
+    return merged
 
 
 def _no_closure() -> None:
