@@ -12,14 +12,20 @@ Lifecycle of one run (every rank):
   output if stopped now: the average of the replicas, BMUF's global model, EASGD's center), swapped
   in at the start of the loop and swapped out at its end, so training continues undisturbed.
 * ``trainer.save_checkpoint``: ``state_dict`` holds the consensus model (what users load for
-  inference); ``checkpoint["pdist"]["replicas"]`` holds every rank's own weights and optimizer
-  state (gathered with ``all_gather_object``; rank 0 writes the file) so a resumed run continues exactly, mid-period included.
+  inference); each rank writes its own weights and optimizer state to its own file next to the
+  checkpoint (:mod:`~lightning_pdist.strategies.rank_files`), so a resumed run continues exactly,
+  mid-period included, and no rank ever holds another's replica.
 * end of ``fit``: every rank loads the consensus model, so the module the user holds is the output.
 
 Decisions a user meets:
 
-* **One optimizer.** The period counts optimizer steps and BMUF/EASGD keep one state per model;
-  with several optimizers both would be ambiguous, so setup refuses them.
+* **Several optimizers** (GANs, actor-critic; manual optimization) work. The period counts
+  *training steps* (batches in which at least one optimizer stepped), not optimizer steps, and
+  the synchronization averages the whole module (every optimizer's parameters, one BMUF/EASGD
+  state for the whole model). With several optimizers a step is closed, and synchronized if the
+  schedule says so, once the batch is over: at the next batch, before evaluation, at a checkpoint
+  or at the end of fit (with one optimizer, right after its step). Each optimizer keeps its own
+  local state (momentum, Adam moments), which is never averaged, as with one optimizer.
 * **Gradient accumulation** works: the period counts optimizer steps, not batches (Lightning skips
   the DDP hook on accumulating batches).
 * **Manual optimization** works: ``optimizer.step()`` routes through :meth:`optimizer_step`.
@@ -32,7 +38,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -70,6 +75,7 @@ class ModelAveragingStrategy(PdistStrategy):
         self._hook_state = AllReduceState(meter=self.comm_meter)
         self._evaluating_backup: Tensor | None = None
         self._finalized = False
+        self._step_open = False  # several optimizers: an optimizer stepped in the current batch
 
     # ------------------------------------------------------------------ algorithm hooks
     def averages_gradients(self, step: int) -> bool:
@@ -131,11 +137,6 @@ class ModelAveragingStrategy(PdistStrategy):
     @override
     def setup_algorithm(self) -> None:
         owner = type(self).__name__
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"{owner}: configure_optimizers returned {len(self.optimizers)} optimizers; {owner} supports "
-                "exactly one, because its period counts optimizer steps and its state is kept per model"
-            )
         _, world_size = self.rank_world
         if world_size == 1:
             rank_zero_warn(
@@ -144,10 +145,28 @@ class ModelAveragingStrategy(PdistStrategy):
             )
         self._hook_state.process_group = None
         self._finalized = False
+        self._step_open = False
         self._set_phase()
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        if len(self.optimizers) > 1:
+            self._step_open = True  # the batch may step another optimizer yet: closed by _close_training_step
+            return
+        self._end_training_step()
+
+    def _close_training_step(self) -> None:
+        """With several optimizers: end the training step whose batch is over (collective on every rank)."""
+        if self._step_open:
+            self._step_open = False
+            self._end_training_step()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._close_training_step()
+
+    def _end_training_step(self) -> None:
         self.step += 1
         if self.averages_gradients(self.step):
             self._count_buffer_broadcast()
@@ -169,6 +188,7 @@ class ModelAveragingStrategy(PdistStrategy):
 
     # evaluation during fit sees the consensus model
     def _swap_in_consensus(self) -> None:
+        self._close_training_step()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.fn != TrainerFn.FITTING or self._finalized:
             return
@@ -196,6 +216,7 @@ class ModelAveragingStrategy(PdistStrategy):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
+        self._close_training_step()
         if not self._finalized:
             self.load_vector(self.consensus())
             self._finalized = True
@@ -208,6 +229,7 @@ class ModelAveragingStrategy(PdistStrategy):
             return super().lightning_module_state_dict()
         if self._evaluating_backup is not None:  # a checkpoint taken during validation
             return super().lightning_module_state_dict()
+        self._close_training_step()
         consensus = self.consensus()
         own = self.local_vector()
         self.load_vector(consensus)
@@ -229,42 +251,34 @@ class ModelAveragingStrategy(PdistStrategy):
 
     @override
     def pdist_state_dict(self) -> dict:
+        self._close_training_step()
         state = super().pdist_state_dict()
         state.update(step=self.step, algorithm=self.algorithm_state_dict())
-        rank, world_size = self.rank_world
-        if self._finalized:
-            return state
-        replica = self._own_replica()
-        if world_size > 1:
-            replicas: list[Any] = [None] * world_size
-            dist.all_gather_object(replicas, replica)
-        else:
-            replicas = [replica]
-        state["replicas"] = replicas
         return state
+
+    @override
+    def pdist_rank_state(self) -> dict | None:
+        # After fit every rank holds the consensus: nothing of its own is left to keep.
+        return None if self._finalized else self._own_replica()
 
     @override
     def load_pdist_state_dict(self, state: dict) -> None:
         super().load_pdist_state_dict(state)
         self.step = int(state.get("step", 0))
         self.load_algorithm_state_dict(state.get("algorithm", {}))
-        rank, world_size = self.rank_world
-        replicas = state.get("replicas")
-        self._pending_optimizer_states = None
-        if replicas is None:
-            rank_zero_warn(
-                f"{type(self).__name__}: the checkpoint holds no per-rank replicas (it was saved after fit ended); "
-                "every rank resumes from the consensus model."
-            )
-        elif len(replicas) != world_size:
-            rank_zero_warn(
-                f"{type(self).__name__}: the checkpoint holds {len(replicas)} replicas but world_size is {world_size}; "
-                "every rank resumes from the consensus model and rank 0's optimizer state."
-            )
-        else:
-            self.lightning_module.load_state_dict(replicas[rank]["model"])
-            self._pending_optimizer_states = replicas[rank]["optimizer_states"]
         self._set_phase()
+
+    @override
+    def load_pdist_rank_state(self, state: dict | None, reason: str = "") -> None:
+        self._pending_optimizer_states = None
+        if state is None:
+            rank_zero_warn(
+                f"{type(self).__name__}: {reason}; every rank resumes from the consensus model in state_dict and "
+                "rank 0's optimizer state."
+            )
+            return
+        self.lightning_module.load_state_dict(state["model"])
+        self._pending_optimizer_states = state["optimizer_states"]
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:

@@ -15,7 +15,16 @@ things every algorithm here needs:
    traffic and is not counted.
 3. **Algorithm state in checkpoints.** Lightning has no strategy ``state_dict`` hook, so
    :meth:`save_checkpoint` adds ``checkpoint["pdist"]`` and :meth:`load_checkpoint` reads it back;
-   subclasses fill it through :meth:`pdist_state_dict` / :meth:`load_pdist_state_dict`.
+   subclasses fill it through :meth:`pdist_state_dict` / :meth:`load_pdist_state_dict`. State that
+   differs per rank (a replica, a residual) goes through :meth:`pdist_rank_state` /
+   :meth:`load_pdist_rank_state` into one file per rank next to the checkpoint
+   (:mod:`lightning_pdist.strategies.rank_files`): no rank ever holds another rank's state, so the
+   memory a save needs and the main file's size do not grow with the world size, and
+   ``load_from_checkpoint`` still reads the main file alone.
+4. **Every registered name has its variants**: ``<name>``, ``<name>_fork``, ``<name>_spawn`` and,
+   for strategies that wrap the model in DDP, each with ``_find_unused_parameters_true``; DDP's
+   unused-parameter error is rewritten to name that variant, never plain ``ddp``'s (which would
+   silently drop the algorithm).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
@@ -33,8 +43,9 @@ from typing_extensions import override
 
 from lightning_pdist.comm.accounting import CommMeter
 from lightning_pdist.comm.hooks import AllReduceState, allreduce_hook
+from lightning_pdist.strategies import rank_files
 
-__all__ = ["PdistStrategy"]
+__all__ = ["PdistStrategy", "register_variants"]
 
 
 class PdistStrategy(DDPStrategy):
@@ -51,6 +62,8 @@ class PdistStrategy(DDPStrategy):
     """
 
     strategy_name = "pdist_ddp"
+    #: Whether the model is wrapped in DistributedDataParallel (and so has a ``find_unused_parameters`` switch).
+    wraps_in_ddp = True
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -61,6 +74,7 @@ class PdistStrategy(DDPStrategy):
             )
         self.comm_meter = CommMeter()
         self._loaded_pdist_state: dict | None = None
+        self._loaded_rank_state: tuple[dict | None, str] = (None, "")
 
     # ------------------------------------------------------------------ comm hooks
     def _default_comm_hook(self) -> tuple[object, Callable] | None:
@@ -114,16 +128,42 @@ class PdistStrategy(DDPStrategy):
         """Restore what :meth:`pdist_state_dict` stored (called on every rank after ``setup``)."""
         self.comm_meter.load_state_dict(state.get("comm_meter", {}))
 
+    def pdist_rank_state(self) -> dict | None:
+        """This rank's own state, written to its own file next to the checkpoint (None: nothing per rank).
+
+        Must be None on every rank or on none (the decision is collective).
+        """
+        return None
+
+    def load_pdist_rank_state(self, state: dict | None, reason: str = "") -> None:
+        """Restore :meth:`pdist_rank_state`'s output (after :meth:`load_pdist_state_dict`).
+
+        ``state`` is None when the checkpoint has no file for this rank; ``reason`` then says why.
+        """
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         # Runs on every rank (Trainer.save_checkpoint), so pdist_state_dict may use collectives.
         checkpoint["pdist"] = self.pdist_state_dict()
+        own = self.pdist_rank_state()
+        if own is not None:
+            rank, world_size = self.rank_world
+            rank_files.save(own, filepath, rank, world_size)
+            checkpoint["pdist"]["rank_files"] = rank_files.manifest(filepath, world_size)
+            self.barrier("pdist_rank_files")  # every rank's file exists before the main file names them
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        rank, world_size = self.rank_world
+        rank_files.remove(filepath, rank, world_size)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._loaded_pdist_state = checkpoint.get("pdist")
+        self._loaded_rank_state = rank_files.load_own(checkpoint_path, self._loaded_pdist_state, *self.rank_world)
         return checkpoint
 
     @override
@@ -135,7 +175,9 @@ class PdistStrategy(DDPStrategy):
         self.setup_algorithm()
         if self._loaded_pdist_state is not None:
             self.load_pdist_state_dict(self._loaded_pdist_state)
+            self.load_pdist_rank_state(*self._loaded_rank_state)
             self._loaded_pdist_state = None
+            self._loaded_rank_state = (None, "")
 
     def setup_algorithm(self) -> None:
         """Create run-time algorithm state once the model is wrapped and optimizers exist."""
@@ -148,22 +190,43 @@ class PdistStrategy(DDPStrategy):
         return 0, 1
 
     @classmethod
+    def registered_name(cls, strategy: "PdistStrategy | None" = None) -> str:
+        """The registry name users pick for this configuration (error messages point at it)."""
+        return cls.strategy_name
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # DDPStrategy.on_exception would advise strategy='ddp_find_unused_parameters_true': plain DDP, no algorithm.
+        name = self.registered_name(self)
+        _augment_message(
+            exception,
+            pattern=".*Expected to have finished reduction in the prior iteration.*",
+            new_message=(
+                "It looks like your LightningModule has parameters that were not used in producing the loss (some "
+                "steps leave a branch unused, or manual optimization toggles optimizers). If this is intentional, "
+                f"enable the detection of unused parameters: strategy='{name}_find_unused_parameters_true' or "
+                f"strategy={type(self).__name__}(..., find_unused_parameters=True). "
+                f"(strategy='ddp_find_unused_parameters_true' would replace {type(self).__name__} by plain DDP.)"
+            ),
+        )
+
+    @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description=cls.__doc__.splitlines()[0] if cls.__doc__ else "", override=True
-        )
-        strategy_registry.register(
-            f"{cls.strategy_name}_fork",
-            cls,
-            description=f"{cls.strategy_name} with the fork start method",
-            start_method="fork",
-            override=True,
-        )
-        strategy_registry.register(
-            f"{cls.strategy_name}_spawn",
-            cls,
-            description=f"{cls.strategy_name} with the spawn start method",
-            start_method="spawn",
-            override=True,
-        )
+        description = cls.__doc__.splitlines()[0] if cls.__doc__ else ""
+        register_variants(strategy_registry, cls, cls.strategy_name, description, find_unused=cls.wraps_in_ddp)
+
+
+def register_variants(
+    registry: Any, cls: type, name: str, description: str, find_unused: bool = True, **init_kwargs: Any
+) -> None:
+    """Register ``name`` with its ``_fork``/``_spawn`` and ``_find_unused_parameters_true`` variants."""
+    for suffix, start_method in (("", None), ("_fork", "fork"), ("_spawn", "spawn")):
+        kwargs = dict(init_kwargs, **({"start_method": start_method} if start_method else {}))
+        how = f" with the {start_method} start method" if start_method else ""
+        registry.register(f"{name}{suffix}", cls, description=description if not how else f"{name}{how}",
+                          override=True, **kwargs)  # fmt: skip
+        if find_unused:
+            registry.register(f"{name}{suffix}_find_unused_parameters_true", cls, override=True,
+                              description=f"{name}{how} with find_unused_parameters=True",
+                              find_unused_parameters=True, **kwargs)  # fmt: skip

@@ -192,6 +192,7 @@ class ParameterServerStrategy(PdistStrategy):
     """
 
     strategy_name = "parameter_server"
+    wraps_in_ddp = False  # gradients go to the servers, not through DDP: no find_unused_parameters variants
 
     def __init__(
         self,

@@ -44,7 +44,7 @@ from lightning_pdist.algorithms.pipeline_schedule import SCHEDULES
 from lightning_pdist.comm.collectives import all_reduce_mean_
 from lightning_pdist.comm.pipeline_executor import StageExecutor
 from lightning_pdist.comm.pipeline_p2p import P2P
-from lightning_pdist.strategies.base import PdistStrategy
+from lightning_pdist.strategies.base import PdistStrategy, register_variants
 from lightning_pdist.strategies.config import ConfigErrors, is_int, refuse_owned_ddp_args
 from lightning_pdist.strategies.pipeline_logging import LogRecorder, aggregate, replay
 from lightning_pdist.strategies.pipeline_module import NetworkInput, StageSplit, batch_size_of, split_batch
@@ -160,6 +160,7 @@ class PipelineStrategy(PdistStrategy):
     """
 
     strategy_name = "pipeline"
+    wraps_in_ddp = False  # no DistributedDataParallel: no find_unused_parameters variants
 
     def __init__(
         self,
@@ -589,9 +590,8 @@ class PipelineStrategy(PdistStrategy):
         super().register_strategies(strategy_registry)
         aliases = {"pipeline_gpipe": "gpipe", "pipeline_1f1b": "1f1b", "pipedream": "pipedream", "pipedream_2bw": "2bw"}
         for name, schedule in aliases.items():
-            for suffix, extra in (("", {}), ("_fork", {"start_method": "fork"}), ("_spawn", {"start_method": "spawn"})):
-                strategy_registry.register(f"{name}{suffix}", cls, description=f"pipeline, schedule={schedule!r}",
-                                           schedule=schedule, override=True, **extra)  # fmt: skip
+            register_variants(strategy_registry, cls, name, f"pipeline, schedule={schedule!r}", find_unused=False,
+                              schedule=schedule)  # fmt: skip
 
 
 def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -17,7 +17,6 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
@@ -31,7 +30,7 @@ from lightning_pdist.comm.sign_hooks import (
     it_signsgd_hook,
     signsgd_mv_hook,
 )
-from lightning_pdist.strategies.base import PdistStrategy
+from lightning_pdist.strategies.base import PdistStrategy, register_variants
 from lightning_pdist.strategies.config import refuse_owned_ddp_args
 
 __all__ = ["SignSGDConfig", "SignSGDStrategy"]
@@ -164,9 +163,10 @@ class SignSGDStrategy(PdistStrategy):
     * **Non-finite gradients** raise on every rank at once (``nonfinite="raise"``), or give every
       rank a NaN gradient for that step (``"propagate"``). Nothing here skips that optimizer step,
       so with ``"propagate"`` your code must (plain SGD would write NaN into the parameters).
-    * **Checkpoints** hold every rank's hook state (LLR statistics, EF residual, Signum momentum,
-      round counters), gathered into ``checkpoint["pdist"]["hook_states"]``; a resumed run with
-      the same world size restores its own, so it continues exactly. The model in ``state_dict``
+    * **Checkpoints**: each rank writes its own hook state (LLR statistics, EF residual, Signum
+      momentum, round counters) to its own file next to the checkpoint
+      (:mod:`~lightning_pdist.strategies.rank_files`); a resumed run with the same world size
+      restores its own, so it continues exactly. The model in ``state_dict``
       is the model every rank holds.
 
     Args:
@@ -240,20 +240,17 @@ class SignSGDStrategy(PdistStrategy):
 
     @classmethod
     @override
+    def registered_name(cls, strategy: PdistStrategy | None = None) -> str:
+        llr = strategy is not None and strategy.config.aggregation == "llr"
+        return "it_signsgd" if llr else "signsgd_mv"
+
+    @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         names = {"signsgd_mv": ("majority", "signSGD with majority vote"), "it_signsgd": ("llr", "IT-signSGD")}
         for name, (aggregation, description) in names.items():
             description = f"{description}: 1-bit sign voting (SignSGDStrategy(aggregation={aggregation!r}))"
-            strategy_registry.register(name, cls, description=description, aggregation=aggregation, override=True)
-            for start_method in ("fork", "spawn"):
-                strategy_registry.register(
-                    f"{name}_{start_method}",
-                    cls,
-                    description=f"{name} with the {start_method} start method",
-                    aggregation=aggregation,
-                    start_method=start_method,
-                    override=True,
-                )
+            register_variants(strategy_registry, cls, name, description, aggregation=aggregation)
 
     # ------------------------------------------------------------------ comm hook
     @override
@@ -293,39 +290,21 @@ class SignSGDStrategy(PdistStrategy):
     def pdist_state_dict(self) -> dict:
         state = super().pdist_state_dict()
         state["config"] = self.config.as_dict()
-        if self.hook_state is None:  # the same on every rank: no model was wrapped for training
-            state["hook_states"] = None
-            return state
-        own = self.hook_state.state_dict()
-        _, world_size = self.rank_world
-        if world_size > 1:
-            # Collective: save_checkpoint runs on every rank. Each rank holds different buffers (its residual,
-            # its momentum, its slice of per-coordinate statistics), so all of them are kept.
-            hook_states: list[Any] = [None] * world_size
-            dist.all_gather_object(hook_states, own)
-        else:
-            hook_states = [own]
-        state["hook_states"] = hook_states
         return state
 
     @override
-    def load_pdist_state_dict(self, state: dict) -> None:
-        super().load_pdist_state_dict(state)
-        owner = type(self).__name__
-        hook_states = state.get("hook_states")
-        rank, world_size = self.rank_world
+    def pdist_rank_state(self) -> dict | None:
+        # Each rank holds different buffers (its residual, its momentum, its slice of the per-coordinate
+        # statistics): each writes its own file (None on every rank when no model was wrapped for training).
+        return None if self.hook_state is None else {"hook_state": self.hook_state.state_dict()}
+
+    @override
+    def load_pdist_rank_state(self, state: dict | None, reason: str = "") -> None:
         if self.hook_state is None:
             return
-        if hook_states is None:
+        if state is None:
             rank_zero_warn(
-                f"{owner}: the checkpoint holds no sign-vote state (saved by {state.get('strategy')!r}); the vote "
-                "statistics, residuals and momentum start from zero."
+                f"{type(self).__name__}: {reason}; the vote statistics, residuals and momentum start from zero."
             )
             return
-        if len(hook_states) != world_size:
-            rank_zero_warn(
-                f"{owner}: the checkpoint holds the sign-vote state of {len(hook_states)} ranks but world_size is "
-                f"{world_size}; the vote statistics, residuals and momentum start from zero."
-            )
-            return
-        self.hook_state.load_state_dict(hook_states[rank])
+        self.hook_state.load_state_dict(state["hook_state"])

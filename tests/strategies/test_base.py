@@ -68,26 +68,6 @@ def test_averaging_strategies_refuse_a_foreign_comm_hook(cls):
         cls(ddp_comm_hook=fp16_compress_hook)
 
 
-def test_several_optimizers_are_refused():
-    """Two optimizers raise a ValueError that says why (the period counts optimizer steps)."""
-    with pytest.raises(ProcessRaisedException, match=r"LocalSGDStrategy: configure_optimizers returned 2 optimizers"):
-        fit(LocalSGDStrategy(period=2, start_method="fork"), _TwoOptimizers(), max_steps=2)
-
-
-class _TwoOptimizers(TinyRegression):
-    def __init__(self):
-        super().__init__(optimizers=2)
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x), y)
-        self.manual_backward(loss)
-        for opt in self.optimizers():
-            opt.step()
-            opt.zero_grad()
-
-
 def test_easgd_refuses_alpha_times_world_size_above_one():
     """EASGD(alpha=0.8) on 2 ranks stops at setup with the stability rule in the message."""
     with pytest.raises(ProcessRaisedException, match=r"alpha \* world_size = 1.6 must be <= 1"):

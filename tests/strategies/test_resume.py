@@ -6,6 +6,7 @@ from _helpers import SnapshotParams, TinyRegression, fit, load_snapshot
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_pdist import BMUFStrategy, EASGDStrategy, LocalSGDStrategy, PdistStrategy, SimuParallelSGDStrategy
+from lightning_pdist.strategies import rank_files
 
 STRATEGIES = {
     "local_sgd": lambda: LocalSGDStrategy(period=2, warmup_steps=1, start_method="fork"),
@@ -57,4 +58,8 @@ def test_checkpoint_state_dict_holds_the_consensus_model(tmp_path):
     flat = torch.cat([v.reshape(-1) for k, v in stored["state_dict"].items()])
     mean = (load_snapshot(snaps, 0, 3) + load_snapshot(snaps, 1, 3)) / 2
     torch.testing.assert_close(flat, mean, atol=1e-6, rtol=0)
-    assert len(stored["pdist"]["replicas"]) == 2
+    # Each rank's own replica is in its own file; the main file holds none of them.
+    assert stored["pdist"]["rank_files"]["world_size"] == 2 and "replicas" not in stored["pdist"]
+    for rank in range(2):
+        own = torch.load(rank_files.path_for(tmp_path / "ckpts" / "epoch=0-step=3.ckpt", rank, 2), weights_only=False)
+        torch.testing.assert_close(torch.cat([v.reshape(-1) for v in own["model"].values()]), load_snapshot(snaps, rank, 3))

@@ -5,6 +5,7 @@ aggregate them from the papers' equations (majority; eqs. 3–4 via ``reference_
 tests), and apply ``x ← x − δ·U``.
 """
 
+import re
 import json
 import math
 import warnings
@@ -24,6 +25,7 @@ from torch.multiprocessing import ProcessRaisedException
 import lightning_pdist  # noqa: F401  (registers the names)
 from lightning_pdist import SignSGDStrategy
 from lightning_pdist.comm.sign_hooks import ITSignSGDState, SignSGDState, it_signsgd_hook, sign_hook_bytes, signsgd_mv_hook
+from lightning_pdist.strategies import rank_files
 
 LR = 0.01  # the sign step δ
 D, LENGTHS = 58, [32, 8, 16, 2]  # TinyRegression: Linear(4, 8) + Linear(8, 2)
@@ -233,7 +235,8 @@ def test_resume_restores_every_ranks_hook_state(tmp_path):
     first = tmp_path / "ckpts" / "epoch=0-step=3.ckpt"
     stored = torch.load(first, weights_only=False)["pdist"]
     assert stored["strategy"] == "SignSGDStrategy" and stored["config"]["aggregation"] == "llr"
-    states = stored["hook_states"]
+    assert stored["rank_files"]["world_size"] == 2 and "hook_states" not in stored
+    states = [torch.load(rank_files.path_for(first, r, 2), weights_only=False)["hook_state"] for r in range(2)]
     assert [s["rank"] for s in states] == [0, 1]
     bucket0 = [s["buckets"][0] for s in states]
     assert all(b["rounds"] == 3 and b["llr"]["rounds"] == 3 for b in bucket0)
@@ -252,14 +255,16 @@ def _strategy_with_state(**kwargs):
     return strategy
 
 
-def test_resume_with_another_world_size_or_no_state_warns_and_starts_fresh():
-    """A checkpoint without sign-vote state, or with another world size's, warns and leaves the state empty."""
+def test_resume_with_another_world_size_or_no_state_warns_and_starts_fresh(tmp_path):
+    """A checkpoint without this rank's file (another strategy's, another world size's) warns, leaves the state empty."""
     strategy = _strategy_with_state()
-    with pytest.warns(UserWarning, match=r"holds no sign-vote state \(saved by 'PdistStrategy'\)"):
-        strategy.load_pdist_state_dict({"strategy": "PdistStrategy", "comm_meter": {}})
-    own = strategy.hook_state.state_dict()
-    with pytest.warns(UserWarning, match=r"the sign-vote state of 2 ranks but world_size is 1"):
-        strategy.load_pdist_state_dict({"strategy": "SignSGDStrategy", "hook_states": [own, own]})
+    path = tmp_path / "x.ckpt"
+    for pdist, why in [({"strategy": "PdistStrategy"}, "names no per-rank files"),
+                       ({"rank_files": rank_files.manifest(path, 2)}, "saved by 2 ranks but world_size is 1")]:  # fmt: skip
+        state, reason = rank_files.load_own(path, pdist, 0, 1)
+        assert state is None and why in reason
+        with pytest.warns(UserWarning, match=rf"{re.escape(why)}.*; the vote statistics, residuals and momentum start from zero"):
+            strategy.load_pdist_rank_state(state, reason)
     assert strategy.hook_state.buckets == {}
 
 
@@ -272,7 +277,7 @@ def test_resume_into_other_settings_is_refused():
                             "llr": {"estimator": "worker", "disagreements": torch.zeros(1, 1, dtype=torch.float64),
                                     "observations": torch.ones(1, dtype=torch.float64), "rounds": 1}}}  # fmt: skip
     with pytest.raises(ValueError, match="the saved state holds LLR statistics, but this state takes the plain majority"):
-        _strategy_with_state().load_pdist_state_dict({"hook_states": [state]})
+        _strategy_with_state().load_pdist_rank_state({"hook_state": state})
 
 
 # --- names, construction and bad inputs -------------------------------------------------------------------
