@@ -98,7 +98,7 @@ from lightning_pdist.algorithms.llr_vote import (
     observations_per_round,
     pooled_vote_tables,
 )
-from lightning_pdist.algorithms.sign import ef_scaled_vote, vote_table, worker_vote
+from lightning_pdist.algorithms.sign import ef_scaled_vote, segment_l1_mean, vote_table, worker_vote
 from lightning_pdist.comm.accounting import CommMeter, all_gather_bytes, all_to_all_bytes
 from lightning_pdist.comm.bits import (
     count_ones,
@@ -110,9 +110,18 @@ from lightning_pdist.comm.bits import (
     truth_table_bits,
     unpack_signs,
 )
+from lightning_pdist.comm.sign_participation import (
+    ParticipationTracker,
+    coordinate_mask,
+    flag_words,
+    pack_flags,
+    unpack_flags,
+    used_runs,
+)
 
 __all__ = [
     "NONFINITE_POLICIES",
+    "SCALES",
     "ITSignSGDState",
     "SignBucketState",
     "SignSGDState",
@@ -123,6 +132,8 @@ __all__ = [
 ]
 
 NONFINITE_POLICIES = ("raise", "propagate")
+#: What the hook returns: the vote ``U`` (``"unit"``, ±1) or ``s̄_j·U`` with ``s̄_j`` the workers' mean ``‖v_j‖₁/numel_j``.
+SCALES = ("unit", "l1")
 
 
 def shard_bytes(numel: int, world_size: int) -> int:
@@ -131,7 +142,14 @@ def shard_bytes(numel: int, world_size: int) -> int:
 
 
 def sign_hook_bytes(
-    numel: int, world_size: int, num_tensors: int = 1, *, error_feedback: bool = False, estimator: str | None = None
+    numel: int,
+    world_size: int,
+    num_tensors: int = 1,
+    *,
+    error_feedback: bool = False,
+    estimator: str | None = None,
+    scale: str = "unit",
+    find_unused_parameters: bool = False,
 ) -> dict[str, int]:
     """Bytes one rank sends for one bucket in one step, by collective, as the hooks count them.
 
@@ -139,16 +157,20 @@ def sign_hook_bytes(
         numel: coordinates in the bucket ``d``.
         world_size: ``M``.
         num_tensors: tensors in the bucket ``T``.
-        error_feedback: whether scales ride in the all-to-all header.
+        error_feedback: whether scales ride in the all-to-all header (as they do with ``scale="l1"``).
         estimator: the IT-signSGD estimator (``None`` for the majority vote).
+        scale: ``"unit"`` or ``"l1"`` (scales in the header).
+        find_unused_parameters: whether participation flags ride in the header (``ceil(T/32)`` words).
 
     Returns:
-        ``{"sign_all_to_all": (M−1)(C+H), "sign_all_gather": (M−1)(C+G)}`` (zeros for one rank).
+        ``{"sign_all_to_all": (M−1)(C+H), "sign_all_gather": (M−1)(C+G)}`` (zeros for one rank), for a
+        bucket with at least one tensor in the backward pass (else there is no all-gather).
     """
     if world_size == 1:
         return {"sign_all_to_all": 0, "sign_all_gather": 0}
     chunk = shard_bytes(numel, world_size)
-    header = 4 * (1 + (num_tensors if error_feedback else 0))
+    scaled = error_feedback or scale == "l1"
+    header = 4 * (1 + (num_tensors if scaled else 0) + (flag_words(num_tensors) if find_unused_parameters else 0))
     counts = {None: 0, "coordinate": 0, "worker": 4 * world_size, "tensor": 4 * world_size * num_tensors}[estimator]
     return {
         "sign_all_to_all": all_to_all_bytes(world_size * (chunk + header), world_size),
@@ -167,6 +189,9 @@ class SignBucketState:
         momentum: Signum buffer ``(d,)`` fp32, or ``None`` without momentum.
         residual: EF residual ``(d,)`` fp32, or ``None`` without error feedback.
         llr: IT-signSGD statistics (this rank's slice for ``coordinate``), or ``None``.
+        groups: IT-signSGD statistics of the rounds in which only some of the bucket's tensors took
+            part, one per set of canonical tensor indices (``find_unused_parameters=True``; a GAN's
+            generator and discriminator steps). A set's statistics cover only its coordinates.
     """
 
     lengths: tuple[int, ...]
@@ -174,6 +199,7 @@ class SignBucketState:
     momentum: Tensor | None = None
     residual: Tensor | None = None
     llr: LLRState | None = None
+    groups: dict[tuple[int, ...], LLRState] = field(default_factory=dict)
     param_ids: tuple[int, ...] | None = field(default=None, repr=False)  # id() of its tensors, canonical order
     columns: Tensor | None = field(default=None, repr=False)  # cache: tensor index of this rank's slice
 
@@ -185,22 +211,26 @@ class SignBucketState:
             "momentum": clone(self.momentum),
             "residual": clone(self.residual),
             "llr": None if self.llr is None else self.llr.state_dict(),
+            "groups": {key: llr.state_dict() for key, llr in self.groups.items()},
         }
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "SignBucketState":
         clone = lambda t: None if t is None else t.clone()  # noqa: E731
-        llr = None
-        if state["llr"] is not None:
-            saved = state["llr"]
+
+        def load_llr(saved: dict) -> LLRState:
             llr = LLRState(saved["estimator"], saved["disagreements"].clone(), saved["observations"].clone())
             llr.rounds = int(saved["rounds"])
+            return llr
+
+        llr = None if state["llr"] is None else load_llr(state["llr"])
         return cls(
             lengths=tuple(state["lengths"]),
             rounds=int(state["rounds"]),
             momentum=clone(state["momentum"]),
             residual=clone(state["residual"]),
             llr=llr,
+            groups={tuple(key): load_llr(saved) for key, saved in state.get("groups", {}).items()},
         )
 
 
@@ -219,6 +249,13 @@ class SignSGDState:
             ``s̄·U`` (per tensor), keeping each worker's residual ``e``. Then use SGD's usual
             learning rate, not Signum's small ``δ``.
         nonfinite: ``"raise"`` (default) or ``"propagate"``; see the module docstring.
+        scale: ``"unit"`` (default): the hook returns ``U`` (±1) and the optimizer's ``lr`` is the
+            sign step ``δ``. ``"l1"``: it returns ``s̄_j·U`` with ``s̄_j`` the workers' mean
+            ``‖v_j‖₁/numel_j`` per tensor (the scales ride in the header, ``4T`` bytes), so an SGD
+            ``lr`` keeps its meaning. Error feedback always returns the scaled vote.
+        find_unused_parameters: set it as the DDP model's, and call :meth:`watch` before the first
+            backward: only the tensors that received a gradient on some rank take part
+            (:mod:`~lightning_pdist.comm.sign_participation`; ``ceil(T/32)`` header words).
         buckets: per-bucket state, keyed by ``bucket.index()``.
     """
 
@@ -227,9 +264,13 @@ class SignSGDState:
     momentum: float = 0.0
     error_feedback: bool = False
     nonfinite: str = "raise"
+    scale: str = "unit"
+    find_unused_parameters: bool = False
     buckets: dict[int, SignBucketState] = field(default_factory=dict, init=False, repr=False)
     rank: int | None = field(default=None, init=False)
     world_size: int | None = field(default=None, init=False)
+    tracker: ParticipationTracker = field(default_factory=ParticipationTracker, init=False, repr=False)
+    _warned_partial: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -240,6 +281,22 @@ class SignSGDState:
             raise ValueError(f"{name}(nonfinite={self.nonfinite!r}): nonfinite must be one of {choices}")
         if not isinstance(self.error_feedback, bool):
             raise TypeError(f"{name}(error_feedback={self.error_feedback!r}): error_feedback must be a bool")
+        if self.scale not in SCALES:
+            choices = ", ".join(repr(c) for c in SCALES)
+            raise ValueError(f"{name}(scale={self.scale!r}): scale must be one of {choices}")
+        if not isinstance(self.find_unused_parameters, bool):
+            raise TypeError(
+                f"{name}(find_unused_parameters={self.find_unused_parameters!r}): find_unused_parameters must be a bool"
+            )
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the result is ``s̄·U`` (scales travel in the header): error feedback or ``scale="l1"``."""
+        return self.error_feedback or self.scale == "l1"
+
+    def watch(self, parameters) -> None:
+        """Flag every parameter that receives a gradient (``find_unused_parameters=True``); call once per model."""
+        self.tracker.watch(parameters)
 
     @property
     def llr(self) -> LLRConfig | None:
@@ -269,7 +326,7 @@ class SignSGDState:
                 mismatch = "a Signum momentum buffer, but this state has momentum=0.0"
             elif bucket.residual is not None and not self.error_feedback:
                 mismatch = "an error-feedback residual, but this state has error_feedback=False"
-            elif bucket.llr is not None and self.llr is None:
+            elif (bucket.llr is not None or bucket.groups) and self.llr is None:
                 mismatch = "LLR statistics, but this state takes the plain majority vote"
             elif bucket.llr is not None and bucket.llr.estimator != self.llr.estimator:
                 mismatch = (
@@ -402,25 +459,41 @@ def _completed(value: Tensor) -> torch.futures.Future[torch.Tensor]:
     return fut
 
 
-def _worker_message(state: SignSGDState, entry: SignBucketState, buffer: Tensor, world_size: int, chunk: int):
-    """This worker's side: momentum/EF, signs, and the all-to-all input. Nothing is committed yet."""
+def _worker_message(
+    state: SignSGDState,
+    entry: SignBucketState,
+    buffer: Tensor,
+    world_size: int,
+    chunk: int,
+    local_used: list[bool] | None,
+):
+    """This worker's side: momentum/EF, signs, and the all-to-all input. Nothing is committed yet.
+
+    Returns ``(send, float_bytes, flag_bytes, vote)``: the ``(M, H + C)`` message, the header's fp32 part
+    (non-finite flag, scales) and its participation flags (``local_used``; none when it is ``None``).
+    """
     lowest, highest = torch.aminmax(buffer)  # NaN propagates; 30x faster than isfinite(buffer).all() on CPU
     finite = bool(torch.isfinite(lowest)) and bool(torch.isfinite(highest))
-    num_scales = len(entry.lengths) if state.error_feedback else 0
-    header = torch.zeros(1 + num_scales, device=buffer.device)  # fp32: [non-finite flag, EF scales ...]
+    num_scales = len(entry.lengths) if state.scaled else 0
+    header = torch.zeros(1 + num_scales, device=buffer.device)  # fp32: [non-finite flag, scales ...]
     vote = None
     if finite:
         vote = worker_vote(buffer, entry.momentum, entry.residual, beta=state.momentum, lengths=entry.lengths)
         if num_scales:
-            header[1:] = vote.scales
+            header[1:] = vote.scales if vote.scales is not None else segment_l1_mean(vote.vector, entry.lengths)
         packed = pack_signs(vote.vector)  # (ceil(d/8),)
     else:
         header[0] = 1.0
         packed = torch.zeros(packed_numel(buffer.numel()), dtype=torch.uint8, device=buffer.device)
-    header_bytes = header.view(torch.uint8)  # (H,)
+    header_bytes = header.view(torch.uint8)  # (4·(1 + num_scales),)
+    flag_bytes = 0
+    if local_used is not None:
+        flags = pack_flags(local_used).to(buffer.device).view(torch.uint8)  # (4·ceil(T/32),)
+        flag_bytes = flags.numel()
+        header_bytes = torch.cat([header_bytes, flags])
     packed = F.pad(packed, (0, world_size * chunk - packed.numel())).view(world_size, chunk)  # (M, C)
     send = torch.cat([header_bytes.expand(world_size, -1), packed], dim=1)  # (M, H + C): row r goes to rank r
-    return send, header_bytes.numel(), vote
+    return send, header_bytes.numel() - flag_bytes, flag_bytes, vote
 
 
 # Votes on up to this many workers run on the packed bytes through a truth table of their 2^M outcomes; the table
@@ -428,58 +501,72 @@ def _worker_message(state: SignSGDState, entry: SignBucketState, buffer: Tensor,
 MAX_TABLE_WORKERS = 12
 
 
-def _slice_segments(state: SignSGDState, lengths: tuple[int, ...], start: int, stop: int) -> list[tuple[int, int, int]]:
-    """``(group, first, stop)`` for each run of the slice's coordinates that shares one vote rule, slice-relative.
-
-    The ``tensor`` estimator's groups are the bucket's tensors; every other vote has one group.
-    """
-    if state.llr is None or state.llr.estimator != "tensor":
-        return [(0, 0, stop - start)]
-    segments, offset = [], 0
-    for j, length in enumerate(lengths):
-        a, b = max(offset, start), min(offset + length, stop)
-        if a < b:
-            segments.append((j, a - start, b - start))
-        offset += length
-    return segments
+def _llr_stats(
+    state: SignSGDState, entry: SignBucketState, used: Tensor | None, world_size: int, start: int, stop: int
+) -> LLRState | None:
+    """The LLR statistics this round reads and updates: the bucket's, or those of its set of used tensors."""
+    llr = state.llr
+    if llr is None:
+        return None
+    if used is None:
+        if entry.llr is None:
+            columns = {"coordinate": stop - start, "tensor": len(entry.lengths), "worker": 1}[llr.estimator]
+            entry.llr = LLRState.zeros(llr.estimator, world_size, columns)
+        return entry.llr
+    key = tuple(used.nonzero().flatten().tolist())
+    if key not in entry.groups:
+        n_used = int(coordinate_mask(entry.lengths, used)[start:stop].sum())  # this slice's coordinates of the set
+        columns = {"coordinate": n_used, "tensor": len(entry.lengths), "worker": 1}[llr.estimator]
+        entry.groups[key] = LLRState.zeros(llr.estimator, world_size, columns)
+    return entry.groups[key]
 
 
 def _vote_on_slice(
-    state: SignSGDState, entry: SignBucketState, rows: Tensor, start: int, stop: int, world_size: int
+    state: SignSGDState,
+    entry: SignBucketState,
+    stats: LLRState | None,
+    rows: Tensor,
+    start: int,
+    stop: int,
+    used: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """Aggregate this rank's slice from every worker's bits ``rows`` (M, C).
 
-    Returns the packed vote ``(C,)`` ``uint8`` (bits past the slice's ``stop − start`` coordinates are 0)
-    and the bytes of this slice's disagreement counts (pooled LLR estimators only; empty otherwise),
-    which travel with the all-gather.
+    Only the coordinates of the ``used`` tensors (``None``: all) vote and count. Returns the packed vote
+    ``(C,)`` ``uint8`` (bits of other coordinates, and past the slice's ``stop − start``, are 0) and the bytes
+    of this slice's disagreement counts (pooled LLR estimators only; empty otherwise), which travel with the
+    all-gather.
     """
-    llr, lengths, n_local = state.llr, entry.lengths, stop - start
-    if llr is not None and entry.llr is None:
-        columns = {"coordinate": n_local, "tensor": len(lengths), "worker": 1}[llr.estimator]
-        entry.llr = LLRState.zeros(llr.estimator, world_size, columns)
+    llr, world_size = state.llr, rows.shape[0]
     if world_size > MAX_TABLE_WORKERS or (llr is not None and llr.estimator == "coordinate"):
-        return _vote_on_unpacked_slice(state, entry, rows, start, stop, world_size)
-    # One vote rule per segment (majority, or LLR with pooled weights): a truth table applied to the packed bytes.
-    tables = vote_table(world_size).unsqueeze(0) if llr is None else pooled_vote_tables(entry.llr, llr)  # (G, 2^M)
-    segments = _slice_segments(state, lengths, start, stop)
+        return _vote_on_unpacked_slice(state, entry, stats, rows, start, stop, used)
+    # One vote rule per run (majority, or LLR with pooled weights): a truth table applied to the packed bytes.
+    tables = vote_table(world_size).unsqueeze(0) if llr is None else pooled_vote_tables(stats, llr)  # (G, 2^M)
+    runs = used_runs(entry.lengths, used, start, stop, per_tensor=llr is not None and llr.estimator == "tensor")
     vote = torch.zeros(rows.shape[1], dtype=torch.uint8, device=rows.device)  # (C,)
-    for group, a, b in segments:
-        first, last = a // 8, packed_numel(b)  # bytes holding the segment; the end bytes may be shared
-        part = truth_table_bits(rows[:, first:last], tables[group].tolist())
+    for column, a, b in runs:
+        first, last = a // 8, packed_numel(b)  # bytes holding the run; the end bytes may be shared
+        part = truth_table_bits(rows[:, first:last], tables[column].tolist())
         vote[first:last] |= mask_bits_(part, a - 8 * first, b - 8 * first)
     if llr is None:
         return vote, torch.zeros(0, dtype=torch.uint8, device=rows.device)
-    # 1[Y ≠ U] is the XOR of the packed bits; its set bits per segment are the disagreement counts.
+    # 1[Y ≠ U] is the XOR of the packed bits; its set bits per run are the disagreement counts.
     differs = rows ^ vote  # (M, C)
-    counts = torch.zeros(world_size, entry.llr.disagreements.shape[1], dtype=torch.int64, device=rows.device)
-    for group, a, b in segments:
+    counts = torch.zeros(world_size, stats.disagreements.shape[1], dtype=torch.int64, device=rows.device)
+    for column, a, b in runs:
         first, last = a // 8, packed_numel(b)
-        counts[:, group] = count_ones(mask_bits_(differs[:, first:last].clone(), a - 8 * first, b - 8 * first))
+        counts[:, column] += count_ones(mask_bits_(differs[:, first:last].clone(), a - 8 * first, b - 8 * first))
     return vote, counts.to(torch.int32).view(torch.uint8).reshape(-1)  # (M·G·4,): summed over slices later
 
 
 def _vote_on_unpacked_slice(
-    state: SignSGDState, entry: SignBucketState, rows: Tensor, start: int, stop: int, world_size: int
+    state: SignSGDState,
+    entry: SignBucketState,
+    stats: LLRState | None,
+    rows: Tensor,
+    start: int,
+    stop: int,
+    used: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`_vote_on_slice` on unpacked signs: per-coordinate LLR weights, or more than MAX_TABLE_WORKERS."""
     llr, lengths, n_local = state.llr, entry.lengths, stop - start
@@ -489,16 +576,52 @@ def _vote_on_unpacked_slice(
         return F.pad(pack_bits(bits), (0, rows.shape[1] - packed_numel(n_local)))  # (C,)
 
     if llr is None:
-        return packed(majority_bits(rows, n_local)), no_counts
+        return packed(majority_bits(rows, n_local)), no_counts  # other tensors' votes are dropped by the caller
     signs = unpack_signs(rows, n_local)  # (M, n_local) int8 ±1
-    if llr.estimator == "tensor" and entry.columns is None:
-        entry.columns = column_ids(lengths, start, stop)  # (n_local,)
-    u, _ = llr_vote(signs, entry.llr, llr, entry.columns)
-    counts = disagreement_counts(signs, u, llr.estimator, entry.columns, len(lengths))
+    columns = None
+    if llr.estimator == "tensor":
+        if entry.columns is None:
+            entry.columns = column_ids(lengths, start, stop)  # (n_local,)
+        columns = entry.columns
+    keep = None
+    if used is not None:
+        keep = coordinate_mask(lengths, used)[start:stop].to(rows.device)  # (n_local,): the coordinates that vote
+        signs, columns = signs[:, keep], None if columns is None else columns[keep]
+    u, _ = llr_vote(signs, stats, llr, columns)
+    counts = disagreement_counts(signs, u, llr.estimator, columns, len(lengths))
+    if keep is not None:
+        u = torch.ones(n_local, dtype=u.dtype, device=u.device).masked_scatter_(keep, u)
     if llr.estimator == "coordinate":
-        llr_observe_(entry.llr, counts, 1.0, llr.decay)
+        llr_observe_(stats, counts, 1.0, llr.decay)
         return packed(u > 0), no_counts
     return packed(u > 0), counts.to(torch.int32).view(torch.uint8).reshape(-1)  # (M·G·4,): summed over slices later
+
+
+def _used_tensors(state: SignSGDState, index: int, flags: Tensor) -> Tensor:
+    """``(T,)`` bool: the tensors used on some rank, from every rank's flags ``(M, T)``; warns once about partial use."""
+    anywhere = flags.any(0)
+    partial = (anywhere & ~flags.all(0)).nonzero().flatten().tolist()
+    if partial and state.rank == 0 and not state._warned_partial:
+        state._warned_partial = True
+        ranks = {j: flags[:, j].nonzero().flatten().tolist() for j in partial}
+        warnings.warn(
+            f"{type(state).__name__}: tensors of DDP bucket {index} took part in the backward pass on some ranks only "
+            f"(tensor: ranks that used it, {ranks}); a rank that did not use one votes with a zero gradient for it "
+            "(sign(0) = +1), as DDP's average adds a zero for it. Warned once.",
+            stacklevel=3,
+        )
+    return anywhere
+
+
+def _finish(result: Tensor, raw: Tensor, keep: Tensor | None, lengths, order) -> torch.futures.Future[torch.Tensor]:
+    """``result`` where ``keep`` (``None``: everywhere), the bucket's own values elsewhere, in DDP's current layout."""
+    if keep is not None:
+        # DDP drops these slots for globally unused parameters, or (gradient_as_bucket_view=True with a defined
+        # .grad) writes them into .grad: returning what it gave us leaves .grad as it was either way.
+        result = torch.where(keep, result, raw)
+    if order is not None:
+        result = _permute(result, list(lengths), _inverse(order))
+    return _completed(result)
 
 
 def _sign_hook(state: SignSGDState, bucket: dist.GradBucket, hook: str) -> torch.futures.Future[torch.Tensor]:
@@ -514,23 +637,39 @@ def _sign_hook(state: SignSGDState, bucket: dist.GradBucket, hook: str) -> torch
     lengths = entry.lengths
     # Work in the canonical layout, so that sharded statistics and buffers keep meaning the same coordinates
     # after DDP rebuilds its buckets; the result is permuted back at the end.
-    buffer = bucket.buffer()
+    raw = bucket.buffer()
     if order is not None:
-        buffer = _permute(buffer, [p.numel() for p in params], order)
+        raw = _permute(raw, [p.numel() for p in params], order)
+    buffer, local_used = raw, None
+    if state.find_unused_parameters:
+        local_used = state.tracker.take(entry.param_ids, hook)
+        if not all(local_used):
+            # DDP left zeros or a copy of a stale .grad in the slots of tensors this rank did not use: zeros vote.
+            mine = coordinate_mask(lengths, torch.tensor(local_used)).to(raw.device)
+            buffer = raw.masked_fill(~mine, 0)
 
     chunk = shard_bytes(numel, world_size)  # C: packed bytes per slice
     start = min(rank * 8 * chunk, numel)
     stop = min(start + 8 * chunk, numel)  # the last slices hold fewer than 8C coordinates, or none
 
     # 1. all-to-all: row m of recv is worker m's header and its bits for this rank's slice.
-    send, header_size, vote = _worker_message(state, entry, buffer, world_size, chunk)  # (M, H + C)
+    send, float_bytes, flag_bytes, vote = _worker_message(state, entry, buffer, world_size, chunk, local_used)
     recv = send
     if world_size > 1:
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
         if state.meter is not None:
             state.meter.add("sign_all_to_all", all_to_all_bytes(send.numel(), world_size))
-    headers = _reinterpret(recv[:, :header_size], torch.float32)  # (M, 1 + num_scales)
+    header_size = float_bytes + flag_bytes
+    headers = _reinterpret(recv[:, :float_bytes], torch.float32)  # (M, 1 + num_scales)
+    used, keep = None, None  # (T,) and (d,) bool: the tensors and coordinates in the vote; None: all
+    if local_used is not None:
+        flags = unpack_flags(_reinterpret(recv[:, float_bytes:header_size], torch.int32), len(lengths))  # (M, T)
+        anywhere = _used_tensors(state, bucket.index(), flags)
+        if not bool(anywhere.any()):
+            return _completed(bucket.buffer())  # no rank used any of its tensors: nothing votes, nothing changes
+        if not bool(anywhere.all()):
+            used, keep = anywhere, coordinate_mask(lengths, anywhere).to(raw.device)
 
     bad_ranks = headers[:, 0].nonzero().flatten().tolist()
     if bad_ranks:
@@ -540,11 +679,15 @@ def _sign_hook(state: SignSGDState, bucket: dist.GradBucket, hook: str) -> torch
                 "has no sign and must not become a silent vote. Lower the learning rate or fix the loss, or pass "
                 "nonfinite='propagate' to hand a NaN bucket to the optimizer (for a GradScaler to skip the step)."
             )
-        return _completed(torch.full_like(buffer, float("nan")))
+        return _finish(torch.full_like(buffer, float("nan")), raw, keep, lengths, order)
+    if keep is not None:  # tensors outside the vote keep their Signum momentum and EF residual
+        vote.momentum = None if vote.momentum is None else torch.where(keep, vote.momentum, entry.momentum)
+        vote.residual = None if vote.residual is None else torch.where(keep, vote.residual, entry.residual)
     entry.momentum, entry.residual = vote.momentum, vote.residual  # every rank's round is valid: commit
 
     # 2. vote on this rank's slice.
-    vote_bytes, counts_bytes = _vote_on_slice(state, entry, recv[:, header_size:], start, stop, world_size)
+    stats = _llr_stats(state, entry, used, world_size, start, stop)
+    vote_bytes, counts_bytes = _vote_on_slice(state, entry, stats, recv[:, header_size:], start, stop, used)
     payload = torch.cat([vote_bytes, counts_bytes])  # (C + G,)
     entry.rounds += 1
 
@@ -559,12 +702,12 @@ def _sign_hook(state: SignSGDState, bucket: dist.GradBucket, hook: str) -> torch
     voted = unpack_signs(gathered[:, :chunk], 8 * chunk).reshape(-1)[:numel]  # (d,) int8 ±1: U
     if llr is not None and llr.estimator != "coordinate":
         counts = _reinterpret(gathered[:, chunk:], torch.int32).view(world_size, world_size, -1)  # (M slices, M, G)
-        llr_observe_(entry.llr, counts.sum(0), observations_per_round(llr.estimator, lengths), llr.decay)
-    result = ef_scaled_vote(voted, headers[:, 1:].contiguous(), lengths) if state.error_feedback else voted
-    result = result.to(buffer.dtype)
-    if order is not None:
-        result = _permute(result, list(lengths), _inverse(order))
-    return _completed(result)
+        observed = observations_per_round(llr.estimator, lengths)
+        if used is not None:  # only the used tensors' coordinates were observed
+            observed = observed * used if llr.estimator == "tensor" else observed.new_tensor([float(keep.sum())])
+        llr_observe_(stats, counts.sum(0), observed, llr.decay)
+    result = ef_scaled_vote(voted, headers[:, 1:].contiguous(), lengths) if state.scaled else voted
+    return _finish(result.to(buffer.dtype), raw, keep, lengths, order)
 
 
 def signsgd_mv_hook(state: SignSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -25,6 +25,7 @@ from lightning_pdist.algorithms.sign_simulator import AGGREGATIONS
 from lightning_pdist.comm.accounting import CommMeter
 from lightning_pdist.comm.sign_hooks import (
     NONFINITE_POLICIES,
+    SCALES,
     ITSignSGDState,
     SignSGDState,
     it_signsgd_hook,
@@ -33,7 +34,12 @@ from lightning_pdist.comm.sign_hooks import (
 from lightning_pdist.strategies.base import PdistStrategy, register_variants
 from lightning_pdist.strategies.config import refuse_owned_ddp_args
 
-__all__ = ["SignSGDConfig", "SignSGDStrategy"]
+__all__ = ["MAX_SIGN_STEP", "SUGGESTED_SIGN_STEP", "SignSGDConfig", "SignSGDStrategy"]
+
+#: Above this optimizer ``lr`` the unit-scaled vote warns: ``lr`` is the sign step δ, and the papers' δ are 1e-4 … 5e-3.
+MAX_SIGN_STEP = 0.01
+#: The sign step the warning suggests: Adam's default lr, itself a per-coordinate step (see the method card).
+SUGGESTED_SIGN_STEP = 1e-3
 
 # The options that only the LLR vote reads, with their defaults (a non-default one under "majority" warns).
 _LLR_DEFAULTS = {"warmup_rounds": 10, "estimator": "worker", "decay": 1.0, "max_weight": DEFAULT_MAX_WEIGHT,
@@ -56,6 +62,8 @@ class SignSGDConfig:
     momentum: float = 0.0
     error_feedback: bool = False
     nonfinite: str = "raise"
+    scale: str = "unit"
+    find_unused_parameters: bool = False
     owner: str = "SignSGDConfig"
 
     def __post_init__(self) -> None:
@@ -74,6 +82,12 @@ class SignSGDConfig:
         if self.nonfinite not in NONFINITE_POLICIES:
             choices = ", ".join(repr(p) for p in NONFINITE_POLICIES)
             raise ValueError(f"{owner}(nonfinite={self.nonfinite!r}): nonfinite must be one of {choices}")
+        if self.scale not in SCALES:
+            choices = ", ".join(repr(c) for c in SCALES)
+            raise ValueError(
+                f"{owner}(scale={self.scale!r}): scale must be one of {choices} ('unit': the optimizer's lr is the sign "
+                "step; 'l1': the vote is scaled by the gradient's mean magnitude, so an SGD lr keeps its meaning)"
+            )
 
     def llr_config(self) -> LLRConfig:
         """The LLR vote's settings (validated even when ``aggregation="majority"`` ignores them)."""
@@ -101,7 +115,8 @@ class SignSGDConfig:
     def make_hook(self, meter: CommMeter | None) -> tuple[SignSGDState, Callable]:
         """A fresh hook state (counted by ``meter``) and the hook that goes with it."""
         common = dict(meter=meter, momentum=float(self.momentum), error_feedback=self.error_feedback,
-                      nonfinite=self.nonfinite)  # fmt: skip
+                      nonfinite=self.nonfinite, scale=self.scale,
+                      find_unused_parameters=self.find_unused_parameters)  # fmt: skip
         if self.aggregation == "majority":
             return SignSGDState(**common), signsgd_mv_hook
         llr = {name: getattr(self, name) for name in _LLR_DEFAULTS}
@@ -136,6 +151,10 @@ class SignSGDStrategy(PdistStrategy):
 
     * ``SGD(lr=δ)`` is the paper's step ``x ← x − δ·U``: ``lr`` *is* the sign step size ``δ``,
       typically 1e-4 … 5e-3, far below SGD's usual learning rate (every coordinate moves by ``δ``).
+      Setup warns when an optimizer's ``lr`` exceeds ``MAX_SIGN_STEP = 0.01`` and suggests
+      ``lr=1e-3``. ``scale="l1"`` keeps a module's SGD ``lr`` instead: the hook returns
+      ``s̄_j·U`` with ``s̄_j = mean_m ‖v_{m,j}‖₁/numel_j`` per tensor (the "scaled sign", EF-signSGD's
+      step without the residual), so each tensor moves as far, in ℓ1, as SGD would move it.
     * ``weight_decay=λ`` is added by the optimizer *after* the vote to the ``±1`` gradient:
       ``x ← x − δ·(U + λ·x)``. It is not voted on and costs no bits; scale ``λ`` against 1, not
       against the gradient's magnitude.
@@ -148,10 +167,20 @@ class SignSGDStrategy(PdistStrategy):
 
     Decisions a user meets:
 
-    * **One optimizer.** Every backward pass votes on the whole model and counts one round; with
-      several optimizers (alternating backward passes, as in GANs) the parameters outside the
-      current loss would vote ``sign(0) = +1`` and corrupt the statistics, so setup refuses them.
-    * **Manual optimization** works (with one optimizer): the vote happens in ``manual_backward``.
+    * **Several optimizers: the vote runs per backward pass over the parameters in it.** For GANs
+      and actor-critic modules (manual optimization, Lightning's ``toggle_optimizer`` before each
+      optimizer's forward) pass ``find_unused_parameters=True``: only tensors that received a
+      gradient on some rank vote (tracked by gradient hooks, flags in the all-to-all header,
+      :mod:`~lightning_pdist.comm.sign_participation`). The others do not vote and keep their
+      Signum momentum, EF residual and ``.grad`` (DDP's, untouched), under every aggregation and
+      option; none is refused. IT-signSGD keeps one set of statistics (and warm-up count) per set
+      of tensors voting together, i.e. per optimizer and DDP bucket, so a generator step never
+      moves the discriminator's weights ``w``. A bucket's ``rounds`` counts backward passes in
+      which any of its tensors voted. A tensor used on some ranks only gets a zero gradient from
+      the others (``sign(0) = +1``, as DDP's average adds a zero), with a warning once. Without
+      ``toggle_optimizer`` the other optimizer's parameters *are* in the backward pass (as for
+      DDP) and vote on this loss's gradient, moving their momentum, residual and statistics.
+    * **Manual optimization** works: the vote happens in ``manual_backward``.
     * **Gradient accumulation** works and votes once per optimizer step: DDP's ``no_sync`` skips
       the hook on accumulating batches, and the last backward votes on the accumulated gradient,
       i.e. signSGD with a ``k``-times larger batch (one round per optimizer step).
@@ -187,6 +216,9 @@ class SignSGDStrategy(PdistStrategy):
             (``m ← β·m + (1 − β)·g``). Default 0 (plain signSGD); ``0.9`` is the papers' value.
         error_feedback: EF-signSGD (scaled signs plus a local residual).
         nonfinite: ``"raise"`` (default) or ``"propagate"``.
+        scale: ``"unit"`` (default; the papers' ``±1``, the optimizer's ``lr`` is ``δ``) or ``"l1"``
+            (the per-tensor scaled vote; an SGD ``lr`` keeps its meaning; 4 bytes per tensor more
+            per bucket and rank). Error feedback always returns the scaled vote.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`; the comm-hook
             arguments must be left unset (this strategy owns gradient communication).
 
@@ -209,6 +241,7 @@ class SignSGDStrategy(PdistStrategy):
         momentum: float = 0.0,
         error_feedback: bool = False,
         nonfinite: str = "raise",
+        scale: str = "unit",
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
@@ -223,6 +256,9 @@ class SignSGDStrategy(PdistStrategy):
             momentum=momentum,
             error_feedback=error_feedback,
             nonfinite=nonfinite,
+            scale=scale,
+            # DDP leaves parameters out of a backward pass only with these set; the vote then tracks participation.
+            find_unused_parameters=bool(kwargs.get("find_unused_parameters")) or bool(kwargs.get("static_graph")),
             owner=owner,
         )
         ignored = self.config.ignored_llr_options()
@@ -258,18 +294,15 @@ class SignSGDStrategy(PdistStrategy):
         # A fresh state per DDP model, built before its first backward (so its canonical bucket layout is DDP's
         # initial one); a resumed run loads its saved state into it in load_pdist_state_dict.
         self.hook_state, hook = self.config.make_hook(self.comm_meter)
+        if self.config.find_unused_parameters and self.model is not None:
+            self.hook_state.watch(self.model.parameters())  # before the first backward: which tensors take part
         return self.hook_state, hook
 
     # ------------------------------------------------------------------ lifecycle
     @override
     def setup_algorithm(self) -> None:
         owner = type(self).__name__
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"{owner}: configure_optimizers returned {len(self.optimizers)} optimizers; {owner} supports exactly "
-                "one, because every backward pass votes on the whole model (parameters outside the current loss "
-                "would vote sign(0) = +1) and counts one round"
-            )
+        self._warn_large_sign_step(owner)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
             precision = getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__)
@@ -284,6 +317,21 @@ class SignSGDStrategy(PdistStrategy):
                 f"{owner}: world_size == 1, so there is no vote; each step applies lr * sign(grad) (signSGD"
                 f"{' with error feedback' if self.config.error_feedback else ''}) and sends nothing."
             )
+
+    def _warn_large_sign_step(self, owner: str) -> None:
+        """Warn when an optimizer's lr, which the unit-scaled vote makes the sign step δ, is an SGD-sized lr."""
+        if self.config.scale != "unit" or self.config.error_feedback:
+            return  # the scaled vote is in gradient units: the lr keeps its SGD meaning
+        for optimizer in self.optimizers:
+            lr = max((float(g.get("lr", 0.0)) for g in optimizer.param_groups), default=0.0)
+            if lr > MAX_SIGN_STEP:
+                rank_zero_warn(
+                    f"{owner}(scale='unit'): {type(optimizer).__name__}(lr={lr:g}) is the sign step δ: every coordinate "
+                    f"moves by ±{lr:g} per step whatever its gradient (SGD would move it by lr·|g|). Sign steps above "
+                    f"{MAX_SIGN_STEP:g} rarely train; try lr={SUGGESTED_SIGN_STEP:g}, or keep lr={lr:g} with "
+                    f"{owner}(scale='l1'), which scales the vote by the gradient's mean magnitude per tensor."
+                )
+                return
 
     # ------------------------------------------------------------------ checkpoints
     @override

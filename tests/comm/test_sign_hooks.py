@@ -575,3 +575,37 @@ def test_sign_hook_bytes_formula():
         "sign_all_gather": 3 * (32 + 4 * 4 * 5),
     }
     assert sign_hook_bytes(1000, 1) == {"sign_all_to_all": 0, "sign_all_gather": 0}
+
+
+def test_sign_hook_bytes_with_scales_and_participation_flags():
+    """scale='l1' adds T fp32 scales to the header, find_unused_parameters ceil(T/32) flag words."""
+    assert sign_hook_bytes(1000, 4, 5, scale="l1") == sign_hook_bytes(1000, 4, 5, error_feedback=True)
+    assert sign_hook_bytes(1000, 4, 40, find_unused_parameters=True)["sign_all_to_all"] == 3 * (32 + 4 * (1 + 2))
+    assert sign_hook_bytes(1000, 4, 5, scale="l1", find_unused_parameters=True)["sign_all_to_all"] == 3 * (32 + 4 * 7)
+
+
+def test_participation_flags_round_trip():
+    """pack_flags/unpack_flags keep every flag, bit 31 included; used_runs skips unused tensors and merges runs."""
+    from lightning_pdist.comm.sign_participation import pack_flags, unpack_flags, used_runs
+
+    flags = [j % 3 == 0 or j == 31 for j in range(70)]
+    assert unpack_flags(pack_flags(flags).unsqueeze(0), 70)[0].tolist() == flags
+    used = torch.tensor([True, True, False, True])
+    assert used_runs([3, 4, 5, 6], used, 2, 16, per_tensor=False) == [(0, 0, 5), (0, 10, 14)]
+    assert used_runs([3, 4, 5, 6], used, 0, 18, per_tensor=True) == [(0, 0, 3), (1, 3, 7), (3, 12, 18)]
+    assert used_runs([3, 4], None, 0, 7, per_tensor=False) == [(0, 0, 7)]
+
+
+def test_watch_is_required_with_find_unused_parameters():
+    """find_unused_parameters=True without state.watch(...) raises, naming the call to make."""
+    from lightning_pdist.comm.sign_participation import ParticipationTracker
+
+    with pytest.raises(RuntimeError, match=r"signsgd_mv_hook: find_unused_parameters=True but tensors \[0\] .* call "
+                                           r"state.watch\(model.parameters\(\)\)"):  # fmt: skip
+        ParticipationTracker().take([123], "signsgd_mv_hook")
+
+
+def test_bad_scale_is_refused_by_the_state():
+    """SignSGDState(scale=...) names the argument, the value and the choices."""
+    with pytest.raises(ValueError, match=r"^SignSGDState\(scale='sign'\): scale must be one of 'unit', 'l1'"):
+        SignSGDState(scale="sign")

@@ -29,6 +29,7 @@ from lightning_pdist.strategies import rank_files
 
 LR = 0.01  # the sign step δ
 D, LENGTHS = 58, [32, 8, 16, 2]  # TinyRegression: Linear(4, 8) + Linear(8, 2)
+LENGTHS_PARAM_ORDER = LENGTHS  # the order of module.parameters() (the DDP bucket's may differ)
 STEPS, WARMUP = 6, 2  # 3 ranks × 4 samples × 6 steps: one epoch of 64 samples, so rank_batches(epoch 0) suffices
 
 
@@ -186,10 +187,47 @@ def test_manual_optimization_votes_in_manual_backward(tmp_path):
     assert_every_rank_follows(tmp_path, expected, world=1)
 
 
-def test_several_optimizers_are_refused():
-    """Two optimizers stop setup with a ValueError that says why (every backward votes on the whole model)."""
-    with pytest.raises(ValueError, match=r"SignSGDStrategy: configure_optimizers returned 2 optimizers; .* exactly one"):
-        fit(SignSGDStrategy(), _Manual(optimizers=2), devices=1, max_steps=1)
+def test_two_optimizers_on_one_backward_vote_on_the_whole_model(tmp_path):
+    """Two optimizers stepping after one backward pass take lr * sign(grad) on all their parameters (no refusal).
+
+    GAN-style alternating backward passes: tests/strategies/test_signsgd_optimizers.py.
+    """
+    with pytest.warns(UserWarning, match="world_size == 1"):
+        fit(SignSGDStrategy(), _Manual(optimizers=2), devices=1, max_steps=6, callbacks=[SnapshotParams(tmp_path)])
+    # Lightning counts both optimizers' steps: 6 steps are 3 batches.
+    expected = reference_run(1, 3, lambda rounds: binary(rounds[-1][0]), batches=_one_rank_batches())
+    torch.testing.assert_close(load_snapshot(tmp_path, 0, "final"), expected[-1], atol=1e-6, rtol=0)
+
+
+def test_sgd_sized_lr_warns_with_the_rule_and_the_value_to_try():
+    """lr > 0.01 under scale='unit' warns: lr is the sign step; try 0.001 or scale='l1'. lr <= 0.01 does not warn."""
+    with pytest.warns(UserWarning) as record:
+        fit(SignSGDStrategy(), TinyRegression(lr=0.1), devices=1, max_steps=1)
+    messages = [str(w.message) for w in record]
+    expected = (
+        "SignSGDStrategy(scale='unit'): SGD(lr=0.1) is the sign step δ: every coordinate moves by ±0.1 per step "
+        "whatever its gradient (SGD would move it by lr·|g|). Sign steps above 0.01 rarely train; try lr=0.001, or "
+        "keep lr=0.1 with SignSGDStrategy(scale='l1'), which scales the vote by the gradient's mean magnitude per tensor."
+    )
+    assert expected in messages
+    for strategy, lr in [(SignSGDStrategy(), LR), (SignSGDStrategy(scale="l1"), 0.1), (SignSGDStrategy(error_feedback=True), 0.1)]:
+        with pytest.warns(UserWarning) as record:
+            fit(strategy, TinyRegression(lr=lr), devices=1, max_steps=1)
+        assert not [w for w in record if "is the sign step" in str(w.message)]
+
+
+def test_scale_l1_step_is_lr_times_mean_abs_grad_times_sign(tmp_path):
+    """scale='l1' on one rank: each tensor moves by lr · mean|g_j| · sign(g_j), so an SGD lr keeps its units."""
+    with pytest.warns(UserWarning, match="world_size == 1"):
+        fit(SignSGDStrategy(scale="l1"), TinyRegression(lr=0.1), devices=1, max_steps=4, callbacks=[SnapshotParams(tmp_path)])
+
+    def scaled_sign(rounds):
+        g = rounds[-1][0]
+        scales = torch.cat([seg.abs().mean().expand(seg.numel()) for seg in g.split(LENGTHS_PARAM_ORDER)])
+        return scales * binary(g)
+
+    expected = reference_run(1, 4, scaled_sign, lr=0.1, batches=_one_rank_batches())
+    assert_every_rank_follows(tmp_path, expected, world=1)
 
 
 def test_fp16_mixed_with_a_grad_scaler_is_refused():
@@ -318,6 +356,7 @@ def test_options_reach_the_hook_state():
     (dict(error_feedback=1), TypeError, r"\(error_feedback=1\): error_feedback must be a bool"),
     (dict(aggregation="llr", negative_weights="yes"), TypeError, r"\(negative_weights='yes'\): negative_weights must"),
     (dict(nonfinite="skip"), ValueError, r"\(nonfinite='skip'\): nonfinite must be one of 'raise', 'propagate'"),
+    (dict(scale="sign"), ValueError, r"\(scale='sign'\): scale must be one of 'unit', 'l1' \('unit': the optimizer's lr is"),
     (dict(ddp_comm_hook=signsgd_mv_hook), ValueError, r"\(ddp_comm_hook=.*\): SignSGDStrategy owns gradient comm"),
 ])  # fmt: skip
 def test_constructor_rejects_bad_values_naming_argument_value_and_rule(kwargs, error, match):
