@@ -4,7 +4,8 @@ Lightning 2.6 runs ``torch.distributed.broadcast`` on the default group before e
 whenever ``torch.distributed.is_initialized()`` (``lightning-integration.md`` §0.3), which would hold
 asynchronous parameter-server workers in lockstep. A parameter-server run therefore never initializes
 the default group: the workers build a ``ProcessGroupGloo`` from a ``TCPStore`` and keep it to
-themselves, and the strategy routes ``barrier``/``broadcast``/``reduce``/``all_gather`` (checkpoint
+themselves (or, where another strategy already initialized the default group in the same process, a
+gloo subgroup of it), and the strategy routes ``barrier``/``broadcast``/``reduce``/``all_gather`` (checkpoint
 decisions, ``self.log(sync_dist=True)``, early stopping, metric syncing) through it. These only run where
 Lightning puts them (setup, validation, checkpoints, the end), never per batch.
 
@@ -26,27 +27,44 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 
 
 class WorkerGroup:
-    """``world_size`` workers joined through a ``TCPStore`` at ``host:port`` (rank 0 hosts it).
+    """``world_size`` workers in one gloo group of their own; collectives on it are blocking.
 
-    With ``world_size == 1`` there is no store and no group; every collective returns its input.
+    Where the group comes from:
+
+    * torch's default group already exists in this process (another strategy ran here before, in
+      processes launched once for several Trainers): a new gloo group of the default group's ranks
+      (``dist.new_group``, on the default group's store; no second store is bound on its port);
+    * otherwise: a ``TCPStore`` hosted by rank 0 at ``host:port`` (the job's ``MASTER_PORT``) and a
+      ``ProcessGroupGloo`` over it. Every rank, rank 0 included, talks to the store through a client
+      of its own, so rank 0 can stop the store while the group lives on. :meth:`close` stops it and
+      only then lets any worker leave: a worker that went on to its next rendezvous on the same port
+      (the next Trainer in this process, or torch's default group) could otherwise reach the old store
+      and read the old group's keys.
+
+    With ``world_size == 1`` there is no group; every collective returns its input.
     """
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout: timedelta = timedelta(minutes=30)):
         self.rank, self.world_size = rank, world_size
-        self.store: dist.TCPStore | None = None
         self.pg = None
-        if world_size > 1:
-            self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
-            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("pdist/workers/", self.store), rank, world_size, timeout)
-
-    # ------------------------------------------------------------------ key-value
-    def publish(self, key: str, value: str) -> None:
-        if self.store is not None:
-            self.store.set(key, value)
-
-    def lookup(self, key: str) -> str:
-        assert self.store is not None
-        return self.store.get(key).decode()
+        self._server: dist.TCPStore | None = None  # rank 0: the store's host
+        self._client: dist.TCPStore | None = None  # None when the group lives on the default group's store
+        if world_size == 1:
+            return
+        if dist.is_available() and dist.is_initialized():
+            default = (dist.get_world_size(), dist.get_rank())
+            if default != (world_size, rank):
+                raise RuntimeError(
+                    f"WorkerGroup(rank={rank}, world_size={world_size}): torch's default group is already initialized "
+                    f"in this process with world_size={default[0]}, rank={default[1]}; the workers' group must have "
+                    "the same ranks (run the same number of workers as the earlier strategy, or destroy that group)"
+                )
+            self.pg = dist.new_group(backend="gloo", timeout=timeout)
+            return
+        if rank == 0:
+            self._server = dist.TCPStore(host, port, None, True, timeout=timeout, wait_for_workers=False)
+        self._client = dist.TCPStore(host, port, None, False, timeout=timeout, wait_for_workers=False)
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("pdist/workers/", self._client), rank, world_size, timeout)
 
     # ------------------------------------------------------------------ collectives
     def barrier(self) -> None:
@@ -93,10 +111,26 @@ class WorkerGroup:
         self.pg.broadcast(data, src).wait()
         return obj if self.rank == src else pickle.loads(data.numpy().tobytes())
 
-    def close(self) -> None:
-        self.pg = None
-        self.store = None
+    def close(self, timeout: timedelta = timedelta(seconds=30)) -> None:
+        """Leave the group. Rank 0 stops its store first; the others return once it has (a barrier).
 
+        The barrier waits at most ``timeout`` (a worker that crashed elsewhere must not hang the others'
+        teardown); a failed barrier is ignored, the group is dropped either way.
+        """
+        pg, self.pg = self.pg, None
+        if pg is None:
+            return
+        if self._client is None:  # a subgroup of torch's default group
+            dist.destroy_process_group(pg)
+            return
+        self._server = None  # rank 0: the last reference; the store stops here, its port is free
+        try:
+            options = dist.BarrierOptions()
+            options.timeout = timeout
+            pg.barrier(options).wait()
+        except RuntimeError:
+            pass
+        self._client = None
 
 def _opts(op: str) -> dist.AllreduceOptions:
     if op not in _OPS:

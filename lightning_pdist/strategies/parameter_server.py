@@ -255,18 +255,24 @@ class ParameterServerStrategy(PdistStrategy):
         self.set_world_ranks()
         env = self.cluster_environment
         host, port = env.main_address, env.main_port
-        if self.global_rank == 0 and self.config.server_addresses is None:
+        fitting = self._trainer_fn() in (None, TrainerFn.FITTING)  # validate/test/predict need no servers
+        if fitting and self.global_rank == 0 and self.config.server_addresses is None:
             # Fork the servers before this process opens any other socket (they close inherited ones anyway).
             self._start_servers(host)
         timeout = self._timeout if isinstance(self._timeout, timedelta) else timedelta(minutes=30)
-        self.workers = WorkerGroup(host, port, self.global_rank, self.world_size, timeout=timeout)
+        try:
+            self.workers = WorkerGroup(host, port, self.global_rank, self.world_size, timeout=timeout)
+        except BaseException:
+            self._stop_servers()
+            raise
         if self.config.server_addresses is not None:
             self.server_addresses = list(self.config.server_addresses)
-        elif self.world_size > 1:
-            if self.global_rank == 0:
-                self.workers.publish("pdist/ps/addresses", ",".join(self.server_addresses))
-            else:
-                self.server_addresses = self.workers.lookup("pdist/ps/addresses").split(",")
+        elif fitting:
+            self.server_addresses = self.workers.broadcast_object(self.server_addresses)
+
+    def _trainer_fn(self) -> TrainerFn | None:
+        module = self.lightning_module
+        return module.trainer.state.fn if module is not None and module._trainer is not None else None
 
     def _start_servers(self, main_address: str) -> None:
         count = self.config.servers_for(self.world_size)
@@ -617,9 +623,10 @@ class ParameterServerStrategy(PdistStrategy):
                     pass
             client.close()
         self._stop_servers()
-        if self.workers is not None:
-            self.workers.close()
-            self.workers = None
+        self.server_addresses = []
+        workers, self.workers = self.workers, None
+        if workers is not None:
+            workers.close()  # rank 0's store on MASTER_PORT is gone before any worker returns from here
         super().teardown()
 
     def _stop_servers(self) -> None:
