@@ -153,13 +153,17 @@ class ParameterServerClient:
         replies = self.map(Kind.PULL, [meta] * self.num_servers)
         return [bytes_to_tensor(p, m["dtype"]) for m, p in replies], [m for m, _ in replies]
 
-    def push(self, shards: list[Tensor], versions: list[int], hparams: list[dict], pull: bool = False):
+    def push(self, shards: list[Tensor], versions: list[int], hparams: list[dict], pull: bool = False,
+             extras: list[dict] | None = None):  # fmt: skip
         """Push a gradient shard to every server; with ``pull`` also get the new shards back (one round trip).
 
         ``versions[s]`` is the version of server ``s``'s shard the gradient was computed on (the step id
-        that synchronous servers drop late gradients by). Returns ``(shards or None, reply metas)``.
+        that synchronous servers drop late gradients by). ``extras[s]`` is merged into server ``s``'s request
+        (``optimizer``: which user optimizer stepped, ``present``: which of its pieces the payload holds; see
+        :mod:`lightning_pdist.comm.ps_shard`). Returns ``(shards or None, reply metas)``.
         """
-        metas = [{"worker": self.worker, "version": v, "hparams": hparams} for v in versions]
+        extras = extras if extras is not None else [{}] * len(versions)
+        metas = [{"worker": self.worker, "version": v, "hparams": hparams, **e} for v, e in zip(versions, extras)]
         replies = self.map(Kind.PUSHPULL if pull else Kind.PUSH, metas, shards)
         metas = [m for m, _ in replies]
         if not pull:

@@ -17,10 +17,13 @@ move plain SGD exactly as far as one synchronous step on the mean (so ``ssp`` wi
 ``sync`` for SGD). ``delay_compensation = λ > 0`` (async/ssp) first turns ``g`` into DC-ASGD's
 ``g + λ·g⊙g⊙(w - w_bak(m))`` with the backup taken at worker ``m``'s last pull (:class:`DelayCompensation`).
 
-The optimizer is rebuilt on the shard from the user's optimizer class and param groups. Only
-element-wise optimizers (:data:`ELEMENTWISE_OPTIMIZERS`) are accepted: for them, cutting a parameter into
-pieces on several servers does not change the update. Each piece of the shard is a ``Parameter`` that is
-a view into one flat buffer, so pushes and pulls copy nothing.
+The shard and its optimizers (one per user optimizer, rebuilt from class names and param groups; only
+element-wise ones) are :class:`~lightning_pdist.comm.ps_shard.ParameterShard`. A push names the optimizer
+that stepped and carries only the gradients its worker had (``present``); a sync step closes with the mean
+over all ``N - b`` contributors (a missing gradient counts as zero) and leaves the pieces no contributor had
+a gradient for out of the step (``grad = None``), as DDP with ``find_unused_parameters=True`` does. All
+workers must step the same optimizers in the same order: a sync step opened by one optimizer refuses
+another optimizer's gradient.
 
 Lifetime: the server exits when rank 0 sends ``SHUTDOWN``; when no connection is left and at least one
 worker had said ``HELLO`` (all workers gone); when its lifeline pipe to the process that started it reaches EOF (that process died,
@@ -42,7 +45,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
 
 from lightning_pdist.algorithms.ps_rules import (
     BackupWorkerAggregator,
@@ -50,6 +52,7 @@ from lightning_pdist.algorithms.ps_rules import (
     SSPClock,
     StalenessTracker,
 )
+from lightning_pdist.comm.ps_shard import ELEMENTWISE_OPTIMIZERS, ParameterShard, parse_present
 from lightning_pdist.comm.ps_wire import (
     Kind,
     PeerClosed,
@@ -73,85 +76,8 @@ __all__ = [
     "start_server",
 ]
 
-# torch.optim classes whose update of an element depends only on that element's gradient and state.
-ELEMENTWISE_OPTIMIZERS = (
-    "ASGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD",
-)  # fmt: skip
 MODES = ("sync", "async", "ssp")
 STALENESS_BUCKETS = 16  # histogram bins 0..15, the last one also counts everything staler
-
-
-class ParameterShard:
-    """One server's shard: a flat buffer, its pieces as ``Parameter`` views, and the rebuilt optimizer.
-
-    Args:
-        values: the shard's initial values (1-D).
-        segments: ``[(group, numel), ...]`` in shard order; ``group`` indexes ``param_groups``, ``-1``
-            marks elements no optimizer trains (frozen parameters), which never change.
-        optimizer: a name in :data:`ELEMENTWISE_OPTIMIZERS`.
-        param_groups: the hyperparameters of each of the user's param groups (without ``params``).
-    """
-
-    def __init__(self, values: Tensor, segments: list[tuple[int, int]], optimizer: str, param_groups: list[dict]):
-        if optimizer not in ELEMENTWISE_OPTIMIZERS:
-            raise ValueError(
-                f"ParameterShard(optimizer={optimizer!r}): a parameter server rebuilds the optimizer per shard, "
-                f"which is exact only for element-wise optimizers: {', '.join(ELEMENTWISE_OPTIMIZERS)}"
-            )
-        if sum(n for _, n in segments) != values.numel():
-            raise ValueError(f"ParameterShard(segments=...): segments hold {sum(n for _, n in segments)} elements, shard {values.numel()}")
-        self.flat = values.detach().clone().reshape(-1)
-        self.segments = [(int(g), int(n)) for g, n in segments]
-        self.pieces: list[tuple[int, int, nn.Parameter]] = []  # (start, stop, parameter view)
-        groups: list[dict] = [dict(hp, params=[]) for hp in param_groups]
-        start = 0
-        for group, numel in self.segments:
-            if group >= len(groups):
-                raise ValueError(f"ParameterShard(segments=...): group {group} but only {len(groups)} param groups")
-            if group >= 0 and numel:
-                piece = nn.Parameter(self.flat[start : start + numel])  # shares storage with self.flat
-                self.pieces.append((start, start + numel, piece))
-                groups[group]["params"].append(piece)
-            start += numel
-        cls = getattr(torch.optim, optimizer)
-        self.optimizer = cls(groups) if self.pieces else None
-
-    def set_hparams(self, hparams: list[dict] | None) -> None:
-        """Take the workers' current hyperparameters (a learning-rate scheduler changes them on the workers)."""
-        if not hparams or self.optimizer is None:
-            return
-        for group, values in zip(self.optimizer.param_groups, hparams):
-            for key, value in values.items():
-                group[key] = tuple(value) if isinstance(value, list) else value
-
-    @torch.no_grad()
-    def apply_(self, grad: Tensor) -> None:
-        """One optimizer step with ``grad`` (a flat shard-sized gradient)."""
-        if self.optimizer is None:
-            return
-        for start, stop, piece in self.pieces:
-            piece.grad = grad[start:stop]
-        self.optimizer.step()
-        for _, _, piece in self.pieces:
-            piece.grad = None
-
-    def state_dict(self) -> dict:
-        return {
-            "values": self.flat.clone(),
-            "segments": [list(s) for s in self.segments],
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        segments = [tuple(s) for s in state["segments"]]
-        if segments != self.segments:
-            raise ValueError(
-                "ParameterShard.load_state_dict: the checkpoint's shard layout differs from this run's; resume with "
-                "the same model, num_servers, sharding and partition_bytes"
-            )
-        self.flat.copy_(state["values"])
-        if self.optimizer is not None and state["optimizer"] is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
 
 
 @dataclass
@@ -325,7 +251,9 @@ class ShardServer:
             raise ValueError(f"mode={mode!r} must be one of {MODES}")
         num_workers = int(meta["num_workers"])
         values = bytes_to_tensor(payload, meta["dtype"]).clone()
-        self.shard = ParameterShard(values, [tuple(s) for s in meta["segments"]], meta["optimizer"], meta["param_groups"])
+        optimizers = meta.get("optimizers") or [{"name": meta["optimizer"], "param_groups": meta["param_groups"]}]
+        self.shard = ParameterShard(values, meta["segments"], optimizers)
+        self.open_step: tuple[int, list[bool]] | None = None  # sync: (optimizer, present) of the open step
         self.config = dict(meta)
         self.version = 0
         self.aggregator = BackupWorkerAggregator(num_workers, int(meta.get("backup_workers", 0))) if mode == "sync" else None
@@ -337,19 +265,29 @@ class ShardServer:
     def _push(self, worker: int, meta: dict, payload: bytearray) -> dict:
         if self.failed:
             raise RuntimeError(self.failed)
-        grad = bytes_to_tensor(payload, self.config["dtype"])
-        if grad.numel() != self.shard.flat.numel():
-            raise ValueError(f"gradient of {grad.numel()} elements for a shard of {self.shard.flat.numel()}")
-        self.shard.set_hparams(meta.get("hparams"))
+        k = int(meta.get("optimizer", 0))
+        present = parse_present(meta.get("present"), len(self.shard.pieces[k]) if 0 <= k < len(self.shard.pieces) else 0)
+        grad = self.shard.expand(bytes_to_tensor(payload, self.config["dtype"]), k, present)
+        self.shard.set_hparams(meta.get("hparams"), k)
         if self.aggregator is not None and self.steps_closed:  # the others finished: nobody can close a step
             self.aggregator.num_dropped += 1
             return {"accepted": False, "staleness": 0, "contributors": []}
         if self.aggregator is not None:  # sync (with or without backup workers)
+            version = int(meta["version"])
+            if version == self.aggregator.step and self.open_step is not None and self.open_step[0] != k:
+                raise ValueError(
+                    f"worker {worker} pushed a gradient of optimizer {k} for step {version}, which optimizer "
+                    f"{self.open_step[0]} opened; every worker must step the same optimizers in the same order"
+                )
             dropped_before = self.aggregator.num_dropped
-            mean = self.aggregator.push(worker, int(meta["version"]), grad)
+            mean = self.aggregator.push(worker, version, grad)
             accepted = self.aggregator.num_dropped == dropped_before
+            if accepted:  # a piece takes part in the step if any contributor had a gradient for it
+                seen = self.open_step[1] if self.open_step is not None else [False] * len(present)
+                self.open_step = (k, [a or b for a, b in zip(seen, present)])
             if mean is not None:
-                self.shard.apply_(mean)
+                self.shard.apply_(mean, k, self.open_step[1])
+                self.open_step = None
                 self.version += 1
                 # Every reply of the previous step went out before this step's last push could arrive, and
                 # no reply of this step has: the counters now differ from the last close by exactly one step.
@@ -359,7 +297,7 @@ class ShardServer:
             grad = self.dc.compensate(worker, grad, self.shard.flat)
         tau = self.tracker.record_apply(worker)
         self.histogram[min(tau, STALENESS_BUCKETS - 1)] += 1
-        self.shard.apply_(grad / self.config["num_workers"])
+        self.shard.apply_(grad / self.config["num_workers"], k, present)
         self.version += 1
         if self.clock is not None:
             self.clock.advance(worker)
@@ -439,6 +377,7 @@ class ShardServer:
     def load_state_dict(self, state: dict) -> None:
         self.shard.load_state_dict(state["shard"])
         self.version = int(state["version"])
+        self.open_step = None
         if self.aggregator is not None and state.get("aggregator") is not None:
             self.aggregator.load_state_dict(state["aggregator"])
         if self.clock is not None and state.get("clock") is not None:

@@ -27,8 +27,6 @@ yourself (``python -m lightning_pdist.comm.ps_server --host H --port P``) and pa
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -40,102 +38,17 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pdist.algorithms.sharding import SHARDINGS, ShardingPlan, param_specs, plan_sharding
+from lightning_pdist.algorithms.sharding import ShardingPlan, param_specs, plan_sharding
 from lightning_pdist.comm.ps_client import ParameterServerClient
-from lightning_pdist.comm.ps_server import ELEMENTWISE_OPTIMIZERS, MODES, STALENESS_BUCKETS, ServerProcess, start_server
-from lightning_pdist.comm.ps_wire import Kind, dumps_state, loads_state, parse_networks
+from lightning_pdist.comm.ps_layout import OptimizerLayout, accumulate_grads, group_hparams, numeric_hparams
+from lightning_pdist.comm.ps_server import ELEMENTWISE_OPTIMIZERS, STALENESS_BUCKETS, ServerProcess, start_server
+from lightning_pdist.comm.ps_wire import Kind, dumps_state, loads_state
 from lightning_pdist.comm.ps_workers import WorkerGroup
 from lightning_pdist.strategies.base import PdistStrategy
-from lightning_pdist.strategies.config import ConfigErrors, is_int, refuse_owned_ddp_args
+from lightning_pdist.strategies.config import refuse_owned_ddp_args
+from lightning_pdist.strategies.ps_config import ParameterServerConfig
 
 __all__ = ["ParameterServerConfig", "ParameterServerStrategy"]
-
-@dataclass(frozen=True)
-class ParameterServerConfig(ConfigErrors):
-    """The validated settings of a :class:`ParameterServerStrategy` (see its docstring)."""
-
-    num_servers: int | None = None
-    sharding: str = "memory"
-    mode: str = "sync"
-    staleness: int = 0
-    backup_workers: int = 0
-    push_every: int = 1
-    pull_every: int = 1
-    delay_compensation: float = 0.0
-    partition_bytes: int | None = None
-    server_host: str = "127.0.0.1"
-    server_addresses: tuple[str, ...] | None = None
-    allowed_networks: str = "127.0.0.0/8"
-    server_timeout: float = 300.0
-    owner: str = "ParameterServerStrategy"
-
-    def __post_init__(self) -> None:
-        if self.num_servers is not None:
-            if not is_int(self.num_servers):
-                self._fail("num_servers", "num_servers must be an int or None", TypeError)
-            if self.num_servers < 1:
-                self._fail("num_servers", "num_servers must be >= 1 (None: one server per two workers)")
-        for arg, choices in (("sharding", SHARDINGS), ("mode", MODES)):
-            value = getattr(self, arg)
-            if not isinstance(value, str):
-                self._fail(arg, f"{arg} must be a str", TypeError)
-            if value not in choices:
-                self._fail(arg, f"{arg} must be one of {', '.join(map(repr, choices))}")
-        for arg in ("staleness", "backup_workers", "push_every", "pull_every"):
-            if not is_int(getattr(self, arg)):
-                self._fail(arg, f"{arg} must be an int", TypeError)
-        if self.staleness < 0:
-            self._fail("staleness", "staleness must be >= 0 (0 is bulk-synchronous)")
-        if self.staleness > 0 and self.mode != "ssp":
-            self._fail("staleness", f"staleness bounds mode='ssp' only; mode is {self.mode!r}")
-        if self.backup_workers < 0:
-            self._fail("backup_workers", "backup_workers must be >= 0")
-        if self.backup_workers > 0 and self.mode != "sync":
-            self._fail("backup_workers", f"backup workers are a mode='sync' technique; mode is {self.mode!r}")
-        for arg in ("push_every", "pull_every"):
-            if getattr(self, arg) < 1:
-                self._fail(arg, f"{arg} must be >= 1")
-            if getattr(self, arg) != 1 and self.mode != "async":
-                self._fail(arg, f"{arg} applies to mode='async' (Downpour); mode is {self.mode!r} "
-                                "(for sync, accumulate_grad_batches accumulates gradients)")  # fmt: skip
-        dc = self.delay_compensation
-        if not isinstance(dc, (int, float)) or isinstance(dc, bool):
-            self._fail("delay_compensation", "delay_compensation must be a float", TypeError)
-        if not dc >= 0:
-            self._fail("delay_compensation", "delay_compensation (DC-ASGD's lambda) must be >= 0")
-        if dc > 0 and self.mode == "sync":
-            self._fail("delay_compensation", "delay compensation corrects stale gradients of mode='async' or 'ssp'; "
-                                             "sync gradients are never stale")  # fmt: skip
-        if self.partition_bytes is not None and self.sharding != "memory":
-            self._fail("partition_bytes", "partition_bytes applies to sharding='memory'")
-        if not isinstance(self.server_timeout, (int, float)) or not self.server_timeout > 0:
-            self._fail("server_timeout", "server_timeout must be a number of seconds > 0")
-        if self.server_addresses is not None:
-            for address in self.server_addresses:
-                host, _, port = str(address).rpartition(":")
-                if not host or not port.isdigit():
-                    self._fail("server_addresses", f"{address!r} is not 'host:port'")
-            if self.num_servers is not None and self.num_servers != len(self.server_addresses):
-                self._fail("num_servers", f"server_addresses lists {len(self.server_addresses)} servers")
-        try:
-            parse_networks(self.allowed_networks)
-        except ValueError as err:  # "allowed_networks='...': rule" -> "Owner(allowed_networks='...'): rule"
-            argument, _, rule = str(err).partition(": ")
-            raise ValueError(f"{self.owner}({argument}): {rule}") from None
-
-    def servers_for(self, world_size: int) -> int:
-        """``S``: the given number, the listed addresses, or one server per two workers (paper 000)."""
-        if self.server_addresses is not None:
-            return len(self.server_addresses)
-        return self.num_servers if self.num_servers is not None else max(1, math.ceil(world_size / 2))
-
-    def check_world_size(self, world_size: int) -> None:
-        if self.backup_workers >= world_size:
-            raise ValueError(
-                f"{self.owner}(backup_workers={self.backup_workers}): with {world_size} workers, backup_workers must be "
-                f"<= world_size - 1 = {world_size - 1} (a step needs at least one gradient)"
-            )
-
 
 class ParameterServerStrategy(PdistStrategy):
     """Data-parallel training through dedicated parameter-server processes.
@@ -229,11 +142,13 @@ class ParameterServerStrategy(PdistStrategy):
         self.plan: ShardingPlan | None = None
         self.workers: WorkerGroup | None = None
         self.client: ParameterServerClient | None = None
-        self.step = 0  # optimizer steps this worker took
+        self.step = 0  # optimizer steps this worker took (all optimizers)
+        self.optimizer_steps: list[int] = []  # per optimizer (async push/pull periods count these)
+        self.layout: OptimizerLayout | None = None
         self.staleness_histogram = [0] * STALENESS_BUCKETS
         self.dropped_pushes = 0
         self._versions: list[int] = []
-        self._accumulated: Tensor | None = None
+        self._accumulated: dict[int, dict[str, Tensor | None]] = {}  # async: optimizer -> summed grads
         self._server_seen: list[tuple[int, int]] = []
         self._eval_backup: Tensor | None = None
         self._finalized = False
@@ -341,16 +256,17 @@ class ParameterServerStrategy(PdistStrategy):
     @override
     def setup_algorithm(self) -> None:
         owner = type(self).__name__
-        if len(self.optimizers) != 1:
-            raise ValueError(f"{owner}: configure_optimizers returned {len(self.optimizers)} optimizers; the servers run exactly one")
-        optimizer = self.optimizers[0]
-        name = type(optimizer).__name__
-        if name not in ELEMENTWISE_OPTIMIZERS or type(optimizer) is not getattr(torch.optim, name):
-            raise ValueError(
-                f"{owner}: configure_optimizers returned {type(optimizer).__module__}.{type(optimizer).__qualname__}; parameter "
-                "servers rebuild the optimizer on each shard, which is exact only for element-wise optimizers: "
-                f"torch.optim.{', torch.optim.'.join(ELEMENTWISE_OPTIMIZERS)}"
-            )
+        for k, optimizer in enumerate(self.optimizers):
+            name = type(optimizer).__name__
+            if name not in ELEMENTWISE_OPTIMIZERS or type(optimizer) is not getattr(torch.optim, name):
+                raise ValueError(
+                    f"{owner}: configure_optimizers returned {type(optimizer).__module__}.{type(optimizer).__qualname__}"
+                    f"{f' (optimizer {k})' if len(self.optimizers) > 1 else ''}; parameter servers rebuild the optimizer "
+                    "on each shard, which is exact only for element-wise optimizers: "
+                    f"torch.optim.{', torch.optim.'.join(ELEMENTWISE_OPTIMIZERS)}"
+                )
+        if not self.optimizers:
+            raise ValueError(f"{owner}: configure_optimizers returned no optimizer; the servers need one to step")
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise ValueError(f"{owner}: precision plugins with a gradient scaler are not supported (use 32-true or bf16)")
         params = self._params()
@@ -365,20 +281,24 @@ class ParameterServerStrategy(PdistStrategy):
                                       self.config.sharding, self.config.partition_bytes)  # fmt: skip
         except ValueError as err:
             raise ValueError(f"{owner}: {err}") from None
+        self.layout = OptimizerLayout(list(self.lightning_module.named_parameters()), self.optimizers, self.plan, owner)
         self.client = ParameterServerClient(self.server_addresses, rank, timeout=self.config.server_timeout)
         if rank == 0:
-            self.client.map(Kind.INIT, *self._init_requests(optimizer))
+            self.client.map(Kind.INIT, *self._init_requests())
             if self._loaded_pdist_state is not None:
                 self._restore_servers(self._loaded_pdist_state)
+        self.optimizer_steps = [0] * len(self.optimizers)
         if self._loaded_pdist_state is not None:
             super().load_pdist_state_dict(self._loaded_pdist_state)
             self.step = int(self._loaded_pdist_state.get("step", 0))
+            saved = self._loaded_pdist_state.get("optimizer_steps", [self.step])
+            self.optimizer_steps = [int(n) for n in saved] if len(saved) == len(self.optimizers) else self.optimizer_steps
         self.barrier()
         self.client.hello()
         shards, metas = self.client.pull(record=True)
         self._load_shards(shards, metas)
         self._server_seen = [(m["bytes_in"], m["bytes_out"]) for m in metas]
-        self._accumulated = None
+        self._accumulated = {}
         self._finalized = False
 
     def _params(self) -> list[Tensor]:
@@ -394,28 +314,21 @@ class ParameterServerStrategy(PdistStrategy):
             p.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
 
-    def _init_requests(self, optimizer: Optimizer) -> tuple[list[dict], list[Tensor]]:
-        group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
-        names = dict(self.lightning_module.named_parameters())
-        hparams = [_group_hparams(group, i, self) for i, group in enumerate(optimizer.param_groups)]
+    def _init_requests(self) -> tuple[list[dict], list[Tensor]]:
+        optimizers = [
+            {"name": type(o).__name__,
+             "param_groups": [group_hparams(g, f"{type(self).__name__}: optimizer {k} param group {i}")
+                              for i, g in enumerate(o.param_groups)]}
+            for k, o in enumerate(self.optimizers)
+        ]  # fmt: skip
         flat = self._flat_params()
-        metas, payloads = [], []
-        for server in range(self.plan.num_servers):
-            segments: list[list[int]] = []
-            for piece in self.plan.param_slices(server):
-                group = group_of.get(id(names[piece.name]), -1)
-                if segments and segments[-1][0] == group:
-                    segments[-1][1] += piece.numel
-                else:
-                    segments.append([group, piece.numel])
-            metas.append({
-                "mode": self.config.mode, "num_workers": self.world_size, "dtype": str(flat.dtype), "segments": segments,
-                "optimizer": type(optimizer).__name__, "param_groups": hparams,
-                "backup_workers": self.config.backup_workers, "staleness": self.config.staleness,
-                "delay_compensation": float(self.config.delay_compensation),
-            })  # fmt: skip
-            payloads.append(self.plan.gather(flat, server))
-        return metas, payloads
+        metas = [{
+            "mode": self.config.mode, "num_workers": self.world_size, "dtype": str(flat.dtype),
+            "segments": self.layout.segments(server), "optimizers": optimizers,
+            "backup_workers": self.config.backup_workers, "staleness": self.config.staleness,
+            "delay_compensation": float(self.config.delay_compensation),
+        } for server in range(self.plan.num_servers)]  # fmt: skip
+        return metas, [self.plan.gather(flat, server) for server in range(self.plan.num_servers)]
 
     def _load_shards(self, shards: list[Tensor], metas: list[dict]) -> None:
         flat = self._flat_params()
@@ -454,41 +367,44 @@ class ParameterServerStrategy(PdistStrategy):
         model = model if model is not None else self.lightning_module
         # forward + backward, then on_before_optimizer_step and gradient clipping; the step itself is the servers'
         closure_result = self.precision_plugin._wrap_closure(model, optimizer, closure)
-        self._exchange(optimizer)
+        k = next((i for i, o in enumerate(self.optimizers) if o is optimizer), None)
+        if k is None:
+            raise RuntimeError(f"{type(self).__name__}.optimizer_step: {type(optimizer).__name__} is not one of the optimizers "
+                               "configure_optimizers returned; the servers run only those")  # fmt: skip
+        self._exchange(k)
         optimizer._opt_called = True  # the servers stepped: keeps LR schedulers from warning about call order
         self._log_comm_bytes()
         return closure_result
 
-    def _flat_grad(self) -> Tensor:
-        return torch.cat([
-            (p.grad.detach() if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self._params()
-        ])  # fmt: skip
+    def _push(self, k: int, grads: dict[str, Tensor | None], pull: bool) -> tuple[list[Tensor] | None, list[dict]]:
+        """Push optimizer ``k``'s gradients (only those present) to every server, with its current hyperparameters."""
+        packed = [self.layout.pack(s, k, grads) for s in range(self.plan.num_servers)]
+        extras = [{"optimizer": k, "present": present} for _, present in packed]
+        hparams = [numeric_hparams(group) for group in self.optimizers[k].param_groups]
+        return self.client.push([g for g, _ in packed], self._versions, hparams, pull=pull, extras=extras)
 
-    def _exchange(self, optimizer: Optimizer) -> None:
+    def _exchange(self, k: int) -> None:
+        # The worker's .grad is left as it is (a torch optimizer's step does not clear it either): the user's or
+        # Lightning's zero_grad does, and another optimizer may still need the gradients of its own parameters.
         self.step += 1
-        grad = self._flat_grad()
-        hparams = [_numeric_hparams(group) for group in optimizer.param_groups]
+        self.optimizer_steps[k] += 1
+        grads = self.layout.grads_of(k)
         sent_before = sum(c.bytes_sent for c in self.client.connections)
         metas: list[dict] = []
         if self.config.mode == "async":
-            self._accumulated = grad if self._accumulated is None else self._accumulated.add_(grad)
-            push = self.step % self.config.push_every == 0
-            pull = self.step % self.config.pull_every == 0
+            self._accumulated[k] = accumulate_grads(self._accumulated.get(k), grads)
+            push = self.optimizer_steps[k] % self.config.push_every == 0
+            pull = self.optimizer_steps[k] % self.config.pull_every == 0
             if push:
-                shards = [self.plan.gather(self._accumulated, s) for s in range(self.plan.num_servers)]
-                self._accumulated = None
-                new, metas = self.client.push(shards, self._versions, hparams, pull=pull)
+                new, metas = self._push(k, self._accumulated.pop(k), pull)
                 if pull:
                     self._load_shards(new, metas)
             elif pull:
                 new, metas = self.client.pull(record=True)
                 self._load_shards(new, metas)
         else:
-            shards = [self.plan.gather(grad, s) for s in range(self.plan.num_servers)]
-            new, metas = self.client.push(shards, self._versions, hparams, pull=True)
+            new, metas = self._push(k, grads, pull=True)
             self._load_shards(new, metas)
-        for p in self._params():
-            p.grad = None
         self.comm_meter.add("ps_push", sum(c.bytes_sent for c in self.client.connections) - sent_before)
         self._log_ps_metrics(metas)
 
@@ -561,10 +477,8 @@ class ParameterServerStrategy(PdistStrategy):
         super().on_train_end()
         if not self._fitting():
             return
-        if self._accumulated is not None:  # async: push what push_every left over
-            shards = [self.plan.gather(self._accumulated, s) for s in range(self.plan.num_servers)]
-            self._accumulated = None
-            self.client.push(shards, self._versions, [_numeric_hparams(g) for g in self.optimizers[0].param_groups])
+        for k in sorted(self._accumulated):  # async: push what push_every left over
+            self._push(k, self._accumulated.pop(k), pull=False)
         self.client.bye()  # this worker pushes no more: SSP stops waiting for it, backup workers stop counting on it
         self.barrier()  # every worker has pushed its last gradient
         self._set_flat_params(self._servers_params())
@@ -585,7 +499,8 @@ class ParameterServerStrategy(PdistStrategy):
     @override
     def pdist_state_dict(self) -> dict:
         state = super().pdist_state_dict()
-        state.update(step=self.step, mode=self.config.mode, staleness_histogram=list(self.staleness_histogram))
+        state.update(step=self.step, optimizer_steps=list(self.optimizer_steps), mode=self.config.mode,
+                     staleness_histogram=list(self.staleness_histogram))
         if self.plan is not None:
             state["plan"] = self.plan.summary()
         if self.client is not None and self.global_rank == 0:
@@ -646,38 +561,3 @@ class ParameterServerStrategy(PdistStrategy):
             )
         strategy_registry.register("ps", cls, description="alias of parameter_server", override=True)
 
-
-def _group_hparams(group: dict, index: int, strategy: ParameterServerStrategy) -> dict:
-    out = {}
-    for key, value in group.items():
-        if key == "params":
-            continue
-        if isinstance(value, Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, tuple):
-            value = list(value)
-        if value is None or isinstance(value, (bool, int, float, str)) or (
-            isinstance(value, list) and all(isinstance(v, (int, float)) for v in value)
-        ):
-            out[key] = value
-        else:
-            raise TypeError(
-                f"{type(strategy).__name__}: param group {index} has {key}={value!r}; the servers rebuild the optimizer "
-                "from numbers, strings and booleans only"
-            )
-    return out
-
-
-def _numeric_hparams(group: dict) -> dict:
-    """The hyperparameters a scheduler may change: numbers and tuples of numbers."""
-    out = {}
-    for key, value in group.items():
-        if key == "params" or isinstance(value, bool):
-            continue
-        if isinstance(value, Tensor) and value.numel() == 1:
-            out[key] = value.item()
-        elif isinstance(value, (int, float)):
-            out[key] = value
-        elif isinstance(value, (tuple, list)) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-            out[key] = list(value)
-    return out

@@ -182,6 +182,40 @@ def test_shard_rebuilds_the_optimizer_exactly_on_pieces():
         ParameterShard(w, [(0, 10)], "LBFGS", [{"lr": 1.0}])
 
 
+def test_two_optimizers_and_missing_gradients_on_a_sync_server(server):
+    """Sync, 2 workers: a push steps only its optimizer's pieces; a piece no worker sent is skipped (no weight decay)."""
+    w0 = torch.arange(6, dtype=torch.float32)
+    conn = ServerConnection(0, server.address)
+    optimizers = [{"name": "SGD", "param_groups": [{"lr": 0.5, "weight_decay": 0.1}]}, {"name": "Adam", "param_groups": [{"lr": 0.1}]}]
+    meta = {"mode": "sync", "num_workers": 2, "dtype": "torch.float32", "optimizers": optimizers,
+            "segments": [[0, 0, 2], [1, 0, 1], [0, 0, 2], [-1, -1, 1]]}  # fmt: skip
+    conn.request(Kind.INIT, meta, w0)
+    a, b = clients(server.address, 2)
+    # optimizer 0 (pieces [0:2] and [3:5]): worker a has both gradients, worker b only the second
+    a.push([torch.tensor([1.0, 1.0, 2.0, 2.0])], [0], [{"lr": 0.5}], extras=[{"optimizer": 0, "present": "11"}])
+    b.push([torch.tensor([4.0, 4.0])], [0], [{"lr": 0.5}], extras=[{"optimizer": 0, "present": "01"}])
+    expected = w0.clone()
+    expected[0:2] -= 0.5 * (torch.tensor([1.0, 1.0]) / 2 + 0.1 * w0[0:2])  # mean over N = 2 (b's missing grad is 0)
+    expected[3:5] -= 0.5 * ((torch.tensor([2.0, 2.0]) + 4.0) / 2 + 0.1 * w0[3:5])
+    torch.testing.assert_close(a.pull(wait_version=1)[0][0], expected)
+    # step 1, optimizer 0 with no gradient anywhere for the first piece: it does not move (no weight decay)
+    a.push([torch.tensor([2.0, 2.0])], [1], [{"lr": 0.5}], extras=[{"optimizer": 0, "present": "01"}])
+    b.push([torch.zeros(0)], [1], [{"lr": 0.5}], extras=[{"optimizer": 0, "present": "00"}])
+    expected[3:5] -= 0.5 * (torch.tensor([1.0, 1.0]) + 0.1 * expected[3:5])
+    torch.testing.assert_close(a.pull(wait_version=2)[0][0], expected)
+    # step 2 belongs to optimizer 1 (Adam on piece [2:3]); worker b may not push optimizer 0's gradient into it
+    a.push([torch.tensor([3.0])], [2], [{"lr": 0.1}], extras=[{"optimizer": 1, "present": "1"}])
+    other = ServerConnection(0, server.address)  # a client's failed request would abort its connections
+    other.request(Kind.HELLO, {"worker": 1})
+    with pytest.raises(ServerError, match="optimizer 0 for step 2, which optimizer 1 opened; every worker must step"):
+        other.request(Kind.PUSH, {"worker": 1, "version": 2, "optimizer": 0, "present": "11"}, torch.ones(4))
+    b.push([torch.tensor([1.0])], [2], [{"lr": 0.1}], extras=[{"optimizer": 1, "present": "1"}])
+    expected[2] -= 0.1  # Adam's first step moves by lr * sign(g)
+    torch.testing.assert_close(a.pull(wait_version=3)[0][0], expected)
+    saved = state(conn)["shard"]["optimizers"]
+    assert len(saved) == 2 and saved[1]["state"]  # both optimizers saved; Adam has moments
+
+
 PARENT = """
 import sys, time
 from lightning_pdist.comm.ps_server import start_server

@@ -137,7 +137,7 @@ def test_resume_restores_the_servers_exactly(tmp_path):
     path = tmp_path / "epoch=0-step=3.ckpt"
     saved = torch.load(path, weights_only=False)
     (server,) = saved["pdist"]["servers"]
-    assert server["shard"]["optimizer"]["state"]  # the momentum buffers
+    assert server["shard"]["optimizers"][0]["state"]  # the momentum buffers
     torch.testing.assert_close(torch.cat([v.reshape(-1) for v in saved["state_dict"].values()]), server["shard"]["values"])
     resumed = model()
     fit(ps(), resumed, max_steps=8, ckpt_path=str(path), limit_val_batches=1)

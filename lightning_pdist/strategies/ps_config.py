@@ -1,0 +1,100 @@
+"""The validated settings of :class:`~lightning_pdist.strategies.parameter_server.ParameterServerStrategy`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lightning_pdist.algorithms.sharding import SHARDINGS
+from lightning_pdist.comm.ps_server import MODES
+from lightning_pdist.comm.ps_wire import parse_networks
+from lightning_pdist.strategies.config import ConfigErrors, is_int
+
+__all__ = ["ParameterServerConfig"]
+
+
+@dataclass(frozen=True)
+class ParameterServerConfig(ConfigErrors):
+    """The validated settings of a :class:`ParameterServerStrategy` (see its docstring)."""
+
+    num_servers: int | None = None
+    sharding: str = "memory"
+    mode: str = "sync"
+    staleness: int = 0
+    backup_workers: int = 0
+    push_every: int = 1
+    pull_every: int = 1
+    delay_compensation: float = 0.0
+    partition_bytes: int | None = None
+    server_host: str = "127.0.0.1"
+    server_addresses: tuple[str, ...] | None = None
+    allowed_networks: str = "127.0.0.0/8"
+    server_timeout: float = 300.0
+    owner: str = "ParameterServerStrategy"
+
+    def __post_init__(self) -> None:
+        if self.num_servers is not None:
+            if not is_int(self.num_servers):
+                self._fail("num_servers", "num_servers must be an int or None", TypeError)
+            if self.num_servers < 1:
+                self._fail("num_servers", "num_servers must be >= 1 (None: one server per two workers)")
+        for arg, choices in (("sharding", SHARDINGS), ("mode", MODES)):
+            value = getattr(self, arg)
+            if not isinstance(value, str):
+                self._fail(arg, f"{arg} must be a str", TypeError)
+            if value not in choices:
+                self._fail(arg, f"{arg} must be one of {', '.join(map(repr, choices))}")
+        for arg in ("staleness", "backup_workers", "push_every", "pull_every"):
+            if not is_int(getattr(self, arg)):
+                self._fail(arg, f"{arg} must be an int", TypeError)
+        if self.staleness < 0:
+            self._fail("staleness", "staleness must be >= 0 (0 is bulk-synchronous)")
+        if self.staleness > 0 and self.mode != "ssp":
+            self._fail("staleness", f"staleness bounds mode='ssp' only; mode is {self.mode!r}")
+        if self.backup_workers < 0:
+            self._fail("backup_workers", "backup_workers must be >= 0")
+        if self.backup_workers > 0 and self.mode != "sync":
+            self._fail("backup_workers", f"backup workers are a mode='sync' technique; mode is {self.mode!r}")
+        for arg in ("push_every", "pull_every"):
+            if getattr(self, arg) < 1:
+                self._fail(arg, f"{arg} must be >= 1")
+            if getattr(self, arg) != 1 and self.mode != "async":
+                self._fail(arg, f"{arg} applies to mode='async' (Downpour); mode is {self.mode!r} "
+                                "(for sync, accumulate_grad_batches accumulates gradients)")  # fmt: skip
+        dc = self.delay_compensation
+        if not isinstance(dc, (int, float)) or isinstance(dc, bool):
+            self._fail("delay_compensation", "delay_compensation must be a float", TypeError)
+        if not dc >= 0:
+            self._fail("delay_compensation", "delay_compensation (DC-ASGD's lambda) must be >= 0")
+        if dc > 0 and self.mode == "sync":
+            self._fail("delay_compensation", "delay compensation corrects stale gradients of mode='async' or 'ssp'; "
+                                             "sync gradients are never stale")  # fmt: skip
+        if self.partition_bytes is not None and self.sharding != "memory":
+            self._fail("partition_bytes", "partition_bytes applies to sharding='memory'")
+        if not isinstance(self.server_timeout, (int, float)) or not self.server_timeout > 0:
+            self._fail("server_timeout", "server_timeout must be a number of seconds > 0")
+        if self.server_addresses is not None:
+            for address in self.server_addresses:
+                host, _, port = str(address).rpartition(":")
+                if not host or not port.isdigit():
+                    self._fail("server_addresses", f"{address!r} is not 'host:port'")
+            if self.num_servers is not None and self.num_servers != len(self.server_addresses):
+                self._fail("num_servers", f"server_addresses lists {len(self.server_addresses)} servers")
+        try:
+            parse_networks(self.allowed_networks)
+        except ValueError as err:  # "allowed_networks='...': rule" -> "Owner(allowed_networks='...'): rule"
+            argument, _, rule = str(err).partition(": ")
+            raise ValueError(f"{self.owner}({argument}): {rule}") from None
+
+    def servers_for(self, world_size: int) -> int:
+        """``S``: the given number, the listed addresses, or one server per two workers (paper 000)."""
+        if self.server_addresses is not None:
+            return len(self.server_addresses)
+        return self.num_servers if self.num_servers is not None else max(1, math.ceil(world_size / 2))
+
+    def check_world_size(self, world_size: int) -> None:
+        if self.backup_workers >= world_size:
+            raise ValueError(
+                f"{self.owner}(backup_workers={self.backup_workers}): with {world_size} workers, backup_workers must be "
+                f"<= world_size - 1 = {world_size - 1} (a step needs at least one gradient)"
+            )
