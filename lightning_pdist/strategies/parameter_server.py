@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pdist.algorithms.sharding import ShardingPlan, param_specs, plan_sharding
+from lightning_pdist.comm.accounting import all_reduce_bytes
 from lightning_pdist.comm.ps_client import ParameterServerClient
 from lightning_pdist.comm.ps_layout import OptimizerLayout, accumulate_grads, group_hparams, numeric_hparams
 from lightning_pdist.comm.ps_server import ELEMENTWISE_OPTIMIZERS, STALENESS_BUCKETS, ServerProcess, start_server
@@ -406,7 +407,34 @@ class ParameterServerStrategy(PdistStrategy):
             new, metas = self._push(k, grads, pull=True)
             self._load_shards(new, metas)
         self.comm_meter.add("ps_push", sum(c.bytes_sent for c in self.client.connections) - sent_before)
+        self._average_buffers(meeting=False)
         self._log_ps_metrics(metas)
+
+    def _buffers_every_step(self) -> bool:
+        # Only where the workers are in lockstep anyway: an all-reduce per step would hold async/SSP workers
+        # together and make sync wait for the stragglers that backup workers exist to leave behind.
+        return self.config.mode == "sync" and self.config.backup_workers == 0
+
+    @torch.no_grad()
+    def _average_buffers(self, meeting: bool) -> None:
+        """``b ← (1/N) Σ_m b_m`` for every floating-point buffer (BatchNorm running statistics) over the workers.
+
+        ``meeting=False``: after an optimizer step, sync mode only (counted in ``pdist/comm_bytes``);
+        ``meeting=True``: where every worker is anyway (validation, checkpoint, end of fit), the other modes.
+        """
+        if self.workers is None or self.world_size == 1 or meeting == self._buffers_every_step():
+            return
+        buffers = [b for b in self.lightning_module.buffers() if b.is_floating_point()]
+        if not buffers:
+            return
+        flat = torch.cat([b.detach().reshape(-1) for b in buffers])
+        self.workers.all_reduce_(flat, "sum").div_(self.world_size)
+        offset = 0
+        for b in buffers:
+            b.copy_(flat[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
+        if not meeting:
+            self.comm_meter.add("ps_buffers", all_reduce_bytes(flat.numel() * flat.element_size(), self.world_size))
 
     def _log_ps_metrics(self, metas: list[dict]) -> None:
         module = self.lightning_module
@@ -461,6 +489,7 @@ class ParameterServerStrategy(PdistStrategy):
     def on_validation_start(self) -> None:
         super().on_validation_start()
         if self._fitting() and self._eval_backup is None:
+            self._average_buffers(meeting=True)  # every worker validates at the same step
             servers = self._servers_params()
             self._eval_backup = self._flat_params()
             self._set_flat_params(servers)
@@ -482,6 +511,7 @@ class ParameterServerStrategy(PdistStrategy):
         self.client.bye()  # this worker pushes no more: SSP stops waiting for it, backup workers stop counting on it
         self.barrier()  # every worker has pushed its last gradient
         self._set_flat_params(self._servers_params())
+        self._average_buffers(meeting=True)
         self.barrier()  # every worker has pulled: rank 0 may shut the servers down in teardown
         self._finalized = True
 
@@ -490,6 +520,7 @@ class ParameterServerStrategy(PdistStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if not self._fitting() or self._eval_backup is not None:  # after fit / during validation: the module holds them
             return super().lightning_module_state_dict()
+        self._average_buffers(meeting=True)  # Lightning saves a checkpoint on every rank: they all meet here
         own = self._flat_params()
         self._set_flat_params(self._servers_params())
         state = {k: v.detach().clone() for k, v in super().lightning_module_state_dict().items()}

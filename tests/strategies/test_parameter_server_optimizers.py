@@ -1,10 +1,12 @@
-"""Tier 3: ParameterServerStrategy with several optimizers and with parameters that get no gradient, vs plain torch."""
+"""Tier 3: ParameterServerStrategy with several optimizers, parameters without gradients and buffers, vs plain torch."""
+
+import copy
 
 import pytest
 import torch
 from _helpers import TinyRegression, fit, make_net, rank_batches, regression_data
 from _helpers import no_orphaned_servers  # noqa: F401  (autouse fixture)
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.nn.functional import mse_loss, softplus
@@ -225,3 +227,77 @@ def test_a_parameter_in_two_optimizers_is_refused():
     """A parameter two optimizers share cannot be stepped by either alone: refused at setup, naming it."""
     with pytest.raises(Exception, match=r"parameter 'net.2.weight' is in optimizer 0 and optimizer 1; each parameter must belong to one optimizer"):
         fit(ps(), SharedParameter(), devices=1, max_steps=1)
+
+
+# ---------------------------------------------------------------------- buffers
+
+
+def bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+
+
+class BatchNormRegression(TinyRegression):
+    def __init__(self, n: int = 64):
+        super().__init__(lr=0.05, momentum=0.9, n=n)
+        self.net = bn_net()
+
+
+class SaveBuffers(Callback):
+    def __init__(self, dirpath):
+        self.dirpath = dirpath
+
+    def on_fit_end(self, trainer, pl_module):  # after the strategy's on_train_end
+        torch.save({k: v.clone() for k, v in pl_module.named_buffers()}, self.dirpath / f"buffers{trainer.global_rank}.pt")
+
+
+def bn_reference(steps: int, n: int = 64) -> nn.Module:
+    """Sync: each worker normalizes with its own batch, gradients averaged, running statistics averaged after each step."""
+    net = bn_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    data = regression_data(n)
+    per_epoch = len(rank_batches(data, 0, 2, 4))
+    for t in range(steps):
+        replicas = [copy.deepcopy(net) for _ in range(2)]
+        for r, replica in enumerate(replicas):
+            x, y = rank_batches(data, r, 2, 4, t // per_epoch)[t % per_epoch]
+            mse_loss(replica(x), y).backward()
+        for p, *copies in zip(net.parameters(), *(rep.parameters() for rep in replicas)):
+            p.grad = torch.stack([c.grad for c in copies]).mean(0)
+        opt.step()
+        with torch.no_grad():
+            for b, *copies in zip(net.buffers(), *(rep.buffers() for rep in replicas)):
+                b.copy_(torch.stack(copies).float().mean(0) if b.is_floating_point() else copies[0])
+    return net
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_batchnorm_buffers_agree_on_every_worker(tmp_path, mode):
+    """BatchNorm running statistics: equal on both workers after fit; sync: equal to the averaged-per-step reference."""
+    model = BatchNormRegression()
+    trainer = fit(ps(mode=mode), model, max_steps=6, callbacks=[SaveBuffers(tmp_path)])
+    buffers = [torch.load(tmp_path / f"buffers{r}.pt") for r in range(2)]
+    for name in buffers[0]:
+        torch.testing.assert_close(buffers[1][name], buffers[0][name], atol=0, rtol=0)
+    assert not torch.equal(buffers[0]["net.1.running_mean"], torch.zeros(8))
+    if mode == "sync":
+        ref = bn_reference(6)
+        torch.testing.assert_close(flat(model), flat(ref), atol=1e-6, rtol=0)
+        for (name, b), ref_b in zip(model.named_buffers(), ref.buffers()):
+            torch.testing.assert_close(b, ref_b, atol=1e-6, rtol=0, msg=name)
+        assert trainer.callback_metrics["pdist/comm_bytes"] > 0
+
+
+def test_batchnorm_resume_equals_the_uninterrupted_run(tmp_path):
+    """Sync with BatchNorm: stop after epoch 0, resume: the same weights and running statistics as the straight run."""
+    straight = BatchNormRegression(n=24)
+    fit(ps(), straight, max_steps=6, limit_val_batches=1)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=False)
+    fit(ps(), BatchNormRegression(n=24), max_steps=3, callbacks=[ckpt], enable_checkpointing=True, limit_val_batches=1)
+    resumed = BatchNormRegression(n=24)
+    fit(ps(), resumed, max_steps=6, ckpt_path=str(tmp_path / "epoch=0-step=3.ckpt"), limit_val_batches=1)
+    torch.testing.assert_close(flat(resumed), flat(straight), atol=1e-6, rtol=0)
+    for (name, b), b_straight in zip(resumed.named_buffers(), straight.buffers()):
+        torch.testing.assert_close(b, b_straight, atol=1e-6, rtol=0, msg=name)
+    ref = bn_reference(6, n=24)
+    torch.testing.assert_close(flat(straight), flat(ref), atol=1e-6, rtol=0)
