@@ -4,7 +4,7 @@ Process layout (one node)::
 
     rank 0 ──fork──> server 0 … server S-1        (dedicated processes, one shard of the flat vector each)
     worker 0 … worker N-1  ──TCP──>  every server  (push gradient shards, pull parameter shards)
-    worker 0 … worker N-1  ──private gloo group──  (Lightning's barrier/broadcast/reduce only)
+    worker 0 … worker N-1  ──private gloo group──  (Lightning's barrier/broadcast/reduce, buffer averaging)
 
 The Lightning ranks are the workers. Global rank 0 starts the servers (``os.fork``, bound to
 ``server_host``) before it opens any other socket, sends each its shard and the optimizer, and the
@@ -75,8 +75,32 @@ class ParameterServerStrategy(PdistStrategy):
     acts like extra momentum of about ``1 - 1/N`` (Mitliagkas et al. 2016): lower the optimizer's
     momentum when going async with many workers.
 
+    Several optimizers (manual optimization, e.g. a GAN with ``toggle_optimizer``): every server runs one
+    optimizer per user optimizer, over that optimizer's parameters. A user optimizer's ``step()`` pushes
+    the gradients of its own parameters only, steps only its server optimizer and pulls; the other
+    optimizers' parameters and state do not move. A parameter in two optimizers is refused, and in sync
+    mode all workers must step the same optimizers in the same order (a server refuses anything else).
+    The worker's ``.grad`` is left alone, as after a torch ``step()``.
+
+    Parameters without a gradient: a parameter whose ``.grad`` is ``None`` on a worker is not sent. A sync
+    step averages over all ``N`` workers with the missing gradients as zeros, and a parameter no worker had
+    a gradient for is left out of the step (``grad = None``: no momentum, no weight decay), which is what
+    DDP with ``find_unused_parameters=True`` and a torch optimizer do.
+
+    Buffers (BatchNorm running statistics) stay on the workers and are averaged over them (floating-point
+    buffers only; integer counters such as ``num_batches_tracked`` agree anyway): in ``sync`` mode after
+    every optimizer step (an all-reduce on the workers' group, counted in ``pdist/comm_bytes``; the running
+    mean then follows the global batch mean, and a checkpoint holds what every worker holds, so resuming is
+    exact); in ``async``/``ssp`` and with backup workers at validation, at checkpoints and at the end of
+    ``fit``, where the workers meet anyway, because a per-step all-reduce would hold them in lockstep.
+
     Validation/test during ``fit`` use the servers' current parameters; after ``fit`` every worker holds
-    them. Checkpoints store them as ``state_dict`` and every server's shard, optimizer state and rule
+    them. ``validate``/``test``/``predict`` outside ``fit`` start no servers: every worker evaluates rank
+    0's module. Each Trainer's setup builds the workers' group afresh (rank 0 hosts a store on
+    ``MASTER_PORT`` and stops it in teardown before any worker leaves), so several Trainers can run one
+    after another in the same processes; where torch's default group already exists there (another
+    strategy ran first), the workers' group is a gloo subgroup of it instead, and Lightning's per-batch
+    broadcast on that group then keeps async workers in step. Checkpoints store them as ``state_dict`` and every server's shard, optimizer state and rule
     state under ``checkpoint["pdist"]["servers"]``; resuming (same ``num_servers`` and ``sharding``)
     restores the servers exactly.
 
