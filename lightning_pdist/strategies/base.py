@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
@@ -175,12 +176,24 @@ class PdistStrategy(DDPStrategy):
         self.setup_algorithm()
         if self._loaded_pdist_state is not None:
             self.load_pdist_state_dict(self._loaded_pdist_state)
-            self.load_pdist_rank_state(*self._loaded_rank_state)
+            self.load_pdist_rank_state(*self._agreed_rank_state())
             self._loaded_pdist_state = None
             self._loaded_rank_state = (None, "")
 
     def setup_algorithm(self) -> None:
         """Create run-time algorithm state once the model is wrapped and optimizers exist."""
+
+    def _agreed_rank_state(self) -> tuple[dict | None, str]:
+        """This rank's loaded state, or None on every rank when any rank lacks its file (one collective)."""
+        state, reason = self._loaded_rank_state
+        rank, world_size = self.rank_world
+        if world_size == 1:
+            return state, reason
+        missing = torch.tensor([0 if state is not None else 1 + rank], dtype=torch.int64)
+        dist.all_reduce(missing, op=dist.ReduceOp.MAX)
+        if state is not None and missing.item():
+            return None, f"rank {missing.item() - 1} has no part of this checkpoint, so no rank resumes its own"
+        return state, reason
 
     @property
     def rank_world(self) -> tuple[int, int]:

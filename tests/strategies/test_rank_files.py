@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import torch
+from pathlib import Path
+
+from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
 import pytest
@@ -64,3 +67,28 @@ def test_the_unused_parameter_error_names_our_variant_not_plain_ddp():
         fit("bmuf_fork", _UnusedBranch(), max_steps=3)
     trainer = fit("bmuf_fork_find_unused_parameters_true", _UnusedBranch(), max_steps=3)
     assert not torch.equal(trainer.lightning_module.extra.weight, _UnusedBranch().extra.weight)  # it trained
+
+
+def test_a_missing_rank_file_sends_every_rank_back_to_the_consensus(tmp_path):
+    """Rank 1's file deleted: both ranks warn and resume from the consensus (not rank 0 alone from its own)."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=3)
+    fit(LocalSGDStrategy(period=4, start_method="fork"), TinyRegression(), max_steps=3, callbacks=[checkpoint],
+        enable_checkpointing=True)  # fmt: skip
+    path = tmp_path / "epoch=0-step=3.ckpt"
+    consensus = torch.load(path, weights_only=False)["state_dict"]
+    Path(rank_files.path_for(path, 1, 2)).unlink()
+    snaps = tmp_path / "snaps"
+    snaps.mkdir()
+    fit(LocalSGDStrategy(period=4, start_method="fork"), TinyRegression(), max_steps=4, ckpt_path=str(path),
+        callbacks=[_StartWeights(snaps)])  # fmt: skip
+    for rank in range(2):
+        start = torch.load(snaps / f"rank{rank}.pt")
+        torch.testing.assert_close(start, torch.cat([v.reshape(-1) for v in consensus.values()]))
+
+
+class _StartWeights(Callback):
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_train_start(self, trainer, pl_module):
+        torch.save(torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]), self.folder / f"rank{trainer.global_rank}.pt")
