@@ -290,8 +290,6 @@ class ParameterServerStrategy(PdistStrategy):
                     "on each shard, which is exact only for element-wise optimizers: "
                     f"torch.optim.{', torch.optim.'.join(ELEMENTWISE_OPTIMIZERS)}"
                 )
-        if not self.optimizers:
-            raise ValueError(f"{owner}: configure_optimizers returned no optimizer; the servers need one to step")
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise ValueError(f"{owner}: precision plugins with a gradient scaler are not supported (use 32-true or bf16)")
         params = self._params()
