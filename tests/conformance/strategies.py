@@ -1,0 +1,82 @@
+"""The columns of the matrix: every registered strategy family, with settings small enough for 8 steps.
+
+Periods are 3, so the checkpoint after epoch 0 (training step 4) falls mid-period. A strategy is
+given by its registered name, as a user would write it; modules with unused parameters get the
+``<name>_find_unused_parameters_true`` variant where it exists, as Lightning's own advice says.
+
+``REFUSALS`` lists the cells that must be refused at setup, with the message (a regular
+expression) the user sees and the alternative ``docs/compatibility.md`` offers. Every other cell must
+run fit → validate → test → predict → resume → ``load_from_checkpoint``. A refusal that starts to
+pass, or a pass that starts to refuse, fails the suite.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_pdist  # noqa: F401 - registers the strategies
+
+TIMEOUT = timedelta(seconds=90)  # a rank that fails alone makes the other's next collective fail, not hang
+
+#: name -> (registry name, extra constructor arguments, exact resume, description)
+STRATEGIES: dict[str, tuple[str, dict, bool, str]] = {
+    "ddp": ("ddp", {}, True, "Lightning's DDP (the baseline)"),
+    "pdist_ddp": ("pdist_ddp", {}, True, "DDP with counted comm hooks"),
+    "local_sgd": ("local_sgd", {"period": 3}, True, "local SGD, period 3"),
+    "simuparallel_sgd": ("simuparallel_sgd", {}, True, "one-shot averaging"),
+    "bmuf": ("bmuf", {"period": 3}, True, "BMUF, period 3"),
+    "easgd": ("easgd", {"period": 3}, True, "EASGD, period 3"),
+    "signsgd_mv": ("signsgd_mv", {}, True, "signSGD with majority vote"),
+    "it_signsgd": ("it_signsgd", {"warmup_rounds": 2}, True, "IT-signSGD (LLR vote)"),
+    "parameter_server": ("parameter_server", {"server_timeout": 60.0}, True, "parameter server, sync"),
+    "parameter_server_async": ("parameter_server_async", {"server_timeout": 60.0}, False, "parameter server, async"),
+    # 2 micro-batches of 2: BatchNorm cannot train on micro-batches of one sample
+    "pipeline": ("pipeline", {"num_microbatches": 2}, True, "pipeline, 2 stages, 1F1B, 2 micro-batches"),
+}
+
+#: (strategy, module) -> (message regex, the alternative a user has)
+_NO_SEQUENTIAL = (r"has no nn.Sequential: the pipeline splits one nn.Sequential holding the whole network",
+                  "build the network as one nn.Sequential whose forward runs the layers in order (or name it with "
+                  "network='...'), or train it data-parallel (any other column)")  # fmt: skip
+_MANUAL = (r"automatic_optimization is False; the pipeline runs every backward and update inside its schedule",
+           "the data-parallel strategies (local_sgd, bmuf, easgd, signsgd_mv, parameter_server) train "
+           "manual-optimization and multi-optimizer modules")  # fmt: skip
+_BF16 = "precision='bf16-mixed' (same speed-up on CPU and Ampere+ GPUs, no loss scaling needed)"
+REFUSALS: dict[tuple[str, str], tuple[str, str]] = {
+    ("signsgd_mv", "fp16_grad_scaler"): (r"a gradient scaler \(GradScaler\) would divide the voted ±1 by its loss scale", _BF16),
+    ("it_signsgd", "fp16_grad_scaler"): (r"a gradient scaler \(GradScaler\) would divide the voted ±1 by its loss scale", _BF16),
+    ("parameter_server", "fp16_grad_scaler"): (r"precision plugins with a gradient scaler are not supported", _BF16),
+    ("parameter_server_async", "fp16_grad_scaler"): (r"precision plugins with a gradient scaler are not supported", _BF16),
+    ("pipeline", "fp16_grad_scaler"): (r"precision with a gradient scaler \(16-mixed\) is not supported", _BF16),
+    ("pipeline", "boring"): _NO_SEQUENTIAL,
+    ("pipeline", "transformer_lm"): _NO_SEQUENTIAL,
+    ("pipeline", "hf_bert"): _NO_SEQUENTIAL,
+    ("pipeline", "gan"): _MANUAL,
+    ("pipeline", "slow_second_optimizer"): _MANUAL,
+    ("pipeline", "batchnorm_clip_norm_accumulate"): (
+        r"Trainer\(accumulate_grad_batches=2\): the pipeline already accumulates over micro-batches",
+        "raise num_microbatches or the batch size: the pipeline's micro-batches are its accumulation"),
+    ("pipeline", "unused_parameters"): (
+        r"parameters are not all inside one nn.Sequential \(net holds .*; outside: aux.weight, aux.bias\)",
+        "put every trained layer in the one nn.Sequential the pipeline splits"),
+    ("pipeline", "frozen"): (
+        r"num_stages=2: the network has 1 layer with parameters \(3 layers in all\); every stage needs one",
+        "fewer stages than trainable layers (here num_stages=1, i.e. data parallel), or a deeper network"),
+}
+
+
+def registry_name(strategy: str, unused: bool) -> str:
+    name = STRATEGIES[strategy][0]
+    variant = f"{name}_find_unused_parameters_true"
+    return variant if unused and variant in StrategyRegistry else name
+
+
+def make(strategy: str, unused: bool) -> Any:
+    """A fresh strategy instance the way the registry builds it, plus the matrix's settings."""
+    name = registry_name(strategy, unused)
+    entry = StrategyRegistry[name]
+    kwargs = {**entry["init_params"], **STRATEGIES[strategy][1], "timeout": TIMEOUT}
+    return entry["strategy"](**kwargs)

@@ -1,0 +1,146 @@
+"""The conformance matrix: every LightningModule in ``modules.py`` × every strategy in ``strategies.py``.
+
+A cell passes when it is either
+
+* **OK**: fit, validate, test, predict, validate from a checkpoint in a fresh Trainer, resume from
+  a mid-period checkpoint and ``load_from_checkpoint`` in this (plain) process all run; losses and
+  metrics are finite; after fit both ranks hold the same weights and buffers; both ranks report the
+  same validation metrics; the resumed run ends where the uninterrupted one did (to 1e-5) when
+  module and strategy are deterministic; and the checkpoint loaded without any strategy equals the
+  trained model; or
+* **a refusal at setup** listed in ``strategies.REFUSALS``, whose message matches, raised on every
+  rank before the first step.
+
+Anything else (a crash after setup, a hang, a difference) fails. Each strategy's column runs in one
+pair of processes (``runner.py``); results are cached here for the cells of that column and kept in
+``runs/conformance/results.json`` for ``python -m tests.conformance.report``, which writes
+``docs/compatibility.md``; the last test checks that file is current.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests._helpers import free_port
+from tests.conformance import report, runner, strategies
+from tests.conformance.modules import MODULES
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "runs" / "conformance"
+COLUMN_TIMEOUT_S = 300.0
+_columns: dict[str, dict[str, list[dict]]] = {}
+
+
+def _result_files(root: Path, strategy: str, module: str) -> list[Path]:
+    return [root / f"{runner.cell_name(strategy, module)}.rank{r}.json" for r in range(2)]
+
+
+def _run_pair(strategy: str, modules: list[str], root: Path, timeout_s: float) -> None:
+    context = mp.start_processes(runner.worker, args=(strategy, modules, str(root), free_port()), nprocs=2,
+                                 join=False, start_method="fork")  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=max(0.1, deadline - time.monotonic())) and time.monotonic() < deadline:
+            pass
+    except mp.ProcessRaisedException:
+        pass
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def _launch(strategy: str) -> dict[str, list[dict]]:
+    """Run the column in pairs of processes; {module: [rank 0's result, rank 1's]} (a missing cell: it hung)."""
+    root = RESULTS / strategy
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    import transformers  # noqa: F401 - imported once here, shared by the forked ranks
+
+    deadline = time.monotonic() + COLUMN_TIMEOUT_S
+    remaining = list(MODULES)
+    while remaining and time.monotonic() < deadline:
+        _run_pair(strategy, remaining, root, deadline - time.monotonic())
+        done = [m for m in remaining if all(f.exists() for f in _result_files(root, strategy, m))]
+        # A pair stops after a failed cell; the cell after the last one done never finished: it hung.
+        hung = remaining[len(done)] if len(done) < len(remaining) and not _stopped_after_failure(root, strategy, done) else None
+        remaining = [m for m in remaining if m not in done and m != hung]
+    column = {}
+    for module in MODULES:
+        files = _result_files(root, strategy, module)
+        column[module] = [json.loads(f.read_text()) if f.exists() else {"status": "hung", "stage": "?"} for f in files]
+    return column
+
+
+def _stopped_after_failure(root: Path, strategy: str, done: list[str]) -> bool:
+    if not done:
+        return False
+    last = [json.loads(f.read_text()) for f in _result_files(root, strategy, done[-1])]
+    return any(r["status"] != "ok" for r in last)
+
+
+def column(strategy: str) -> dict[str, list[dict]]:
+    if strategy not in _columns:
+        _columns[strategy] = _launch(strategy)
+        report.store(RESULTS / "results.json", strategy, _columns[strategy])
+    return _columns[strategy]
+
+
+def _weights(strategy: str, module: str, run: str, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(RESULTS / strategy / f"{runner.cell_name(strategy, module)}.{run}.rank{rank}.pt")
+
+
+def _assert_same_weights(a: dict, b: dict, what: str, atol: float = 1e-6) -> None:
+    assert a.keys() == b.keys(), what
+    for key in a:
+        torch.testing.assert_close(a[key].float(), b[key].float(), atol=atol, rtol=0, msg=lambda m: f"{what}, {key}: {m}")
+
+
+CELLS = [(s, m) for s in strategies.STRATEGIES for m in MODULES]
+
+
+@pytest.mark.parametrize(("strategy", "module"), CELLS, ids=[f"{s}-{m}" for s, m in CELLS])
+def test_cell(strategy: str, module: str) -> None:
+    ranks = column(strategy)[module]
+    refusal = strategies.REFUSALS.get((strategy, module))
+    statuses = [r["status"] for r in ranks]
+    if refusal is not None:
+        pattern, _ = refusal
+        assert statuses == ["error", "error"], f"expected a refusal ({pattern}), got {statuses}"
+        for r in ranks:
+            assert r["stage"] == "fit" and r["global_step"] == 0, f"refused after setup: {r['message']}"
+            assert re.search(pattern, r["message"]), r["message"]
+        return
+    for r in ranks:
+        assert r["status"] == "ok", f"rank stage {r.get('stage')}: {r.get('message')}\n{r.get('traceback', '')}"
+    for r in ranks:
+        assert runner.finite(r["fit_metrics"]) and (r["fit_metrics"] or r["outputs"]["train"]), r["fit_metrics"]
+        assert all(runner.finite(v) for v in r["outputs"].values()), r["outputs"]
+        for stage in ("validate", "test", "validate_checkpoint"):
+            assert all(runner.finite(d) for d in r[stage]), (stage, r[stage])
+        assert r["predict"] and runner.finite(r["predict"])
+    assert ranks[0]["validate"] == ranks[1]["validate"], "the ranks report different validation metrics"
+    fit0, fit1 = (_weights(strategy, module, "fit", rank) for rank in range(2))
+    _assert_same_weights(fit0, fit1, "rank 0 and rank 1 after fit")
+    if strategies.STRATEGIES[strategy][2] and MODULES[module].deterministic:
+        _assert_same_weights(_weights(strategy, module, "resumed", 0), fit0, "resumed vs uninterrupted", atol=1e-5)
+    loaded = type(MODULES[module].make()).load_from_checkpoint(
+        RESULTS / strategy / runner.cell_name(strategy, module) / "epoch=1.ckpt", map_location="cpu")  # fmt: skip
+    _assert_same_weights({k: v for k, v in loaded.state_dict().items()}, fit0, "load_from_checkpoint vs trained")
+
+
+def test_compatibility_doc_is_current() -> None:
+    """docs/compatibility.md shows what this run found (regenerate: python -m tests.conformance.report)."""
+    for strategy in strategies.STRATEGIES:
+        column(strategy)
+    expected = report.render(report.load(RESULTS / "results.json"))
+    assert (ROOT / "docs" / "compatibility.md").read_text() == expected, "run: python -m tests.conformance.report"
