@@ -171,7 +171,9 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         step(model, local_opt, i)
     compute_ms = 1000 * (time.perf_counter() - t0) / 3
 
-    dist.init_process_group("gloo")
+    # env:// (MASTER_ADDR/MASTER_PORT) by default; PDIST_INIT_METHOD (e.g. file://...) lets a caller that runs
+    # several specs in a row give each a fresh rendezvous without picking ports.
+    dist.init_process_group("gloo", init_method=os.environ.get("PDIST_INIT_METHOD", "env://"))
     try:
         ddp = DDP(model)
         meter = CommMeter()

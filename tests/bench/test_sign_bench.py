@@ -200,7 +200,8 @@ def _worker_rank(rank, port, specs, out_dir, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE="2", GLOO_SOCKET_IFNAME="lo")
     results = []
     for i, spec in enumerate(specs):
-        os.environ["MASTER_PORT"] = str(port + i)
+        # One file rendezvous per spec: no TCP port to pick (free_port() + i once collided under load).
+        os.environ["PDIST_INIT_METHOD"] = f"file://{out_dir}/rendezvous{i}"
         results.append(run(spec, out_dir / spec["hook"]))
     queue.put((rank, results))
 
@@ -211,11 +212,10 @@ def test_comm_worker_logs_the_byte_models_on_two_real_ranks(tmp_path):
     specs = comm_plan(config)
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker_rank, args=(r, port, specs, tmp_path, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_worker_rank, args=(r, None, specs, tmp_path, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=90) for _ in procs)
+    results = dict(queue.get(timeout=240) for _ in procs)  # 8 s alone; generous for a loaded machine
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
