@@ -55,8 +55,10 @@ Behaviour at the edges
   −1). Every rank flags non-finite values in its header, so all ranks learn of them in the same
   collective and act alike (a rank raising alone would leave the others blocked in the next
   collective). ``nonfinite="raise"`` (default) raises ``ValueError`` naming the bucket and the
-  ranks; ``nonfinite="propagate"`` returns a NaN bucket on every rank (so an AMP ``GradScaler``
-  skips the step) and leaves the state untouched for that round.
+  ranks; ``nonfinite="propagate"`` returns a NaN bucket on every rank and leaves the state
+  untouched for that round. Under loss scaling (``state.loss_scaling``, an fp16 ``GradScaler``) a
+  non-finite flag is an overflow instead: every rank skips the whole backward pass, whose state
+  changes wait for its end (:mod:`~lightning_pdist.comm.sign_overflow`).
 * **One rank.** No collective is issued; the result is ``sign(grad)`` (or the EF scaled sign).
   Warning about it is the strategy's job.
 * **fp16/bf16 buckets.** Signs ignore precision; the result is cast to the bucket's dtype.
@@ -110,6 +112,7 @@ from lightning_pdist.comm.bits import (
     truth_table_bits,
     unpack_signs,
 )
+from lightning_pdist.comm.sign_overflow import LossScaledRound
 from lightning_pdist.comm.sign_participation import (
     ParticipationTracker,
     coordinate_mask,
@@ -257,6 +260,10 @@ class SignSGDState:
             backward: only the tensors that received a gradient on some rank take part
             (:mod:`~lightning_pdist.comm.sign_participation`; ``ceil(T/32)`` header words).
         buckets: per-bucket state, keyed by ``bucket.index()``.
+        loss_scaling: ``None`` (default), or the :class:`~lightning_pdist.comm.sign_overflow.LossScaledRound`
+            of an fp16 ``GradScaler`` run: then a non-finite gradient on any rank is an overflow that every
+            rank skips (``nonfinite`` is not consulted), and the state changes of a backward pass wait for
+            its end. Set by :class:`~lightning_pdist.plugins.sign_precision.SignMixedPrecision`. Never saved.
     """
 
     process_group: dist.ProcessGroup | None = None
@@ -270,6 +277,7 @@ class SignSGDState:
     rank: int | None = field(default=None, init=False)
     world_size: int | None = field(default=None, init=False)
     tracker: ParticipationTracker = field(default_factory=ParticipationTracker, init=False, repr=False)
+    loss_scaling: LossScaledRound | None = field(default=None, init=False, repr=False)
     _warned_partial: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -592,7 +600,7 @@ def _vote_on_unpacked_slice(
     if keep is not None:
         u = torch.ones(n_local, dtype=u.dtype, device=u.device).masked_scatter_(keep, u)
     if llr.estimator == "coordinate":
-        llr_observe_(stats, counts, 1.0, llr.decay)
+        _commit(state, lambda: llr_observe_(stats, counts, 1.0, llr.decay))
         return packed(u > 0), no_counts
     return packed(u > 0), counts.to(torch.int32).view(torch.uint8).reshape(-1)  # (M·G·4,): summed over slices later
 
@@ -611,6 +619,14 @@ def _used_tensors(state: SignSGDState, index: int, flags: Tensor) -> Tensor:
             stacklevel=3,
         )
     return anywhere
+
+
+def _commit(state: SignSGDState, change) -> None:
+    """Apply a change to the vote's state now, or, under loss scaling, when the backward pass ends without overflow."""
+    if state.loss_scaling is None:
+        change()
+    else:
+        state.loss_scaling.stage(change)
 
 
 def _finish(result: Tensor, raw: Tensor, keep: Tensor | None, lengths, order) -> torch.futures.Future[torch.Tensor]:
@@ -640,13 +656,22 @@ def _sign_hook(state: SignSGDState, bucket: dist.GradBucket, hook: str) -> torch
     raw = bucket.buffer()
     if order is not None:
         raw = _permute(raw, [p.numel() for p in params], order)
-    buffer, local_used = raw, None
+    buffer, local_used, mine = raw, None, None
     if state.find_unused_parameters:
         local_used = state.tracker.take(entry.param_ids, hook)
         if not all(local_used):
             # DDP left zeros or a copy of a stale .grad in the slots of tensors this rank did not use: zeros vote.
             mine = coordinate_mask(lengths, torch.tensor(local_used)).to(raw.device)
             buffer = raw.masked_fill(~mine, 0)
+    scaling = state.loss_scaling
+    if scaling is not None:
+        scaling.enter_bucket(bucket.index(), hook)
+        if scaling.overflowed:  # an earlier bucket of this pass overflowed on some rank: every rank skips the rest
+            return _finish(torch.full_like(raw, float("nan")), raw, mine, lengths, order)
+        if state.momentum > 0 or state.scaled:
+            # Momentum, residual and l1 scales are kept in gradient units (the scale changes between steps): divide
+            # by S in fp32, where S·g / S is exact for a power-of-two S. The plain sign needs no division.
+            buffer = buffer.float() / scaling.loss_scale
 
     chunk = shard_bytes(numel, world_size)  # C: packed bytes per slice
     start = min(rank * 8 * chunk, numel)
@@ -672,24 +697,33 @@ def _sign_hook(state: SignSGDState, bucket: dist.GradBucket, hook: str) -> torch
             used, keep = anywhere, coordinate_mask(lengths, anywhere).to(raw.device)
 
     bad_ranks = headers[:, 0].nonzero().flatten().tolist()
+    if bad_ranks and scaling is not None:  # a loss-scale overflow: every rank skips this step, nothing commits
+        scaling.overflow(bucket.index(), bad_ranks)
+        return _finish(torch.full_like(raw, float("nan")), raw, keep, lengths, order)
     if bad_ranks:
         if state.nonfinite == "raise":
             raise ValueError(
                 f"{hook}: bucket {bucket.index()} holds non-finite gradients (NaN/Inf) on rank(s) {bad_ranks}; a NaN "
                 "has no sign and must not become a silent vote. Lower the learning rate or fix the loss, or pass "
-                "nonfinite='propagate' to hand a NaN bucket to the optimizer (for a GradScaler to skip the step)."
+                "nonfinite='propagate' to hand a NaN bucket to the optimizer (fp16 loss-scale overflows, under a "
+                "GradScaler, are skipped on every rank without either)."
             )
-        return _finish(torch.full_like(buffer, float("nan")), raw, keep, lengths, order)
+        return _finish(torch.full_like(raw, float("nan")), raw, keep, lengths, order)
     if keep is not None:  # tensors outside the vote keep their Signum momentum and EF residual
         vote.momentum = None if vote.momentum is None else torch.where(keep, vote.momentum, entry.momentum)
         vote.residual = None if vote.residual is None else torch.where(keep, vote.residual, entry.residual)
-    entry.momentum, entry.residual = vote.momentum, vote.residual  # every rank's round is valid: commit
+    new_momentum, new_residual = vote.momentum, vote.residual  # every rank's round is valid: commit
+
+    def commit_round() -> None:
+        entry.momentum, entry.residual = new_momentum, new_residual
+        entry.rounds += 1
+
+    _commit(state, commit_round)
 
     # 2. vote on this rank's slice.
     stats = _llr_stats(state, entry, used, world_size, start, stop)
     vote_bytes, counts_bytes = _vote_on_slice(state, entry, stats, recv[:, header_size:], start, stop, used)
     payload = torch.cat([vote_bytes, counts_bytes])  # (C + G,)
-    entry.rounds += 1
 
     # 3. all-gather: row r of gathered is rank r's packed vote (and its disagreement counts).
     gathered = payload
@@ -705,9 +739,9 @@ def _sign_hook(state: SignSGDState, bucket: dist.GradBucket, hook: str) -> torch
         observed = observations_per_round(llr.estimator, lengths)
         if used is not None:  # only the used tensors' coordinates were observed
             observed = observed * used if llr.estimator == "tensor" else observed.new_tensor([float(keep.sum())])
-        llr_observe_(stats, counts.sum(0), observed, llr.decay)
+        _commit(state, lambda: llr_observe_(stats, counts.sum(0), observed, llr.decay))
     result = ef_scaled_vote(voted, headers[:, 1:].contiguous(), lengths) if state.scaled else voted
-    return _finish(result.to(buffer.dtype), raw, keep, lengths, order)
+    return _finish(result.to(raw.dtype), raw, keep, lengths, order)
 
 
 def signsgd_mv_hook(state: SignSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -9,6 +9,8 @@ the replicas stay identical without any parameter traffic.
 Lifecycle (every rank): ``setup`` wraps the model in DDP and registers the hook with a fresh
 hook state; a resumed run then loads *its own* hook state from ``checkpoint["pdist"]``. Each
 backward pass is one vote (one round); ``pdist/comm_bytes`` is logged after every optimizer step.
+With an fp16 ``GradScaler``, setup also swaps in
+:class:`~lightning_pdist.plugins.sign_precision.SignMixedPrecision` (see "fp16 with a GradScaler").
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
@@ -31,6 +34,7 @@ from lightning_pdist.comm.sign_hooks import (
     it_signsgd_hook,
     signsgd_mv_hook,
 )
+from lightning_pdist.plugins.sign_precision import SignMixedPrecision
 from lightning_pdist.strategies.base import PdistStrategy, register_variants
 from lightning_pdist.strategies.config import refuse_owned_ddp_args
 
@@ -185,13 +189,27 @@ class SignSGDStrategy(PdistStrategy):
       the hook on accumulating batches, and the last backward votes on the accumulated gradient,
       i.e. signSGD with a ``k``-times larger batch (one round per optimizer step).
     * **Precision.** ``32``, ``bf16-mixed``, ``16-true`` and ``bf16-true`` work (signs ignore
-      precision; half-precision buckets come back in their dtype). ``16-mixed`` with a
-      ``GradScaler`` is refused: the scaler would divide the voted ``±1`` by its loss scale, and
-      the overflows it expects would stop training under ``nonfinite="raise"``.
+      precision; half-precision buckets come back in their dtype).
+    * **fp16 with a GradScaler** (``precision="16-mixed"`` on GPU; on CPU
+      ``plugins=[MixedPrecision("16-mixed", "cpu")]``) works: setup swaps Lightning's
+      ``MixedPrecision`` for :class:`~lightning_pdist.plugins.sign_precision.SignMixedPrecision`,
+      keeping the user's scaler (settings and state). The loss is scaled as usual; the vote runs on
+      the scaled gradients (the sign ignores a positive scale; Signum momentum, the EF residual and
+      the ``"l1"`` scales see the gradient divided by the scale, in fp32, so they stay in gradient
+      units); the voted ``±1`` (or ``s̄·U``) reaches the optimizer as is, never divided by the
+      scale. An overflow (Inf/NaN) in any rank's gradient skips that optimizer step on *every*
+      rank: the flag rides in each bucket's all-to-all header (no extra collective, no extra byte),
+      the state changes of the whole backward pass are dropped (no Signum momentum, residual or
+      LLR-statistics update, and the round is not counted: ``rounds`` counts applied votes only),
+      and the scale backs off, or grows on the scaler's schedule, identically everywhere. With a
+      scaler, overflows are expected and skipped, so ``nonfinite`` is not consulted; without
+      one, ``nonfinite="raise"`` keeps its meaning. The scaler's state is checkpointed by
+      Lightning under the plugin's key, so a resumed run continues with the same scale.
     * **One rank** works and warns: the update is ``δ·sign(grad)`` (signSGD), nothing is sent.
     * **Non-finite gradients** raise on every rank at once (``nonfinite="raise"``), or give every
-      rank a NaN gradient for that step (``"propagate"``). Nothing here skips that optimizer step,
-      so with ``"propagate"`` your code must (plain SGD would write NaN into the parameters).
+      rank a NaN gradient for that step (``"propagate"``). Without a GradScaler nothing here skips
+      that optimizer step, so with ``"propagate"`` your code must (plain SGD would write NaN into
+      the parameters).
     * **Checkpoints**: each rank writes its own hook state (LLR statistics, EF residual, Signum
       momentum, round counters) to its own file next to the checkpoint
       (:mod:`~lightning_pdist.strategies.rank_files`); a resumed run with the same world size
@@ -215,7 +233,8 @@ class SignSGDStrategy(PdistStrategy):
         momentum: Signum's ``β`` in ``[0, 1)``, applied on each worker *before* the sign
             (``m ← β·m + (1 − β)·g``). Default 0 (plain signSGD); ``0.9`` is the papers' value.
         error_feedback: EF-signSGD (scaled signs plus a local residual).
-        nonfinite: ``"raise"`` (default) or ``"propagate"``.
+        nonfinite: ``"raise"`` (default) or ``"propagate"``; not consulted under a GradScaler,
+            whose overflows skip the step on every rank.
         scale: ``"unit"`` (default; the papers' ``±1``, the optimizer's ``lr`` is ``δ``) or ``"l1"``
             (the per-tensor scaled vote; an SGD ``lr`` keeps its meaning; 4 bytes per tensor more
             per bucket and rank). Error feedback always returns the scaled vote.
@@ -303,20 +322,21 @@ class SignSGDStrategy(PdistStrategy):
     def setup_algorithm(self) -> None:
         owner = type(self).__name__
         self._warn_large_sign_step(owner)
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None:
-            precision = getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__)
-            raise ValueError(
-                f"{owner}(precision={precision!r}): a gradient scaler ({type(scaler).__name__}) would divide the "
-                "voted ±1 by its loss scale (a step of lr/scale) and its expected overflows would stop the vote; "
-                "use precision '32', 'bf16-mixed', '16-true' or 'bf16-true'"
-            )
+        self._use_sign_precision()
         _, world_size = self.rank_world
         if world_size == 1:
             rank_zero_warn(
                 f"{owner}: world_size == 1, so there is no vote; each step applies lr * sign(grad) (signSGD"
                 f"{' with error feedback' if self.config.error_feedback else ''}) and sends nothing."
             )
+
+    def _use_sign_precision(self) -> None:
+        """Swap a ``MixedPrecision`` with a scaler for :class:`SignMixedPrecision` (the same scaler), bound to the vote."""
+        plugin = self.precision_plugin
+        if isinstance(plugin, SignMixedPrecision):
+            plugin.bind(self.hook_state)  # a later fit with this strategy: a fresh hook state
+        elif isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            self.precision_plugin = SignMixedPrecision.replacing(plugin, self.hook_state)
 
     def _warn_large_sign_step(self, owner: str) -> None:
         """Warn when an optimizer's lr, which the unit-scaled vote makes the sign step δ, is an SGD-sized lr."""

@@ -46,8 +46,6 @@ _MANUAL = (r"automatic_optimization is False; the pipeline runs every backward a
            "manual-optimization and multi-optimizer modules")  # fmt: skip
 _BF16 = "precision='bf16-mixed' (same speed-up on CPU and Ampere+ GPUs, no loss scaling needed)"
 REFUSALS: dict[tuple[str, str], tuple[str, str]] = {
-    ("signsgd_mv", "fp16_grad_scaler"): (r"a gradient scaler \(GradScaler\) would divide the voted ±1 by its loss scale", _BF16),
-    ("it_signsgd", "fp16_grad_scaler"): (r"a gradient scaler \(GradScaler\) would divide the voted ±1 by its loss scale", _BF16),
     ("parameter_server", "fp16_grad_scaler"): (r"precision plugins with a gradient scaler are not supported", _BF16),
     ("parameter_server_async", "fp16_grad_scaler"): (r"precision plugins with a gradient scaler are not supported", _BF16),
     ("pipeline", "fp16_grad_scaler"): (r"precision with a gradient scaler \(16-mixed\) is not supported", _BF16),

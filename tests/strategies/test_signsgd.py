@@ -8,7 +8,6 @@ tests), and apply ``x ← x − δ·U``.
 import re
 import json
 import math
-import warnings
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,6 @@ from _helpers import SnapshotParams, TinyRegression, fit, load_snapshot, make_ne
 from comm.test_sign_hooks import binary, reference_it_signsgd
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 from torch.multiprocessing import ProcessRaisedException
@@ -228,15 +226,6 @@ def test_scale_l1_step_is_lr_times_mean_abs_grad_times_sign(tmp_path):
 
     expected = reference_run(1, 4, scaled_sign, lr=0.1, batches=_one_rank_batches())
     assert_every_rank_follows(tmp_path, expected, world=1)
-
-
-def test_fp16_mixed_with_a_grad_scaler_is_refused():
-    """precision '16-mixed' (a GradScaler) is refused at setup: it would divide the voted ±1 by the loss scale."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's GradScaler on CPU may warn
-        plugin = MixedPrecision("16-mixed", "cpu")
-    with pytest.raises(ValueError, match=r"SignSGDStrategy\(precision='16-mixed'\): a gradient scaler .* divide the voted"):
-        fit(SignSGDStrategy(), TinyRegression(lr=LR), devices=1, max_steps=1, plugins=[plugin])
 
 
 class _NaNAtStep2(TinyRegression):
