@@ -173,7 +173,8 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 
     # env:// (MASTER_ADDR/MASTER_PORT) by default; PDIST_INIT_METHOD (e.g. file://...) lets a caller that runs
     # several specs in a row give each a fresh rendezvous without picking ports.
-    dist.init_process_group("gloo", init_method=os.environ.get("PDIST_INIT_METHOD", "env://"))
+    dist.init_process_group("gloo", init_method=os.environ.get("PDIST_INIT_METHOD", "env://"), rank=rank,
+                            world_size=world_size)  # fmt: skip
     try:
         ddp = DDP(model)
         meter = CommMeter()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from queue import Empty
+import time
 
 import pytest
 import torch
@@ -194,6 +196,19 @@ def test_simulated_rounds_equal_three_real_ddp_ranks_with_the_hooks():
             assert torch.equal(torch.from_numpy(results[rank][name]), simulated), (name, rank)
 
 
+def _gather(queue, procs, timeout_s):
+    """{rank: result} from the queue; fails at once, naming the exit codes, when a rank died without a result."""
+    results, deadline = {}, time.monotonic() + timeout_s
+    while len(results) < len(procs):
+        try:
+            rank, result = queue.get(timeout=2)
+            results[rank] = result
+        except Empty:
+            assert all(p.exitcode in (None, 0) for p in procs), f"a rank died: exit codes {[p.exitcode for p in procs]}"
+            assert time.monotonic() < deadline, f"no result from ranks {set(range(len(procs))) - set(results)} in {timeout_s} s"
+    return results
+
+
 def _worker_rank(rank, port, specs, out_dir, queue):
     from lightning_pdist.bench.sign_worker import run
 
@@ -215,7 +230,7 @@ def test_comm_worker_logs_the_byte_models_on_two_real_ranks(tmp_path):
     procs = [ctx.Process(target=_worker_rank, args=(r, None, specs, tmp_path, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=240) for _ in procs)  # 8 s alone; generous for a loaded machine
+    results = _gather(queue, procs, timeout_s=240)  # 8 s alone; generous for a loaded machine
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
