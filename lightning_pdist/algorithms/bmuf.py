@@ -27,6 +27,8 @@ Advice per hyperparameter:
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -57,8 +59,8 @@ class BMUFConfig:
             raise TypeError(f"{self.owner}(nesterov={self.nesterov!r}): nesterov must be a bool")
         if bm is not None and not (0.0 <= bm < 1.0):
             raise ValueError(f"{self.owner}(block_momentum={bm}): block_momentum must be in [0, 1) or None")
-        if not self.block_lr > 0:
-            raise ValueError(f"{self.owner}(block_lr={self.block_lr}): block_lr must be > 0")
+        if not (self.block_lr > 0 and math.isfinite(self.block_lr)):
+            raise ValueError(f"{self.owner}(block_lr={self.block_lr}): block_lr must be a finite number > 0")
 
     def momentum_for(self, world_size: int) -> float:
         """The block momentum in force for ``world_size`` ranks (``1 - 1/N`` by default)."""

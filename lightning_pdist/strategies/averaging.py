@@ -41,6 +41,8 @@ from typing import Any, Callable
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -92,6 +94,32 @@ class ModelAveragingStrategy(PdistStrategy):
 
     def after_warmup_step(self) -> None:
         """Called after each warm-up step, when all replicas are identical."""
+
+    def shared_vector(self) -> Tensor:
+        """What every rank holds identically after :meth:`synchronize` (the average, BMUF's start, EASGD's center)."""
+        return self.local_vector()
+
+    def _refuse_nonfinite(self, own_finite: bool) -> None:
+        """Stop every rank at once when the synchronized model is not finite, naming the ranks that made it so.
+
+        A NaN on one rank reaches every replica through the average; without this check the run would go on and
+        end with NaN weights and exit 0. The shared vector is the same on every rank, so every rank takes the same
+        branch (the gather of the culprits runs on the failure path only, on every rank).
+        """
+        if bool(torch.isfinite(self.shared_vector()).all()):
+            return
+        _, world_size = self.rank_world
+        flags: list[Any] = [own_finite]
+        if world_size > 1:
+            flags = [None] * world_size
+            dist.all_gather_object(flags, own_finite)
+        culprits = [r for r, ok in enumerate(flags) if not ok]
+        raise FloatingPointError(
+            f"{type(self).__name__}: after training step {self.step} the synchronized model is not finite; "
+            f"rank(s) {culprits} held non-finite parameters or buffers before the synchronization (a NaN/inf loss or "
+            "a diverging learning rate). Training stops here, before the NaN reaches a checkpoint: lower the learning "
+            "rate, clip gradients, or look for the batch that produced it."
+        )
 
     def consensus(self) -> Tensor:
         """The flat consensus model (collective: called on every rank at the same point)."""
@@ -172,7 +200,9 @@ class ModelAveragingStrategy(PdistStrategy):
             self._count_buffer_broadcast()
             self.after_warmup_step()
         elif self.syncs_after(self.step):
+            own_finite = bool(torch.isfinite(self.local_vector()).all())
             self.synchronize()
+            self._refuse_nonfinite(own_finite)
         self._set_phase()
 
     def _count_buffer_broadcast(self) -> None:

@@ -29,6 +29,8 @@ things every algorithm here needs:
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -46,7 +48,7 @@ from lightning_pdist.comm.accounting import CommMeter
 from lightning_pdist.comm.hooks import AllReduceState, allreduce_hook
 from lightning_pdist.strategies import rank_files
 
-__all__ = ["PdistStrategy", "register_variants"]
+__all__ = ["PdistStrategy", "check_keywords", "register_variants"]
 
 
 class PdistStrategy(DDPStrategy):
@@ -67,6 +69,7 @@ class PdistStrategy(DDPStrategy):
     wraps_in_ddp = True
 
     def __init__(self, **kwargs: Any) -> None:
+        check_keywords(type(self), kwargs, wraps_in_ddp=self.wraps_in_ddp)
         super().__init__(**kwargs)
         if self._ddp_comm_hook is not None:
             rank_zero_warn(
@@ -129,6 +132,25 @@ class PdistStrategy(DDPStrategy):
         """Restore what :meth:`pdist_state_dict` stored (called on every rank after ``setup``)."""
         self.comm_meter.load_state_dict(state.get("comm_meter", {}))
 
+    def _refuse_foreign_state(self, checkpoint_path: Any) -> None:
+        """Resuming ``fit`` from another algorithm's checkpoint would drop or misread its state: refuse it by name.
+
+        Weights-only uses (validate/test/predict) and checkpoints of plain DDP (``pdist_ddp``: no algorithm state)
+        are fine; so is a checkpoint without ``"pdist"`` (Lightning's own strategies).
+        """
+        saved = (self._loaded_pdist_state or {}).get("strategy")
+        owner = type(self).__name__
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if not fitting or saved in (None, owner, PdistStrategy.__name__):
+            return
+        raise ValueError(
+            f"{owner}: {checkpoint_path} was saved by {saved}; its algorithm state "
+            f"({', '.join(sorted(k for k in self._loaded_pdist_state if k not in ('strategy', 'comm_meter'))) or 'none'}) "
+            f"does not carry over to {owner}. Resume it with {saved}, or start a new run from its weights: "
+            "model = YourModule.load_from_checkpoint(path); trainer.fit(model) (without ckpt_path)"
+        )
+
     def pdist_rank_state(self) -> dict | None:
         """This rank's own state, written to its own file next to the checkpoint (None: nothing per rank).
 
@@ -164,6 +186,7 @@ class PdistStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._loaded_pdist_state = checkpoint.get("pdist")
+        self._refuse_foreign_state(checkpoint_path)
         self._loaded_rank_state = rank_files.load_own(checkpoint_path, self._loaded_pdist_state, *self.rank_world)
         return checkpoint
 
@@ -228,6 +251,36 @@ class PdistStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         description = cls.__doc__.splitlines()[0] if cls.__doc__ else ""
         register_variants(strategy_registry, cls, cls.strategy_name, description, find_unused=cls.wraps_in_ddp)
+
+
+def check_keywords(cls: type, kwargs: dict[str, Any], wraps_in_ddp: bool = True) -> None:
+    """``TypeError`` at construction for a keyword neither the strategy, DDPStrategy nor DistributedDataParallel takes.
+
+    Unknown keywords used to reach ``DistributedDataParallel`` only after the processes had started (or, for a
+    strategy that never builds it, were silently ignored). DDP's own options are refused where there is no DDP.
+    """
+    own = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "kwargs")]
+    strategy = [n for n in inspect.signature(DDPStrategy.__init__).parameters if n not in ("self", "kwargs")]
+    ddp_params = inspect.signature(DistributedDataParallel.__init__).parameters
+    ddp = [n for n in ddp_params if n not in ("self", "module")]
+    owner = cls.__name__
+    for name, value in kwargs.items():
+        if name in strategy or (name in ddp and wraps_in_ddp):
+            continue
+        if name in ddp and _is_default(value, ddp_params[name].default):
+            continue  # LightningCLI passes every DDP argument at its default: nothing is lost
+        if name in ddp:
+            raise TypeError(f"{owner}({name}={value!r}): {owner} never wraps the model in DistributedDataParallel, "
+                            f"so DDP's {name} would be ignored; leave it unset")  # fmt: skip
+        close = difflib.get_close_matches(name, own + strategy + (ddp if wraps_in_ddp else []), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise TypeError(f"{owner}({name}={value!r}): unknown argument{hint} {owner} takes {', '.join(own) or 'no'} "
+                        "arguments of its own" + (", DDPStrategy's and DistributedDataParallel's" if wraps_in_ddp
+                                                  else " and DDPStrategy's"))  # fmt: skip
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    return value is default or (isinstance(value, (bool, int, float, str)) and type(value) is type(default) and value == default)
 
 
 def register_variants(

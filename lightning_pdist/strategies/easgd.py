@@ -76,6 +76,10 @@ class EASGDStrategy(ModelAveragingStrategy):
         return self.easgd_state.center.clone()
 
     @override
+    def shared_vector(self) -> Tensor:
+        return self.easgd_state.center
+
+    @override
     def algorithm_state_dict(self) -> dict:
         return self.easgd_state.state_dict()
 

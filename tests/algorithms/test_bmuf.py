@@ -70,7 +70,7 @@ def test_default_block_momentum_is_one_minus_one_over_n():
     [
         (dict(block_momentum=1.0), r"B\(block_momentum=1.0\): block_momentum must be in \[0, 1\)"),
         (dict(block_momentum=-0.1), r"block_momentum=-0.1"),
-        (dict(block_lr=0.0), r"B\(block_lr=0.0\): block_lr must be > 0"),
+        (dict(block_lr=0.0), r"B\(block_lr=0.0\): block_lr must be a finite number > 0"),
         (dict(block_lr=-1.0), r"block_lr=-1.0"),
     ],
 )

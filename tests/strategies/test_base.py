@@ -121,7 +121,7 @@ def test_gradient_accumulation_counts_optimizer_steps():
         (lambda: LocalSGDStrategy(period=0), r"LocalSGDStrategy\(period=0\): period must be >= 1"),
         (lambda: LocalSGDStrategy(warmup_steps=-2), r"LocalSGDStrategy\(warmup_steps=-2\): warmup_steps must be >= 0"),
         (lambda: BMUFStrategy(block_momentum=1.5), r"BMUFStrategy\(block_momentum=1.5\): block_momentum must be in \[0, 1\)"),
-        (lambda: BMUFStrategy(block_lr=0), r"BMUFStrategy\(block_lr=0\): block_lr must be > 0"),
+        (lambda: BMUFStrategy(block_lr=0), r"BMUFStrategy\(block_lr=0\): block_lr must be a finite number > 0"),
         (lambda: EASGDStrategy(alpha=0), r"EASGDStrategy\(alpha=0\): alpha must be in \(0, 1\]"),
         (lambda: EASGDStrategy(period=-1), r"EASGDStrategy\(period=-1\): period must be >= 1"),
     ],

@@ -1,0 +1,64 @@
+"""Refusals a user meets early: keyword typos at construction, another algorithm's checkpoint, non-finite replicas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.multiprocessing import ProcessRaisedException
+
+from lightning_pdist import (BMUFStrategy, EASGDStrategy, LocalSGDStrategy, ParameterServerStrategy, PdistStrategy,
+                             PipelineStrategy, SignSGDStrategy)  # fmt: skip
+from tests._helpers import TinyRegression, fit
+
+
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda: LocalSGDStrategy(perod=4), r"LocalSGDStrategy\(perod=4\): unknown argument; did you mean 'period'\?"),
+    (lambda: BMUFStrategy(block_lr=1.0, blok_momentum=0.5), r"did you mean 'block_momentum'\?"),
+    (lambda: EASGDStrategy(alhpa=0.1), r"EASGDStrategy\(alhpa=0.1\): unknown argument; did you mean 'alpha'\?"),
+    (lambda: SignSGDStrategy(aggregaton="llr"), r"did you mean 'aggregation'\?"),
+    (lambda: PdistStrategy(find_unused_parameter=True), r"did you mean 'find_unused_parameters'\?"),
+    (lambda: ParameterServerStrategy(num_server=2), r"ParameterServerStrategy\(num_server=2\): unknown argument; did you mean 'num_servers'\?"),
+    (lambda: ParameterServerStrategy(find_unused_parameters=True), r"never wraps the model in DistributedDataParallel"),
+    (lambda: PipelineStrategy(static_graph=True), r"PipelineStrategy\(static_graph=True\): PipelineStrategy never wraps"),
+])  # fmt: skip
+def test_keyword_typos_are_refused_at_construction(make, match):
+    with pytest.raises(TypeError, match=match):
+        make()
+
+
+def test_ddp_and_lightning_keywords_still_pass():
+    LocalSGDStrategy(period=2, find_unused_parameters=True, gradient_as_bucket_view=True, start_method="fork")
+    ParameterServerStrategy(start_method="fork", process_group_backend="gloo")
+
+
+def test_infinite_block_lr_is_refused():
+    with pytest.raises(ValueError, match=r"BMUFStrategy\(block_lr=inf\): block_lr must be a finite number > 0"):
+        BMUFStrategy(block_lr=float("inf"))
+
+
+def test_another_algorithms_checkpoint_is_refused_when_resuming_but_evaluates(tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=2)
+    fit(BMUFStrategy(period=4, start_method="fork"), TinyRegression(), max_steps=2, callbacks=[checkpoint],
+        enable_checkpointing=True)  # fmt: skip
+    path = str(tmp_path / "epoch=0-step=2.ckpt")
+    with pytest.raises(ProcessRaisedException, match=r"EASGDStrategy: .* was saved by BMUFStrategy; its algorithm state "
+                                                     r"\(algorithm, rank_files, step\) does not carry over"):
+        fit(EASGDStrategy(period=4, start_method="fork"), TinyRegression(), max_steps=4, ckpt_path=path)
+    trainer = fit(EASGDStrategy(period=4, start_method="fork"), TinyRegression(), max_steps=0)
+    trainer.validate(TinyRegression(), ckpt_path=path, verbose=False)  # weights only: fine
+
+
+class _NanOnRankOne(TinyRegression):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_rank == 1 and batch_idx == 1 else loss
+
+
+@pytest.mark.parametrize("make", [lambda: LocalSGDStrategy(period=2, start_method="fork"),
+                                  lambda: BMUFStrategy(period=2, start_method="fork"),
+                                  lambda: EASGDStrategy(period=2, start_method="fork")])  # fmt: skip
+def test_a_nan_on_one_rank_stops_every_rank_at_the_next_synchronization(make):
+    with pytest.raises(ProcessRaisedException, match=r"after training step 2 the synchronized model is not finite; "
+                                                     r"rank\(s\) \[1\] held non-finite parameters"):
+        fit(make(), _NanOnRankOne(), max_steps=4)
