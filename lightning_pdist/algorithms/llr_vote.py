@@ -134,6 +134,10 @@ class LLRConfig:
         if self.estimator not in ESTIMATORS:
             choices = ", ".join(repr(e) for e in ESTIMATORS)
             raise ValueError(f"{self.owner}(estimator={self.estimator!r}): estimator must be one of {choices}")
+        for name in ("decay", "max_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{self.owner}({name}={value!r}): {name} must be a number (a bool or a string is not)")
         if not 0.0 < self.decay <= 1.0:
             raise ValueError(f"{self.owner}(decay={self.decay}): decay must be in (0, 1]")
         if not (self.max_weight > 0 and math.isfinite(self.max_weight)):

@@ -70,6 +70,11 @@ class PdistStrategy(DDPStrategy):
 
     def __init__(self, **kwargs: Any) -> None:
         check_keywords(type(self), kwargs, wraps_in_ddp=self.wraps_in_ddp)
+        hook = kwargs.get("ddp_comm_hook")
+        if hook is not None and not callable(hook):
+            raise TypeError(f"{type(self).__name__}(ddp_comm_hook={hook!r}): ddp_comm_hook must be a callable "
+                            "(state, bucket) -> Future, e.g. torch.distributed.algorithms.ddp_comm_hooks.default_hooks"
+                            ".fp16_compress_hook")  # fmt: skip
         super().__init__(**kwargs)
         if self._ddp_comm_hook is not None:
             rank_zero_warn(
