@@ -47,6 +47,7 @@ from typing_extensions import override
 from lightning_pdist.comm.accounting import CommMeter
 from lightning_pdist.comm.hooks import AllReduceState, allreduce_hook
 from lightning_pdist.strategies import rank_files
+from lightning_pdist.strategies.safe_io import SafeCheckpointIO
 
 __all__ = ["PdistStrategy", "check_keywords", "register_variants"]
 
@@ -75,6 +76,7 @@ class PdistStrategy(DDPStrategy):
             raise TypeError(f"{type(self).__name__}(ddp_comm_hook={hook!r}): ddp_comm_hook must be a callable "
                             "(state, bucket) -> Future, e.g. torch.distributed.algorithms.ddp_comm_hooks.default_hooks"
                             ".fp16_compress_hook")  # fmt: skip
+        kwargs.setdefault("checkpoint_io", SafeCheckpointIO())  # a failed save never destroys the previous file
         super().__init__(**kwargs)
         if self._ddp_comm_hook is not None:
             rank_zero_warn(

@@ -7,7 +7,7 @@ of model and optimizer at save time and grew the checkpoint with ``N``. Instead,
 
     {path}.pdist-rank{r}-of-{N}
 
-(``torch.save`` through Lightning's atomic write: a partly written file never replaces a good one)
+(:func:`~lightning_pdist.strategies.safe_io.safe_save`: a partly written file never replaces a good one)
 and the main file records their names under ``checkpoint["pdist"]["rank_files"]``. Memory at save
 time is one rank's state whatever ``N`` is, the main file is the size of a plain DDP checkpoint, and
 ``LightningModule.load_from_checkpoint`` reads the main file alone. The names do not end in
@@ -22,7 +22,9 @@ import os
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
+from lightning.fabric.utilities.cloud_io import get_filesystem
+
+from lightning_pdist.strategies.safe_io import safe_save
 
 __all__ = ["load_own", "manifest", "path_for", "remove", "save"]
 
@@ -42,7 +44,7 @@ def save(state: dict, checkpoint_path: Any, rank: int, world_size: int) -> None:
     """Write this rank's ``state`` (atomically: an interrupted save leaves any older file intact)."""
     path = path_for(checkpoint_path, rank, world_size)
     get_filesystem(path).makedirs(os.path.dirname(path), exist_ok=True)  # Lightning makes it on rank 0 only
-    _atomic_save(state, path)
+    safe_save(state, path)
 
 
 def remove(checkpoint_path: Any, rank: int, world_size: int) -> None:
