@@ -2,7 +2,10 @@
 
 Every failure names the server: a server that died closes its sockets, so the next request fails at once
 with ``ServerUnavailable("parameter server 1 at 127.0.0.1:40123 closed the connection ...")``; a server
-that hangs fails the request after ``timeout`` seconds. One thread per server sends and then receives, so
+that hangs, or trickles its reply, fails the request ``timeout`` seconds after it was sent (one deadline for the
+whole reply, not per byte). Replies are read with the bounded reader of :mod:`~lightning_pdist.comm.ps_wire`:
+a header declaring more than the peer sends costs nothing, and a garbled reply fails the request, naming the
+server. One thread per server sends and then receives, so
 a server that is answering another worker never waits on this one (no cycle of full socket buffers).
 """
 
@@ -70,7 +73,7 @@ class ServerConnection:
         """Send one request and wait for its reply: ``(meta, payload)``."""
         self.send(kind, meta, payload)
         try:
-            reply, meta_in, payload_in, nbytes = recv_message(self.sock)
+            reply, meta_in, payload_in, nbytes = recv_message(self.sock, timeout=self.timeout)  # whole reply
         except (PeerClosed, ConnectionResetError, BrokenPipeError):
             raise ServerUnavailable(f"{self._where()} closed the connection (it exited or crashed) during {kind.name}") from None
         except TimeoutError:

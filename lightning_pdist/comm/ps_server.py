@@ -33,7 +33,9 @@ the whole process group; the workers' teardown or the lifeline ends the server i
 
 from __future__ import annotations
 
+import copy
 import ctypes
+import math
 import os
 import selectors
 import signal
@@ -41,10 +43,12 @@ import socket
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from lightning_pdist.algorithms.ps_rules import (
     BackupWorkerAggregator,
@@ -54,15 +58,16 @@ from lightning_pdist.algorithms.ps_rules import (
 )
 from lightning_pdist.comm.ps_shard import ELEMENTWISE_OPTIMIZERS, ParameterShard, parse_present
 from lightning_pdist.comm.ps_wire import (
+    FrameError,
+    FrameReader,
     Kind,
     PeerClosed,
     address_allowed,
     bytes_to_tensor,
     dumps_state,
+    encode_message,
     loads_state,
     parse_networks,
-    recv_message,
-    send_message,
     tensor_bytes,
 )
 
@@ -71,6 +76,8 @@ __all__ = [
     "MODES",
     "STALENESS_BUCKETS",
     "ParameterShard",
+    "RequestRefused",
+    "ServerLimits",
     "ServerProcess",
     "ShardServer",
     "start_server",
@@ -78,13 +85,121 @@ __all__ = [
 
 MODES = ("sync", "async", "ssp")
 STALENESS_BUCKETS = 16  # histogram bins 0..15, the last one also counts everything staler
+DTYPES = ("torch.float32", "torch.float64", "torch.float16", "torch.bfloat16")
+MAX_WORKERS = 1 << 16  # per-worker bookkeeping is allocated from INIT's num_workers: bound it
+_MISSING = object()
 
 
-@dataclass
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one peer may cost a server (``docs/algorithms/parameter_server.md``, hostile and broken peers).
+
+    Args:
+        max_connections: connections held at once (at least ``2 * num_workers + 8`` once INIT said how many
+            workers there are). At the limit the oldest connection that has not yet completed a request is
+            dropped for the newcomer; if there is none, the newcomer is closed at once. Both are logged.
+        message_timeout: seconds a request may take to arrive whole, from its first byte (not per byte).
+        reply_timeout: seconds a peer may take to read a whole reply; a peer that stops reading is dropped.
+        handshake_timeout: seconds a connection may stay open without completing one request (INIT,
+            HELLO, ...); a silent or half-open connection is dropped after it.
+        max_init_bytes: the largest shard an ``INIT`` may carry. Buffers grow with the bytes that arrive,
+            so a declared size costs nothing until it is sent.
+    """
+
+    max_connections: int = 512
+    message_timeout: float = 300.0
+    reply_timeout: float = 300.0
+    handshake_timeout: float = 300.0
+    max_init_bytes: int = 1 << 36
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_init_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ServerLimits({name}={value!r}): {name} must be an int >= 1")
+        for name in ("message_timeout", "reply_timeout", "handshake_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"ServerLimits({name}={value!r}): {name} must be a finite number of seconds > 0")
+
+    @classmethod
+    def from_io_timeout(cls, io_timeout: float, **overrides: Any) -> ServerLimits:
+        """Every deadline equal to ``io_timeout`` (what ``server_timeout`` means for a worker), then ``overrides``."""
+        return cls(**{"message_timeout": io_timeout, "reply_timeout": io_timeout, "handshake_timeout": io_timeout, **overrides})
+
+
+class RequestRefused(ValueError):
+    """A request's values break a rule; the reply names the field, the value and the rule. Nothing changed."""
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _field(meta: dict, name: str, kind: str, rule: str, check: Any, default: Any = _MISSING) -> Any:
+    """``meta[name]`` if ``check(value)``; otherwise refuse, naming the field, the value and the rule."""
+    if name not in meta and default is not _MISSING:
+        return default
+    value = meta.get(name, _MISSING)
+    if value is _MISSING:
+        raise RequestRefused(f"{kind}: field {name!r} is missing; {name} must be {rule}")
+    if not check(value):
+        raise RequestRefused(f"{kind}: {name}={_show(value)}: {name} must be {rule}")
+    return value
+
+
+def _check_group_values(where: str, group: Any) -> None:
+    """INIT param groups: a JSON object whose numbers are finite (torch checks the rest when it builds the optimizer)."""
+    if not isinstance(group, dict):
+        raise RequestRefused(f"INIT: {where}={_show(group)}: a param group must be an object of hyperparameters")
+    for key, value in group.items():
+        if key == "params":
+            raise RequestRefused(f"INIT: {where}['params']: param groups carry hyperparameters only")
+        numbers = value if isinstance(value, list) else [value]
+        if any(isinstance(v, (int, float)) and not isinstance(v, bool) and not _is_finite_number(v) for v in numbers):
+            raise RequestRefused(f"INIT: {where}[{key!r}]={_show(value)}: numbers must be finite")
+        if key == "lr" and not _is_finite_number(value):
+            raise RequestRefused(f"INIT: {where}['lr']={_show(value)}: lr must be a finite number")
+
+
+@dataclass(eq=False)
 class _Conn:
     sock: socket.socket
     peer: str
+    opened: float
+    reader: FrameReader
     worker: int | None = None
+    known: bool = False  # completed a request: no handshake deadline, not evicted at the connection limit
+    inbox: deque = field(default_factory=deque)  # complete requests not yet handled (at most one)
+    out: deque = field(default_factory=deque)  # memoryviews of reply bytes not yet sent
+    pending: bool = False  # a PULL/PUSHPULL waits for its version
+    message_deadline: float | None = None
+    reply_deadline: float | None = None
+    closing: bool = False  # close once the replies are out (after a protocol error)
+    drain_deadline: float | None = None  # closing: our side is shut, discard what the peer still sends
+    events: int = 0
+    closed: bool = False
+
+    @property
+    def busy(self) -> bool:
+        return self.pending or bool(self.out) or self.closing
+
+    def name(self) -> str:
+        return f"{self.peer}{f' (worker {self.worker})' if self.worker is not None else ''}"
 
 
 @dataclass
@@ -97,7 +212,13 @@ class _Pending:
 
 
 class ShardServer:
-    """The request loop of one server process (single-threaded: requests are applied in arrival order)."""
+    """The request loop of one server process (single-threaded: requests are applied in arrival order).
+
+    Every connection is a non-blocking socket with its own :class:`~lightning_pdist.comm.ps_wire.FrameReader`
+    and output queue, so no peer can hold the loop: a partial message waits in its reader, an unread reply
+    in its queue, each under a deadline of :class:`ServerLimits`. An exception while serving one connection
+    closes that connection and is logged; a request with bad values gets an ``ERROR`` reply and changes nothing.
+    """
 
     def __init__(
         self,
@@ -107,15 +228,17 @@ class ShardServer:
         allowed_networks: str = "127.0.0.0/8",
         idle_timeout: float = 300.0,
         io_timeout: float = 300.0,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.index = index
         self.listener = listener
         self.lifeline = lifeline
         self.networks = parse_networks(allowed_networks)
         self.idle_timeout = idle_timeout
-        self.io_timeout = io_timeout
+        self.limits = limits if limits is not None else ServerLimits.from_io_timeout(io_timeout)
         self.selector = selectors.DefaultSelector()
         self.conns: dict[int, _Conn] = {}
+        self.live: dict[int, int] = {}  # worker -> open connections that said HELLO as it
         self.registered: set[int] = set()  # workers that said HELLO
         self.stopping = False
         self.shard: ParameterShard | None = None
@@ -129,6 +252,29 @@ class ShardServer:
         self.gone: set[int] = set()  # workers whose connection closed (or said BYE)
         self.failed: str | None = None  # why sync training cannot continue
         self.steps_closed = False  # sync: the workers left can never close another step
+        self.aggregator: BackupWorkerAggregator | None = None
+        self.clock: SSPClock | None = None
+        self.dc: DelayCompensation | None = None
+        self.open_step: tuple[int, list[bool]] | None = None  # sync: (optimizer, present) of the open step
+        self._revisit: list[_Conn] = []  # connections whose queued request may now be handled
+        self._log_times: dict[str, tuple[float, int]] = {}  # rate limit per kind of log line
+
+    # ------------------------------------------------------------------ logging
+    def _log(self, message: str, key: str | None = None) -> None:
+        """One line on stderr; lines with a ``key`` at most once per 5 s (the rest counted)."""
+        if key is not None:
+            now = time.monotonic()
+            last, suppressed = self._log_times.get(key, (-math.inf, 0))
+            if now - last < 5.0:
+                self._log_times[key] = (last, suppressed + 1)
+                return
+            self._log_times[key] = (now, 0)
+            if suppressed:
+                message += f" ({suppressed} more like this in the last {now - last:.0f} s)"
+        try:  # fd 2 itself: sys.stderr may wrap a descriptor the fork closed; logging must never raise
+            os.write(2, f"pdist parameter server {self.index}: {message}\n".encode(errors="replace"))
+        except OSError:
+            pass
 
     # ------------------------------------------------------------------ loop
     def serve(self) -> None:
@@ -137,70 +283,283 @@ class ShardServer:
         if self.lifeline is not None:
             self.selector.register(self.lifeline, selectors.EVENT_READ, "lifeline")
         idle_since: float | None = time.monotonic()
-        while not self.stopping:
-            for key, _ in self.selector.select(timeout=1.0):
-                if key.data == "accept":
-                    self._accept()
-                elif key.data == "lifeline":
-                    return  # the process that started us is gone (or closed the pipe)
+        try:
+            while not self.stopping:
+                for key, mask in self.selector.select(timeout=self._next_timeout()):
+                    if key.data == "accept":
+                        self._survive(self._accept)
+                    elif key.data == "lifeline":
+                        return  # the process that started us is gone (or closed the pipe)
+                    elif not key.data.closed:
+                        self._guard(key.data, self._on_event, key.data, mask)
+                    self._handle_revisits()
+                    if self.stopping:
+                        break
+                self._survive(self._expire, time.monotonic())
+                if self.conns:
+                    idle_since = None
+                elif self.registered:
+                    return  # every worker that said HELLO has gone
                 else:
-                    self._readable(key.data)
-                if self.stopping:
-                    break
-            if self.conns:
-                idle_since = None
-            elif self.registered:
-                return  # every worker that said HELLO has gone
-            else:
-                idle_since = idle_since or time.monotonic()
-                if time.monotonic() - idle_since > self.idle_timeout:
-                    return  # nobody came (or only admin connections, long gone)
+                    idle_since = idle_since or time.monotonic()
+                    if time.monotonic() - idle_since > self.idle_timeout:
+                        return  # nobody came (or only admin connections, long gone)
+        finally:
+            self._flush_before_exit()
+
+    def _guard(self, conn: _Conn, fn: Any, *args: Any) -> None:
+        """Run ``fn``; any exception closes ``conn`` (logged), never the server."""
+        try:
+            fn(*args)
+        except Exception as err:  # noqa: BLE001  (one bad peer never takes the server down)
+            self._log(f"closing the connection from {conn.name()} after {type(err).__name__}: {str(err)[:300]}",
+                      key=f"exception:{type(err).__name__}")  # fmt: skip
+            try:
+                self._close(conn)
+            except Exception as close_err:  # noqa: BLE001
+                self._log(f"closing {conn.name()} failed too ({type(close_err).__name__}: {close_err})")
+
+    def _survive(self, fn: Any, *args: Any) -> None:
+        """Run loop bookkeeping (accept, deadlines); an exception there is logged, never fatal."""
+        try:
+            fn(*args)
+        except Exception as err:  # noqa: BLE001
+            self._log(f"{fn.__name__} failed ({type(err).__name__}: {str(err)[:300]})", key=f"survive:{fn.__name__}")
+
+    def _handle_revisits(self) -> None:
+        while self._revisit:
+            conn = self._revisit.pop()
+            if not conn.closed:
+                self._guard(conn, self._process, conn)
+
+    def _next_timeout(self) -> float:
+        now = time.monotonic()
+        soonest = now_plus = now + 1.0
+        for conn in self.conns.values():
+            for deadline in (conn.message_deadline, conn.reply_deadline, conn.drain_deadline):
+                if deadline is not None and deadline < soonest:
+                    soonest = deadline
+            if not conn.known and conn.opened + self.limits.handshake_timeout < soonest:
+                soonest = conn.opened + self.limits.handshake_timeout
+        return max(0.0, min(soonest, now_plus) - now)
+
+    def _expire(self, now: float) -> None:
+        limits = self.limits
+        for conn in list(self.conns.values()):
+            if conn.drain_deadline is not None and now >= conn.drain_deadline:
+                self._close(conn)
+            elif conn.message_deadline is not None and now >= conn.message_deadline:
+                self._close(conn, f"a request did not arrive whole within message_timeout={limits.message_timeout:g} s")
+            elif conn.reply_deadline is not None and now >= conn.reply_deadline:
+                self._close(conn, f"did not read its reply within reply_timeout={limits.reply_timeout:g} s")
+            elif not conn.known and not conn.busy and now >= conn.opened + limits.handshake_timeout:
+                self._close(conn, f"completed no request within handshake_timeout={limits.handshake_timeout:g} s")
+
+    def _max_connections(self) -> int:
+        num_workers = int(self.config.get("num_workers", 0))
+        return max(self.limits.max_connections, 2 * num_workers + 8)
 
     def _accept(self) -> None:
-        try:
-            sock, addr = self.listener.accept()
-        except BlockingIOError:
-            return
-        if not address_allowed(addr[0], self.networks):
-            print(f"pdist parameter server {self.index}: refused a connection from {addr[0]} (outside "
-                  f"{', '.join(map(str, self.networks))})", file=sys.stderr, flush=True)  # fmt: skip
-            sock.close()
-            return
-        sock.setblocking(True)
-        sock.settimeout(self.io_timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
-        self.conns[sock.fileno()] = conn
-        self.selector.register(sock, selectors.EVENT_READ, conn)
+        for _ in range(64):  # drain the backlog, a bounded batch at a time
+            try:
+                sock, addr = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:  # EMFILE and the like: this connection, not the server
+                self._log(f"accept failed ({err})", key="accept")
+                return
+            if not address_allowed(addr[0], self.networks):
+                self._log(f"refused a connection from {addr[0]} (outside {', '.join(map(str, self.networks))})", key="network")
+                sock.close()
+                continue
+            if len(self.conns) >= self._max_connections() and not self._evict_one():
+                self._log(f"refused a connection from {addr[0]}:{addr[1]}: max_connections={self._max_connections()} "
+                          "reached and every connection has completed a request", key="limit")  # fmt: skip
+                sock.close()
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock, f"{addr[0]}:{addr[1]}", time.monotonic(), FrameReader(self._payload_limit))
+            self.conns[sock.fileno()] = conn
+            self._set_events(conn)
 
-    def _close(self, conn: _Conn) -> None:
-        fd = conn.sock.fileno()
-        if fd in self.conns:
+    def _evict_one(self) -> bool:
+        """At the connection limit: drop the oldest connection that has not completed a request."""
+        strangers = [c for c in self.conns.values() if not c.known]
+        if not strangers:
+            return False
+        oldest = min(strangers, key=lambda c: c.opened)
+        self._close(oldest, f"dropped: max_connections={self._max_connections()} reached, and it is the oldest "
+                            f"connection that has completed no request ({time.monotonic() - oldest.opened:.1f} s old)")  # fmt: skip
+        return True
+
+    def _payload_limit(self, kind: Kind) -> int:
+        """The most payload bytes a message of ``kind`` can legitimately carry to this server now."""
+        if kind == Kind.INIT:
+            return self.limits.max_init_bytes
+        if self.shard is None:
+            return 0
+        shard_bytes = self.shard.flat.numel() * self.shard.flat.element_size()
+        if kind in (Kind.PUSH, Kind.PUSHPULL):
+            return shard_bytes
+        if kind == Kind.SET_STATE:  # values, up to 3 optimizer moments, one DC backup per worker, and overhead
+            return (int(self.config["num_workers"]) + 6) * shard_bytes + (64 << 20)
+        return 0
+
+    def _set_events(self, conn: _Conn) -> None:
+        """Read unless a request is already queued (one in flight per connection); write while replies wait."""
+        events = 0 if conn.inbox or (conn.closing and conn.drain_deadline is None) else selectors.EVENT_READ
+        if conn.out:
+            events |= selectors.EVENT_WRITE
+        if events == conn.events:
+            return
+        if conn.events and events:
+            self.selector.modify(conn.sock, events, conn)
+        elif events:
+            self.selector.register(conn.sock, events, conn)
+        else:
             self.selector.unregister(conn.sock)
-            del self.conns[fd]
+        conn.events = events
+
+    def _close(self, conn: _Conn, reason: str | None = None) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        if reason is not None:
+            self._log(f"closing the connection from {conn.name()}: {reason}", key=f"close:{reason[:20]}")
+        if conn.events:
+            self.selector.unregister(conn.sock)
+            conn.events = 0
+        self.conns.pop(conn.sock.fileno(), None)
         conn.sock.close()
+        conn.out.clear()
+        conn.inbox.clear()
         self.pending = [p for p in self.pending if p.conn is not conn]
         if conn.worker is not None:
-            self._worker_gone(conn.worker, "disconnected")
+            self.live[conn.worker] -= 1
+            if not self.live[conn.worker]:  # another connection that said HELLO as this worker is still up
+                self._worker_gone(conn.worker, "disconnected")
 
-    def _readable(self, conn: _Conn) -> None:
+    def _on_event(self, conn: _Conn, mask: int) -> None:
+        if mask & selectors.EVENT_WRITE:
+            self._flush(conn)
+        if mask & selectors.EVENT_READ and not conn.closed:
+            self._read(conn)
+
+    def _read(self, conn: _Conn) -> None:
+        if conn.drain_deadline is not None:  # closing: discard until EOF or the deadline
+            try:
+                if not conn.sock.recv(1 << 16):
+                    self._close(conn)
+            except BlockingIOError:
+                pass
+            except OSError:
+                self._close(conn)
+            return
         try:
-            kind, meta, payload, nbytes = recv_message(conn.sock)
-        except (PeerClosed, OSError, ValueError):
+            message = conn.reader.read(conn.sock)
+        except BlockingIOError:
+            return
+        except (PeerClosed, ConnectionError):
             self._close(conn)
             return
-        self.bytes_in += nbytes
-        try:
-            self._handle(conn, kind, meta, payload)
-        except Exception as err:  # a bad request fails that request, not the server
-            self._reply(conn, Kind.ERROR, {"message": f"{type(err).__name__}: {err}"})
-        self._serve_pending()
+        except FrameError as err:
+            before_init = " (nothing but INIT is accepted before INIT)" if self.shard is None else ""
+            self._log(f"refused a message from {conn.name()}: {err}{before_init}", key="frame")
+            self._reply(conn, Kind.ERROR, {"message": f"parameter server {self.index}: {err}{before_init}; closing the connection"})
+            self._shut(conn)
+            return
+        if message is None:
+            if conn.reader.started and conn.message_deadline is None:
+                conn.message_deadline = time.monotonic() + self.limits.message_timeout
+            return
+        conn.message_deadline = None
+        self.bytes_in += message[3]
+        conn.inbox.append(message)
+        self._process(conn)
 
-    def _reply(self, conn: _Conn, kind: Kind, meta: dict, payload: Any = None) -> None:
+    def _process(self, conn: _Conn) -> None:
+        while conn.inbox and not conn.busy and not conn.closed:
+            kind, meta, payload, _ = conn.inbox.popleft()
+            try:
+                self._handle(conn, kind, meta, payload)
+                conn.known = True
+            except Exception as err:  # noqa: BLE001  (a bad request fails that request, not the server)
+                if not isinstance(err, RequestRefused):
+                    self._log(f"refused {kind.name} from {conn.name()}: {type(err).__name__}: {str(err)[:300]}", key="refused")
+                self._reply(conn, Kind.ERROR, {"message": f"{type(err).__name__}: {err}"})
+            self._serve_pending()
+        if not conn.closed:
+            self._set_events(conn)
+
+    def _shut(self, conn: _Conn) -> None:
+        """Close after a protocol error, once the error reply is out (lingering so the peer can read it)."""
+        conn.closing = True
+        conn.inbox.clear()
+        if not conn.out:
+            self._start_drain(conn)
+        self._set_events(conn)
+
+    def _start_drain(self, conn: _Conn) -> None:
+        # Closing a socket with unread input resets it, which can destroy the error reply in flight: shut our
+        # side, then discard what the peer still sends, for 5 s at most.
         try:
-            self.bytes_out += send_message(conn.sock, kind, meta, payload)
+            conn.sock.shutdown(socket.SHUT_WR)
         except OSError:
             self._close(conn)
+            return
+        conn.drain_deadline = time.monotonic() + 5.0
+
+    def _reply(self, conn: _Conn, kind: Kind, meta: dict, payload: Any = None) -> None:
+        if conn.closed:
+            return
+        head, body = encode_message(kind, meta, payload)
+        self.bytes_out += len(head) + body.nbytes
+        conn.out.append(memoryview(head))
+        if body.nbytes:
+            conn.out.append(body)
+        if conn.reply_deadline is None:
+            conn.reply_deadline = time.monotonic() + self.limits.reply_timeout
+        self._flush(conn)
+        if conn.out and not conn.closed:  # what is left must not change with the shard: copy it
+            conn.out = deque(v if v.readonly else memoryview(bytes(v)) for v in conn.out)
+
+    def _flush(self, conn: _Conn) -> None:
+        while conn.out:
+            view = conn.out[0]
+            try:
+                sent = conn.sock.send(view)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self._close(conn)
+                return
+            if sent < view.nbytes:
+                conn.out[0] = view[sent:]
+                break
+            conn.out.popleft()
+        if not conn.out:
+            conn.reply_deadline = None
+            if conn.closing:
+                if conn.drain_deadline is None:
+                    self._start_drain(conn)
+            else:
+                self._revisit.append(conn)
+        if not conn.closed:
+            self._set_events(conn)
+
+    def _flush_before_exit(self) -> None:
+        """Best effort, at most 2 s: the replies already queued (SHUTDOWN's) reach their peers."""
+        deadline = time.monotonic() + 2.0
+        for conn in list(self.conns.values()):
+            if conn.out and not conn.closed:
+                try:
+                    conn.sock.setblocking(True)
+                    for view in conn.out:
+                        conn.sock.settimeout(max(0.01, deadline - time.monotonic()))
+                        conn.sock.sendall(view)
+                except OSError:
+                    pass
 
     # ------------------------------------------------------------------ requests
     def _handle(self, conn: _Conn, kind: Kind, meta: dict, payload: bytearray) -> None:
@@ -213,13 +572,18 @@ class ShardServer:
         elif kind == Kind.BYE:
             if conn.worker is not None:
                 self._worker_gone(conn.worker, "finished")
+        elif kind in (Kind.REPLY, Kind.ERROR):
+            raise RequestRefused(f"{kind.name} is not a request")
         elif self.shard is None:
             raise RuntimeError(f"parameter server {self.index} got {kind.name} before INIT")
         elif kind == Kind.HELLO:
-            worker = int(meta["worker"])
-            if not 0 <= worker < self.config["num_workers"]:
-                raise ValueError(f"worker {worker} outside [0, {self.config['num_workers']})")
-            conn.worker = worker
+            n = self.config["num_workers"]
+            worker = _field(meta, "worker", "HELLO", f"an int in [0, {n})", lambda v: _is_int(v) and 0 <= v < n)
+            if conn.worker is not None and conn.worker != worker:
+                raise RequestRefused(f"HELLO: worker={worker}: this connection already said HELLO as worker {conn.worker}")
+            if conn.worker is None:
+                conn.worker = worker
+                self.live[worker] = self.live.get(worker, 0) + 1
             self.registered.add(worker)
             self._reply(conn, Kind.REPLY, {"version": self.version, **self._stats()})
         elif kind == Kind.GET_STATE:
@@ -228,52 +592,100 @@ class ShardServer:
             self.load_state_dict(loads_state(payload))
             self._reply(conn, Kind.REPLY, {"version": self.version})
         elif kind in (Kind.PUSH, Kind.PUSHPULL, Kind.PULL):
-            worker = self._worker_of(conn, meta)
-            ack = self._push(worker, meta, payload) if kind != Kind.PULL else {}
+            worker = self._worker_of(conn, kind, meta)
+            wait = _field(meta, "wait_version", kind.name, "null or an int >= 0", lambda v: v is None or (_is_int(v) and v >= 0), None)
+            record = _field(meta, "record", kind.name, "true or false", lambda v: isinstance(v, bool), True)
+            if kind == Kind.PULL and payload:
+                raise RequestRefused(f"PULL: payload of {len(payload)} bytes: a PULL carries none")
+            ack = self._push(worker, kind, meta, payload) if kind != Kind.PULL else {}
             if kind == Kind.PUSH:
                 self._reply(conn, Kind.REPLY, {**ack, **self._stats()})
             else:
-                wait = meta.get("wait_version")
                 if kind == Kind.PUSHPULL and self.config["mode"] == "sync" and wait is None:
                     wait = int(meta["version"]) + 1  # answered once the step this gradient belongs to closed
-                self.pending.append(_Pending(conn, worker, wait, bool(meta.get("record", True)), ack))
+                conn.pending = True
+                self.pending.append(_Pending(conn, worker, wait, record, ack))
         else:
-            raise ValueError(f"unexpected message kind {kind.name}")
+            raise RequestRefused(f"unexpected message kind {kind.name}")
 
-    def _worker_of(self, conn: _Conn, meta: dict) -> int:
+    def _worker_of(self, conn: _Conn, kind: Kind, meta: dict) -> int:
         if conn.worker is None:
             raise RuntimeError("send HELLO before PUSH/PULL")
+        if "worker" in meta and meta["worker"] != conn.worker:
+            raise RequestRefused(f"{kind.name}: worker={_show(meta['worker'])}: this connection said HELLO as worker {conn.worker}")
         return conn.worker
 
     def _init(self, meta: dict, payload: bytearray) -> None:
-        mode = meta["mode"]
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r} must be one of {MODES}")
-        num_workers = int(meta["num_workers"])
-        values = bytes_to_tensor(payload, meta["dtype"]).clone()
-        optimizers = meta.get("optimizers") or [{"name": meta["optimizer"], "param_groups": meta["param_groups"]}]
-        self.shard = ParameterShard(values, meta["segments"], optimizers)
-        self.open_step: tuple[int, list[bool]] | None = None  # sync: (optimizer, present) of the open step
+        """Check every field, build everything, and only then replace the current state (a refused INIT changes nothing)."""
+        mode = _field(meta, "mode", "INIT", f"one of {MODES}", lambda v: v in MODES)
+        num_workers = _field(meta, "num_workers", "INIT", f"an int in [1, {MAX_WORKERS}]",
+                             lambda v: _is_int(v) and 1 <= v <= MAX_WORKERS)  # fmt: skip
+        dtype = _field(meta, "dtype", "INIT", f"one of {DTYPES}", lambda v: v in DTYPES)
+        segments = _field(meta, "segments", "INIT", "a list of [optimizer, group, numel] (or [group, numel]) ints, numel >= 0",
+                          lambda v: isinstance(v, list) and all(isinstance(s, list) and len(s) in (2, 3)
+                                                                and all(_is_int(x) for x in s) and s[-1] >= 0 for s in v))  # fmt: skip
+        if "optimizers" in meta:
+            optimizers = _field(meta, "optimizers", "INIT", "a non-empty list of {'name': str, 'param_groups': [object, ...]}",
+                                lambda v: isinstance(v, list) and v and all(
+                                    isinstance(o, dict) and isinstance(o.get("name"), str)
+                                    and isinstance(o.get("param_groups"), list) and o["param_groups"] for o in v))  # fmt: skip
+        else:
+            name = _field(meta, "optimizer", "INIT", "an optimizer class name", lambda v: isinstance(v, str))
+            groups = _field(meta, "param_groups", "INIT", "a non-empty list of objects", lambda v: isinstance(v, list) and v)
+            optimizers = [{"name": name, "param_groups": groups}]
+        for k, optimizer in enumerate(optimizers):
+            for g, group in enumerate(optimizer["param_groups"]):
+                _check_group_values(f"optimizers[{k}].param_groups[{g}]", group)
+        backup = _field(meta, "backup_workers", "INIT", "an int >= 0", lambda v: _is_int(v) and v >= 0, 0)
+        staleness = _field(meta, "staleness", "INIT", "an int >= 0", lambda v: _is_int(v) and v >= 0, 0)
+        lam = _field(meta, "delay_compensation", "INIT", "a finite number >= 0", lambda v: _is_finite_number(v) and v >= 0, 0.0)
+        numel = sum(s[-1] for s in segments)
+        itemsize = torch.empty(0, dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
+        if len(payload) != numel * itemsize:
+            raise RequestRefused(f"INIT: payload of {len(payload)} bytes; segments hold {numel} elements of {dtype}, "
+                                 f"{numel * itemsize} bytes")  # fmt: skip
+        values = bytes_to_tensor(payload, dtype).clone()
+        if not torch.isfinite(values).all():
+            raise RequestRefused("INIT: the initial shard holds non-finite values; they must be finite")
+        shard = ParameterShard(values, segments, optimizers)
+        aggregator = BackupWorkerAggregator(num_workers, backup) if mode == "sync" else None
+        clock = SSPClock(num_workers, staleness) if mode == "ssp" else None
+        tracker = StalenessTracker(num_workers)
+        dc = DelayCompensation.starting_from(shard.flat, num_workers, float(lam)) if lam > 0 else None
+        self.shard, self.aggregator, self.clock, self.tracker, self.dc = shard, aggregator, clock, tracker, dc
+        self.open_step = None
         self.config = dict(meta)
         self.version = 0
-        self.aggregator = BackupWorkerAggregator(num_workers, int(meta.get("backup_workers", 0))) if mode == "sync" else None
-        self.clock = SSPClock(num_workers, int(meta.get("staleness", 0))) if mode == "ssp" else None
-        self.tracker = StalenessTracker(num_workers)
-        lam = float(meta.get("delay_compensation", 0.0))
-        self.dc = DelayCompensation.starting_from(self.shard.flat, num_workers, lam) if lam > 0 else None
+        self.failed, self.steps_closed = None, False
 
-    def _push(self, worker: int, meta: dict, payload: bytearray) -> dict:
+    def _check_push(self, worker: int, kind: Kind, meta: dict, payload: bytearray) -> tuple[int, list[bool], Tensor, Any, int | None]:
+        """``(optimizer, present, shard-sized gradient, hparams, version)`` of a push; refuses before anything changes."""
+        name = kind.name
+        count = len(self.shard.optimizers)
+        k = _field(meta, "optimizer", name, f"an int in [0, {count})", lambda v: _is_int(v) and 0 <= v < count, 0)
+        if self.aggregator is not None:
+            version = _field(meta, "version", name, "an int >= 0", lambda v: _is_int(v) and v >= 0)
+        else:
+            version = _field(meta, "version", name, "an int >= 0", lambda v: _is_int(v) and v >= 0, None)
+        dtype = self.config["dtype"]
+        _field(meta, "dtype", name, f"{dtype!r}, the shard's dtype", lambda v: v == dtype, dtype)
+        try:
+            present = parse_present(meta.get("present"), len(self.shard.pieces[k]))
+            grad = self.shard.expand(bytes_to_tensor(payload, dtype), k, present)
+            hparams = meta.get("hparams")
+            self.shard.check_hparams(hparams, k)
+        except ValueError as err:
+            raise RequestRefused(f"{name}: {err}") from None
+        return k, present, grad, hparams, version
+
+    def _push(self, worker: int, kind: Kind, meta: dict, payload: bytearray) -> dict:
         if self.failed:
             raise RuntimeError(self.failed)
-        k = int(meta.get("optimizer", 0))
-        present = parse_present(meta.get("present"), len(self.shard.pieces[k]) if 0 <= k < len(self.shard.pieces) else 0)
-        grad = self.shard.expand(bytes_to_tensor(payload, self.config["dtype"]), k, present)
-        self.shard.set_hparams(meta.get("hparams"), k)
+        k, present, grad, hparams, version = self._check_push(worker, kind, meta, payload)
         if self.aggregator is not None and self.steps_closed:  # the others finished: nobody can close a step
             self.aggregator.num_dropped += 1
             return {"accepted": False, "staleness": 0, "contributors": []}
         if self.aggregator is not None:  # sync (with or without backup workers)
-            version = int(meta["version"])
             if version == self.aggregator.step and self.open_step is not None and self.open_step[0] != k:
                 raise ValueError(
                     f"worker {worker} pushed a gradient of optimizer {k} for step {version}, which optimizer "
@@ -281,18 +693,29 @@ class ShardServer:
                 )
             dropped_before = self.aggregator.num_dropped
             mean = self.aggregator.push(worker, version, grad)
+            self.aggregator.drain_dropped()  # nobody reads the records; num_dropped keeps the count
+            self.shard.set_hparams(hparams, k)
             accepted = self.aggregator.num_dropped == dropped_before
             if accepted:  # a piece takes part in the step if any contributor had a gradient for it
                 seen = self.open_step[1] if self.open_step is not None else [False] * len(present)
                 self.open_step = (k, [a or b for a, b in zip(seen, present)])
             if mean is not None:
-                self.shard.apply_(mean, k, self.open_step[1])
+                try:
+                    self.shard.apply_(mean, k, self.open_step[1])
+                except Exception as err:
+                    # The step is consumed: fail every waiter at once rather than leave them to their timeouts.
+                    self.failed = (f"parameter server {self.index}: applying step {version} failed "
+                                   f"({type(err).__name__}: {err}); mode='sync' cannot continue")  # fmt: skip
+                    raise
                 self.open_step = None
                 self.version += 1
                 # Every reply of the previous step went out before this step's last push could arrive, and
                 # no reply of this step has: the counters now differ from the last close by exactly one step.
                 self.closed_bytes = (self.bytes_in, self.bytes_out)
             return {"accepted": accepted, "staleness": 0, "contributors": list(self.aggregator.last_contributors)}
+        if self.clock is not None and worker in self.clock.retired:
+            raise RuntimeError(f"worker {worker} has retired (said BYE or disconnected); it cannot push again")
+        self.shard.set_hparams(hparams, k)
         if self.dc is not None:
             grad = self.dc.compensate(worker, grad, self.shard.flat)
         tau = self.tracker.record_apply(worker)
@@ -311,23 +734,25 @@ class ShardServer:
         return pending.wait_version is None or self.version >= pending.wait_version
 
     def _serve_pending(self) -> None:
-        progress = True
-        while progress:  # answering can change nothing, but a failure below answers everyone
-            progress = False
-            for pending in list(self.pending):
-                if self.failed and not self._ready(pending):
-                    self.pending.remove(pending)
-                    self._reply(pending.conn, Kind.ERROR, {"message": self.failed})
-                    continue
-                if not self._ready(pending):
-                    continue
+        for pending in list(self.pending):
+            if pending.conn.closed:
                 self.pending.remove(pending)
-                if pending.record:
-                    self.tracker.record_pull(pending.worker)
-                    if self.dc is not None:
-                        self.dc.record_pull(pending.worker, self.shard.flat)
-                meta = {**pending.ack, "version": self.version, "dtype": self.config["dtype"], **self._stats()}
-                self._reply(pending.conn, Kind.REPLY, meta, tensor_bytes(self.shard.flat))
+                continue
+            if self.failed and not self._ready(pending):
+                self.pending.remove(pending)
+                pending.conn.pending = False
+                self._reply(pending.conn, Kind.ERROR, {"message": self.failed})
+                continue
+            if not self._ready(pending):
+                continue
+            self.pending.remove(pending)
+            pending.conn.pending = False
+            if pending.record:
+                self.tracker.record_pull(pending.worker)
+                if self.dc is not None:
+                    self.dc.record_pull(pending.worker, self.shard.flat)
+            meta = {**pending.ack, "version": self.version, "dtype": self.config["dtype"], **self._stats()}
+            self._reply(pending.conn, Kind.REPLY, meta, tensor_bytes(self.shard.flat))
 
     def _stats(self) -> dict:
         stats = {"bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
@@ -375,6 +800,17 @@ class ShardServer:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a :meth:`state_dict`; if any part of ``state`` is refused, the server keeps the state it had."""
+        if not isinstance(state, dict):
+            raise RequestRefused(f"SET_STATE: the payload holds a {type(state).__name__}; it must be a server state dict")
+        backup = copy.deepcopy(self.state_dict())
+        try:
+            self._load_state_dict(state)
+        except Exception:
+            self._load_state_dict(backup)
+            raise
+
+    def _load_state_dict(self, state: dict) -> None:
         self.shard.load_state_dict(state["shard"])
         self.version = int(state["version"])
         self.open_step = None
@@ -475,14 +911,18 @@ def start_server(
     allowed_networks: str = "127.0.0.0/8",
     idle_timeout: float = 300.0,
     io_timeout: float = 300.0,
+    limits: ServerLimits | None = None,
 ) -> ServerProcess:
     """Fork a server process bound to ``host:port`` (``port=0``: any free port) and return its handle.
+
+    ``limits`` bound what one peer may cost the server (default: every deadline ``io_timeout``).
 
     The socket is bound here, before the fork, so a bad address fails in the caller and the port is
     known (and accepting) before this returns. Call it before creating other sockets if possible; the
     child closes every inherited descriptor except its own anyway.
     """
     parse_networks(allowed_networks)  # fail here, not in the child
+    limits = limits if limits is not None else ServerLimits.from_io_timeout(io_timeout)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.create_server((host, port), family=family, backlog=128)
     bound_host, bound_port = listener.getsockname()[:2]
@@ -499,7 +939,7 @@ def start_server(
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             _set_process_name(f"pdist-ps{index}")
             torch.set_num_threads(1)
-            ShardServer(index, listener, read_end, allowed_networks, idle_timeout, io_timeout).serve()
+            ShardServer(index, listener, read_end, allowed_networks, idle_timeout, limits=limits).serve()
             code = 0
         except BaseException:  # noqa: BLE001  (report anything, then leave without running the parent's atexit)
             traceback.print_exc()
@@ -523,12 +963,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--allowed-networks", default="127.0.0.0/8")
     parser.add_argument("--idle-timeout", type=float, default=300.0)
+    defaults = ServerLimits()
+    parser.add_argument("--max-connections", type=int, default=defaults.max_connections)
+    parser.add_argument("--message-timeout", type=float, default=defaults.message_timeout)
+    parser.add_argument("--reply-timeout", type=float, default=defaults.reply_timeout)
+    parser.add_argument("--handshake-timeout", type=float, default=defaults.handshake_timeout)
+    parser.add_argument("--max-init-bytes", type=int, default=defaults.max_init_bytes)
     args = parser.parse_args(argv)
     parse_networks(args.allowed_networks)
+    limits = ServerLimits(args.max_connections, args.message_timeout, args.reply_timeout, args.handshake_timeout,
+                          args.max_init_bytes)  # fmt: skip
     listener = socket.create_server((args.host, args.port), backlog=128)
     print(f"pdist parameter server {args.index} listening on {listener.getsockname()[0]}:{listener.getsockname()[1]}", flush=True)
     torch.set_num_threads(1)
-    ShardServer(args.index, listener, None, args.allowed_networks, args.idle_timeout).serve()
+    ShardServer(args.index, listener, None, args.allowed_networks, args.idle_timeout, limits=limits).serve()
 
 
 if __name__ == "__main__":

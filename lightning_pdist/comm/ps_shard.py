@@ -21,7 +21,9 @@ Never imports Lightning.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +43,24 @@ def parse_present(present: str | None, count: int) -> list[bool]:
     if not isinstance(present, str) or len(present) != count or set(present) - {"0", "1"}:
         raise ValueError(f"present={present!r}: must be a string of {count} '0'/'1' characters, one per piece")
     return [c == "1" for c in present]
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_finite(value: Any) -> bool:
+    if not _is_number(value):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int beyond float range
+        return False
 
 
 class ParameterShard:
@@ -93,8 +113,51 @@ class ParameterShard:
         if not 0 <= optimizer < len(self.optimizers):
             raise ValueError(f"optimizer={optimizer}: must be in [0, {len(self.optimizers)})")
 
+    def check_hparams(self, hparams: Any, optimizer: int = 0) -> None:
+        """Refuse what :meth:`set_hparams` must not take; changes nothing.
+
+        A push may change numeric hyperparameters only: ``hparams`` is ``None``, ``[]``, or one object per param
+        group of ``optimizer`` whose values are finite numbers, or lists of finite numbers where the group holds
+        a tuple of that length (``betas``). A key whose current value is a boolean, a string or ``None``
+        (``nesterov``, ``foreach``) cannot be changed by a push.
+
+        Raises:
+            ValueError: naming the field, its value and the rule.
+        """
+        self._check_optimizer(optimizer)
+        if hparams is None or hparams == []:
+            return
+        torch_optimizer = self.optimizers[optimizer]
+        groups = torch_optimizer.param_groups if torch_optimizer is not None else None
+        count = f"{len(groups)} " if groups is not None else ""
+        if not isinstance(hparams, list) or (groups is not None and len(hparams) != len(groups)):
+            raise ValueError(f"hparams={_show(hparams)}: hparams must be a list of {count}objects, one per param group "
+                             f"of optimizer {optimizer}")  # fmt: skip
+        for g, values in enumerate(hparams):
+            if not isinstance(values, dict):
+                raise ValueError(f"hparams[{g}]={_show(values)}: each entry must be an object of hyperparameters")
+            for key, value in values.items():
+                where = f"hparams[{g}][{key!r}]={_show(value)}"
+                current = groups[g].get(key) if groups is not None else None
+                if key == "params" or (groups is not None and key in groups[g] and not _is_number(current)
+                                       and not isinstance(current, (tuple, list))):  # fmt: skip
+                    raise ValueError(f"{where}: a push changes numeric hyperparameters only (param group {g} of "
+                                     f"optimizer {optimizer} has {key}={_show(current)})")  # fmt: skip
+                if isinstance(current, (tuple, list)):
+                    ok = isinstance(value, list) and len(value) == len(current) and all(map(_is_finite, value))
+                    rule = f"a list of {len(current)} finite numbers"
+                elif isinstance(value, list) and current is None:
+                    ok, rule = bool(value) and all(map(_is_finite, value)), "a finite number or a list of finite numbers"
+                else:
+                    ok, rule = _is_finite(value), "a finite number"
+                if not ok:
+                    raise ValueError(f"{where}: {key} must be {rule}")
+
     def set_hparams(self, hparams: list[dict] | None, optimizer: int = 0) -> None:
-        """Take the workers' current hyperparameters of ``optimizer`` (a learning-rate scheduler changes them)."""
+        """Take the workers' current hyperparameters of ``optimizer`` (a learning-rate scheduler changes them).
+
+        Call :meth:`check_hparams` first: this one assumes them valid.
+        """
         self._check_optimizer(optimizer)
         if not hparams or self.optimizers[optimizer] is None:
             return
@@ -147,7 +210,13 @@ class ParameterShard:
                 "ParameterShard.load_state_dict: the checkpoint's shard layout differs from this run's; resume with "
                 "the same model, optimizers, num_servers, sharding and partition_bytes"
             )
-        self.flat.copy_(state["values"])
+        values = state["values"]
+        if not isinstance(values, Tensor) or values.shape != self.flat.shape or values.dtype != self.flat.dtype:
+            raise ValueError(
+                f"ParameterShard.load_state_dict: values of {_show(getattr(values, 'shape', values))} "
+                f"{getattr(values, 'dtype', '')}; this shard holds {tuple(self.flat.shape)} {self.flat.dtype}"
+            )
+        self.flat.copy_(values)
         for optimizer, saved in zip(self.optimizers, state["optimizers"]):
             if optimizer is not None and saved is not None:
                 optimizer.load_state_dict(saved)
