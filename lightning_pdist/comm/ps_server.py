@@ -25,6 +25,21 @@ a gradient for out of the step (``grad = None``), as DDP with ``find_unused_para
 workers must step the same optimizers in the same order: a sync step opened by one optimizer refuses
 another optimizer's gradient.
 
+Hostile and broken peers (``docs/algorithms/parameter_server.md``): the loop is single-threaded over non-blocking
+sockets with the standard library's ``selectors``; each connection is a small state machine (a bounded
+:class:`~lightning_pdist.comm.ps_wire.FrameReader`, one request in flight, a queue of unsent reply bytes) under
+the deadlines of :class:`ServerLimits` (a whole request, a whole reply, the first request), and the number of
+connections is bounded. Requests are checked field by field before they touch any state
+(:class:`RequestRefused` names the field, the value and the rule), and any exception while serving one
+connection closes that connection and is logged. Why ``selectors`` and not pyzmq or asyncio: requests must be
+applied one at a time in arrival order, which one thread gives without locks; the loop must see each peer's
+own connection (its EOF is how a dead worker is named at once) and bound each message by its kind and by this
+server's shard *before* allocating, while ZeroMQ hands over whole messages after buffering them (its only
+bound, ``ZMQ_MAXMSGSIZE``, is one size for all kinds) and reports disconnects only through a monitor socket;
+and it adds a compiled dependency for what about 300 lines of standard library do. ``asyncio`` would serve as
+well, but the optimizer steps are synchronous compute in the loop either way, so it would add a framework
+and nothing else.
+
 Lifetime: the server exits when rank 0 sends ``SHUTDOWN``; when no connection is left and at least one
 worker had said ``HELLO`` (all workers gone); when its lifeline pipe to the process that started it reaches EOF (that process died,
 however); or after ``idle_timeout`` seconds without any connection and no worker yet. It ignores ``SIGINT`` (Ctrl-C reaches
