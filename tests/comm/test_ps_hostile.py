@@ -362,3 +362,17 @@ def test_server_limits_refuse_bad_values():
         ServerLimits(message_timeout=math.inf)
     assert ServerLimits.from_io_timeout(7.0).reply_timeout == 7.0
 
+
+
+def test_an_impostor_that_says_hello_as_a_live_worker_and_leaves_does_not_fail_sync():
+    """Sync: a second connection saying HELLO as worker 0 then closing does not mark worker 0 gone; the step closes."""
+    with serving() as server:
+        init(server.address, mode="sync", num_workers=2, lr=1.0)
+        a, b = good_worker(server.address, 0), good_worker(server.address, 1)
+        with raw(server.address) as impostor:
+            impostor.sendall(header(Kind.HELLO, 12, 0) + b'{"worker":0}')
+            assert recv_message(impostor, timeout=GOOD_TIMEOUT)[0] == Kind.REPLY
+        time.sleep(0.5)  # let the server see the impostor's EOF before the step
+        a.push([torch.ones(6)], [0], [{"lr": 1.0}])
+        b.push([3 * torch.ones(6)], [0], [{"lr": 1.0}])
+        torch.testing.assert_close(a.pull(wait_version=1)[0][0], torch.full((6,), -2.0))
