@@ -21,7 +21,7 @@ newest weights and the forward's activations (PipeDream's "no stashing" baseline
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -61,6 +61,9 @@ class StageExecutor:
         vertical_sync: ``pipedream``: use the input stage's version for every micro-batch.
         seed: the stage's own random stream for its layers (dropout); stages seeded alike would draw the
             same masks in lockstep. ``None`` uses the process's global stream.
+        forward_context: entered around each forward's computation (and the loss), never around a backward:
+            e.g. the precision plugin's autocast, which on CPU would otherwise recast the backward's matmuls
+            too (backward runs in the calling thread, under its autocast state).
     """
 
     def __init__(
@@ -78,11 +81,13 @@ class StageExecutor:
         weight_stashing: bool = True,
         vertical_sync: bool = False,
         seed: int | None = None,
+        forward_context: Callable[[], AbstractContextManager] = nullcontext,
     ) -> None:
         self.module, self.stage, self.num_stages, self.schedule = module, stage, num_stages, schedule
         self.p2p, self.prev_rank, self.next_rank = p2p, prev_rank, next_rank
         self.input_fn, self.loss_fn, self.update_fn = input_fn, loss_fn, update_fn
         self.weight_stashing, self.vertical_sync = weight_stashing, vertical_sync
+        self.forward_context = forward_context
         self.cursor = StageCursor(schedule, num_stages, stage)
         self.params: dict[str, nn.Parameter] = dict(module.named_parameters())
         self.handlers: dict[str, Callable[[int], None]] = {"F": self.forward, "B": self.backward, "U": self.update}
@@ -243,11 +248,13 @@ class StageExecutor:
                 return functional_call(self.module, weights, (user_input if self.num_stages == 1 else x,))
 
         if self.is_last:
-            output = self.loss_fn(j, run_stage)
+            with self.forward_context():
+                output = self.loss_fn(j, run_stage)
             if not isinstance(output, Tensor) or output.ndim != 0:
                 raise RuntimeError(f"pipeline stage {self.stage}: the loss of micro-batch {j} must be a scalar tensor, got {type(output).__name__}")
         else:
-            output = run_stage()
+            with self.forward_context():
+                output = run_stage()
             if not isinstance(output, Tensor):
                 raise RuntimeError(
                     f"pipeline stage {self.stage}: its output is a {type(output).__name__}; a stage boundary carries one tensor"

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -41,9 +42,10 @@ from typing_extensions import override
 from lightning_pdist.algorithms.flat import flatten, unflatten_into_
 from lightning_pdist.algorithms.pipeline_partition import BALANCES, Partition
 from lightning_pdist.algorithms.pipeline_schedule import SCHEDULES
-from lightning_pdist.comm.collectives import all_reduce_mean_
+from lightning_pdist.comm.collectives import all_reduce_mean_, all_reduce_sum_
 from lightning_pdist.comm.pipeline_executor import StageExecutor
 from lightning_pdist.comm.pipeline_p2p import P2P
+from lightning_pdist.plugins.pipeline_precision import PipelineMixedPrecision
 from lightning_pdist.strategies.base import PdistStrategy, register_variants
 from lightning_pdist.strategies.config import ConfigErrors, is_int, refuse_owned_ddp_args
 from lightning_pdist.strategies.pipeline_logging import LogRecorder, aggregate, replay
@@ -138,6 +140,17 @@ class PipelineStrategy(PdistStrategy):
     alive, measured from the storages). Checkpoints hold the whole model (``state_dict``, readable by
     ``load_from_checkpoint`` in one process), every stage's optimizer state and, for ``2bw``, the older
     weight version; the asynchronous schedules drain first, so a checkpoint is a drained pipeline.
+
+    fp16 with a ``GradScaler`` (``precision="16-mixed"``, or on CPU ``plugins=[MixedPrecision("16-mixed", "cpu")]``),
+    ``gpipe`` and ``1f1b`` only: the Trainer's ``MixedPrecision`` is swapped for
+    :class:`~lightning_pdist.plugins.pipeline_precision.PipelineMixedPrecision` with the user's scaler. Forwards
+    run under autocast, backwards outside it; the last stage scales each micro-batch's loss by ``S`` (the gradients
+    travel scaled between stages); before the batch's update every stage unscales its gradients, one all-reduce of a
+    float over the world (counted as ``overflow_flag``) says whether any stage or replica overflowed, and then every
+    rank steps or every rank skips, and ``S`` backs off or grows identically everywhere (torch's rule, through the
+    scaler's public API). The scaler's state is checkpointed by Lightning. ``pipedream`` and ``2bw`` refuse a scaler
+    at setup (they update a stage before the earlier stages have finished the same micro-batch or batch, so no
+    agreed skip fits their schedule; the method card explains); ``bf16-mixed`` works with every schedule.
 
     Args:
         num_stages: pipeline depth ``K``; ``None``: the world size (no replicas). ``world_size`` must be a
@@ -258,6 +271,7 @@ class PipelineStrategy(PdistStrategy):
         self.model_to_device()
         self._make_groups()
         self._broadcast_module_from_rank_zero()
+        self._use_pipeline_precision()
         try:
             self.split = StageSplit(module, self.pipeline_stages, self.stage, self.config.network, self.config.balance,
                                     list(self.config.split_points) if self.config.split_points else None,
@@ -273,6 +287,8 @@ class PipelineStrategy(PdistStrategy):
                 raise ValueError(f"{type(self).__name__}: configure_optimizers failed on stage {self.stage}, which holds only "
                                  f"{held[0]}..{held[-1]} ({type(err).__name__}: {err}); under a pipeline it must build one "
                                  "optimizer over self.parameters(), which on each stage are that stage's layers") from err  # fmt: skip
+        if fitting:
+            self._check_optimizer_unscaling()
         self.setup_precision_plugin()
         self.executor = self._make_executor()
         if fitting and self._loaded_pdist_state is not None:
@@ -291,8 +307,28 @@ class PipelineStrategy(PdistStrategy):
         if trainer.gradient_clip_val and algorithm != "value":
             raise ValueError(f"{owner}: Trainer(gradient_clip_algorithm={algorithm!r}): the gradient "
                              "norm spans all stages; use gradient_clip_algorithm='value' (stage-local)")  # fmt: skip
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(f"{owner}: precision with a gradient scaler (16-mixed) is not supported; use 32-true or bf16-mixed")
+        plugin = self.precision_plugin
+        if getattr(plugin, "scaler", None) is not None:
+            if not isinstance(plugin, MixedPrecision):
+                raise ValueError(f"{owner}: the precision plugin {type(plugin).__name__} has a gradient scaler; the pipeline "
+                                 "agrees on overflows only for Lightning's MixedPrecision('16-mixed') (or use bf16-mixed)")  # fmt: skip
+            if self.config.schedule in _UNSCALABLE:
+                raise ValueError(f"{owner}(schedule={self.config.schedule!r}): precision with a gradient scaler (16-mixed) is "
+                                 f"not supported: {_UNSCALABLE[self.config.schedule]}; use schedule='1f1b' or 'gpipe' "
+                                 "with 16-mixed, or bf16-mixed (no loss scaling) with this schedule")  # fmt: skip
+
+    def _use_pipeline_precision(self) -> None:
+        """Swap a ``MixedPrecision`` with a scaler for :class:`PipelineMixedPrecision` (the same scaler)."""
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision) and not isinstance(plugin, PipelineMixedPrecision) and plugin.scaler is not None:
+            self.precision_plugin = PipelineMixedPrecision.replacing(plugin)
+
+    def _check_optimizer_unscaling(self) -> None:
+        plugin, optimizer = self.precision_plugin, self.optimizers[0]
+        if isinstance(plugin, PipelineMixedPrecision) and plugin.handles_unscaling(optimizer):
+            raise ValueError(f"{type(self).__name__}: {type(optimizer).__name__} unscales its gradients inside step() (a fused "
+                             "optimizer), so the stages cannot agree on an overflow before it steps; use the non-fused "
+                             "optimizer with 16-mixed")  # fmt: skip
 
     def _broadcast_module_from_rank_zero(self) -> None:
         # Every stage starts from rank 0's weights, as with DDP (and a resumed run's are equal anyway).
@@ -322,6 +358,8 @@ class PipelineStrategy(PdistStrategy):
             weight_stashing=self.config.weight_stashing, vertical_sync=self.config.vertical_sync,
             # Megatron's rule: the seed plus 100 per pipeline stage, so stages draw different dropout masks.
             seed=torch.initial_seed() + 100 * s,
+            # Autocast around forwards only, as Lightning runs backward outside training_step's context.
+            forward_context=self.precision_plugin.train_step_context,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the user's hooks, per stage
@@ -364,11 +402,20 @@ class PipelineStrategy(PdistStrategy):
                                "pipeline it must return the loss (a tensor, or a dict with 'loss'): a step cannot be skipped")  # fmt: skip
         w["records"] += recorder.records
         w["losses"].append((float(loss.detach()), batch_size_of(chunk)))
+        if isinstance(self.precision_plugin, PipelineMixedPrecision):
+            # S·loss: every gradient the backwards send between stages is scaled (no fp16 underflow on the way).
+            return self.precision_plugin.scale_loss(loss)
         return loss
 
     def _update(self) -> None:
-        """One optimizer step of this stage (called by the executor), after the replicas' gradient average."""
-        optimizer = self.optimizers[0]
+        """One optimizer step of this stage (called by the executor), after the replicas' gradient average.
+
+        Under 16-mixed the stage first unscales its gradients, and every rank of the world agrees whether any
+        stage or replica overflowed: then all ranks skip this update, or none does.
+        """
+        optimizer, plugin = self.optimizers[0], self.precision_plugin
+        scaled = isinstance(plugin, PipelineMixedPrecision)
+        overflowed = plugin.unscale_(optimizer) if scaled else False
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if self.replicas > 1 and grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -377,6 +424,12 @@ class PipelineStrategy(PdistStrategy):
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
+        if scaled:
+            # One float over the whole world: flushed schedules run the update of a batch in the same window
+            # on every rank, so this blocking all-reduce meets every rank at the same update.
+            flag = torch.tensor([float(overflowed)], device=self.root_device)
+            all_reduce_sum_(flag, meter=self.comm_meter, kind="overflow_flag")
+            plugin.overflowed = bool(flag.item() > 0)
         self.precision_plugin.optimizer_step(optimizer, model=self.lightning_module, closure=_no_closure)
 
     # ------------------------------------------------------------------ training
@@ -392,9 +445,8 @@ class PipelineStrategy(PdistStrategy):
         if executor.is_first and not executor.is_last:
             self._window["inputs"] = self._capture_input("training_step", batch, rest).tensor_split(n)
         wait0, began = executor.p2p.wait_s, time.perf_counter()
-        with self.precision_plugin.train_step_context():
-            executor.admit(n)
-            executor.run()
+        executor.admit(n)
+        executor.run()  # forwards under the plugin's train_step_context (autocast), backwards outside it
         self._step_stats = (executor.p2p.wait_s - wait0, time.perf_counter() - began)
         payload = self._share_step(self._window)
         replay(self.lightning_module, payload["records"])
@@ -592,6 +644,17 @@ class PipelineStrategy(PdistStrategy):
         for name, schedule in aliases.items():
             register_variants(strategy_registry, cls, name, f"pipeline, schedule={schedule!r}", find_unused=False,
                               schedule=schedule)  # fmt: skip
+
+
+# Schedules under which a gradient scaler is refused, and why (the method card has the timelines).
+_UNSCALABLE = {
+    "pipedream": "each stage updates right after its own backward of a micro-batch, before the earlier stages have run "
+                 "theirs, so no stage can know at its update whether another stage overflowed on that micro-batch, and "
+                 "skipping it everywhere would need a flush per micro-batch",
+    "2bw": "the last stage applies a batch's update and scales the next batch's losses before the first stage has "
+           "finished that batch's backwards (no flush), so an agreed skip would have to defer the step and apply the "
+           "scale's back-off one batch late, which is not torch's rule",
+}  # fmt: skip
 
 
 def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:

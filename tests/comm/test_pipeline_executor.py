@@ -240,3 +240,36 @@ def test_2bw_warns_when_a_short_batch_breaks_the_delay(tmp_path):
     mp.start_processes(_short_batch_worker, args=(3, free_port(), str(tmp_path)), nprocs=3, start_method="fork")
     messages = torch.load(tmp_path / "rank0.pt")
     assert len(messages) == 1 and "batch 2 runs on weight version 0, not 1" in messages[0], messages
+
+
+def test_forward_context_wraps_forwards_and_not_backwards():
+    """forward_context (the plugin's autocast) is entered around every forward and loss, and is off during backwards."""
+    from contextlib import contextmanager
+
+    net = nn.Sequential(nn.Linear(2, 2))
+    x, y = torch.randn(4, 2), torch.randn(4, 2)
+    seen = {"forwards": 0, "backward_autocast": []}
+
+    @contextmanager
+    def autocast():
+        seen["forwards"] += 1
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            yield
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, g):
+            seen["backward_autocast"].append(torch.is_autocast_cpu_enabled())
+            return g
+
+    def loss_fn(j, forward):
+        return nn.functional.mse_loss(Probe.apply(forward(x.tensor_split(2)[j])).float(), y.tensor_split(2)[j])
+
+    executor = StageExecutor(net, 0, 1, "gpipe", P2P(None), None, None, None, loss_fn, lambda: None, forward_context=autocast)
+    executor.admit(2)
+    executor.run()
+    assert seen == {"forwards": 2, "backward_autocast": [False, False]}
