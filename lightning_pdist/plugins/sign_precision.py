@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
@@ -37,11 +36,12 @@ from torch.optim import LBFGS
 from typing_extensions import override
 
 from lightning_pdist.comm.sign_overflow import LossScaledRound
+from lightning_pdist.plugins.agreed_scaling import AgreedScalingPrecision
 
 __all__ = ["SignMixedPrecision"]
 
 
-class SignMixedPrecision(MixedPrecision):
+class SignMixedPrecision(AgreedScalingPrecision):
     """``MixedPrecision`` whose overflow skips and scale updates are agreed by every rank of a sign vote.
 
     ``SignSGDStrategy`` swaps it in at setup for a ``MixedPrecision`` with a scaler (on GPU
@@ -59,20 +59,15 @@ class SignMixedPrecision(MixedPrecision):
     """
 
     def __init__(self, precision: str, device: str, scaler: Any, hook_state: Any) -> None:
-        if scaler is None:
-            raise ValueError(f"SignMixedPrecision(precision={precision!r}, scaler=None): it exists for a GradScaler")
-        super().__init__(precision, device, scaler)  # type: ignore[arg-type]
+        super().__init__(precision, device, scaler)
         self.round = LossScaledRound()
-        self.skipped_steps = 0
         self._overflowed = False  # some backward pass since the last optimizer step overflowed (agreed)
-        self._flag: torch.optim.Optimizer | None = None
-        self._device: torch.device | None = None  # the loss's, where the scaler keeps its scale
         self.bind(hook_state)
 
     @classmethod
     def replacing(cls, plugin: MixedPrecision, hook_state: Any) -> SignMixedPrecision:
         """The plugin that takes ``plugin``'s place, with its precision, device and (the same) scaler."""
-        return cls(plugin.precision, plugin.device, plugin.scaler, hook_state)
+        return super().replacing(plugin, hook_state)
 
     def bind(self, hook_state: Any) -> None:
         """Scale the votes of ``hook_state`` (a new fit builds a new hook state)."""
@@ -83,7 +78,6 @@ class SignMixedPrecision(MixedPrecision):
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
         tensor = super().pre_backward(tensor, module)  # scaler.scale(loss): its scale is initialised now
         self.round.begin(self.scaler.get_scale())
-        self._device = tensor.device
         return tensor
 
     @override
@@ -109,27 +103,5 @@ class SignMixedPrecision(MixedPrecision):
             self.skipped_steps += 1
         else:
             output = optimizer.step(**kwargs)
-        self._update_scale(overflowed)
+        self.update_scale(overflowed)
         return output
-
-    def _update_scale(self, overflowed: bool) -> None:
-        """``scaler.update()`` with the agreed overflow flag: back off on overflow, else count towards growth."""
-        if not self.scaler.is_enabled():
-            return
-        # GradScaler records an overflow only through unscale_(optimizer); a one-element optimizer carries the
-        # agreed flag, so update() applies torch's rule (and a custom scaler's) with the scaler's public API.
-        if self._flag is None:
-            carrier = torch.zeros(1, device=self._device or torch.device(self.device))
-            carrier.grad = torch.zeros_like(carrier)
-            self._flag = torch.optim.SGD([carrier], lr=0.0)
-        self._flag.param_groups[0]["params"][0].grad.fill_(float("inf") if overflowed else 0.0)
-        self.scaler.unscale_(self._flag)
-        self.scaler.update()
-
-    @override
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Lightning restores a plugin's state from the key of its class name; a checkpoint written by a run with
-        # the plain MixedPrecision (before the swap existed, or by another strategy) holds the scaler there.
-        own, plain = type(self).__qualname__, MixedPrecision.__qualname__
-        if own not in checkpoint and plain in checkpoint:
-            self.load_state_dict(checkpoint[plain])

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -45,6 +46,7 @@ from lightning_pdist.comm.ps_layout import OptimizerLayout, accumulate_grads, gr
 from lightning_pdist.comm.ps_server import ELEMENTWISE_OPTIMIZERS, STALENESS_BUCKETS, ServerProcess, start_server
 from lightning_pdist.comm.ps_wire import Kind, dumps_state, loads_state
 from lightning_pdist.comm.ps_workers import WorkerGroup
+from lightning_pdist.plugins.ps_precision import ParameterServerMixedPrecision
 from lightning_pdist.strategies.base import PdistStrategy
 from lightning_pdist.strategies.config import refuse_owned_ddp_args
 from lightning_pdist.strategies.ps_config import ParameterServerConfig
@@ -103,6 +105,21 @@ class ParameterServerStrategy(PdistStrategy):
     broadcast on that group then keeps async workers in step. Checkpoints store them as ``state_dict`` and every server's shard, optimizer state and rule
     state under ``checkpoint["pdist"]["servers"]``; resuming (same ``num_servers`` and ``sharding``)
     restores the servers exactly.
+
+    fp16 with a GradScaler (``precision="16-mixed"`` on GPU; on CPU ``plugins=[MixedPrecision("16-mixed", "cpu")]``):
+    setup swaps Lightning's ``MixedPrecision`` for
+    :class:`~lightning_pdist.plugins.ps_precision.ParameterServerMixedPrecision`, keeping the user's scaler object
+    (settings, scale, growth tracker; checkpointed under the new plugin's name, and restored from a
+    ``MixedPrecision`` key too). The loss is scaled by ``S`` as usual; before the push the worker divides its
+    gradients by ``S`` (``scaler.unscale_``, so clipping and the servers see gradient units) and checks them for
+    Inf/NaN. ``sync`` (with or without backup workers): one 4-byte all-reduce on the workers' group (in
+    ``pdist/comm_bytes``) tells every worker whether any overflowed; then *every* worker skips that step's push,
+    no server steps (versions and the sync step id stay put), and every scale backs off identically, which is
+    DDP with a GradScaler. With backup workers this vote waits for every worker's backward each step.
+    ``async``: a worker that overflowed skips its own push (its accumulated earlier gradients still go out on
+    time; pulls go on); ``ssp``: it sends an empty push instead (no parameter moves) so its clock still counts
+    the iteration and the staleness bound keeps its meaning. In both, the other workers are unaffected and each
+    worker's scale is its own. ``plugin.skipped_steps`` counts a worker's skipped pushes.
 
     Logged every step (this worker's view): ``pdist/comm_bytes`` (bytes it sent), ``pdist/ps/wait_s``
     (time in push/pull, including waiting for other workers), ``pdist/ps/server{s}_bytes_in``/``_out``
@@ -290,8 +307,7 @@ class ParameterServerStrategy(PdistStrategy):
                     "on each shard, which is exact only for element-wise optimizers: "
                     f"torch.optim.{', torch.optim.'.join(ELEMENTWISE_OPTIMIZERS)}"
                 )
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(f"{owner}: precision plugins with a gradient scaler are not supported (use 32-true or bf16)")
+        self._use_loss_scaling(owner)
         params = self._params()
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
@@ -323,6 +339,20 @@ class ParameterServerStrategy(PdistStrategy):
         self._server_seen = [(m["bytes_in"], m["bytes_out"]) for m in metas]
         self._accumulated = {}
         self._finalized = False
+
+    def _use_loss_scaling(self, owner: str) -> None:
+        """Swap a ``MixedPrecision`` with a scaler for :class:`ParameterServerMixedPrecision` (the same scaler)."""
+        plugin = self.precision_plugin
+        if isinstance(plugin, ParameterServerMixedPrecision):
+            return  # a later fit with this strategy
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            self.precision_plugin = ParameterServerMixedPrecision.replacing(plugin)
+        elif getattr(plugin, "scaler", None) is not None:
+            raise ValueError(
+                f"{owner}: the precision plugin {type(plugin).__name__} has a gradient scaler; the workers push "
+                "unscaled gradients and skip overflowed steps only with Lightning's MixedPrecision('16-mixed') "
+                "(precision='16-mixed'), which setup swaps for ParameterServerMixedPrecision"
+            )
 
     def _params(self) -> list[Tensor]:
         return [p for _, p in self.lightning_module.named_parameters()]
@@ -388,13 +418,23 @@ class ParameterServerStrategy(PdistStrategy):
         if self.client is None:
             raise RuntimeError(f"{type(self).__name__}.optimizer_step: the servers are not set up (call within Trainer.fit)")
         model = model if model is not None else self.lightning_module
+        plugin = self.precision_plugin
+        scaled = isinstance(plugin, ParameterServerMixedPrecision)
         # forward + backward, then on_before_optimizer_step and gradient clipping; the step itself is the servers'
-        closure_result = self.precision_plugin._wrap_closure(model, optimizer, closure)
+        if scaled:  # fp16 with a GradScaler: the gradients come back unscaled, with this worker's overflow flag
+            closure_result, overflowed = plugin.backward_and_unscale(model, optimizer, closure)
+            skip = self._agree_overflow(bool(overflowed))
+        else:
+            closure_result, overflowed, skip = plugin._wrap_closure(model, optimizer, closure), None, False
         k = next((i for i, o in enumerate(self.optimizers) if o is optimizer), None)
         if k is None:
             raise RuntimeError(f"{type(self).__name__}.optimizer_step: {type(optimizer).__name__} is not one of the optimizers "
                                "configure_optimizers returned; the servers run only those")  # fmt: skip
-        self._exchange(k)
+        self._exchange(k, skip)
+        if scaled and (overflowed is not None or self.config.mode == "sync"):
+            # Without a backward Lightning leaves the scale alone; a sync worker still takes the agreed flag, so
+            # that every worker's scale stays the same.
+            plugin.end_step(skip)
         optimizer._opt_called = True  # the servers stepped: keeps LR schedulers from warning about call order
         self._log_comm_bytes()
         return closure_result
@@ -406,17 +446,33 @@ class ParameterServerStrategy(PdistStrategy):
         hparams = [numeric_hparams(group) for group in self.optimizers[k].param_groups]
         return self.client.push([g for g, _ in packed], self._versions, hparams, pull=pull, extras=extras)
 
-    def _exchange(self, k: int) -> None:
+    def _agree_overflow(self, overflowed: bool) -> bool:
+        """Whether this step's push is skipped: ``sync``, if any worker overflowed; ``async``/``ssp``, if this one did."""
+        if self.config.mode != "sync" or self.workers is None or self.world_size == 1:
+            return overflowed
+        # One 4-byte all-reduce before the push, every step (sync workers meet at every step anyway). The push
+        # cannot carry the flag without a server-side change: each server would have to hold its step back until
+        # every worker's flag arrived, and the workers would still have to learn the outcome to back off.
+        flag = torch.tensor([float(overflowed)])
+        self.workers.all_reduce_(flag, "max")
+        self.comm_meter.add("ps_overflow", all_reduce_bytes(flag.numel() * flag.element_size(), self.world_size))
+        return bool(flag.item())
+
+    def _exchange(self, k: int, skip: bool = False) -> None:
         # The worker's .grad is left as it is (a torch optimizer's step does not clear it either): the user's or
         # Lightning's zero_grad does, and another optimizer may still need the gradients of its own parameters.
         self.step += 1
         self.optimizer_steps[k] += 1
         grads = self.layout.grads_of(k)
+        if skip:  # an fp16 overflow: this step's gradient (Inf/NaN) goes nowhere
+            grads = dict.fromkeys(grads)
         sent_before = sum(c.bytes_sent for c in self.client.connections)
         metas: list[dict] = []
         if self.config.mode == "async":
-            self._accumulated[k] = accumulate_grads(self._accumulated.get(k), grads)
-            push = self.optimizer_steps[k] % self.config.push_every == 0
+            if not skip:
+                self._accumulated[k] = accumulate_grads(self._accumulated.get(k), grads)
+            # a skipped step still counts towards push_every: what earlier steps accumulated goes out on time
+            push = self.optimizer_steps[k] % self.config.push_every == 0 and k in self._accumulated
             pull = self.optimizer_steps[k] % self.config.pull_every == 0
             if push:
                 new, metas = self._push(k, self._accumulated.pop(k), pull)
@@ -425,9 +481,12 @@ class ParameterServerStrategy(PdistStrategy):
             elif pull:
                 new, metas = self.client.pull(record=True)
                 self._load_shards(new, metas)
-        else:
+        elif not (skip and self.config.mode == "sync"):
+            # ssp skip: an empty push (no gradient present: no parameter moves) still ends this worker's clock,
+            # so the staleness bound keeps counting iterations; its pull waits for the bound as usual.
             new, metas = self._push(k, grads, pull=True)
             self._load_shards(new, metas)
+        # sync skip: every worker skips (agreed), no server steps, versions stay where they are
         self.comm_meter.add("ps_push", sum(c.bytes_sent for c in self.client.connections) - sent_before)
         self._average_buffers(meeting=False)
         self._log_ps_metrics(metas)

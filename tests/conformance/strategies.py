@@ -46,8 +46,6 @@ _MANUAL = (r"automatic_optimization is False; the pipeline runs every backward a
            "manual-optimization and multi-optimizer modules")  # fmt: skip
 _BF16 = "precision='bf16-mixed' (same speed-up on CPU and Ampere+ GPUs, no loss scaling needed)"
 REFUSALS: dict[tuple[str, str], tuple[str, str]] = {
-    ("parameter_server", "fp16_grad_scaler"): (r"precision plugins with a gradient scaler are not supported", _BF16),
-    ("parameter_server_async", "fp16_grad_scaler"): (r"precision plugins with a gradient scaler are not supported", _BF16),
     ("pipeline", "boring"): _NO_SEQUENTIAL,
     ("pipeline", "transformer_lm"): _NO_SEQUENTIAL,
     ("pipeline", "hf_bert"): _NO_SEQUENTIAL,
