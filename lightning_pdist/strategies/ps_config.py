@@ -71,13 +71,28 @@ class ParameterServerConfig(ConfigErrors):
                                              "sync gradients are never stale")  # fmt: skip
         if self.partition_bytes is not None and self.sharding != "memory":
             self._fail("partition_bytes", "partition_bytes applies to sharding='memory'")
-        if not isinstance(self.server_timeout, (int, float)) or not self.server_timeout > 0:
-            self._fail("server_timeout", "server_timeout must be a number of seconds > 0")
+        timeout = self.server_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            self._fail("server_timeout", "server_timeout must be a number of seconds (a bool is not)", TypeError)
+        if not (timeout > 0 and math.isfinite(timeout)):
+            self._fail("server_timeout", "server_timeout must be a finite number of seconds > 0")
+        if not (dc < math.inf):
+            self._fail("delay_compensation", "delay_compensation must be finite (DC-ASGD's lambda; about 0.04 to start)")
+        if not isinstance(self.server_host, str) or not self.server_host:
+            self._fail("server_host", "server_host must be an address string such as '127.0.0.1' or '0.0.0.0'",
+                       TypeError)  # fmt: skip
+        if not isinstance(self.allowed_networks, str):
+            self._fail("allowed_networks", "allowed_networks must be a comma-separated string of address ranges "
+                                           "such as '127.0.0.0/8,10.0.0.0/8'", TypeError)  # fmt: skip
+        if self.partition_bytes is not None and (not is_int(self.partition_bytes) or self.partition_bytes < 1):
+            self._fail("partition_bytes", "partition_bytes must be an int >= 1 (bytes per partition) or None")
         if self.server_addresses is not None:
+            if not self.server_addresses:
+                self._fail("server_addresses", "server_addresses must list at least one 'host:port' (or be None)")
             for address in self.server_addresses:
                 host, _, port = str(address).rpartition(":")
-                if not host or not port.isdigit():
-                    self._fail("server_addresses", f"{address!r} is not 'host:port'")
+                if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                    self._fail("server_addresses", f"{address!r} is not 'host:port' with a port in 1..65535")
             if self.num_servers is not None and self.num_servers != len(self.server_addresses):
                 self._fail("num_servers", f"server_addresses lists {len(self.server_addresses)} servers")
         try:
