@@ -172,7 +172,7 @@ class ParameterServerStrategy(PdistStrategy):
             num_servers=num_servers, sharding=sharding, mode=mode, staleness=staleness, backup_workers=backup_workers,
             push_every=push_every, pull_every=pull_every, delay_compensation=delay_compensation,
             partition_bytes=partition_bytes, server_host=server_host,
-            server_addresses=tuple(server_addresses) if server_addresses is not None else None,
+            server_addresses=_addresses(server_addresses, owner),
             allowed_networks=allowed_networks, server_timeout=server_timeout, owner=owner,
         )  # fmt: skip
         super().__init__(**kwargs)
@@ -673,3 +673,11 @@ class ParameterServerStrategy(PdistStrategy):
             )
         strategy_registry.register("ps", cls, description="alias of parameter_server", override=True)
 
+
+def _addresses(value: Any, owner: str) -> tuple[str, ...] | None:
+    """``server_addresses`` as a tuple; a plain string (iterable, but not a list of addresses) is refused."""
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{owner}(server_addresses={value!r}): server_addresses must be a list of 'host:port' strings")
+    return tuple(value)
