@@ -213,6 +213,8 @@ class ParameterServerStrategy(PdistStrategy):
         env = self.cluster_environment
         host, port = env.main_address, env.main_port
         fitting = self._trainer_fn() in (None, TrainerFn.FITTING)  # validate/test/predict need no servers
+        if fitting and self.lightning_module is not None:
+            self._plan(self.config.servers_for(self.world_size))  # every rank refuses a bad plan before any server starts
         if fitting and self.global_rank == 0 and self.config.server_addresses is None:
             # Fork the servers before this process opens any other socket (they close inherited ones anyway).
             self._start_servers(host)
@@ -226,6 +228,14 @@ class ParameterServerStrategy(PdistStrategy):
             self.server_addresses = list(self.config.server_addresses)
         elif fitting:
             self.server_addresses = self.workers.broadcast_object(self.server_addresses)
+
+    def _plan(self, num_servers: int) -> ShardingPlan:
+        """The sharding plan; an impossible one (more servers than elements, ...) is refused naming the rule."""
+        try:
+            return plan_sharding(param_specs(self.lightning_module), num_servers, self.config.sharding,
+                                 self.config.partition_bytes)  # fmt: skip
+        except ValueError as err:
+            raise ValueError(f"{type(self).__name__}: {err}") from None
 
     def _trainer_fn(self) -> TrainerFn | None:
         module = self.lightning_module
@@ -315,11 +325,7 @@ class ParameterServerStrategy(PdistStrategy):
         world_size, rank = self.world_size, self.global_rank
         if world_size == 1:
             rank_zero_warn(f"{owner}: world_size == 1: one worker and its servers; this is the local optimizer, remotely.")
-        try:
-            self.plan = plan_sharding(param_specs(self.lightning_module), len(self.server_addresses) or self.config.servers_for(world_size),
-                                      self.config.sharding, self.config.partition_bytes)  # fmt: skip
-        except ValueError as err:
-            raise ValueError(f"{owner}: {err}") from None
+        self.plan = self._plan(len(self.server_addresses) or self.config.servers_for(world_size))
         self.layout = OptimizerLayout(list(self.lightning_module.named_parameters()), self.optimizers, self.plan, owner)
         self.client = ParameterServerClient(self.server_addresses, rank, timeout=self.config.server_timeout)
         if rank == 0:

@@ -81,3 +81,13 @@ def test_a_nan_on_one_rank_stops_every_rank_at_the_next_synchronization(make):
 def test_bad_values_once_accepted_are_refused_naming_argument_value_and_rule(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+def test_an_impossible_sharding_plan_is_refused_before_any_server_starts():
+    """num_servers=64 on 58 parameters: refused on every rank before a server process exists."""
+    from tests._helpers import server_processes
+
+    with pytest.raises(ProcessRaisedException, match=r"ParameterServerStrategy: plan_sharding\(num_servers=64, "
+                                                     r"sharding='memory'\): 58 elements .* leave servers \[58, .* empty"):
+        fit(ParameterServerStrategy(num_servers=64, start_method="fork"), TinyRegression(), max_steps=1)
+    assert server_processes() == []
