@@ -64,6 +64,9 @@ class StageExecutor:
         forward_context: entered around each forward's computation (and the loss), never around a backward:
             e.g. the precision plugin's autocast, which on CPU would otherwise recast the backward's matmuls
             too (backward runs in the calling thread, under its autocast state).
+        settle_fn: called before the newest weights are read (a forward on them, or the next update's stash): an
+            ``update_fn`` may defer its optimizer step (``2bw`` under loss scaling waits for the other stages'
+            overflow flag), and that step must land first.
     """
 
     def __init__(
@@ -82,12 +85,13 @@ class StageExecutor:
         vertical_sync: bool = False,
         seed: int | None = None,
         forward_context: Callable[[], AbstractContextManager] = nullcontext,
+        settle_fn: Callable[[], None] | None = None,
     ) -> None:
         self.module, self.stage, self.num_stages, self.schedule = module, stage, num_stages, schedule
         self.p2p, self.prev_rank, self.next_rank = p2p, prev_rank, next_rank
         self.input_fn, self.loss_fn, self.update_fn = input_fn, loss_fn, update_fn
         self.weight_stashing, self.vertical_sync = weight_stashing, vertical_sync
-        self.forward_context = forward_context
+        self.forward_context, self.settle_fn = forward_context, settle_fn
         self.cursor = StageCursor(schedule, num_stages, stage)
         self.params: dict[str, nn.Parameter] = dict(module.named_parameters())
         self.handlers: dict[str, Callable[[int], None]] = {"F": self.forward, "B": self.backward, "U": self.update}
@@ -145,6 +149,8 @@ class StageExecutor:
     def _weights(self, version: int) -> dict[str, Tensor]:
         if version not in self.leaves:
             if version == self.newest:
+                if self.settle_fn is not None:
+                    self.settle_fn()
                 # Same storage as the parameter, fresh version counter: an update moves the parameter away first.
                 self.leaves[version] = {name: p.data.requires_grad_(p.requires_grad) for name, p in self.params.items()}
             else:
@@ -282,6 +288,8 @@ class StageExecutor:
         self._release()
 
     def update(self, j: int) -> None:
+        if self.settle_fn is not None:
+            self.settle_fn()  # the previous update's step, if deferred, lands before its weights are stashed
         # The gradient first, then forget versions nobody needs: a stash copy made before that would briefly
         # hold one copy of the weights more than the schedule's depth.
         leaves = self.leaves.get(self._last_backward_version, {})

@@ -1,4 +1,4 @@
-"""fp16 mixed precision with a ``GradScaler`` for the flushed pipeline schedules (``PipelineStrategy``).
+"""fp16 mixed precision with a ``GradScaler`` for the pipeline schedules that update once per batch (``PipelineStrategy``).
 
 Lightning's :class:`~lightning.pytorch.plugins.precision.MixedPrecision` scales the loss by ``S`` in
 ``backward``, and in ``optimizer_step`` unscales, lets ``scaler.step`` skip when *this* rank's gradients
@@ -18,7 +18,7 @@ different steps.
   :attr:`~PipelineMixedPrecision.overflowed`;
 * ``optimizer_step``: every rank steps, or every rank skips; ``scaler.update()`` then applies torch's
   own back-off/growth rule to the agreed flag (through the scaler's public API), so ``S`` stays the same
-  on every rank.
+  on every rank. (``gpipe``/``1f1b`` call it at the update; ``2bw`` later, once the flag has arrived.)
 
 The scaler's state is what Lightning checkpoints under this plugin's name, so a resumed run continues
 with the same ``S``.

@@ -42,6 +42,7 @@ from typing_extensions import override
 from lightning_pdist.algorithms.flat import flatten, unflatten_into_
 from lightning_pdist.algorithms.pipeline_partition import BALANCES, Partition
 from lightning_pdist.algorithms.pipeline_schedule import SCHEDULES
+from lightning_pdist.comm.accounting import all_reduce_bytes
 from lightning_pdist.comm.collectives import all_reduce_mean_, all_reduce_sum_
 from lightning_pdist.comm.pipeline_executor import StageExecutor
 from lightning_pdist.comm.pipeline_p2p import P2P
@@ -142,15 +143,18 @@ class PipelineStrategy(PdistStrategy):
     weight version; the asynchronous schedules drain first, so a checkpoint is a drained pipeline.
 
     fp16 with a ``GradScaler`` (``precision="16-mixed"``, or on CPU ``plugins=[MixedPrecision("16-mixed", "cpu")]``),
-    ``gpipe`` and ``1f1b`` only: the Trainer's ``MixedPrecision`` is swapped for
+    ``gpipe``, ``1f1b`` and ``2bw``: the Trainer's ``MixedPrecision`` is swapped for
     :class:`~lightning_pdist.plugins.pipeline_precision.PipelineMixedPrecision` with the user's scaler. Forwards
     run under autocast, backwards outside it; the last stage scales each micro-batch's loss by ``S`` (the gradients
     travel scaled between stages); before the batch's update every stage unscales its gradients, one all-reduce of a
     float over the world (counted as ``overflow_flag``) says whether any stage or replica overflowed, and then every
     rank steps or every rank skips, and ``S`` backs off or grows identically everywhere (torch's rule, through the
-    scaler's public API). The scaler's state is checkpointed by Lightning. ``pipedream`` and ``2bw`` refuse a scaler
-    at setup (they update a stage before the earlier stages have finished the same micro-batch or batch, so no
-    agreed skip fits their schedule; the method card explains); ``bf16-mixed`` works with every schedule.
+    scaler's public API). ``2bw`` starts the flag's all-reduce at each stage's update and defers the step until its
+    weights or the next scale are needed (its version is first read by the batch after next), so no stage blocks
+    on one that has not reached the update; every batch needs at least ``num_stages`` micro-batches then. The
+    scaler's state is checkpointed by Lightning. ``pipedream`` refuses a scaler at setup (a stage updates and uses
+    the result before the earlier stages have run the same micro-batch's backward; the method card explains);
+    ``bf16-mixed`` works with every schedule.
 
     Args:
         num_stages: pipeline depth ``K``; ``None``: the world size (no replicas). ``world_size`` must be a
@@ -208,6 +212,9 @@ class PipelineStrategy(PdistStrategy):
         self._failed = False
         self._window: dict[str, Any] = {}
         self._step_stats = (0.0, 0.0)
+        self._flag_group: Any = None  # 2bw under loss scaling: the overflow flags' own all-rank group
+        self._defer_steps = False  # 2bw under loss scaling on several ranks: steps wait for the agreed flag
+        self._deferred: list[_DeferredStep] = []
 
     # ------------------------------------------------------------------ layout
     @property
@@ -272,6 +279,12 @@ class PipelineStrategy(PdistStrategy):
         self._make_groups()
         self._broadcast_module_from_rank_zero()
         self._use_pipeline_precision()
+        self._defer_steps = (isinstance(self.precision_plugin, PipelineMixedPrecision) and self.config.schedule == "2bw"
+                             and self.world_size > 1)  # fmt: skip
+        if self._defer_steps and self._flag_group is None:
+            # Non-blocking flag all-reduces, issued at different moments on different ranks: a group of their own
+            # keeps them from pairing with Lightning's collectives on the default group.
+            self._flag_group = dist.new_group(list(range(self.world_size)))
         try:
             self.split = StageSplit(module, self.pipeline_stages, self.stage, self.config.network, self.config.balance,
                                     list(self.config.split_points) if self.config.split_points else None,
@@ -314,8 +327,8 @@ class PipelineStrategy(PdistStrategy):
                                  "agrees on overflows only for Lightning's MixedPrecision('16-mixed') (or use bf16-mixed)")  # fmt: skip
             if self.config.schedule in _UNSCALABLE:
                 raise ValueError(f"{owner}(schedule={self.config.schedule!r}): precision with a gradient scaler (16-mixed) is "
-                                 f"not supported: {_UNSCALABLE[self.config.schedule]}; use schedule='1f1b' or 'gpipe' "
-                                 "with 16-mixed, or bf16-mixed (no loss scaling) with this schedule")  # fmt: skip
+                                 f"not supported: {_UNSCALABLE[self.config.schedule]}; use schedule='1f1b', 'gpipe' "
+                                 "or '2bw' with 16-mixed, or bf16-mixed (no loss scaling) with this schedule")  # fmt: skip
 
     def _use_pipeline_precision(self) -> None:
         """Swap a ``MixedPrecision`` with a scaler for :class:`PipelineMixedPrecision` (the same scaler)."""
@@ -359,7 +372,7 @@ class PipelineStrategy(PdistStrategy):
             # Megatron's rule: the seed plus 100 per pipeline stage, so stages draw different dropout masks.
             seed=torch.initial_seed() + 100 * s,
             # Autocast around forwards only, as Lightning runs backward outside training_step's context.
-            forward_context=self.precision_plugin.train_step_context,
+            forward_context=self.precision_plugin.train_step_context, settle_fn=self._settle,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the user's hooks, per stage
@@ -392,6 +405,7 @@ class PipelineStrategy(PdistStrategy):
 
     def _loss(self, j: int, forward: Callable[[Any], Tensor]) -> Tensor:
         """Last stage: the module's training_step on micro-batch ``j``, the network replaced by the pipeline."""
+        self._settle()  # 2bw: the previous batch's agreed flag sets the scale this loss is multiplied by
         w = self._window
         chunk = w["chunks"][j - w["start"]]
         recorder = LogRecorder(self.lightning_module, batch_size_of(chunk))
@@ -425,12 +439,38 @@ class PipelineStrategy(PdistStrategy):
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
         if scaled:
+            flag = torch.tensor([float(overflowed)], device=self.root_device)
+            if self._defer_steps:
+                # 2bw: the last stage reaches this update a Lightning step before the first stage does, so the
+                # flag's all-reduce is started here and the step waits (see _settle) until its version is needed.
+                work = dist.all_reduce(flag, group=self._flag_group, async_op=True)
+                self.comm_meter.add("overflow_flag", all_reduce_bytes(flag.numel() * flag.element_size(), self.world_size))
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+                self._deferred.append(_DeferredStep(work, flag, [(p, p.grad) for p in params]))
+                return
             # One float over the whole world: flushed schedules run the update of a batch in the same window
             # on every rank, so this blocking all-reduce meets every rank at the same update.
-            flag = torch.tensor([float(overflowed)], device=self.root_device)
             all_reduce_sum_(flag, meter=self.comm_meter, kind="overflow_flag")
             plugin.overflowed = bool(flag.item() > 0)
         self.precision_plugin.optimizer_step(optimizer, model=self.lightning_module, closure=_no_closure)
+
+    def _settle(self) -> None:
+        """Apply the deferred 2bw steps, in order: wait for each agreed flag, then every rank steps or skips.
+
+        Called before the newest weights are read (a forward on them, the next update), before the last stage
+        scales a loss, and after a drain. No rank waits on one that needs it to move first: the last stage waits
+        at its first loss of batch ``b+1`` for stage 0's update of batch ``b``, which depends only on gradients
+        already sent (every batch has at least ``num_stages`` micro-batches, checked in training_step).
+        """
+        while self._deferred:
+            deferred = self._deferred.pop(0)
+            deferred.work.wait()
+            for p, g in deferred.grads:  # Lightning's zero_grad has run since: the gradients came with the step
+                p.grad = g
+            self.precision_plugin.overflowed = bool(deferred.flag.item() > 0)
+            self.precision_plugin.optimizer_step(self.optimizers[0], model=self.lightning_module, closure=_no_closure)
+            for p, _ in deferred.grads:
+                p.grad = None
 
     # ------------------------------------------------------------------ training
     @override
@@ -440,6 +480,11 @@ class PipelineStrategy(PdistStrategy):
         n = min(self.config.microbatches_for(self.world_size), batch_size_of(batch))
         start = executor.cursor.available
         self._window = {"start": start, "rest": rest, "records": [], "losses": []}
+        if self._defer_steps and n < self.pipeline_stages:
+            raise RuntimeError(f"{type(self).__name__}(schedule='2bw'): a batch of {batch_size_of(batch)} samples gives {n} "
+                               f"micro-batches, fewer than num_stages ({self.pipeline_stages}); under 16-mixed the stages "
+                               "could then wait on each other's overflow flags across steps (use drop_last=True or a "
+                               "batch size of at least num_stages)")  # fmt: skip
         if executor.is_last:
             self._window["chunks"] = split_batch(batch, n)
         if executor.is_first and not executor.is_last:
@@ -502,6 +547,7 @@ class PipelineStrategy(PdistStrategy):
         """Finish every micro-batch in flight (pipedream/2bw); every stage marks the point (vertical sync counts from it)."""
         if self.executor is not None:
             self.executor.run(draining=True)
+            self._settle()
 
     @override
     def on_validation_start(self) -> None:
@@ -618,6 +664,7 @@ class PipelineStrategy(PdistStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        self._deferred.clear()
         super().on_exception(exception)
 
     @override
@@ -651,10 +698,16 @@ _UNSCALABLE = {
     "pipedream": "each stage updates right after its own backward of a micro-batch, before the earlier stages have run "
                  "theirs, so no stage can know at its update whether another stage overflowed on that micro-batch, and "
                  "skipping it everywhere would need a flush per micro-batch",
-    "2bw": "the last stage applies a batch's update and scales the next batch's losses before the first stage has "
-           "finished that batch's backwards (no flush), so an agreed skip would have to defer the step and apply the "
-           "scale's back-off one batch late, which is not torch's rule",
 }  # fmt: skip
+
+
+@dataclass
+class _DeferredStep:
+    """A 2bw update waiting for its agreed overflow flag: the all-reduce in flight and the stage's gradients."""
+
+    work: Any
+    flag: Tensor
+    grads: list[tuple[Tensor, Tensor | None]]
 
 
 def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:

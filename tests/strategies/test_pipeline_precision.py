@@ -79,7 +79,7 @@ class RecordScaling(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.scales.append(trainer.precision_plugin.scaler.get_scale())
 
-    def on_train_end(self, trainer, pl_module):
+    def on_fit_end(self, trainer, pl_module):  # after the strategy's final drain (2bw's last steps land there)
         plugin = trainer.precision_plugin
         record = {"plugin": type(plugin).__name__, "scales": self.scales, "skipped": plugin.skipped_steps,
                   "scaler": plugin.scaler.state_dict(), "flag_bytes": trainer.strategy.comm_meter.by_kind.get("overflow_flag", 0)}  # fmt: skip
@@ -112,11 +112,41 @@ def reference_run(steps, overflow_at=None, init_scale=2.0**10, growth_interval=2
     return net, scales
 
 
+def reference_2bw(steps, overflow_at=None, init_scale=2.0**10, growth_interval=2, m=M):
+    """Plain torch PipeDream-2BW with a GradScaler: batch ``t`` computes on version ``max(0, t-1)``; a skipped update
+    is a version equal to the one before it. Returns the network and the scaler's final state."""
+    net = fp32_net()
+    names = [n for n, _ in net.named_parameters()]
+    current = [nn.Parameter(p.detach().clone()) for p in net.parameters()]
+    optimizer = torch.optim.SGD(current, lr=LR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+    versions, batches = [[p.detach().clone() for p in current]], rank_batches(regression_data(N), 0, 1, BS)
+    for t in range(steps):
+        x, y = batches[t % len(batches)]
+        w = [v.clone().requires_grad_() for v in versions[max(0, t - 1)]]
+        for j, (xm, ym) in enumerate(zip(x.tensor_split(m), y.tensor_split(m))):
+            loss = nn.functional.mse_loss(torch.func.functional_call(net, dict(zip(names, w)), (xm,)), ym)
+            if t == overflow_at and j == 0:
+                loss = loss * float("inf")
+            scaler.scale(loss / m).backward()
+        for p, leaf in zip(current, w):
+            p.grad = leaf.grad
+        scaler.step(optimizer)  # skipped on Inf/NaN
+        scaler.update()
+        versions.append([p.detach().clone() for p in current])
+    with torch.no_grad():
+        for p, v in zip(net.parameters(), current):
+            p.copy_(v)
+    return net, scaler.state_dict()
+
+
 def _flat(module):
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw"])
 def test_scaled_run_equals_the_fp32_run_exactly(tmp_path, schedule):
     """No overflow: the loss-scaled pipeline (scale growing every 2 updates) equals the fp32 pipeline bit for bit."""
     fp32, fp16 = Regression(lr=LR), Regression(lr=LR)
@@ -125,7 +155,10 @@ def test_scaled_run_equals_the_fp32_run_exactly(tmp_path, schedule):
     assert torch.equal(_flat(fp16), _flat(fp32))
     records = _records(tmp_path)
     assert [r["plugin"] for r in records] == ["PipelineMixedPrecision"] * 2
-    assert records[0]["scales"] == records[1]["scales"] == reference_run(6)[1]  # grown 3 times, on both stages
+    assert records[0]["scaler"] == records[1]["scaler"]
+    assert records[0]["scaler"]["scale"] == reference_run(6)[1][-1] == 2.0**13  # grown 3 times, on both stages
+    if schedule != "2bw":  # 2bw's steps land later on the first stage: per-step scales differ between stages
+        assert records[0]["scales"] == records[1]["scales"] == reference_run(6)[1]
     assert [r["skipped"] for r in records] == [0, 0]
     assert records[0]["flag_bytes"] > 0  # the agreement is counted in the pipeline's comm bytes
 
@@ -152,26 +185,61 @@ def test_overflow_on_one_microbatch_skips_the_update_on_every_rank(tmp_path, sch
     assert torch.equal(_flat(module), _flat(expected))
 
 
-def test_overflow_on_one_replica_skips_the_update_on_all_four_ranks(tmp_path):
+def test_2bw_overflow_skips_the_update_on_every_rank_as_plain_torch(tmp_path):
+    """2bw: an infinite loss on one micro-batch of step 2 makes both stages skip update 2 and back off, as plain-torch 2BW."""
+    module = Regression(lr=LR, overflow_at=2)
+    fit(pipeline(schedule="2bw"), module, max_steps=6, plugins=[_plugin()], callbacks=[RecordScaling(tmp_path)])
+    expected, scaler_state = reference_2bw(6, overflow_at=2)
+    records = _records(tmp_path)
+    assert [r["skipped"] for r in records] == [1, 1]
+    assert records[0]["scaler"] == records[1]["scaler"] == scaler_state
+    assert torch.equal(_flat(module), _flat(expected))
+
+
+def test_2bw_overflow_on_three_stages(tmp_path):
+    """2bw on 3 stages (a middle stage waits on flags too): one infinite loss skips update 2 on all three, as plain torch."""
+    module = Regression(lr=LR, overflow_at=2)
+    strategy = PipelineStrategy(start_method="fork", schedule="2bw", num_microbatches=3, split_points=["net.2", "net.4"])
+    fit(strategy, module, devices=3, max_steps=5, plugins=[_plugin()], callbacks=[RecordScaling(tmp_path)])
+    expected, scaler_state = reference_2bw(5, overflow_at=2, m=3)
+    records = _records(tmp_path, world=3)
+    assert [r["skipped"] for r in records] == [1, 1, 1]
+    assert all(r["scaler"] == scaler_state for r in records)
+    torch.testing.assert_close(_flat(module), _flat(expected), atol=1e-6, rtol=0)
+
+
+def test_2bw_short_batches_are_refused_under_the_scaler():
+    """2bw with 16-mixed: a batch with fewer micro-batches than stages is refused (flags could wait across steps)."""
+    with pytest.raises(Exception, match=r"schedule='2bw'\): a batch of 1 samples gives 1 micro-batches, fewer than num_stages \(2\)"):
+        fit(pipeline(schedule="2bw"), Regression(batch_size=1), max_steps=1, plugins=[_plugin()])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_overflow_on_one_replica_skips_the_update_on_all_four_ranks(tmp_path, schedule):
     """2 stages x 2 replicas: an infinite loss on replica 1's last stage only makes all four ranks skip and back off alike."""
     module = Regression(lr=LR, overflow_at=2, overflow_rank=3)  # rank 3: stage 1 of replica 1
-    fit(pipeline(), module, devices=4, max_steps=4, plugins=[_plugin()], callbacks=[RecordScaling(tmp_path)])
+    fit(pipeline(schedule=schedule), module, devices=4, max_steps=4, plugins=[_plugin()], callbacks=[RecordScaling(tmp_path)])
     records = _records(tmp_path, world=4)
     assert [r["skipped"] for r in records] == [1] * 4
-    assert all(r["scales"] == reference_run(4, overflow_at=2)[1] for r in records)
+    scales = reference_run(4, overflow_at=2)[1]
+    assert all(r["scaler"]["scale"] == scales[-1] for r in records)
+    if schedule == "1f1b":
+        assert all(r["scales"] == scales for r in records)
 
 
-def test_resume_is_exact(tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_resume_is_exact(tmp_path, schedule):
     """Resumed from a mid-run checkpoint (scale and growth tracker saved by Lightning), each stage ends where the run ends."""
     make = lambda: Regression(lr=0.05, momentum=0.9, n=12, overflow_at=4)  # noqa: E731  # 3 steps per epoch
+    strategy = lambda: pipeline(schedule=schedule)  # noqa: E731
     ckpt_run, resumed = tmp_path / "ckpt", tmp_path / "resumed"
     ckpt_run.mkdir(), resumed.mkdir()
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=False)
-    fit(pipeline(), make(), max_steps=8, plugins=[_plugin()], enable_checkpointing=True, limit_val_batches=1,
+    fit(strategy(), make(), max_steps=8, plugins=[_plugin()], enable_checkpointing=True, limit_val_batches=1,
         callbacks=[SnapshotParams(ckpt_run), RecordScaling(ckpt_run), checkpoint])  # fmt: skip
     first = tmp_path / "ckpts" / "epoch=0-step=3.ckpt"
     assert torch.load(first, weights_only=False)["PipelineMixedPrecision"]["_growth_tracker"] == 1  # mid-interval
-    fit(pipeline(), make(), max_steps=8, plugins=[_plugin()], ckpt_path=str(first), limit_val_batches=1,
+    fit(strategy(), make(), max_steps=8, plugins=[_plugin()], ckpt_path=str(first), limit_val_batches=1,
         callbacks=[SnapshotParams(resumed), RecordScaling(resumed)])  # fmt: skip
     for rank in range(2):
         assert torch.equal(load_snapshot(resumed, rank, 8), load_snapshot(ckpt_run, rank, 8))
@@ -182,15 +250,12 @@ def test_resume_is_exact(tmp_path):
     assert [r["skipped"] for r in full] == [1, 1]
 
 
-@pytest.mark.parametrize("schedule, reason", [
-    ("pipedream", r"each stage updates right after its own backward of a micro-batch"),
-    ("2bw", r"the last stage applies a batch's update and scales the next batch's losses before the first stage"),
-])  # fmt: skip
-def test_asynchronous_schedules_refuse_the_scaler(schedule, reason):
-    """pipedream and 2bw cannot agree on a skip without breaking their schedule: refused at setup, naming schedule and reason."""
-    match = rf"PipelineStrategy\(schedule='{schedule}'\): precision with a gradient scaler \(16-mixed\) is not supported: {reason}"
+def test_pipedream_refuses_the_scaler():
+    """pipedream cannot agree on a skip without breaking its schedule: refused at setup, naming the schedule and the reason."""
+    match = (r"PipelineStrategy\(schedule='pipedream'\): precision with a gradient scaler \(16-mixed\) is not supported: "
+             r"each stage updates right after its own backward of a micro-batch")  # fmt: skip
     with pytest.raises(Exception, match=match):
-        fit(pipeline(schedule=schedule), Regression(), max_steps=1, plugins=[_plugin()])
+        fit(pipeline(schedule="pipedream"), Regression(), max_steps=1, plugins=[_plugin()])
 
 
 def test_fused_optimizer_is_refused():
