@@ -17,8 +17,8 @@ different steps.
 * the strategy agrees on the flag over the whole world (any stage, any replica) and sets
   :attr:`~PipelineMixedPrecision.overflowed`;
 * ``optimizer_step``: every rank steps, or every rank skips; ``scaler.update()`` then applies torch's
-  own back-off/growth rule to the agreed flag (through the scaler's public API), so ``S`` stays the same
-  on every rank. (``gpipe``/``1f1b`` call it at the update; ``2bw`` later, once the flag has arrived.)
+  own back-off/growth rule to the agreed flag (:meth:`~lightning_pdist.plugins.agreed_scaling.AgreedScalingPrecision.update_scale`,
+  the scaler's public API only), so ``S`` stays the same on every rank. (``gpipe``/``1f1b`` call it at the update; ``2bw`` later, once the flag has arrived.)
 
 The scaler's state is what Lightning checkpoints under this plugin's name, so a resumed run continues
 with the same ``S``.
@@ -36,10 +36,12 @@ from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_pdist.plugins.agreed_scaling import AgreedScalingPrecision
+
 __all__ = ["PipelineMixedPrecision"]
 
 
-class PipelineMixedPrecision(MixedPrecision):
+class PipelineMixedPrecision(AgreedScalingPrecision):
     """``MixedPrecision`` whose loss scaling, unscaling and skips are driven by a pipeline schedule.
 
     ``PipelineStrategy`` swaps it in at setup for a ``MixedPrecision`` with a scaler (on GPU
@@ -57,18 +59,13 @@ class PipelineMixedPrecision(MixedPrecision):
     """
 
     def __init__(self, precision: str, device: str, scaler: Any) -> None:
-        if scaler is None:
-            raise ValueError(f"PipelineMixedPrecision(precision={precision!r}, scaler=None): it exists for a GradScaler")
-        super().__init__(precision, device, scaler)  # type: ignore[arg-type]
+        super().__init__(precision, device, scaler)
         self.overflowed = False
-        self.skipped_steps = 0
-        self._flag: Optimizer | None = None
-        self._device: torch.device | None = None  # the loss's, where the scaler keeps its scale
 
     @classmethod
     def replacing(cls, plugin: MixedPrecision) -> PipelineMixedPrecision:
         """The plugin that takes ``plugin``'s place, with its precision, device and (the same) scaler."""
-        return cls(plugin.precision, plugin.device, plugin.scaler)
+        return super().replacing(plugin)
 
     def scale_loss(self, loss: Tensor) -> Tensor:
         """``loss · S`` (the last stage, per micro-batch): what the schedule's backward starts from."""
@@ -102,23 +99,11 @@ class PipelineMixedPrecision(MixedPrecision):
         self.update_scale(overflowed)
         return output
 
+    @override
     def update_scale(self, overflowed: bool) -> None:
-        """``scaler.update()`` with ``overflowed`` as its flag: back off on overflow, else count towards growth.
-
-        The optimizer passed to :meth:`unscale_` adds its own (local) flag, which is always part of the agreed one.
-        """
-        if not self.scaler.is_enabled():
-            return
-        # GradScaler records an overflow only through unscale_(optimizer); a one-element optimizer carries the
-        # agreed flag, so update() applies torch's rule (and a custom scaler's) with the scaler's public API.
-        if self._flag is None:
-            carrier = torch.zeros(1, device=self._device or torch.device(self.device))
-            carrier.grad = torch.zeros_like(carrier)
-            self._flag = torch.optim.SGD([carrier], lr=0.0)
-        self._flag.param_groups[0]["params"][0].grad.fill_(float("inf") if overflowed else 0.0)
-        self._ensure_scale()
-        self.scaler.unscale_(self._flag)
-        self.scaler.update()
+        if self.scaler.is_enabled():
+            self._ensure_scale()
+        super().update_scale(overflowed)
 
     def _ensure_scale(self) -> None:
         # Only the last stage scales losses; GradScaler creates its scale on the first scale() call (from its
@@ -129,11 +114,3 @@ class PipelineMixedPrecision(MixedPrecision):
     def handles_unscaling(optimizer: Optimizer) -> bool:
         """Whether ``optimizer`` unscales inside its own ``step`` (fused optimizers), which a pipeline cannot agree on."""
         return _optimizer_handles_unscaling(optimizer)
-
-    @override
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Lightning restores a plugin's state from the key of its class name; a checkpoint written with the plain
-        # MixedPrecision (by another strategy) holds the scaler there.
-        own, plain = type(self).__qualname__, MixedPrecision.__qualname__
-        if own not in checkpoint and plain in checkpoint:
-            self.load_state_dict(checkpoint[plain])
