@@ -493,9 +493,27 @@ class ParameterServerStrategy(PdistStrategy):
             new, metas = self._push(k, grads, pull=True)
             self._load_shards(new, metas)
         # sync skip: every worker skips (agreed), no server steps, versions stay where they are
+        if metas:
+            self._refuse_nonfinite(grads)
         self.comm_meter.add("ps_push", sum(c.bytes_sent for c in self.client.connections) - sent_before)
         self._average_buffers(meeting=False)
         self._log_ps_metrics(metas)
+
+    def _refuse_nonfinite(self, grads: dict) -> None:
+        """Stop when the pulled parameters are not finite (a NaN push reaches every worker through the servers).
+
+        In sync mode every worker pulls the same parameters, so every worker stops at the same step; in async/ssp
+        each stops at its first non-finite pull. Each says whether its own gradient was the non-finite one.
+        """
+        if bool(torch.isfinite(self._flat_params()).all()):
+            return
+        own = all(g is None or bool(torch.isfinite(g).all()) for g in grads.values())
+        raise FloatingPointError(
+            f"{type(self).__name__}: after step {self.step} the parameters pulled from the servers are not finite "
+            f"(worker {self.global_rank}'s own gradient was {'finite' if own else 'NOT finite'}): a NaN/inf gradient "
+            "was pushed. Training stops here, before the NaN reaches a checkpoint: lower the learning rate, clip "
+            "gradients, or look for the batch that produced it."
+        )
 
     def _buffers_every_step(self) -> bool:
         # Only where the workers are in lockstep anyway: an all-reduce per step would hold async/SSP workers

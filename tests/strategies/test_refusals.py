@@ -91,3 +91,10 @@ def test_an_impossible_sharding_plan_is_refused_before_any_server_starts():
                                                      r"sharding='memory'\): 58 elements .* leave servers \[58, .* empty"):
         fit(ParameterServerStrategy(num_servers=64, start_method="fork"), TinyRegression(), max_steps=1)
     assert server_processes() == []
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_nan_pushed_by_one_worker_stops_the_parameter_server_run(mode):
+    with pytest.raises(ProcessRaisedException, match=r"parameters pulled from the servers are not finite \(worker \d's "
+                                                     r"own gradient was"):
+        fit(ParameterServerStrategy(mode=mode, start_method="fork", server_timeout=30.0), _NanOnRankOne(), max_steps=4)
