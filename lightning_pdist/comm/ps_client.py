@@ -77,7 +77,13 @@ class ServerConnection:
         except (PeerClosed, ConnectionResetError, BrokenPipeError):
             raise ServerUnavailable(f"{self._where()} closed the connection (it exited or crashed) during {kind.name}") from None
         except TimeoutError:
-            raise ServerUnavailable(f"{self._where()} did not answer {kind.name} within {self.timeout:g} s") from None
+            waits = kind.name in ("PUSH", "PUSHPULL", "PULL")
+            hint = ("; a sync or SSP server answers only once every worker has pushed (or is within the staleness "
+                    "bound), so a stopped, slow or crashed worker delays this answer as much as a stuck server: "
+                    "check the other ranks first" if waits else "")  # fmt: skip
+            raise ServerUnavailable(
+                f"{self._where()} did not answer {kind.name} within {self.timeout:g} s{hint}"
+            ) from None
         except (OSError, ValueError) as err:
             raise ServerUnavailable(f"{self._where()} failed during {kind.name}: {err}") from None
         self.bytes_received += nbytes

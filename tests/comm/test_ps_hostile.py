@@ -376,3 +376,20 @@ def test_an_impostor_that_says_hello_as_a_live_worker_and_leaves_does_not_fail_s
         a.push([torch.ones(6)], [0], [{"lr": 1.0}])
         b.push([3 * torch.ones(6)], [0], [{"lr": 1.0}])
         torch.testing.assert_close(a.pull(wait_version=1)[0][0], torch.full((6,), -2.0))
+
+
+def test_a_sync_timeout_says_a_stopped_worker_may_be_the_cause():
+    """A server that never answers a PUSHPULL (as when another worker is SIGSTOPped): the message points at the ranks."""
+    import socket as _socket
+
+    from lightning_pdist.comm.ps_client import ServerConnection, ServerUnavailable
+    from lightning_pdist.comm.ps_wire import Kind
+
+    with _socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        connection = ServerConnection(0, f"127.0.0.1:{listener.getsockname()[1]}", timeout=0.3)
+        with pytest.raises(ServerUnavailable, match=r"did not answer PUSHPULL within 0.3 s; a sync or SSP server answers "
+                                                    r"only once every worker has pushed .* check the other ranks first"):
+            connection.request(Kind.PUSHPULL, {})
+        connection.sock.close()
