@@ -53,6 +53,17 @@ class AgreedScalingPrecision(MixedPrecision):
         self._device = tensor.device
         return tensor
 
+    def step_or_skip(self, optimizer: Any, overflowed: bool, **kwargs: Any) -> Any:
+        """Step ``optimizer`` unless ``overflowed`` (the agreed flag: every rank takes the same branch), then move
+        the scale by torch's rule. Returns the step's output (None when skipped)."""
+        output = None
+        if overflowed:
+            self.skipped_steps += 1
+        else:
+            output = optimizer.step(**kwargs)
+        self.update_scale(overflowed)
+        return output
+
     def update_scale(self, overflowed: bool) -> None:
         """``scaler.update()`` with ``overflowed`` as its overflow flag: back off on overflow, else count towards growth.
 

@@ -91,13 +91,7 @@ class PipelineMixedPrecision(AgreedScalingPrecision):
         closure()  # the schedule already ran the backwards; unscale_ and the agreement came before
         self._after_closure(model, optimizer)  # on_before_optimizer_step, clipping (on unscaled gradients)
         overflowed, self.overflowed = self.overflowed, False
-        output = None
-        if overflowed:
-            self.skipped_steps += 1
-        else:
-            output = optimizer.step(**kwargs)
-        self.update_scale(overflowed)
-        return output
+        return self.step_or_skip(optimizer, overflowed, **kwargs)
 
     @override
     def update_scale(self, overflowed: bool) -> None:

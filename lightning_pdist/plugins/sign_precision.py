@@ -98,10 +98,4 @@ class SignMixedPrecision(AgreedScalingPrecision):
         if no_backward:
             return closure_result
         overflowed, self._overflowed = self._overflowed, False
-        output = None
-        if overflowed:
-            self.skipped_steps += 1
-        else:
-            output = optimizer.step(**kwargs)
-        self.update_scale(overflowed)
-        return output
+        return self.step_or_skip(optimizer, overflowed, **kwargs)

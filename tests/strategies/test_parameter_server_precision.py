@@ -22,6 +22,7 @@ from torch import nn
 from lightning_pdist import ParameterServerStrategy
 from lightning_pdist.comm.ps_wire import Kind, loads_state
 from lightning_pdist.plugins.ps_precision import ParameterServerMixedPrecision
+from tests._scaling_reference import reference_scales
 
 LR = 0.05
 
@@ -91,18 +92,6 @@ def _records(dirpath, world=2):
     return [json.loads((Path(dirpath) / f"scaling{r}.json").read_text()) for r in range(world)]
 
 
-def reference_scales(init, steps, interval, overflow_steps=(), growth=2.0, backoff=0.5):
-    """GradScaler's rule, per 1-based step: back off on an overflow, grow after ``interval`` good steps in a row."""
-    scale, tracker, scales = init, 0, []
-    for t in range(1, steps + 1):
-        if t in overflow_steps:
-            scale, tracker = scale * backoff, 0
-        else:
-            tracker += 1
-            if tracker == interval:
-                scale, tracker = scale * growth, 0
-        scales.append(scale)
-    return scales
 
 
 def reference_sync(steps, lr, momentum=0.0, overflow_at=(), autocast=True, init_scale=2.0**10, growth_interval=2):

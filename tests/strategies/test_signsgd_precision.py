@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_pdist import SignSGDStrategy
 from lightning_pdist.plugins.sign_precision import SignMixedPrecision
+from tests._scaling_reference import reference_scales
 
 LR = 0.01  # the sign step δ
 EF_LR = 0.05  # error feedback returns s̄·U in gradient units: an SGD lr
@@ -69,18 +70,6 @@ def _records(dirpath, world=2):
     return [json.loads((Path(dirpath) / f"scaling{r}.json").read_text()) for r in range(world)]
 
 
-def reference_scales(init, steps, interval, overflow_steps, growth=2.0, backoff=0.5):
-    """GradScaler's rule: back off on an overflow, grow after ``interval`` consecutive good steps."""
-    scale, tracker, scales = init, 0, []
-    for t in range(1, steps + 1):
-        if t in overflow_steps:
-            scale, tracker = scale * backoff, 0
-        else:
-            tracker += 1
-            if tracker == interval:
-                scale, tracker = scale * growth, 0
-        scales.append(scale)
-    return scales
 
 
 def reference_votes(world, steps, lr, beta=0.0, error_feedback=False, skip=(), autocast_scales=None):
