@@ -7,6 +7,10 @@ whole reply, not per byte). Replies are read with the bounded reader of :mod:`~l
 a header declaring more than the peer sends costs nothing, and a garbled reply fails the request, naming the
 server. One thread per server sends and then receives, so
 a server that is answering another worker never waits on this one (no cycle of full socket buffers).
+
+Given the servers' shared secret, a connection first answers the server's challenge and checks the server's
+proof in turn (:mod:`~lightning_pdist.comm.ps_auth`); a wrong secret on either side fails the connection at once,
+naming the server. Handshake bytes are not counted in ``bytes_sent``/``bytes_received`` (training traffic only).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 
 from torch import Tensor
 
+from lightning_pdist.comm.ps_auth import CLIENT_LABEL, NONCE_BYTES, SERVER_LABEL, check_secret, new_nonce, proof, verify
 from lightning_pdist.comm.ps_wire import Kind, PeerClosed, bytes_to_tensor, recv_message, send_message
 
 __all__ = ["ParameterServerClient", "ServerConnection", "ServerError", "ServerUnavailable"]
@@ -34,8 +39,12 @@ class ServerError(RuntimeError):
 class ServerConnection:
     """A connection to parameter server ``index`` at ``address`` (``"host:port"``)."""
 
-    def __init__(self, index: int, address: str, timeout: float = 300.0, connect_timeout: float = 30.0):
-        """Connect to the server (``connect_timeout``: how long a refused connection is retried, in s)."""
+    def __init__(self, index: int, address: str, timeout: float = 300.0, connect_timeout: float = 30.0,
+                 secret: bytes | None = None):  # fmt: skip
+        """Connect to the server (``connect_timeout``: how long a refused connection is retried, in s).
+
+        ``secret``: the servers' shared secret; the connection authenticates before it returns.
+        """
         self.index = index
         self.address = address
         self.timeout = timeout
@@ -59,6 +68,40 @@ class ServerConnection:
                 raise ServerUnavailable(f"parameter server {index} at {address}: cannot connect ({err})") from None
         self.sock.settimeout(timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        secret = check_secret(secret, f"ServerConnection(index={index})")
+        if secret is not None:
+            try:
+                self._authenticate(secret, min(timeout, connect_timeout))
+            except BaseException:
+                self.close()
+                raise
+
+    def _authenticate(self, secret: bytes, timeout: float) -> None:
+        """Answer the server's challenge, then check its proof of our nonce (``ps_auth``'s exchange)."""
+        where = self._where()
+        try:
+            kind, meta, challenge, _ = recv_message(self.sock, timeout=timeout, payload_limit=lambda k: NONCE_BYTES)
+            if kind != Kind.CHALLENGE or len(challenge) != NONCE_BYTES:
+                raise ServerUnavailable(f"{where} sent {kind.name} instead of an authentication challenge; is it a "
+                                        "lightning_pdist parameter server started with the same secret?")  # fmt: skip
+            nonce = new_nonce()
+            send_message(self.sock, Kind.AUTH, {"nonce": nonce.hex()}, proof(secret, bytes(challenge), CLIENT_LABEL))
+            kind, meta, _, _ = recv_message(self.sock, timeout=timeout, payload_limit=lambda k: 0)
+        except TimeoutError:
+            raise ServerUnavailable(f"{where} did not complete authentication within {timeout:g} s (a server started "
+                                    "without a secret sends no challenge: start it with --secret-file)") from None  # fmt: skip
+        except (PeerClosed, OSError, ValueError) as err:
+            raise ServerUnavailable(f"{where} closed the connection during authentication ({err})") from None
+        if kind == Kind.ERROR:
+            raise ServerUnavailable(f"{where} refused authentication: {meta.get('message', '?')}")
+        server_proof = meta.get("proof")
+        try:
+            received = bytes.fromhex(server_proof) if isinstance(server_proof, str) else b""
+        except ValueError:
+            received = b""
+        if kind != Kind.REPLY or not verify(secret, nonce, SERVER_LABEL, received):
+            raise ServerUnavailable(f"{where} could not prove it holds the shared secret; not connecting to it "
+                                    "(another process may have taken over the server's port)")  # fmt: skip
 
     def _where(self) -> str:
         return f"parameter server {self.index} at {self.address}"
@@ -87,6 +130,9 @@ class ServerConnection:
         except (OSError, ValueError) as err:
             raise ServerUnavailable(f"{self._where()} failed during {kind.name}: {err}") from None
         self.bytes_received += nbytes
+        if reply == Kind.CHALLENGE:
+            raise ServerError(f"{self._where()} requires authentication (it was started with a secret); pass the same "
+                              "secret (strategy: server_secret_file) to connect")  # fmt: skip
         if reply == Kind.ERROR:
             raise ServerError(f"{self._where()} refused {kind.name}: {meta_in.get('message', '?')}")
         return meta_in, payload_in
@@ -105,14 +151,15 @@ class ParameterServerClient:
         addresses: ``"host:port"`` of server 0, 1, ...
         worker: this worker's index in ``[0, num_workers)``.
         timeout: seconds a request may wait for its reply (a sync step waits for the slowest worker).
+        secret: the servers' shared secret (``None``: servers without authentication).
     """
 
-    def __init__(self, addresses: list[str], worker: int, timeout: float = 300.0):
+    def __init__(self, addresses: list[str], worker: int, timeout: float = 300.0, secret: bytes | None = None):
         self.worker = worker
         self.connections: list[ServerConnection] = []
         try:
             for index, address in enumerate(addresses):
-                self.connections.append(ServerConnection(index, address, timeout=timeout))
+                self.connections.append(ServerConnection(index, address, timeout=timeout, secret=secret))
         except BaseException:
             self.close()
             raise

@@ -29,9 +29,12 @@ Hostile and broken peers (``docs/algorithms/parameter_server.md``): the loop is 
 sockets with the standard library's ``selectors``; each connection is a small state machine (a bounded
 :class:`~lightning_pdist.comm.ps_wire.FrameReader`, one request in flight, a queue of unsent reply bytes) under
 the deadlines of :class:`ServerLimits` (a whole request, a whole reply, the first request), and the number of
-connections is bounded. Requests are checked field by field before they touch any state
-(:class:`RequestRefused` names the field, the value and the rule), and any exception while serving one
-connection closes that connection and is logged. Why ``selectors`` and not pyzmq or asyncio: requests must be
+connections is bounded. A server given a shared secret (``start_server(secret=...)``, ``--secret-file``) first
+authenticates every connection with :mod:`~lightning_pdist.comm.ps_auth`'s challenge: until the peer has
+proven it holds the secret, its reader takes nothing but a 32-byte ``AUTH`` (any other header is refused before
+its metadata is read), and a wrong proof or any other message closes the connection, logged. Requests are
+checked field by field before they touch any state (:class:`RequestRefused` names the field, the value and the
+rule), and any exception while serving one connection closes that connection and is logged. Why ``selectors`` and not pyzmq or asyncio: requests must be
 applied one at a time in arrival order, which one thread gives without locks; the loop must see each peer's
 own connection (its EOF is how a dead worker is named at once) and bound each message by its kind and by this
 server's shard *before* allocating, while ZeroMQ hands over whole messages after buffering them (its only
@@ -70,6 +73,17 @@ from lightning_pdist.algorithms.ps_rules import (
     DelayCompensation,
     SSPClock,
     StalenessTracker,
+)
+from lightning_pdist.comm.ps_auth import (
+    CLIENT_LABEL,
+    NONCE_BYTES,
+    PROOF_BYTES,
+    SERVER_LABEL,
+    check_secret,
+    new_nonce,
+    proof,
+    read_secret_file,
+    verify,
 )
 from lightning_pdist.comm.ps_shard import ELEMENTWISE_OPTIMIZERS, ParameterShard, parse_present
 from lightning_pdist.comm.ps_wire import (
@@ -198,6 +212,7 @@ class _Conn:
     opened: float
     reader: FrameReader
     worker: int | None = None
+    nonce: bytes | None = None  # the challenge sent; None once authenticated (or on a server without a secret)
     known: bool = False  # completed a request: no handshake deadline, not evicted at the connection limit
     inbox: deque = field(default_factory=deque)  # complete requests not yet handled (at most one)
     out: deque = field(default_factory=deque)  # memoryviews of reply bytes not yet sent
@@ -244,8 +259,10 @@ class ShardServer:
         idle_timeout: float = 300.0,
         io_timeout: float = 300.0,
         limits: ServerLimits | None = None,
+        secret: bytes | None = None,
     ) -> None:
         self.index = index
+        self.secret = check_secret(secret, f"ShardServer(index={index})")
         self.listener = listener
         self.lifeline = lifeline
         self.networks = parse_networks(allowed_networks)
@@ -396,6 +413,10 @@ class ShardServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock, f"{addr[0]}:{addr[1]}", time.monotonic(), FrameReader(self._payload_limit))
             self.conns[sock.fileno()] = conn
+            if self.secret is not None:
+                conn.nonce = new_nonce()
+                conn.reader.payload_limit = self._auth_payload_limit
+                self._reply(conn, Kind.CHALLENGE, {}, conn.nonce, count=False)
             self._set_events(conn)
 
     def _evict_one(self) -> bool:
@@ -407,6 +428,30 @@ class ShardServer:
         self._close(oldest, f"dropped: max_connections={self._max_connections()} reached, and it is the oldest "
                             f"connection that has completed no request ({time.monotonic() - oldest.opened:.1f} s old)")  # fmt: skip
         return True
+
+    def _auth_payload_limit(self, kind: Kind) -> int:
+        """Before authentication: an ``AUTH`` proof and nothing else (refused on the header, before its metadata)."""
+        if kind != Kind.AUTH:
+            raise FrameError(f"{kind.name} before authenticating; the first message on a connection must be AUTH")
+        return PROOF_BYTES
+
+    def _authenticate(self, conn: _Conn, kind: Kind, meta: dict, payload: bytearray) -> None:
+        """Check the peer's proof; answer with this server's proof of the peer's nonce, or close the connection."""
+        nonce = meta.get("nonce")
+        try:
+            client_nonce = bytes.fromhex(nonce) if isinstance(nonce, str) else b""
+        except ValueError:
+            client_nonce = b""
+        if kind != Kind.AUTH or len(client_nonce) != NONCE_BYTES or not verify(self.secret, conn.nonce, CLIENT_LABEL, payload):
+            self._log(f"refused the connection from {conn.peer}: authentication failed (wrong secret, or not a "
+                      "lightning_pdist worker)", key="auth")  # fmt: skip
+            self._reply(conn, Kind.ERROR, {"message": f"parameter server {self.index}: authentication failed; the "
+                                           "workers and the servers must share the same secret"}, count=False)  # fmt: skip
+            self._shut(conn)
+            return
+        conn.nonce = None
+        conn.reader.payload_limit = self._payload_limit
+        self._reply(conn, Kind.REPLY, {"proof": proof(self.secret, client_nonce, SERVER_LABEL).hex()}, count=False)
 
     def _payload_limit(self, kind: Kind) -> int:
         """The most payload bytes a message of ``kind`` can legitimately carry to this server now."""
@@ -479,9 +524,10 @@ class ShardServer:
             self._close(conn)
             return
         except FrameError as err:
-            before_init = " (nothing but INIT is accepted before INIT)" if self.shard is None else ""
+            before_init = " (nothing but INIT is accepted before INIT)" if self.shard is None and conn.nonce is None else ""
             self._log(f"refused a message from {conn.name()}: {err}{before_init}", key="frame")
-            self._reply(conn, Kind.ERROR, {"message": f"parameter server {self.index}: {err}{before_init}; closing the connection"})
+            self._reply(conn, Kind.ERROR, {"message": f"parameter server {self.index}: {err}{before_init}; closing the connection"},
+                        count=conn.nonce is None)  # a stranger's refusals are not training traffic  # fmt: skip
             self._shut(conn)
             return
         if message is None:
@@ -489,6 +535,11 @@ class ShardServer:
                 conn.message_deadline = time.monotonic() + self.limits.message_timeout
             return
         conn.message_deadline = None
+        if conn.nonce is not None:  # not yet authenticated: nothing reaches the request handlers
+            self._authenticate(conn, *message[:3])
+            if not conn.closed:
+                self._set_events(conn)
+            return
         self.bytes_in += message[3]
         conn.inbox.append(message)
         self._process(conn)
@@ -525,11 +576,13 @@ class ShardServer:
             return
         conn.drain_deadline = time.monotonic() + 5.0
 
-    def _reply(self, conn: _Conn, kind: Kind, meta: dict, payload: Any = None) -> None:
+    def _reply(self, conn: _Conn, kind: Kind, meta: dict, payload: Any = None, count: bool = True) -> None:
+        """Queue a message and send what the socket takes; ``count=False``: a handshake, not training traffic."""
         if conn.closed:
             return
         head, body = encode_message(kind, meta, payload)
-        self.bytes_out += len(head) + body.nbytes
+        if count:
+            self.bytes_out += len(head) + body.nbytes
         conn.out.append(memoryview(head))
         if body.nbytes:
             conn.out.append(body)
@@ -927,16 +980,20 @@ def start_server(
     idle_timeout: float = 300.0,
     io_timeout: float = 300.0,
     limits: ServerLimits | None = None,
+    secret: bytes | None = None,
 ) -> ServerProcess:
     """Fork a server process bound to ``host:port`` (``port=0``: any free port) and return its handle.
 
-    ``limits`` bound what one peer may cost the server (default: every deadline ``io_timeout``).
+    ``limits`` bound what one peer may cost the server (default: every deadline ``io_timeout``). ``secret``
+    (at least 32 bytes, handed over in memory): every connection must prove it holds it before its first request;
+    ``None``: no authentication.
 
     The socket is bound here, before the fork, so a bad address fails in the caller and the port is
     known (and accepting) before this returns. Call it before creating other sockets if possible; the
     child closes every inherited descriptor except its own anyway.
     """
     parse_networks(allowed_networks)  # fail here, not in the child
+    secret = check_secret(secret, f"start_server(index={index})")
     limits = limits if limits is not None else ServerLimits.from_io_timeout(io_timeout)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.create_server((host, port), family=family, backlog=128)
@@ -954,7 +1011,7 @@ def start_server(
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             _set_process_name(f"pdist-ps{index}")
             torch.set_num_threads(1)
-            ShardServer(index, listener, read_end, allowed_networks, idle_timeout, limits=limits).serve()
+            ShardServer(index, listener, read_end, allowed_networks, idle_timeout, limits=limits, secret=secret).serve()
             code = 0
         except BaseException:  # noqa: BLE001  (report anything, then leave without running the parent's atexit)
             traceback.print_exc()
@@ -968,7 +1025,8 @@ def start_server(
 def main(argv: list[str] | None = None) -> None:
     """Run one server in the foreground (multi-node: start one per server host, pass their addresses).
 
-    ``python -m lightning_pdist.comm.ps_server --index 0 --host 0.0.0.0 --port 29600 --allowed-networks 10.1.0.0/16``
+    ``python -m lightning_pdist.comm.ps_server --index 0 --host 0.0.0.0 --port 29600 --allowed-networks 10.1.0.0/16
+    --secret-file ~/.pdist/secret`` (the same file, mode 600, as the strategy's ``server_secret_file``)
     """
     import argparse
 
@@ -978,6 +1036,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--allowed-networks", default="127.0.0.0/8")
     parser.add_argument("--idle-timeout", type=float, default=300.0)
+    parser.add_argument("--secret-file", default=None, help="file holding the shared secret (mode 600, >= 32 bytes); "
+                        "without it the server is unauthenticated")  # fmt: skip
     defaults = ServerLimits()
     parser.add_argument("--max-connections", type=int, default=defaults.max_connections)
     parser.add_argument("--message-timeout", type=float, default=defaults.message_timeout)
@@ -986,12 +1046,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-init-bytes", type=int, default=defaults.max_init_bytes)
     args = parser.parse_args(argv)
     parse_networks(args.allowed_networks)
+    secret = None
+    if args.secret_file is not None:
+        try:
+            secret = read_secret_file(args.secret_file)
+        except ValueError as err:
+            parser.error(f"--secret-file {err}")
     limits = ServerLimits(args.max_connections, args.message_timeout, args.reply_timeout, args.handshake_timeout,
                           args.max_init_bytes)  # fmt: skip
     listener = socket.create_server((args.host, args.port), backlog=128)
     print(f"pdist parameter server {args.index} listening on {listener.getsockname()[0]}:{listener.getsockname()[1]}", flush=True)
     torch.set_num_threads(1)
-    ShardServer(args.index, listener, None, args.allowed_networks, args.idle_timeout, limits=limits).serve()
+    server = ShardServer(args.index, listener, None, args.allowed_networks, args.idle_timeout, limits=limits, secret=secret)
+    if secret is None:
+        server._log(f"WARNING: unauthenticated (no --secret-file): any process that can reach this port from "
+                    f"{args.allowed_networks}, of any user, can push gradients, read parameters or shut the server down")  # fmt: skip
+    server.serve()
 
 
 if __name__ == "__main__":

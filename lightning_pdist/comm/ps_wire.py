@@ -7,8 +7,9 @@ A message is a fixed header, a JSON metadata object and an optional raw payload:
 Tensors travel as their raw little-endian bytes (``meta["dtype"]`` names the dtype), so a 100 MB shard
 costs one ``sendall`` and one ``recv_into``, with no pickling. Nothing received is ever unpickled: the
 metadata is JSON and whole-state transfers (checkpoints) use ``torch.load(weights_only=True)``, so a
-peer can at worst send wrong numbers, not run code. The transport still has no authentication (see
-``docs/algorithms/parameter_server.md``, trust model): run it inside a trusted cluster network.
+peer can at worst send wrong numbers, not run code. A server with a shared secret first authenticates
+every connection (``CHALLENGE``/``AUTH``, :mod:`lightning_pdist.comm.ps_auth`); nothing is encrypted
+(``docs/algorithms/parameter_server.md``, trust model): run it inside a trusted cluster network.
 
 Reading is bounded before it allocates (``docs/algorithms/parameter_server.md``, hostile and broken peers):
 the header is checked first (magic, a known kind, metadata at most :data:`MAX_META` bytes for ``INIT`` and
@@ -86,6 +87,8 @@ class Kind(enum.IntEnum):
     SET_STATE = 7  # rank 0 -> server: payload = torch.save bytes (resume)
     SHUTDOWN = 8  # rank 0 -> server: reply, then the server exits
     BYE = 9  # worker -> server: this worker is done (no reply)
+    CHALLENGE = 10  # server -> client, first on a connection to a server with a secret: payload = nonce
+    AUTH = 11  # client -> server, the answer: payload = HMAC proof, {"nonce"}; reply {"proof"} (comm/ps_auth.py)
     REPLY = 20
     ERROR = 21
 

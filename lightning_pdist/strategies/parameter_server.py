@@ -22,7 +22,13 @@ group is never initialized; the workers' Lightning collectives go through a priv
 Several nodes: with torchrun/SLURM every node runs the same script; global rank 0's node hosts the
 servers. Set ``server_host`` to an address of that node the others can reach (or ``"0.0.0.0"``; workers
 then connect to ``MASTER_ADDR``) and ``allowed_networks`` to the cluster's range. Or start servers
-yourself (``python -m lightning_pdist.comm.ps_server --host H --port P``) and pass ``server_addresses``.
+yourself (``python -m lightning_pdist.comm.ps_server --host H --port P --secret-file F``) and pass
+``server_addresses`` and ``server_secret_file=F``.
+
+Authentication: servers the strategy starts get a fresh 32-byte secret from global rank 0 (in memory, through
+the fork; never on a command line or in a file), which sends it to the other workers with the servers'
+addresses over the workers' private group; every connection proves it holds it before its first request
+(:mod:`~lightning_pdist.comm.ps_auth`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from typing_extensions import override
 
 from lightning_pdist.algorithms.sharding import ShardingPlan, param_specs, plan_sharding
 from lightning_pdist.comm.accounting import all_reduce_bytes
+from lightning_pdist.comm.ps_auth import new_secret, read_secret_file
 from lightning_pdist.comm.ps_client import ParameterServerClient
 from lightning_pdist.comm.ps_layout import OptimizerLayout, accumulate_grads, group_hparams, numeric_hparams
 from lightning_pdist.comm.ps_server import ELEMENTWISE_OPTIMIZERS, STALENESS_BUCKETS, ServerProcess, start_server
@@ -138,8 +145,11 @@ class ParameterServerStrategy(PdistStrategy):
         partition_bytes: ``memory`` sharding in fixed-size partitions dealt round-robin (BytePS style).
         server_host: address the servers bind to (on global rank 0's node).
         server_addresses: ``["host:port", ...]`` of servers started elsewhere; none are started then.
-        allowed_networks: comma-separated address ranges servers accept connections from. There is no
-            authentication: run inside a trusted network (see the method card).
+        server_secret_file: with ``server_addresses``: the file (mode 600, at least 32 bytes) the servers were
+            started with (``--secret-file``); every worker authenticates with it. ``None``: those servers are
+            unauthenticated (warned). Servers the strategy starts always authenticate, with a fresh secret.
+        allowed_networks: comma-separated address ranges servers accept connections from. Nothing is
+            encrypted: run inside a trusted network (see the method card).
         server_timeout: seconds a worker waits for a server's reply before failing (sync steps wait for
             the slowest worker, so keep it generous). A server that dies fails its workers at once.
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (``start_method``,
@@ -162,6 +172,7 @@ class ParameterServerStrategy(PdistStrategy):
         partition_bytes: int | None = None,
         server_host: str = "127.0.0.1",
         server_addresses: list[str] | None = None,
+        server_secret_file: str | None = None,
         allowed_networks: str = "127.0.0.0/8",
         server_timeout: float = 300.0,
         **kwargs: Any,
@@ -172,15 +183,20 @@ class ParameterServerStrategy(PdistStrategy):
             num_servers=num_servers, sharding=sharding, mode=mode, staleness=staleness, backup_workers=backup_workers,
             push_every=push_every, pull_every=pull_every, delay_compensation=delay_compensation,
             partition_bytes=partition_bytes, server_host=server_host,
-            server_addresses=_addresses(server_addresses, owner),
+            server_addresses=_addresses(server_addresses, owner), server_secret_file=server_secret_file,
             allowed_networks=allowed_networks, server_timeout=server_timeout, owner=owner,
         )  # fmt: skip
         super().__init__(**kwargs)
+        if server_addresses is not None and server_secret_file is None:
+            rank_zero_warn(f"{owner}(server_addresses={list(server_addresses)!r}, server_secret_file=None): these servers "
+                           "are unauthenticated; any process that reaches them (on a shared node, any user's) can push "
+                           "gradients or read parameters. Start them with --secret-file and pass server_secret_file.")  # fmt: skip
         self.num_servers, self.sharding, self.mode = num_servers, sharding, mode
         self.staleness, self.backup_workers, self.delay_compensation = staleness, backup_workers, delay_compensation
         self.push_every, self.pull_every = push_every, pull_every
         self.servers: list[ServerProcess] = []
         self.server_addresses: list[str] = []
+        self._secret: bytes | None = None  # the servers' shared secret for this fit (never logged or checkpointed)
         self.plan: ShardingPlan | None = None
         self.workers: WorkerGroup | None = None
         self.client: ParameterServerClient | None = None
@@ -226,8 +242,11 @@ class ParameterServerStrategy(PdistStrategy):
             raise
         if self.config.server_addresses is not None:
             self.server_addresses = list(self.config.server_addresses)
+            if self.config.server_secret_file is not None:
+                self._secret = read_secret_file(self.config.server_secret_file)
         elif fitting:
-            self.server_addresses = self.workers.broadcast_object(self.server_addresses)
+            # The secret goes only to the job's own workers, on their private group (never a file or the store).
+            self.server_addresses, self._secret = self.workers.broadcast_object((self.server_addresses, self._secret))
 
     def _plan(self, num_servers: int) -> ShardingPlan:
         """The sharding plan; an impossible one (more servers than elements, ...) is refused naming the rule."""
@@ -243,11 +262,12 @@ class ParameterServerStrategy(PdistStrategy):
 
     def _start_servers(self, main_address: str) -> None:
         count = self.config.servers_for(self.world_size)
+        self._secret = new_secret()
         try:
             for index in range(count):
                 self.servers.append(start_server(
                     index, host=self.config.server_host, allowed_networks=self.config.allowed_networks,
-                    io_timeout=self.config.server_timeout,
+                    io_timeout=self.config.server_timeout, secret=self._secret,
                 ))  # fmt: skip
         except BaseException:
             self._stop_servers()
@@ -327,7 +347,8 @@ class ParameterServerStrategy(PdistStrategy):
             rank_zero_warn(f"{owner}: world_size == 1: one worker and its servers; this is the local optimizer, remotely.")
         self.plan = self._plan(len(self.server_addresses) or self.config.servers_for(world_size))
         self.layout = OptimizerLayout(list(self.lightning_module.named_parameters()), self.optimizers, self.plan, owner)
-        self.client = ParameterServerClient(self.server_addresses, rank, timeout=self.config.server_timeout)
+        self.client = ParameterServerClient(self.server_addresses, rank, timeout=self.config.server_timeout,
+                                            secret=self._secret)  # fmt: skip
         if rank == 0:
             self.client.map(Kind.INIT, *self._init_requests())
             if self._loaded_pdist_state is not None:
@@ -675,6 +696,7 @@ class ParameterServerStrategy(PdistStrategy):
             client.close()
         self._stop_servers()
         self.server_addresses = []
+        self._secret = None
         workers, self.workers = self.workers, None
         if workers is not None:
             workers.close()  # rank 0's store on MASTER_PORT is gone before any worker returns from here

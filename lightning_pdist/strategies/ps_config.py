@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from lightning_pdist.algorithms.sharding import SHARDINGS
+from lightning_pdist.comm.ps_auth import read_secret_file
 from lightning_pdist.comm.ps_server import MODES
 from lightning_pdist.comm.ps_wire import parse_networks
 from lightning_pdist.strategies.config import ConfigErrors, is_int
@@ -28,6 +29,7 @@ class ParameterServerConfig(ConfigErrors):
     partition_bytes: int | None = None
     server_host: str = "127.0.0.1"
     server_addresses: tuple[str, ...] | None = None
+    server_secret_file: str | None = None
     allowed_networks: str = "127.0.0.0/8"
     server_timeout: float = 300.0
     owner: str = "ParameterServerStrategy"
@@ -95,6 +97,16 @@ class ParameterServerConfig(ConfigErrors):
                     self._fail("server_addresses", f"{address!r} is not 'host:port' with a port in 1..65535")
             if self.num_servers is not None and self.num_servers != len(self.server_addresses):
                 self._fail("num_servers", f"server_addresses lists {len(self.server_addresses)} servers")
+        if self.server_secret_file is not None:
+            if not isinstance(self.server_secret_file, str):
+                self._fail("server_secret_file", "server_secret_file must be a path string (or None)", TypeError)
+            if self.server_addresses is None:
+                self._fail("server_secret_file", "server_secret_file authenticates servers started by hand and needs "
+                                                 "server_addresses; servers the strategy starts get a fresh secret")  # fmt: skip
+            try:
+                read_secret_file(self.server_secret_file)
+            except ValueError as err:
+                self._fail("server_secret_file", str(err).partition(": ")[2])
         try:
             parse_networks(self.allowed_networks)
         except ValueError as err:  # "allowed_networks='...': rule" -> "Owner(allowed_networks='...'): rule"
