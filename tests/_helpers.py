@@ -209,3 +209,16 @@ def no_orphaned_servers():
     while server_processes() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server_processes() == []
+
+
+def closed_by_server(sock: socket.socket, within: float = 10.0) -> bool:
+    """True once a server closed ``sock`` (EOF or reset) within ``within`` s; what it sent first is discarded."""
+    sock.settimeout(within)
+    try:
+        while sock.recv(1 << 20):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from _helpers import no_orphaned_servers  # noqa: F401  (autouse fixture)
+from _helpers import closed_by_server, no_orphaned_servers  # noqa: F401  (autouse fixture)
 
 from lightning_pdist.comm.ps_auth import CLIENT_LABEL, SERVER_LABEL, check_secret, new_secret, proof, read_secret_file
 from lightning_pdist.comm.ps_client import ParameterServerClient, ServerConnection, ServerError, ServerUnavailable
@@ -63,18 +63,6 @@ def message(kind, meta=None, payload=None):
     head, body = encode_message(kind, meta, payload)
     return head + bytes(body)
 
-
-def closed_by_server(sock, within=GOOD_TIMEOUT):
-    """True once the server closed ``sock`` (EOF or reset); what it sent first is read and discarded."""
-    sock.settimeout(within)
-    try:
-        while sock.recv(1 << 20):
-            pass
-    except ConnectionResetError:
-        pass
-    except TimeoutError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------------- the secret itself

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from _helpers import no_orphaned_servers  # noqa: F401  (autouse fixture)
+from _helpers import closed_by_server, no_orphaned_servers  # noqa: F401  (autouse fixture)
 
 from lightning_pdist.comm.ps_client import ParameterServerClient, ServerConnection, ServerError
 from lightning_pdist.comm.ps_server import ServerLimits, ShardServer, start_server
@@ -67,18 +67,6 @@ def rss(pid):
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
-
-def closed_by_server(sock, within=GOOD_TIMEOUT):
-    """True once the server has closed ``sock`` (EOF or reset), reading and discarding whatever it sent."""
-    sock.settimeout(within)
-    try:
-        while sock.recv(1 << 20):
-            pass
-    except ConnectionResetError:
-        pass
-    except TimeoutError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------------- one message that used to kill
