@@ -41,14 +41,13 @@ from typing import Any, Callable
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pdist.algorithms.flat import averaged_tensors, flatten, unflatten_into_
+from lightning_pdist.algorithms.flat import all_finite, averaged_tensors, flatten, unflatten_into_
 from lightning_pdist.algorithms.periodic import PeriodicSchedule
 from lightning_pdist.comm.collectives import all_reduce_mean_
 from lightning_pdist.comm.hooks import AllReduceState, periodic_allreduce_hook
@@ -95,9 +94,9 @@ class ModelAveragingStrategy(PdistStrategy):
     def after_warmup_step(self) -> None:
         """Called after each warm-up step, when all replicas are identical."""
 
-    def shared_vector(self) -> Tensor:
+    def shared_tensors(self) -> list[Tensor]:
         """What every rank holds identically after :meth:`synchronize` (the average, BMUF's start, EASGD's center)."""
-        return self.local_vector()
+        return self.averaged_tensors
 
     def _refuse_nonfinite(self, own_finite: bool) -> None:
         """Stop every rank at once when the synchronized model is not finite, naming the ranks that made it so.
@@ -106,7 +105,7 @@ class ModelAveragingStrategy(PdistStrategy):
         end with NaN weights and exit 0. The shared vector is the same on every rank, so every rank takes the same
         branch (the gather of the culprits runs on the failure path only, on every rank).
         """
-        if bool(torch.isfinite(self.shared_vector()).all()):
+        if all_finite(self.shared_tensors()):
             return
         _, world_size = self.rank_world
         flags: list[Any] = [own_finite]
@@ -200,7 +199,7 @@ class ModelAveragingStrategy(PdistStrategy):
             self._count_buffer_broadcast()
             self.after_warmup_step()
         elif self.syncs_after(self.step):
-            own_finite = bool(torch.isfinite(self.local_vector()).all())
+            own_finite = all_finite(self.averaged_tensors)
             self.synchronize()
             self._refuse_nonfinite(own_finite)
         self._set_phase()

@@ -76,8 +76,8 @@ class EASGDStrategy(ModelAveragingStrategy):
         return self.easgd_state.center.clone()
 
     @override
-    def shared_vector(self) -> Tensor:
-        return self.easgd_state.center
+    def shared_tensors(self) -> list[Tensor]:
+        return [self.easgd_state.center]
 
     @override
     def algorithm_state_dict(self) -> dict:

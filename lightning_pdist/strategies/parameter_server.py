@@ -45,6 +45,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_pdist.algorithms.flat import all_finite
 from lightning_pdist.algorithms.sharding import ShardingPlan, param_specs, plan_sharding
 from lightning_pdist.comm.accounting import all_reduce_bytes
 from lightning_pdist.comm.ps_auth import new_secret, read_secret_file
@@ -526,9 +527,9 @@ class ParameterServerStrategy(PdistStrategy):
         In sync mode every worker pulls the same parameters, so every worker stops at the same step; in async/ssp
         each stops at its first non-finite pull. Each says whether its own gradient was the non-finite one.
         """
-        if bool(torch.isfinite(self._flat_params()).all()):
+        if all_finite(self._params()):  # every step: per tensor, no flat copy
             return
-        own = all(g is None or bool(torch.isfinite(g).all()) for g in grads.values())
+        own = all_finite([g for g in grads.values() if g is not None])
         raise FloatingPointError(
             f"{type(self).__name__}: after step {self.step} the parameters pulled from the servers are not finite "
             f"(worker {self.global_rank}'s own gradient was {'finite' if own else 'NOT finite'}): a NaN/inf gradient "

@@ -42,9 +42,7 @@ def manifest(checkpoint_path: Any, world_size: int) -> dict:
 
 def save(state: dict, checkpoint_path: Any, rank: int, world_size: int) -> None:
     """Write this rank's ``state`` (atomically: an interrupted save leaves any older file intact)."""
-    path = path_for(checkpoint_path, rank, world_size)
-    get_filesystem(path).makedirs(os.path.dirname(path), exist_ok=True)  # Lightning makes it on rank 0 only
-    safe_save(state, path)
+    safe_save(state, path_for(checkpoint_path, rank, world_size))
 
 
 def remove(checkpoint_path: Any, rank: int, world_size: int) -> None:

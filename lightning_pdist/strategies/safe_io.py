@@ -30,8 +30,13 @@ def _is_local(path: Any) -> bool:
 
 
 def safe_save(obj: Any, path: Any) -> None:
-    """``torch.save(obj, path)`` such that ``path`` holds either its old content or the complete new one."""
+    """``torch.save(obj, path)`` such that ``path`` holds either its old content or the complete new one.
+
+    Makes the folder first (Lightning makes it on rank 0 only, and rank files are written on every rank).
+    """
     if not _is_local(path):
+        fs = get_filesystem(path)
+        fs.makedirs(os.path.dirname(str(path)), exist_ok=True)
         _atomic_save(obj, path)
         return
     target = Path(str(path).removeprefix("file://"))
@@ -53,8 +58,7 @@ class SafeCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options={storage_options!r}): "
-                            "storage_options are not supported; use a CheckpointIO plugin that takes them")  # fmt: skip
-        get_filesystem(path).makedirs(os.path.dirname(str(path)) or ".", exist_ok=True)
+        if storage_options is not None or not _is_local(path):  # Lightning's refusal / Lightning's remote write
+            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
         safe_save(checkpoint, path)
