@@ -3,6 +3,7 @@
 from lightning_pdist.models.classifier import ClassifierModule, build_model
 from lightning_pdist.models.cnn import SmallCNN
 from lightning_pdist.models.mlp import MLP
+from lightning_pdist.models.encoder import EncoderClassifier
 from lightning_pdist.models.text import BagOfEmbeddings
 
-__all__ = ["MLP", "BagOfEmbeddings", "ClassifierModule", "SmallCNN", "build_model"]
+__all__ = ["MLP", "BagOfEmbeddings", "ClassifierModule", "EncoderClassifier", "SmallCNN", "build_model"]
