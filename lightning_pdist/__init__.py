@@ -14,13 +14,14 @@ from lightning_pdist.strategies import (
     SignSGDStrategy,
     SimuParallelSGDStrategy,
 )
-from lightning_pdist.strategies import ParameterServerStrategy, PipelineStrategy
+from lightning_pdist.strategies import ParameterServerStrategy, PipelineStrategy, TensorParallelStrategy
 
 __all__ = ["BMUFStrategy", "EASGDStrategy", "LocalSGDStrategy", "PdistStrategy", "SignSGDStrategy", "SimuParallelSGDStrategy"]
-__all__ += ["ParameterServerStrategy", "PipelineStrategy"]
+__all__ += ["ParameterServerStrategy", "PipelineStrategy", "TensorParallelStrategy"]
 __version__ = "0.1.0"
 
 for _strategy in (PdistStrategy, LocalSGDStrategy, SimuParallelSGDStrategy, BMUFStrategy, EASGDStrategy, SignSGDStrategy):
     _strategy.register_strategies(StrategyRegistry)
 ParameterServerStrategy.register_strategies(StrategyRegistry)
 PipelineStrategy.register_strategies(StrategyRegistry)
+TensorParallelStrategy.register_strategies(StrategyRegistry)

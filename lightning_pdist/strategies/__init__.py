@@ -8,6 +8,7 @@ from lightning_pdist.strategies.parameter_server import ParameterServerStrategy
 from lightning_pdist.strategies.pipeline import PipelineStrategy
 from lightning_pdist.strategies.signsgd import SignSGDStrategy
 from lightning_pdist.strategies.simuparallel_sgd import SimuParallelSGDStrategy
+from lightning_pdist.strategies.tensor_parallel import TensorParallelStrategy
 
 __all__ = ["BMUFStrategy", "EASGDStrategy", "LocalSGDStrategy", "PdistStrategy", "SignSGDStrategy", "SimuParallelSGDStrategy"]
-__all__ += ["ParameterServerStrategy", "PipelineStrategy"]
+__all__ += ["ParameterServerStrategy", "PipelineStrategy", "TensorParallelStrategy"]

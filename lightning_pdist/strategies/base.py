@@ -49,7 +49,7 @@ from lightning_pdist.comm.hooks import AllReduceState, allreduce_hook
 from lightning_pdist.strategies import rank_files
 from lightning_pdist.strategies.safe_io import SafeCheckpointIO
 
-__all__ = ["PdistStrategy", "check_keywords", "register_variants"]
+__all__ = ["PdistStrategy", "check_keywords", "log_comm_bytes", "register_variants"]
 
 
 class PdistStrategy(DDPStrategy):
@@ -122,13 +122,7 @@ class PdistStrategy(DDPStrategy):
         """Run the algorithm's per-step work (averaging, elastic steps); nothing for plain DDP."""
 
     def _log_comm_bytes(self) -> None:
-        step_bytes = self.comm_meter.end_step()
-        module = self.lightning_module
-        # `log` is legal only inside a hook the Trainer is running (optimizer_step/training_step).
-        if module is None or module._trainer is None or module._current_fx_name is None:
-            return
-        module.log("pdist/comm_bytes", float(step_bytes), on_step=True, on_epoch=False, prog_bar=True)
-        module.log("pdist/comm_bytes_total", float(self.comm_meter.total_bytes), on_step=True, on_epoch=False)
+        log_comm_bytes(self.lightning_module, self.comm_meter)
 
     # ------------------------------------------------------------------ checkpoints
     def pdist_state_dict(self) -> dict:
@@ -258,6 +252,16 @@ class PdistStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         description = cls.__doc__.splitlines()[0] if cls.__doc__ else ""
         register_variants(strategy_registry, cls, cls.strategy_name, description, find_unused=cls.wraps_in_ddp)
+
+
+def log_comm_bytes(module: Any, meter: CommMeter) -> None:
+    """Close the meter's step and log ``pdist/comm_bytes`` (that step) and ``pdist/comm_bytes_total`` on ``module``."""
+    step_bytes = meter.end_step()
+    # `log` is legal only inside a hook the Trainer is running (optimizer_step/training_step).
+    if module is None or module._trainer is None or module._current_fx_name is None:
+        return
+    module.log("pdist/comm_bytes", float(step_bytes), on_step=True, on_epoch=False, prog_bar=True)
+    module.log("pdist/comm_bytes_total", float(meter.total_bytes), on_step=True, on_epoch=False)
 
 
 def check_keywords(cls: type, kwargs: dict[str, Any], wraps_in_ddp: bool = True) -> None:
