@@ -1,7 +1,10 @@
 """Tier 1: the DP / TP / DP×TP / hybrid byte model and the time model, against sums worked out by hand here."""
 
+import json
+
 import pytest
 import torch
+from lightning.pytorch import Callback
 from torch import nn
 
 from lightning_pdist.algorithms.tensor_parallel_cost import (
@@ -166,3 +169,59 @@ def test_ring_formulas_refuse_bad_world_sizes(bad):
     """A world size that is not an int >= 1 is refused naming the value."""
     with pytest.raises(ValueError, match=r"world_size=.*must be an int >= 1"):
         ring_all_reduce_bytes(8, **bad)
+
+
+# -- tier 3: the model against what TensorParallelStrategy's meter counts in a real 2-rank fit -----------------
+
+
+class DumpMeter(Callback):
+    """Each rank writes its meter's bytes per kind to ``folder/rank<r>.json`` at the end of fit."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module):
+        meter = trainer.strategy.comm_meter
+        (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps({"by_kind": meter.by_kind}))
+
+
+def _measured(tmp_path, model, x, batch_size, devices=2, **strategy_kwargs):
+    """One optimizer step of ``model`` under TensorParallelStrategy (fork, 2 ranks); every rank's meter."""
+    from _helpers import fit
+    from lightning.pytorch import seed_everything
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_pdist.models.classifier import ClassifierModule
+    from lightning_pdist.strategies.tensor_parallel import TensorParallelStrategy
+
+    seed_everything(0)
+    y = torch.randint(0, 2, (len(x),))
+    module = ClassifierModule(model=model, num_classes=2, optimizer="sgd", lr=0.01)
+    module.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=batch_size)
+    fit(TensorParallelStrategy(start_method="fork", **strategy_kwargs), module, devices=devices, max_steps=1,
+        callbacks=[DumpMeter(tmp_path)])  # fmt: skip
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(devices)]
+
+
+@pytest.mark.parametrize("family", ["bert", "albert"])
+def test_model_equals_the_strategys_meter_for_a_tiny_encoder(tmp_path, family):
+    """TP on 2 ranks: the byte model's 6 all-reduces per layer application equal the meter of a real step, per kind."""
+    model = _encoder(family)
+    B, L = 4, 16
+    ranks = _measured(tmp_path, model, torch.randint(1, 50, (16, L)), B)
+    expected = tp_encoder_bytes(B, L, hidden_size=8, num_layers=2, tp_size=2).by_kind()
+    assert [r["by_kind"] for r in ranks] == [expected, expected]
+
+
+def test_model_equals_the_strategys_meter_for_hybrid_vgg(tmp_path):
+    """Hybrid conv-DP / FC-MP on vgg16_scaled, 2 ranks: conv all-reduce, both all-gathers and both FC all-reduces."""
+    from lightning_pdist.models.vgg import vgg16_scaled
+
+    torch.manual_seed(0)
+    model = vgg16_scaled(width=0.0625)
+    conv = sum(p.numel() for p in model.features.parameters())
+    fc6, fc8 = model.classifier.fc6, model.classifier.fc8
+    b = 4
+    ranks = _measured(tmp_path, model, torch.randn(16, 3, 32, 32), b, plan="hybrid")
+    expected = hybrid_vgg_bytes(conv, b, fc6.in_features, fc6.out_features, fc8.out_features, world_size=2).by_kind()
+    assert [r["by_kind"] for r in ranks] == [expected, expected]
