@@ -29,18 +29,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.model_parallel import _is_full_checkpoint, _load_checkpoint
 from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_optimizer_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import OptimStateKeyType
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel
 from torch.distributed.tensor.parallel import parallelize_module
@@ -268,8 +272,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
             self._sync_gradients(optimizer)
             return output
 
-        with self._counting():
-            output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        # Not counted here: hooks that run between backward and the step (on_before_optimizer_step) are not the
+        # algorithm's traffic; training_step and backward are counted where they run.
+        output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
         log_comm_bytes(self.lightning_module, self.comm_meter)
         return output
 
@@ -300,7 +305,22 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        path = Path(self.broadcast(checkpoint_path))
+        if not _is_full_checkpoint(path):
+            checkpoint = super().load_checkpoint(path, weights_only=weights_only)
+        else:
+            # Lightning's loader indexes the first state entry to tell ids from names, which fails for optimizers
+            # without state (plain SGD): load the module through it, the optimizers here.
+            assert self.lightning_module is not None and self.model is not None
+            checkpoint = _load_checkpoint(path, {"state_dict": self.model}, strict=self.lightning_module.strict_loading,
+                                          weights_only=weights_only)  # fmt: skip
+            options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True)
+            for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+                if not state["state"]:  # nothing per parameter: the hyperparameters are all there is
+                    optimizer.load_state_dict(state)
+                    continue
+                by_name = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_NAME, self.model)
+                set_optimizer_state_dict(self.model, optimizer, optim_state_dict=by_name, options=options)
         state = checkpoint.get("pdist") or {}
         if state.get("strategy") == type(self).__name__:
             self.comm_meter.load_state_dict(state.get("comm_meter", {}))
