@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -51,7 +52,9 @@ def _trainer(strategy: str, module: str, **kwargs: Any) -> Trainer:
 
 
 def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    """Full tensors (tensor-parallel shards are gathered: a collective, so every rank calls this at the same point)."""
+    full = lambda v: v.full_tensor() if isinstance(v, DTensor) else v  # noqa: E731
+    return {k: full(v).detach().cpu().clone() for k, v in module.state_dict().items()}
 
 
 def _numbers(metrics: dict) -> dict[str, float]:

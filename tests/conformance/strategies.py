@@ -35,6 +35,7 @@ STRATEGIES: dict[str, tuple[str, dict, bool, str]] = {
     "parameter_server_async": ("parameter_server_async", {"server_timeout": 60.0}, False, "parameter server, async"),
     # 2 micro-batches of 2: BatchNorm cannot train on micro-batches of one sample
     "pipeline": ("pipeline", {"num_microbatches": 2}, True, "pipeline, 2 stages, 1F1B, 2 micro-batches"),
+    "tensor_parallel": ("tensor_parallel", {}, True, "tensor parallelism, t=2, plan='auto'"),
 }
 
 #: (strategy, module) -> (message regex, the alternative a user has)
@@ -45,6 +46,10 @@ _MANUAL = (r"automatic_optimization is False; the pipeline runs every backward a
            "the data-parallel strategies (local_sgd, bmuf, easgd, signsgd_mv, parameter_server) train "
            "manual-optimization and multi-optimizer modules")  # fmt: skip
 _BF16 = "precision='bf16-mixed' (same speed-up on CPU and Ampere+ GPUs, no loss scaling needed)"
+_TP_NOTHING = (r"TensorParallelStrategy\(plan='auto'\): plan_for\(\w+\): found nothing to shard",
+               "plan={'<a Linear>': 'colwise', '<the next Linear>': 'rowwise'} naming two Linear layers with only "
+               "elementwise modules between them, or a data-parallel column (a network this small gains nothing "
+               "from sharding)")  # fmt: skip
 REFUSALS: dict[tuple[str, str], tuple[str, str]] = {
     ("pipeline", "boring"): _NO_SEQUENTIAL,
     ("pipeline", "transformer_lm"): _NO_SEQUENTIAL,
@@ -60,6 +65,16 @@ REFUSALS: dict[tuple[str, str], tuple[str, str]] = {
     ("pipeline", "frozen"): (
         r"num_stages=2: the network has 1 layer with parameters \(3 layers in all\); every stage needs one",
         "fewer stages than trainable layers (here num_stages=1, i.e. data parallel), or a deeper network"),
+    ("tensor_parallel", "boring"): _TP_NOTHING,
+    ("tensor_parallel", "batchnorm_clip_norm_accumulate"): _TP_NOTHING,
+    ("tensor_parallel", "batchnorm_clip_value"): _TP_NOTHING,
+    ("tensor_parallel", "transformer_lm"): (
+        r"cannot place 'net.transformer.encoder.layers.0.self_attn' \(nn.MultiheadAttention packs query, key and value",
+        "attention from separate query/key/value nn.Linear layers (transformers' BERT: the hf_bert row), or "
+        "plan={'...linear1': 'colwise', '...linear2': 'rowwise'} sharding the FFNs only"),
+    ("tensor_parallel", "16_mixed"): (
+        r"The `ModelParallelStrategy` does not support `Fabric\(..., precision='16-mixed'\)`",
+        f"{_BF16}, or fp16 with plugins=[MixedPrecision('16-mixed', device, GradScaler())] (the fp16_grad_scaler row)"),
 }
 
 
