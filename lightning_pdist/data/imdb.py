@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from lightning_pdist.data.base import PdistDataModule
+from lightning_pdist.data.imdb_synthetic import write_imdb_like
 from lightning_pdist.data.sampling import stratified_split
 
 PAD, UNK = 0, 1  # token ids reserved in every vocabulary
@@ -92,6 +93,9 @@ class IMDBDataModule(PdistDataModule):
         train_subset: keep only this many training samples.
         rank_batch_sizes: one training batch size per rank.
         steps_per_epoch: training steps per epoch on every rank.
+        synthetic_reviews_per_class: when ``data_dir`` holds no ``aclImdb`` folders, write this many synthetic
+            reviews per class and split there first (:func:`~lightning_pdist.data.imdb_synthetic.write_imdb_like`);
+            for offline runs and tests. ``None``: the real archive's files are required.
     """
 
     num_classes = 2
@@ -108,7 +112,13 @@ class IMDBDataModule(PdistDataModule):
         train_subset: int | None = None,
         rank_batch_sizes: list[int] | None = None,
         steps_per_epoch: int | None = None,
+        synthetic_reviews_per_class: int | None = None,
     ):
+        if synthetic_reviews_per_class is not None and (
+            not isinstance(synthetic_reviews_per_class, int) or synthetic_reviews_per_class < 1
+        ):
+            raise ValueError(f"IMDBDataModule(synthetic_reviews_per_class={synthetic_reviews_per_class!r}): "
+                             "synthetic_reviews_per_class must be an int >= 1 or None")  # fmt: skip
         if vocab_size < 3:
             raise ValueError(
                 f"IMDBDataModule(vocab_size={vocab_size}): vocab_size must be >= 3 (padding, unknown, one word)"
@@ -117,6 +127,7 @@ class IMDBDataModule(PdistDataModule):
             raise ValueError(f"IMDBDataModule(max_len={max_len}): max_len must be >= 1")
         super().__init__(batch_size, num_workers, val_fraction, seed, train_subset, rank_batch_sizes, steps_per_epoch)
         self.data_dir, self.vocab_size, self.max_len = data_dir, vocab_size, max_len
+        self.synthetic_reviews_per_class = synthetic_reviews_per_class
         self.vocab: dict[str, int] | None = None
 
     @property
@@ -124,7 +135,12 @@ class IMDBDataModule(PdistDataModule):
         return (self.max_len,)
 
     def prepare_data(self) -> None:
-        """Fail early, on one process, when the folders are missing."""
+        """Fail early, on one process, when the folders are missing (or write synthetic reviews there, if asked)."""
+        if self.synthetic_reviews_per_class is not None:
+            try:
+                find_imdb_dir(self.data_dir)
+            except FileNotFoundError:
+                write_imdb_like(self.data_dir, self.synthetic_reviews_per_class, self.seed)
         find_imdb_dir(self.data_dir)
 
     def load(self) -> tuple[Dataset, torch.Tensor, Dataset | None]:

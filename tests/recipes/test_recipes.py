@@ -20,7 +20,7 @@ PDIST = Path(sys.executable).with_name("pdist")
 def test_every_strategy_has_a_recipe():
     """recipes/ holds a YAML for the DDP baseline and every averaging strategy."""
     names = {p.stem for p in RECIPES}
-    assert {"ddp", "local_sgd", "simuparallel_sgd", "bmuf", "easgd"} <= names
+    assert {"ddp", "local_sgd", "simuparallel_sgd", "bmuf", "easgd", "tensor_parallel"} <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -31,7 +31,8 @@ def test_recipe_parses_and_names_its_strategy(recipe, capsys):
     assert exit_info.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["trainer"]["strategy"]["class_path"].startswith("lightning_pdist.")
-    assert printed["data"]["class_path"] == "lightning_pdist.data.DigitsDataModule"
+    data = "IMDBDataModule" if recipe.stem == "tensor_parallel" else "DigitsDataModule"  # an encoder wants text
+    assert printed["data"]["class_path"] == f"lightning_pdist.data.{data}"
 
 
 def _run_pdist(recipe: Path, tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
