@@ -56,6 +56,7 @@ from lightning_pdist.comm.accounting import CommMeter
 from lightning_pdist.comm.collectives import all_reduce_mean_
 from lightning_pdist.comm.dtensor_meter import DTensorCommMeter
 from lightning_pdist.strategies.base import log_comm_bytes, register_variants
+from lightning_pdist.strategies import tensor_parallel_clip
 from lightning_pdist.strategies.safe_io import SafeCheckpointIO
 
 __all__ = ["TensorParallelStrategy"]
@@ -205,6 +206,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        tensor_parallel_clip.install(self.precision_plugin)  # torch's clipping cannot mix DTensor and plain grads
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 

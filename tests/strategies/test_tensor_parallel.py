@@ -95,7 +95,7 @@ class Record(Callback):
             torch.save({"grads": self.grads, "losses": self.losses, "kinds": kinds}, self.path)
 
 
-def reference(net: nn.Module, data: TensorDataset, steps: int, ranks: int = 1, lr: float = 0.1) -> dict:
+def reference(net: nn.Module, data: TensorDataset, steps: int, ranks: int = 1, lr: float = 0.1, clip=None) -> dict:
     """Plain torch, one process: SGD on the global batch (the ``ranks`` data-parallel batches side by side)."""
     net = copy.deepcopy(net)
     batches = [rank_batches(data, r, ranks, BATCH) for r in range(ranks)]  # what Lightning's sampler hands out
@@ -108,6 +108,8 @@ def reference(net: nn.Module, data: TensorDataset, steps: int, ranks: int = 1, l
         loss.backward()
         out["grads"].append({"net." + n: p.grad.clone() for n, p in net.named_parameters()})
         out["losses"].append(loss.item())
+        if clip is not None:
+            clip(net.parameters())
         with torch.no_grad():
             for p in net.parameters():
                 p -= lr * p.grad
@@ -154,6 +156,25 @@ def test_mlp_stack_equals_the_unsharded_model(tmp_path):
     for g, w in zip(got["grads"], want["grads"]):
         _assert_close(g, w)
     _assert_close(dict(trainer.lightning_module.named_parameters()), want["weights"])
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "clip"),
+    [("norm", lambda ps: nn.utils.clip_grad_norm_(ps, 0.05)), ("value", lambda ps: nn.utils.clip_grad_value_(ps, 1e-3))],
+)
+def test_gradient_clipping_over_sharded_and_replicated_gradients_equals_torch_on_the_unsharded_model(
+    tmp_path, algorithm, clip
+):
+    """gradient_clip_val by norm and by value: torch's own clipping of the unsharded model gives the same weights
+    (torch's functions cannot take the mix of DTensor and plain gradients themselves)."""
+    net, data = _bert(), _tokens()
+    val = 0.05 if algorithm == "norm" else 1e-3
+    trainer, _ = _run(tmp_path, net, data, TensorParallelStrategy(start_method="fork"), steps=2,
+                      gradient_clip_val=val, gradient_clip_algorithm=algorithm)  # fmt: skip
+    want = reference(net, data, steps=2, clip=clip)
+    _assert_close(dict(trainer.lightning_module.named_parameters()), want["weights"])
+    unclipped = reference(net, data, steps=2)["weights"]["net.encoder.classifier.weight"]
+    assert not torch.allclose(unclipped, want["weights"]["net.encoder.classifier.weight"], atol=1e-5)  # it bites
 
 
 def test_dp_by_tp_on_four_ranks_equals_the_unsharded_model_on_the_global_batch(tmp_path):
