@@ -201,19 +201,24 @@ def test_hybrid_vgg_equals_the_unsharded_model_on_the_global_batch(tmp_path):
     assert {"tp_all_gather", "tp_all_reduce", "dp_all_reduce"} <= set(got["kinds"])
 
 
-def test_resume_from_a_checkpoint_is_exact_and_loads_in_a_plain_process(tmp_path):
-    """Stopping after epoch 0 and resuming to the end of epoch 1 gives the uninterrupted weights bit for bit; the
-    full checkpoint file loads into the plain, unsharded module with load_from_checkpoint."""
+@pytest.mark.parametrize("sharded", [False, True], ids=["full_file", "distributed_checkpoint"])
+def test_resume_from_a_checkpoint_is_exact_and_loads_in_a_plain_process(tmp_path, sharded):
+    """Stopping after epoch 0 and resuming to the end of epoch 1 gives the uninterrupted weights bit for bit, from
+    the full file and from a torch.distributed.checkpoint folder; the full file loads into the plain, unsharded
+    module with load_from_checkpoint."""
     net, data = _bert(), _tokens()
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="{epoch}")
     common = dict(max_steps=-1, max_epochs=2)
-    full = fit(TensorParallelStrategy(start_method="fork"), Net(copy.deepcopy(net), data, momentum=0.9),
-               callbacks=[ckpt], enable_checkpointing=True, **common)  # fmt: skip
+    strategy = lambda: TensorParallelStrategy(start_method="fork", save_distributed_checkpoint=sharded)  # noqa: E731
+    full = fit(strategy(), Net(copy.deepcopy(net), data, momentum=0.9), callbacks=[ckpt], enable_checkpointing=True,
+               **common)  # fmt: skip
     first = tmp_path / "epoch=0.ckpt"
-    resumed = fit(TensorParallelStrategy(start_method="fork"), Net(copy.deepcopy(net), data, momentum=0.9),
-                  ckpt_path=str(first), **common)  # fmt: skip
+    resumed = fit(strategy(), Net(copy.deepcopy(net), data, momentum=0.9), ckpt_path=str(first), **common)
     want = dict(full.lightning_module.named_parameters())
     _assert_close(dict(resumed.lightning_module.named_parameters()), want, atol=0)
+    if sharded:
+        assert first.is_dir() and {"__0_0.distcp", "__1_0.distcp", "meta.pt"} <= {p.name for p in first.iterdir()}
+        return
     loaded = Net.load_from_checkpoint(tmp_path / "epoch=1.ckpt", net=copy.deepcopy(net), data=data)
     _assert_close(dict(loaded.named_parameters()), want, atol=0)
     saved = torch.load(first, weights_only=False)
