@@ -17,6 +17,7 @@ SUITES: dict[str, str] = {
     "sign": "lightning_pdist.bench.sign",
     "ps_sharding": "lightning_pdist.bench.ps_sharding",
     "pipeline": "lightning_pdist.bench.pipeline",
+    "tensor_parallel": "lightning_pdist.bench.tensor_parallel",
 }
 
 __all__ = ["SUITES"]

@@ -1,0 +1,666 @@
+"""Tensor-parallel suite: paper 003 Table 1 (DP vs TP for BERT/ALBERT on IMDB), DP×TP, hybrid conv-DP/FC-MP, bytes.
+
+``python -m lightning_pdist.bench tensor_parallel [--quick] --out DIR [--network loopback|emulated|both]
+[--rates 1gbit 100mbit] [--models bert albert vgg] [--configs dp tp deepspeed_tp dp_tp hybrid]`` writes
+``DIR/tensor_parallel.json``, ``DIR/tensor_parallel.png`` and ``DIR/docs_section.md``.
+
+Paper 003 trains BERT-base and ALBERT-base on IMDB with data parallelism (6 pods) and DeepSpeed tensor parallelism
+(degree 6) and reports training time only: BERT 556 s DP vs 392 s TP (0.705), ALBERT 264 s vs 200 s (0.758). It did
+not analyse communication; this suite measures it and sets it against a written byte model
+(:mod:`lightning_pdist.algorithms.tensor_parallel_cost`).
+
+Runs, each rank a real process (:mod:`~lightning_pdist.bench.tp_worker`, Lightning on gloo), the same **global batch**
+in every configuration:
+
+* ``dp``: ``PdistStrategy`` (DDP with byte accounting), 2 ranks (and 4 in the full plan);
+* ``tp``: ``TensorParallelStrategy`` (plan ``"auto"``: Megatron-style column/row pairs), 2 ranks on the whole batch;
+* ``deepspeed_tp``: DeepSpeed AutoTP, degree 2, the paper's own engine (:mod:`~lightning_pdist.bench.tp_deepspeed`;
+  plain torch loop, IMDB-shaped random token batches; a failure is recorded in its row, never a number);
+* ``dp_tp``: ``TensorParallelStrategy(tensor_parallel_size=2)`` on 4 ranks (2 × 2), full plan only (4 processes
+  on 2 cores are oversubscribed);
+* ``hybrid``: ``plan="hybrid"`` on ``vgg16_scaled`` (convolutions data-parallel, the FC stack column/row-sharded over
+  the all-gathered batch), against ``dp`` on the same model.
+
+Models: transformers' BERT and ALBERT (:class:`~lightning_pdist.models.encoder.EncoderClassifier`, random init) at
+reduced depth and width (stated in the JSON ``models``), on IMDB-format files this suite generates (``aclImdb``
+layout, synthetic reviews: :func:`~lightning_pdist.data.imdb_synthetic.write_imdb_like`) read by
+:class:`~lightning_pdist.data.IMDBDataModule`.
+
+Time: **per step**, over ``steps`` timed optimizer steps after ``warmup_steps`` untimed ones, between barriers on
+every rank (``time per N steps`` / N); TP/DP ratios compare those, as the paper's training times compare equal
+numbers of steps of equal global batches. Bytes per step per rank: measured (the strategy's ``CommMeter``), from the
+byte model, and on emulated links the kernel's ``tx_bytes`` of each rank's veth over the same window
+(``kernel_over_model`` must lie within 10% of 1: headers and ACKs add ~5%).
+
+Crossover (``crossover``): the time model ``t = compute + bytes / bandwidth`` with each configuration's compute
+measured on loopback (its step time there; loopback's bandwidth is high enough to leave mostly compute) and its
+bytes from the model: the bandwidth below which TP beats DP, the model's prediction at every emulated rate
+against the measurement, and at each rate the global batch and the hidden size at which the winner changes
+(compute scaled by :func:`~lightning_pdist.algorithms.tensor_parallel_cost.encoder_flops`).
+
+Networks: ``loopback`` (127.0.0.1, unshaped) and emulated links (:class:`~lightning_pdist.bench.netns.EmulatedNetwork`,
+``tc tbf`` at each of ``--rates`` both ways); without root/iproute2 the emulated part is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from lightning_pdist.bench.launch import busy_cpu_s, free_port, launch_loopback, own_cpu_s, read_results, worker_env
+from lightning_pdist.bench.netns import EmulatedNetwork, LaunchError, launch_ranks, measure_link_rate, parse_rate
+from lightning_pdist.bench.report import (
+    check_rows,
+    finish_suite,
+    markdown_table,
+    new_document,
+    output_dir,
+    run_documented_suite,
+    run_lines,
+    save_figure,
+)
+
+SUITE = "tensor_parallel"
+MODELS = ("bert", "albert", "vgg")
+ENCODERS = ("bert", "albert")
+CONFIGS = ("dp", "tp", "deepspeed_tp", "dp_tp", "hybrid")
+NETWORKS = ("loopback", "emulated")
+TP_LIKE = ("tp", "deepspeed_tp", "dp_tp", "hybrid")
+PAPER = {"bert": {"dp_s": 556, "tp_s": 392, "ratio": 0.705}, "albert": {"dp_s": 264, "tp_s": 200, "ratio": 0.758}}
+KERNEL_TOLERANCE = 0.10  # |kernel tx / byte model - 1| allowed on emulated links
+ROW_KEYS = ("network", "model", "config", "world_size", "step_s", "meter_bytes_per_step", "model_bytes_per_step", "error")
+QUICK = {"rates": ("100mbit",), "world_sizes": (2,), "warmup_steps": 1, "steps": 3}
+FULL = {"rates": ("1gbit", "100mbit"), "world_sizes": (2, 4), "warmup_steps": 2, "steps": 6}
+
+
+@dataclass(frozen=True)
+class SuiteConfig:
+    """Everything that decides what the suite runs; validated on construction.
+
+    The encoder defaults are BERT-base / ALBERT-base reduced: 4 layers instead of 12, hidden 256 instead of 768,
+    4 heads instead of 12, FFN 1024 instead of 3072, a vocabulary of 8,000 instead of 30,522, 64 tokens per review
+    (ALBERT: factorised embedding 64 instead of 128, one shared block).
+
+    Raises:
+        ValueError: a value breaks its rule; the message names the option, the value and the rule.
+    """
+
+    networks: tuple[str, ...] = NETWORKS
+    rates: tuple[str, ...] = QUICK["rates"]
+    models: tuple[str, ...] = MODELS
+    configs: tuple[str, ...] = CONFIGS
+    world_sizes: tuple[int, ...] = QUICK["world_sizes"]
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 1024
+    vocab_size: int = 8000
+    embedding_size: int = 64
+    seq_len: int = 64
+    global_batch: int = 8
+    vgg_width: float = 0.125
+    vgg_global_batch: int = 16
+    warmup_steps: int = QUICK["warmup_steps"]
+    steps: int = QUICK["steps"]
+    reviews_per_class: int = 250
+    lr: float = 0.01
+    seed: int = 0
+    timeout: float = 600.0
+    quick: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(option: str, value: Any, rule: str) -> ValueError:
+            return ValueError(f"{SUITE}({option}={value!r}): {rule}")
+
+        for option, values, allowed in (("--network", self.networks, NETWORKS), ("--models", self.models, MODELS),
+                                        ("--configs", self.configs, CONFIGS), ("--rates", self.rates, None),
+                                        ("--world-sizes", self.world_sizes, (2, 4))):  # fmt: skip
+            if not values or len(set(values)) != len(values):
+                raise bad(option, values, "give at least one value, none repeated")
+            if allowed is not None and any(v not in allowed for v in values):
+                raise bad(option, values, f"each value must be one of {allowed}")
+        for rate in self.rates:
+            try:
+                parse_rate(rate)
+            except (TypeError, ValueError):
+                raise bad("--rates", rate, "each rate must look like '100mbit' or '1gbit'") from None
+        for option, value in (("--hidden-size", self.hidden_size), ("--num-layers", self.num_layers),
+                              ("--num-heads", self.num_heads), ("--intermediate-size", self.intermediate_size),
+                              ("--vocab-size", self.vocab_size), ("--embedding-size", self.embedding_size),
+                              ("--seq-len", self.seq_len), ("--global-batch", self.global_batch),
+                              ("--vgg-global-batch", self.vgg_global_batch), ("--warmup-steps", self.warmup_steps),
+                              ("--steps", self.steps), ("--reviews-per-class", self.reviews_per_class)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad(option, value, "must be an int >= 1")
+        if self.vocab_size < 3:
+            raise bad("--vocab-size", self.vocab_size, "must be >= 3 (padding, unknown, one word)")
+        if self.hidden_size % self.num_heads:
+            raise bad("--hidden-size", self.hidden_size, f"must be a multiple of --num-heads ({self.num_heads})")
+        degree = 2  # every TP configuration here shards 2 ways (tp on 2 ranks, dp_tp 2 x 2)
+        for option, value in (("--num-heads", self.num_heads), ("--intermediate-size", self.intermediate_size)):
+            if value % degree:
+                raise bad(option, value, f"must be divisible by the tensor-parallel degree {degree}")
+        ranks = max(self.world_sizes)
+        if self.global_batch % ranks:
+            raise bad("--global-batch", self.global_batch, f"must be a multiple of the largest world size ({ranks})")
+        if self.vgg_global_batch % 2:
+            raise bad("--vgg-global-batch", self.vgg_global_batch, "must be a multiple of 2 (the VGG runs' ranks)")
+        fc = round(4096 * self.vgg_width) if isinstance(self.vgg_width, (int, float)) else 0
+        if not 0 < self.vgg_width <= 1 or fc < degree or fc % degree:
+            raise bad("--vgg-width", self.vgg_width, f"must be in (0, 1] with round(4096 * width) (the FC width) a "
+                      f"positive multiple of {degree}")  # fmt: skip
+        if self.reviews_per_class * 2 * 0.9 < self.global_batch * (self.warmup_steps + self.steps):
+            raise bad("--reviews-per-class", self.reviews_per_class, "too few: the run needs "
+                      f"{self.global_batch * (self.warmup_steps + self.steps)} training reviews (90% of 2 x this)")  # fmt: skip
+        for option, value in (("--lr", self.lr), ("--timeout", self.timeout)):
+            if not value > 0:
+                raise bad(option, value, "must be > 0")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise bad("--seed", self.seed, "must be an int >= 0")
+
+    def encoder_kwargs(self) -> dict[str, Any]:
+        """``EncoderClassifier`` keywords (besides the family) of the BERT and ALBERT runs."""
+        return {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "num_layers": self.num_layers,
+                "num_heads": self.num_heads, "intermediate_size": self.intermediate_size, "max_len": self.seq_len,
+                "embedding_size": self.embedding_size, "num_classes": 2}  # fmt: skip
+
+
+# -- data and the plan ---------------------------------------------------------------------------------
+
+
+def plan_runs(config: SuiteConfig) -> list[dict[str, Any]]:
+    """The runs on every network, in order: ``{"model", "config", "world_size", "tp_size"}``.
+
+    2 ranks: the encoders under ``dp``, ``tp`` and ``deepspeed_tp``, VGG under ``dp`` and ``hybrid``; 4 ranks: the
+    encoders under ``dp`` and ``dp_tp`` (2 × 2).
+    """
+    runs = []
+    for ws in config.world_sizes:
+        for model in config.models:
+            if model == "vgg":
+                configs = ("dp", "hybrid") if ws == 2 else ()
+            else:
+                configs = ("dp", "tp", "deepspeed_tp") if ws == 2 else ("dp", "dp_tp")
+            for name in configs:
+                if name in config.configs:
+                    tp = {"dp": 1, "dp_tp": 2}.get(name, ws)
+                    runs.append({"model": model, "config": name, "world_size": ws, "tp_size": tp})
+    return runs
+
+
+def worker_argv(config: SuiteConfig, run: dict[str, Any], data_dir: Path, out: Path) -> list[str]:
+    """The command of one rank of ``run``: :mod:`~lightning_pdist.bench.tp_deepspeed` or :mod:`~lightning_pdist.bench.tp_worker`."""
+    if run["config"] == "deepspeed_tp":
+        return [sys.executable, "-m", "lightning_pdist.bench.tp_deepspeed", "--family", run["model"],
+                "--model-kwargs", json.dumps(config.encoder_kwargs()), "--batch-size", str(config.global_batch),
+                "--seq-len", str(config.seq_len), "--steps", str(config.steps), "--warmup-steps", str(config.warmup_steps),
+                "--tp-size", str(run["tp_size"]), "--seed", str(config.seed), "--lr", str(config.lr), "--out-dir", str(out)]  # fmt: skip
+    from lightning_pdist.bench.tp_worker import check_spec
+
+    vgg = run["model"] == "vgg"
+    spec = check_spec({"config": run["config"], "model": run["model"], "world_size": run["world_size"], "tp_size": run["tp_size"],
+                       "global_batch": config.vgg_global_batch if vgg else config.global_batch, "seq_len": config.seq_len,
+                       "model_kwargs": config.encoder_kwargs(), "vgg_width": config.vgg_width, "warmup_steps": config.warmup_steps,
+                       "steps": config.steps, "seed": config.seed, "lr": config.lr, "data_dir": str(data_dir)})  # fmt: skip
+    return [sys.executable, "-m", "lightning_pdist.bench.tp_worker", "--spec", json.dumps(spec), "--out-dir", str(out)]
+
+
+# -- the byte model of every run -------------------------------------------------------------------------
+
+
+def model_facts(config: SuiteConfig) -> dict[str, dict[str, Any]]:
+    """Per model, what the byte model needs, from meta-device builds (no memory): parameters, shards, VGG shapes."""
+    import torch
+
+    from lightning_pdist.algorithms.tensor_parallel_cost import tp_local_numel
+    from lightning_pdist.algorithms.tensor_parallel_plan import plan_for
+
+    facts = {}
+    with torch.device("meta"):
+        for family in (m for m in config.models if m in ENCODERS):
+            from lightning_pdist.models.encoder import EncoderClassifier
+
+            model = EncoderClassifier(family, **config.encoder_kwargs())
+            facts[family] = {"params": sum(p.numel() for p in model.parameters()),
+                             "params_local_tp2": tp_local_numel(model, plan_for(model).as_dict(), 2),
+                             **config.encoder_kwargs(), "seq_len": config.seq_len, "global_batch": config.global_batch,
+                             "family": family}  # fmt: skip
+        if "vgg" in config.models:
+            from lightning_pdist.models.vgg import vgg16_scaled
+
+            vgg = vgg16_scaled(width=config.vgg_width, device="meta")
+            fc6, fc8 = vgg.classifier.fc6, vgg.classifier.fc8
+            facts["vgg"] = {"params": sum(p.numel() for p in vgg.parameters()), "width": config.vgg_width,
+                            "conv_params": sum(p.numel() for p in vgg.features.parameters()), "fc_in": fc6.in_features,
+                            "fc_hidden": fc6.out_features, "num_classes": fc8.out_features, "in_size": vgg.in_size,
+                            "global_batch": config.vgg_global_batch}  # fmt: skip
+    return facts
+
+
+def step_bytes(run: dict[str, Any], facts: dict[str, Any]) -> Any:
+    """The byte model's :class:`~lightning_pdist.algorithms.tensor_parallel_cost.StepBytes` of one rank of ``run``."""
+    from lightning_pdist.algorithms.tensor_parallel_cost import dp_bytes, dp_tp_bytes, hybrid_vgg_bytes, tp_encoder_bytes
+
+    ws, tp, name = run["world_size"], run["tp_size"], run["config"]
+    if name == "dp":
+        return dp_bytes(facts["params"], ws)
+    if name == "hybrid":
+        return hybrid_vgg_bytes(facts["conv_params"], facts["global_batch"] // ws, facts["fc_in"], facts["fc_hidden"],
+                                facts["num_classes"], ws)  # fmt: skip
+    shape = (facts["seq_len"], facts["hidden_size"], facts["num_layers"])
+    if name == "dp_tp":
+        return dp_tp_bytes(facts["params_local_tp2"], facts["global_batch"] * tp // ws, *shape, dp_size=ws // tp, tp_size=tp)
+    return tp_encoder_bytes(facts["global_batch"], *shape, tp_size=tp)
+
+
+# -- running ---------------------------------------------------------------------------------------------
+
+
+class Runner:
+    """Runs the plan on one network after the other; one launch per run, its ranks' results turned into a row."""
+
+    def __init__(self, config: SuiteConfig, scratch: Path, facts: dict[str, dict[str, Any]], log: Callable[[str], None]):
+        from lightning_pdist.data.imdb_synthetic import write_imdb_like
+
+        self.config, self.scratch, self.facts, self.log = config, scratch, facts, log
+        self.data_dir = write_imdb_like(scratch / "imdb", config.reviews_per_class, config.seed)
+        self.env, self.count, self.port = worker_env(), 0, 29800
+
+    def launch(self, run: dict[str, Any], network: str, net: EmulatedNetwork | None) -> dict[str, Any]:
+        """One row: ``run`` on ``network`` (``net`` for emulated links), or its error."""
+        self.count += 1
+        self.port += 1  # a fresh rendezvous port per run: the last run's sockets may linger in TIME_WAIT
+        out = self.scratch / f"run{self.count}"
+        argv = worker_argv(self.config, run, self.data_dir, out)
+        ws, timeout = run["world_size"], self.config.timeout
+        busy0, ours0, t0 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
+        error, ranks = None, []
+        try:
+            if net is None:
+                launch_loopback(argv, ws, free_port(), env=self.env, timeout=timeout)
+            else:
+                launch_ranks(net, argv, ws, self.port, env=self.env, timeout=timeout)
+            ranks = read_results(out, "rank", ws, SUITE)
+        except (LaunchError, RuntimeError) as err:  # the row says why; the launcher already stopped the other ranks
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+            error = " | ".join(dict.fromkeys([lines[0], lines[-1]]))[:600]
+        wall, ours, busy1 = time.perf_counter() - t0, own_cpu_s() - ours0, busy_cpu_s()
+        # Other sessions share the cores; their CPU time during the run says how far to trust the timings.
+        other = None if busy0 is None or busy1 is None else round(max(0.0, busy1 - busy0 - ours) / wall, 2)
+        row = build_row(run, ranks, self.facts[run["model"]], self.config.steps, network, error)
+        row.update(process_wall_s=round(wall, 1), other_load_cores=other)
+        self.log(describe(row))
+        return row
+
+
+def build_row(run: dict[str, Any], ranks: Sequence[dict[str, Any]], facts: dict[str, Any], steps: int, network: str,
+              error: str | None) -> dict[str, Any]:  # fmt: skip
+    """One JSON row from a run's ranks (``tp_worker`` or ``tp_deepspeed`` results; none when ``error``)."""
+    model = step_bytes(run, facts)
+    row: dict[str, Any] = {**run, "network": network, "rate": None if network == "loopback" else network.split()[-1],
+                           "global_batch": facts["global_batch"], "steps": steps, "model_bytes_per_step": model.total,
+                           "model_by_kind": model.by_kind(), "params_full": facts["params"], "error": error,
+                           "step_s": None, "meter_bytes_per_step": None, "kernel_tx_bytes_per_step": None,
+                           "meter_over_model": None, "kernel_over_model": None}  # fmt: skip
+    if error is not None:
+        return row
+    deepspeed = run["config"] == "deepspeed_tp"
+    window = max(r["loop_s"] if deepspeed else r["window_s"] for r in ranks)
+    row["step_s"] = round(window / steps, 5)
+    row["median_step_s"] = round(max(statistics.median(r["step_s"]) for r in ranks), 5)
+    row["time_steps_s"] = round(window, 4)
+    row["params_local"] = ranks[0]["params_local"]
+    row["final_loss"] = round(ranks[0]["losses"][-1], 4)
+    if not deepspeed:  # DeepSpeed counts nothing; its bytes are the kernel's alone
+        meter = statistics.mean(r["meter_bytes"] for r in ranks) / steps
+        row["meter_bytes_per_step"] = round(meter)
+        row["meter_by_kind_per_step"] = {k: v // steps for k, v in ranks[0]["meter_by_kind"].items()}
+        row["meter_over_model"] = round(meter / model.total, 6) if model.total else None
+    if all(r["tx_bytes"] is not None for r in ranks):
+        kernel = statistics.mean(r["tx_bytes"] for r in ranks) / steps
+        row["kernel_tx_bytes_per_step"] = round(kernel)
+        row["kernel_tx_bytes_by_rank"] = [r["tx_bytes"] for r in ranks]
+        row["kernel_over_model"] = round(kernel / model.total, 4) if model.total else None
+    return row
+
+
+def describe(row: dict[str, Any]) -> str:
+    """One log line per row."""
+    head = f"[{row['network']}] {row['model']} {row['config']} x{row['world_size']}"
+    if row["error"]:
+        return f"{head}: error {row['error']}"
+    measured = "" if row["meter_bytes_per_step"] is None else f", meter {row['meter_bytes_per_step'] / 1e6:.3f}"
+    kernel = "" if row["kernel_over_model"] is None else f", kernel/model {row['kernel_over_model']:.3f}"
+    return (f"{head}: {1000 * row['step_s']:.1f} ms/step, model {row['model_bytes_per_step'] / 1e6:.3f} MB/step"
+            f"{measured}{kernel} (run {row.get('process_wall_s', '?')} s)")  # fmt: skip
+
+
+# -- what the rows say ------------------------------------------------------------------------------------
+
+
+def ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each TP-like configuration's step time over DP's (same model, network and ranks), the paper's beside it."""
+    out = []
+    for row in rows:
+        if row["config"] not in TP_LIKE or row["step_s"] is None:
+            continue
+        dp = next((r for r in rows if (r["network"], r["model"], r["world_size"], r["config"]) ==
+                   (row["network"], row["model"], row["world_size"], "dp") and r["step_s"]), None)  # fmt: skip
+        if dp is None:
+            continue
+        out.append({"network": row["network"], "model": row["model"], "config": row["config"], "world_size": row["world_size"],
+                    "dp_step_s": dp["step_s"], "step_s": row["step_s"], "ratio": round(row["step_s"] / dp["step_s"], 3),
+                    "bytes_ratio": round(row["model_bytes_per_step"] / dp["model_bytes_per_step"], 3),
+                    "paper_ratio": PAPER.get(row["model"], {}).get("ratio") if row["config"] in ("tp", "deepspeed_tp")
+                    else None})  # fmt: skip
+    return out
+
+
+def kernel_check(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Our strategies' rows on emulated links: kernel tx / byte model within :data:`KERNEL_TOLERANCE` of 1?"""
+    checked = [r for r in rows if r["kernel_over_model"] is not None and r["config"] != "deepspeed_tp"]
+    worst = max(checked, key=lambda r: abs(r["kernel_over_model"] - 1), default=None)
+    return {"tolerance": KERNEL_TOLERANCE, "rows": len(checked),
+            "within": sum(abs(r["kernel_over_model"] - 1) <= KERNEL_TOLERANCE for r in checked),
+            "min_ratio": min((r["kernel_over_model"] for r in checked), default=None),
+            "max_ratio": max((r["kernel_over_model"] for r in checked), default=None),
+            "worst": None if worst is None else {k: worst[k] for k in ("network", "model", "config", "kernel_over_model")},
+            "deepspeed": [{k: r[k] for k in ("network", "model", "kernel_tx_bytes_per_step", "kernel_over_model")}
+                          for r in rows if r["config"] == "deepspeed_tp" and r["kernel_over_model"] is not None]}  # fmt: skip
+
+
+def encoder_params(family: str, config: SuiteConfig, hidden: int) -> int:
+    """Parameters of the suite's encoder at another width (FFN and heads scaled alike), built on the meta device."""
+    import torch
+
+    from lightning_pdist.models.encoder import EncoderClassifier
+
+    kwargs = {**config.encoder_kwargs(), "hidden_size": hidden,
+              "intermediate_size": int(hidden * config.intermediate_size / config.hidden_size)}
+    with torch.device("meta"):
+        return sum(p.numel() for p in EncoderClassifier(family, **kwargs).parameters())
+
+
+def crossover(rows: Sequence[dict[str, Any]], networks: dict[str, Any], config: SuiteConfig) -> list[dict[str, Any]]:
+    """Per model and TP-like engine against DP (2 ranks): where the modelled step times cross, and how well they predict.
+
+    ``compute`` is each configuration's loopback step time; bandwidths are the emulated links' measured TCP goodput.
+    For the encoders, at each rate also the global batch and the hidden size at which the winner changes.
+    """
+    from lightning_pdist.algorithms.tensor_parallel_cost import crossover_bandwidth, step_time
+
+    out = []
+    for model in config.models:
+        at = lambda name, net: next((r for r in rows if (r["model"], r["config"], r["world_size"], r["network"]) ==  # noqa: E731
+                                     (model, name, 2, net) and r["step_s"]), None)  # fmt: skip
+        dp = at("dp", "loopback")
+        for engine in ("hybrid",) if model == "vgg" else ("tp", "deepspeed_tp"):
+            tp = at(engine, "loopback")
+            if dp is None or tp is None:
+                continue
+            c_dp, c_tp, b_dp, b_tp = dp["step_s"], tp["step_s"], dp["model_bytes_per_step"], tp["model_bytes_per_step"]
+            cross = crossover_bandwidth(c_dp, b_dp, c_tp, b_tp)
+            entry = {"model": model, "engine": engine, "compute_dp_s": c_dp, "compute_tp_s": c_tp, "bytes_dp": b_dp,
+                     "bytes_tp": b_tp, "bandwidth_bytes_per_s": cross.value, "tp_wins": _wins(cross, "tp", "bandwidth"),
+                     "bytes_equal_global_batch": round(b_dp / (b_tp / config.global_batch), 2) if model in ENCODERS else None,
+                     "rates": []}  # fmt: skip
+            for name, info in networks.items():
+                bw = info.get("measured_tcp_goodput_bytes_per_s")
+                if not bw:
+                    continue
+                measured = {n: (at(n, name) or {}).get("step_s") for n in ("dp", engine)}
+                t_dp, t_tp = step_time(c_dp, b_dp, bw), step_time(c_tp, b_tp, bw)
+                rate = {"network": name, "bandwidth_bytes_per_s": bw, "predicted_dp_s": round(t_dp, 4),
+                        "predicted_tp_s": round(t_tp, 4), "measured_dp_s": measured["dp"], "measured_tp_s": measured[engine],
+                        "predicted_ratio": round(t_tp / t_dp, 3),
+                        "measured_ratio": round(measured[engine] / measured["dp"], 3)
+                        if measured["dp"] and measured[engine] else None}  # fmt: skip
+                if model in ENCODERS:
+                    rate.update(scaling_crossovers(model, config, c_dp, c_tp, b_dp, bw))
+                entry["rates"].append(rate)
+            out.append(entry)
+    return out
+
+
+def scaling_crossovers(model: str, config: SuiteConfig, c_dp: float, c_tp: float, b_dp: int, bw: float) -> dict[str, Any]:
+    """At bandwidth ``bw``: the global batch and the hidden size where TP (2 ranks) and DP (2 ranks) swap places.
+
+    Compute scales linearly with the batch and as :func:`~lightning_pdist.algorithms.tensor_parallel_cost.encoder_flops`
+    with the width (FFN kept at the same multiple of it, heads fixed); DP's bytes follow the parameter count, TP's
+    the activations.
+    """
+    from lightning_pdist.algorithms.tensor_parallel_cost import dp_bytes, encoder_flops, find_crossover, step_time
+    from lightning_pdist.algorithms.tensor_parallel_cost import tp_encoder_bytes
+
+    G, L, H, layers, heads = config.global_batch, config.seq_len, config.hidden_size, config.num_layers, config.num_heads
+    ffn = config.intermediate_size / H  # the FFN stays this multiple of the width
+    flops0 = encoder_flops(G, L, H, config.intermediate_size, layers)
+
+    def batch_diff(g: int) -> float:
+        return step_time(c_dp * g / G, b_dp, bw) - step_time(c_tp * g / G, tp_encoder_bytes(g, L, H, layers, 2).total, bw)
+
+    def width_diff(heads_wide: int) -> float:
+        h = heads_wide * heads  # hidden sizes the model accepts: multiples of the heads
+        scale = encoder_flops(G, L, h, int(h * ffn), layers) / flops0
+        dp_b = dp_bytes(encoder_params(model, config, h), 2).total
+        return step_time(c_dp * scale, dp_b, bw) - step_time(c_tp * scale, tp_encoder_bytes(G, L, h, layers, 2).total, bw)
+
+    by_batch, by_width = find_crossover(batch_diff, 1, 4096), find_crossover(width_diff, 2, 8192 // heads)
+    if by_width.value is not None:
+        by_width = replace(by_width, value=by_width.value * heads)
+    return {"global_batch_crossover": by_batch.value, "tp_wins_batch": _wins(by_batch, "tp", "global batch"),
+            "hidden_size_crossover": by_width.value, "tp_wins_width": _wins(by_width, "tp", "hidden size")}  # fmt: skip
+
+
+def _wins(cross: Any, name: str, what: str) -> str:
+    """Where ``name`` wins, in words: ``"below 41.2 (bandwidth)"``, ``"everywhere"``, ``"nowhere"``."""
+    if cross.value is None:
+        return "everywhere" if cross.below == name else "nowhere"
+    value = f"{cross.value * 8 / 1e6:.1f} Mbit/s" if what == "bandwidth" else f"{cross.value:g}"
+    return f"{what} < {value}" if cross.below == name else f"{what} >= {value}"
+
+
+# -- the suite ------------------------------------------------------------------------------------------
+
+
+def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the plan on every requested network; write ``out/tensor_parallel.{json,png}``; return the document."""
+    out = output_dir(SUITE, out)
+    doc = new_document(SUITE, command, asdict(config))
+    t_suite = time.perf_counter()
+    scratch = Path(tempfile.mkdtemp(prefix="pdist-tp-"))
+    facts = model_facts(config)
+    doc["models"] = facts
+    runs = plan_runs(config)
+    try:
+        runner = Runner(config, scratch, facts, log)
+        if "loopback" in config.networks:
+            doc["networks"]["loopback"] = {"detail": "every rank a process on this machine, 127.0.0.1 (lo), unshaped"}
+            doc["rows"] += [runner.launch(run, "loopback", None) for run in runs]
+        ok, reason = EmulatedNetwork.available() if "emulated" in config.networks else (False, "")
+        for rate in config.rates if "emulated" in config.networks else ():
+            name = f"emulated {rate}"
+            if not ok:
+                doc["networks"][name] = {"skipped": reason}
+                log(f"{SUITE}: emulated links are not available here, skipping {name}: {reason}")
+                continue
+            with EmulatedNetwork(num_hosts=max(r["world_size"] for r in runs), rate=rate) as net:
+                goodput = measure_link_rate(net, 0, 1, 4 << 20)
+                doc["networks"][name] = {"detail": net.describe(), "rate": rate, "burst_bytes": net.burst_bytes,
+                                         "measured_tcp_goodput_bytes_per_s": round(goodput)}  # fmt: skip
+                log(f"{SUITE}: {net.describe()}; TCP goodput host 0 -> 1: {goodput * 8 / 1e6:.1f} Mbit/s")
+                doc["rows"] += [runner.launch(run, name, net) for run in runs]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    check_rows(doc["rows"], ROW_KEYS, SUITE)
+    doc["ratios"] = ratios(doc["rows"])
+    doc["kernel_check"] = kernel_check(doc["rows"])
+    doc["crossover"] = crossover(doc["rows"], doc["networks"], config)
+    doc["paper"] = PAPER
+    return finish_suite(doc, out, SUITE, t_suite, plot)
+
+
+# -- output --------------------------------------------------------------------------------------------
+
+MB = lambda b: f"{b / 1e6:.3f}"  # noqa: E731
+ROW_COLUMNS = (
+    ("network", "network", None), ("model", "model", None), ("config", "config", None), ("ranks", "world_size", None),
+    ("ms/step", "step_s", lambda s: f"{1000 * s:.1f}"), ("MB/step measured", "meter_bytes_per_step", MB),
+    ("MB/step model", "model_bytes_per_step", MB), ("MB/step kernel", "kernel_tx_bytes_per_step", MB),
+    ("kernel/model", "kernel_over_model", ".3f"), ("other load", "other_load_cores", ".2f"), ("error", "error", None),
+)  # fmt: skip
+RATIO_COLUMNS = (
+    ("network", "network", None), ("model", "model", None), ("config", "config", None), ("ranks", "world_size", None),
+    ("DP ms/step", "dp_step_s", lambda s: f"{1000 * s:.1f}"), ("ms/step", "step_s", lambda s: f"{1000 * s:.1f}"),
+    ("time ÷ DP", "ratio", ".3f"), ("bytes ÷ DP", "bytes_ratio", ".3f"), ("paper 003", "paper_ratio", ".3f"),
+)  # fmt: skip
+CROSS_COLUMNS = (
+    ("model", "model", None), ("engine", "engine", None), ("network", "network", None),
+    ("predicted TP÷DP", "predicted_ratio", ".3f"), ("measured TP÷DP", "measured_ratio", ".3f"),
+    ("TP wins at (batch)", "tp_wins_batch", None), ("TP wins at (hidden)", "tp_wins_width", None),
+)  # fmt: skip
+
+
+def docs_section(doc: dict[str, Any], json_path: str) -> str:
+    """The suite's figures as markdown; everything is read from ``doc``."""
+    cfg, facts = doc["config"], doc["models"]
+    nets = [f"- {name}: {info.get('detail', 'skipped: ' + str(info.get('skipped')))}"
+            + (f" (TCP goodput {info['measured_tcp_goodput_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s)"
+               if info.get("measured_tcp_goodput_bytes_per_s") else "")
+            for name, info in doc["networks"].items()]  # fmt: skip
+    models = [f"- {name}: {f['params']:,} parameters" + (
+        f", {f['num_layers']} layers, hidden {f['hidden_size']}, {f['num_heads']} heads, FFN {f['intermediate_size']}, "
+        f"vocabulary {f['vocab_size']}, {f['seq_len']} tokens, global batch {f['global_batch']}"
+        + (f", embedding {f['embedding_size']}, one shared block" if name == "albert" else "") if name in ENCODERS else
+        f", vgg16_scaled(width={f['width']}), {f['in_size']}×{f['in_size']} random images, {f['num_classes']} classes, "
+        f"global batch {f['global_batch']}, convolutions {f['conv_params']:,} parameters") for name, f in facts.items()]  # fmt: skip
+    kc = doc["kernel_check"]
+    lines = [*run_lines(doc, json_path), "", "Networks:", "", *nets, "", "Models (BERT-base: 12 layers, hidden 768, 12 heads, "
+             "FFN 3072, 108M parameters; ALBERT-base: 12M):", "", *models, "",
+             f"Time: {cfg['steps']} timed optimizer steps after {cfg['warmup_steps']} untimed, between barriers on every rank; "
+             "`ms/step` is that window over the steps. Bytes per step and rank: `measured` by the strategy's CommMeter, "
+             "`model` from `algorithms/tensor_parallel_cost.py`, `kernel` the veth's tx_bytes over the same window.", "",
+             markdown_table(doc["rows"], ROW_COLUMNS), "", "Step time against DP (same model, network, ranks and global batch):",
+             "", markdown_table(doc["ratios"], RATIO_COLUMNS), ""]  # fmt: skip
+    if kc["rows"]:
+        lines.append(f"Kernel tx against the byte model: {kc['within']} of {kc['rows']} rows of our strategies within "
+                     f"{kc['tolerance']:.0%} (ratios {kc['min_ratio']:.3f} to {kc['max_ratio']:.3f}).")  # fmt: skip
+    for c in doc["crossover"]:
+        lines += ["", f"Crossover, {c['model']} {c['engine']} vs dp (2 ranks): compute {1000 * c['compute_dp_s']:.0f} vs "
+                  f"{1000 * c['compute_tp_s']:.0f} ms/step (loopback), {c['bytes_dp'] / 1e6:.2f} vs {c['bytes_tp'] / 1e6:.2f} MB/step; "
+                  f"TP wins at {c['tp_wins']}; the bytes are equal at a global batch of {c['bytes_equal_global_batch']:g}."]  # fmt: skip
+        if c["rates"]:
+            lines += ["", markdown_table([{**c, **r} for r in c["rates"]], CROSS_COLUMNS)]
+    return "\n".join(lines)
+
+
+def plot(doc: dict[str, Any], path: str | Path) -> Path:
+    """Step time per run, bytes per step (measured, model, kernel), time ratios against the paper, the time model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(15, 9))
+    rows = [r for r in doc["rows"] if r["step_s"]]
+    labels = [f"{r['network'].replace('emulated ', '')}\n{r['model']} {r['config']} x{r['world_size']}" for r in rows]
+    x = range(len(rows))
+    axes[0, 0].bar(x, [1000 * r["step_s"] for r in rows], color=[f"C{CONFIGS.index(r['config'])}" for r in rows])
+    axes[0, 0].set_xticks(x, labels, rotation=90, fontsize=6)
+    axes[0, 0].set(ylabel="ms per step", title="step time (colour = configuration)", yscale="log")
+    for j, (key, name) in enumerate((("meter_bytes_per_step", "measured (meter)"), ("model_bytes_per_step", "byte model"),
+                                     ("kernel_tx_bytes_per_step", "kernel tx"))):  # fmt: skip
+        axes[0, 1].bar([i + 0.27 * j for i in x], [(r.get(key) or 0) / 1e6 for r in rows], 0.27, label=name)
+    axes[0, 1].set_xticks(x, labels, rotation=90, fontsize=6)
+    axes[0, 1].set(ylabel="MB per step per rank", title="bytes per step", yscale="log")
+    axes[0, 1].legend(fontsize=7)
+    rat = doc.get("ratios", [])
+    rl = [f"{r['network'].replace('emulated ', '')}\n{r['model']} {r['config']} x{r['world_size']}" for r in rat]
+    axes[1, 0].bar(range(len(rat)), [r["ratio"] for r in rat], color=[f"C{CONFIGS.index(r['config'])}" for r in rat])
+    for model, ls in (("bert", "--"), ("albert", ":")):
+        axes[1, 0].axhline(PAPER[model]["ratio"], color="k", ls=ls, lw=1, label=f"paper 003 {model} TP÷DP {PAPER[model]['ratio']}")
+    axes[1, 0].axhline(1.0, color="gray", lw=0.8)
+    axes[1, 0].set_xticks(range(len(rat)), rl, rotation=90, fontsize=6)
+    axes[1, 0].set(ylabel="step time ÷ DP's", title="TP-like configurations against DP", yscale="log")
+    axes[1, 0].legend(fontsize=7)
+    ax = axes[1, 1]
+    cross = doc.get("crossover", [])
+    models = list(dict.fromkeys(c["model"] for c in cross))
+    bws = [10 ** (5 + k / 20) for k in range(100)]  # 100 kB/s .. 10 GB/s
+    styles = {"dp": ("-", "o"), "tp": ("--", "s"), "deepspeed_tp": ("-.", "^"), "hybrid": (":", "D")}
+    for c in cross:
+        color = f"C{models.index(c['model'])}"
+        lines = [(c["engine"], c["compute_tp_s"], c["bytes_tp"], "measured_tp_s")]
+        if c is next(x for x in cross if x["model"] == c["model"]):  # DP once per model
+            lines.insert(0, ("dp", c["compute_dp_s"], c["bytes_dp"], "measured_dp_s"))
+        for name, comp, nbytes, key in lines:
+            ax.plot([b * 8 / 1e6 for b in bws], [comp + nbytes / b for b in bws], styles[name][0], color=color, lw=1,
+                    label=f"{c['model']} {name}")  # fmt: skip
+            pts = [(r["bandwidth_bytes_per_s"] * 8 / 1e6, r[key]) for r in c["rates"] if r[key]]
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=styles[name][1], color=color, s=18)
+        if c["bandwidth_bytes_per_s"]:
+            ax.axvline(c["bandwidth_bytes_per_s"] * 8 / 1e6, color=color, lw=0.6, ls=":")
+    ax.set(xscale="log", yscale="log", xlabel="link bandwidth, Mbit/s", ylabel="s per step",
+           title="time model t = compute + bytes / bandwidth; markers measured, dotted verticals crossovers")  # fmt: skip
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=6, ncol=2)
+    fig.suptitle(f"tensor_parallel suite, {doc['created']}", fontsize=9)
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=100)
+
+
+# -- command line ----------------------------------------------------------------------------------------
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Add the suite's options to ``parser``."""
+    d = SuiteConfig()
+    add = parser.add_argument
+    add("--quick", action="store_true", help=f"the small plan ({QUICK}); without it: {FULL}")
+    add("--out", required=True, type=Path, help="directory for tensor_parallel.json, tensor_parallel.png and docs_section.md")
+    add("--network", choices=("loopback", "emulated", "both"), default="both", help="networks (default both)")
+    add("--rates", nargs="+", default=None, help="emulated links' rates, both ways (default 100mbit quick, 1gbit 100mbit full)")
+    add("--models", nargs="+", default=list(MODELS), help=f"any of {MODELS}")
+    add("--configs", nargs="+", default=list(CONFIGS), help=f"any of {CONFIGS} (dp_tp runs with --world-sizes 4)")
+    add("--world-sizes", type=int, nargs="+", default=None, help="2 and/or 4 (default 2 quick, 2 4 full)")
+    for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "vocab_size", "embedding_size", "seq_len"):
+        add(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name), help="encoder %(dest)s (default %(default)s)")
+    add("--global-batch", type=int, default=d.global_batch, help="encoder samples per step, all ranks (default %(default)s)")
+    add("--vgg-width", type=float, default=d.vgg_width, help="vgg16_scaled width (default %(default)s)")
+    add("--vgg-global-batch", type=int, default=d.vgg_global_batch, help="VGG images per step, all ranks (default %(default)s)")
+    add("--warmup-steps", type=int, default=None, help="untimed steps (default 1 quick, 2 full)")
+    add("--steps", type=int, default=None, help="timed steps (default 3 quick, 6 full)")
+    add("--reviews-per-class", type=int, default=d.reviews_per_class, help="generated reviews per class and split (default %(default)s)")
+    add("--lr", type=float, default=d.lr, help="SGD learning rate (default %(default)s)")
+    add("--seed", type=int, default=d.seed, help="seed of the data and the models (default %(default)s)")
+    add("--timeout", type=float, default=d.timeout, help="seconds per launch (default %(default)s)")
+
+
+def config_from_args(args: argparse.Namespace) -> SuiteConfig:
+    """The validated :class:`SuiteConfig` of parsed arguments (``ValueError`` names a bad option)."""
+    plan = QUICK if args.quick else FULL
+    pick = lambda value, key: plan[key] if value is None else value  # noqa: E731
+    return SuiteConfig(
+        networks=NETWORKS if args.network == "both" else (args.network,), rates=tuple(pick(args.rates, "rates")),
+        models=tuple(args.models), configs=tuple(args.configs), world_sizes=tuple(pick(args.world_sizes, "world_sizes")),
+        hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
+        intermediate_size=args.intermediate_size, vocab_size=args.vocab_size, embedding_size=args.embedding_size,
+        seq_len=args.seq_len, global_batch=args.global_batch, vgg_width=args.vgg_width,
+        vgg_global_batch=args.vgg_global_batch, warmup_steps=pick(args.warmup_steps, "warmup_steps"),
+        steps=pick(args.steps, "steps"), reviews_per_class=args.reviews_per_class, lr=args.lr, seed=args.seed,
+        timeout=args.timeout, quick=args.quick,
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Run the suite for parsed ``args`` (``argv`` is recorded as the command); print the tables."""
+    return run_documented_suite(SUITE, args, argv, config_from_args, run_suite, docs_section)

@@ -1,0 +1,184 @@
+"""The tensor-parallel suite: option rules, its plan and byte model per run, row arithmetic, and tiny real runs."""
+
+import json
+
+import pytest
+
+from lightning_pdist.algorithms.tensor_parallel_cost import StepBytes
+from lightning_pdist.bench import SUITES
+from lightning_pdist.bench.__main__ import main as bench_main
+from lightning_pdist.bench.netns import EmulatedNetwork
+from lightning_pdist.bench.report import check_rows
+from lightning_pdist.bench.tensor_parallel import (
+    FULL,
+    PAPER,
+    QUICK,
+    ROW_KEYS,
+    SuiteConfig,
+    build_row,
+    crossover,
+    kernel_check,
+    plan_runs,
+    ratios,
+    step_bytes,
+)
+from lightning_pdist.bench.tp_worker import check_spec, loader_batch
+
+_OK, _REASON = EmulatedNetwork.available()
+TINY = ["--world-sizes", "2", "--models", "bert", "--hidden-size", "64", "--num-heads", "2", "--intermediate-size", "128",
+        "--num-layers", "2", "--vocab-size", "300", "--seq-len", "32", "--reviews-per-class", "20", "--warmup-steps", "1",
+        "--steps", "2"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"networks": ("wan",)}, r"tensor_parallel\(--network=\('wan',\)\): each value must be one of"),
+        ({"models": ("gpt",)}, r"tensor_parallel\(--models=\('gpt',\)\): each value must be one of"),
+        ({"configs": ("tp", "tp")}, r"--configs=\('tp', 'tp'\)\): give at least one value, none repeated"),
+        ({"world_sizes": (3,)}, r"tensor_parallel\(--world-sizes=\(3,\)\): each value must be one of \(2, 4\)"),
+        ({"rates": ("fast",)}, r"tensor_parallel\(--rates='fast'\): each rate must look like '100mbit'"),
+        ({"hidden_size": 100, "num_heads": 8}, r"tensor_parallel\(--hidden-size=100\): must be a multiple of --num-heads \(8\)"),
+        ({"hidden_size": 96, "num_heads": 3}, r"tensor_parallel\(--num-heads=3\): must be divisible by the tensor-parallel degree 2"),
+        ({"intermediate_size": 1023}, r"--intermediate-size=1023\): must be divisible by the tensor-parallel degree 2"),
+        ({"world_sizes": (2, 4), "global_batch": 6}, r"--global-batch=6\): must be a multiple of the largest world size \(4\)"),
+        ({"vgg_width": 0.0001}, r"tensor_parallel\(--vgg-width=0.0001\): must be in \(0, 1\] with round\(4096 \* width\)"),
+        ({"vgg_width": 0.00075}, r"--vgg-width=0.00075\): .* a positive multiple of 2"),
+        ({"reviews_per_class": 2}, r"--reviews-per-class=2\): too few: the run needs 32 training reviews"),
+        ({"steps": 0}, r"tensor_parallel\(--steps=0\): must be an int >= 1"),
+        ({"lr": 0.0}, r"tensor_parallel\(--lr=0.0\): must be > 0"),
+        ({"seed": -1}, r"tensor_parallel\(--seed=-1\): must be an int >= 0"),
+    ],
+)
+def test_config_rejects_bad_values_naming_option_value_and_rule(kwargs, match):
+    """Every bad option raises ValueError with the option, the value and the rule."""
+    with pytest.raises(ValueError, match=match):
+        SuiteConfig(**kwargs)
+
+
+def test_cli_answers_bad_values_with_exit_status_2(tmp_path, capsys):
+    """The suite is registered; a bad value exits 2 with its message and writes nothing."""
+    assert SUITES["tensor_parallel"] == "lightning_pdist.bench.tensor_parallel"
+    assert bench_main(["tensor_parallel", "--quick", "--out", str(tmp_path / "o"), "--world-sizes", "2", "3"]) == 2
+    assert "tensor_parallel(--world-sizes=(2, 3)): each value must be one of (2, 4)" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_plan_runs_quick_and_full():
+    """Quick: 2 ranks, DP/TP/DeepSpeed per encoder, DP/hybrid on VGG; full adds DP and DP×TP (2 x 2) on 4 ranks."""
+    quick = [(r["model"], r["config"], r["world_size"], r["tp_size"]) for r in plan_runs(SuiteConfig())]
+    assert quick == [("bert", "dp", 2, 1), ("bert", "tp", 2, 2), ("bert", "deepspeed_tp", 2, 2), ("albert", "dp", 2, 1),
+                     ("albert", "tp", 2, 2), ("albert", "deepspeed_tp", 2, 2), ("vgg", "dp", 2, 1), ("vgg", "hybrid", 2, 2)]  # fmt: skip
+    full = plan_runs(SuiteConfig(world_sizes=FULL["world_sizes"], configs=("dp", "dp_tp"), models=("bert",)))
+    assert [(r["config"], r["world_size"], r["tp_size"]) for r in full] == [("dp", 2, 1), ("dp", 4, 1), ("dp_tp", 4, 2)]
+    assert QUICK["world_sizes"] == (2,) and QUICK["rates"] == ("100mbit",) and len(FULL["rates"]) >= 2
+
+
+def _spec(**over):
+    spec = {"config": "tp", "model": "bert", "world_size": 2, "tp_size": 2, "global_batch": 8, "seq_len": 16, "model_kwargs": {},
+            "vgg_width": 0.125, "warmup_steps": 1, "steps": 1, "seed": 0, "lr": 0.1, "data_dir": "d"}  # fmt: skip
+    return {**spec, **over}
+
+
+def test_worker_spec_is_checked_and_splits_the_global_batch():
+    """Worker specs refuse wrong pairings and sizes; each rank's loader batch is the global batch over its replicas."""
+    assert check_spec(_spec()) == _spec()
+    assert loader_batch(_spec()) == 8  # the TP group shares one batch
+    assert loader_batch(_spec(config="dp", tp_size=1)) == 4
+    assert loader_batch(_spec(config="dp_tp", world_size=4, tp_size=2)) == 4  # two replicas of a 2-rank TP group
+    assert loader_batch(_spec(config="hybrid", model="vgg", global_batch=16)) == 8
+    with pytest.raises(ValueError, match=r"config='hybrid'\): model 'bert' runs one of \('dp', 'tp', 'dp_tp'\)"):
+        check_spec(_spec(config="hybrid"))
+    with pytest.raises(ValueError, match=r"tp_size=1\): config 'tp' on world_size=2 ranks has tp_size=2"):
+        check_spec(_spec(tp_size=1))
+    with pytest.raises(ValueError, match=r"tp_size=4\): dp_tp needs 1 < tp_size < world_size \(4\)"):
+        check_spec(_spec(config="dp_tp", world_size=4, tp_size=4))
+    with pytest.raises(ValueError, match=r"global_batch=6\): global_batch must be a multiple of world_size \(4\)"):
+        check_spec(_spec(config="dp", world_size=4, tp_size=1, global_batch=6))
+    with pytest.raises(ValueError, match=r"missing keys \['lr'\]"):
+        check_spec({k: v for k, v in _spec().items() if k != "lr"})
+
+
+FACTS = {"params": 1000, "params_local_tp2": 600, "seq_len": 4, "hidden_size": 8, "num_layers": 2, "global_batch": 8}
+VGG = {"params": 5000, "conv_params": 100, "fc_in": 10, "fc_hidden": 6, "num_classes": 5, "global_batch": 6}
+
+
+def test_step_bytes_of_every_configuration_by_hand():
+    """DP all-reduces the model; TP 12 activations of B*L*H floats; DP×TP adds the shard's; hybrid as the cost model."""
+    assert step_bytes({"config": "dp", "world_size": 2, "tp_size": 1}, FACTS) == StepBytes(dp_all_reduce=4000)
+    one = 8 * 4 * 8 * 4  # B*L*H fp32 = 1024 bytes, sent once by a 2-rank ring all-reduce
+    assert step_bytes({"config": "tp", "world_size": 2, "tp_size": 2}, FACTS) == StepBytes(tp_all_reduce=12 * one)
+    assert step_bytes({"config": "deepspeed_tp", "world_size": 2, "tp_size": 2}, FACTS).total == 12 * one
+    # 2 x 2: each replica runs half the global batch; the 600-parameter shard is all-reduced over 2 replicas
+    assert step_bytes({"config": "dp_tp", "world_size": 4, "tp_size": 2}, FACTS) == StepBytes(dp_all_reduce=2400,
+                                                                                                tp_all_reduce=6 * one)  # fmt: skip
+    got = step_bytes({"config": "hybrid", "world_size": 2, "tp_size": 2}, VGG)
+    assert got == StepBytes(dp_all_reduce=400, tp_all_gather=3 * 10 * 4 + 3 * 5 * 4, tp_all_reduce=6 * 6 * 4 + 6 * 10 * 4)
+
+
+def _rank(rank, window=1.0, meter=24576, tx=None):
+    return {"rank": rank, "window_s": window, "step_s": [window / 2] * 2, "meter_bytes": meter, "meter_by_kind":
+            {"tp_all_reduce": meter}, "tx_bytes": tx, "params_local": 600, "losses": [0.7, 0.6]}  # fmt: skip
+
+
+def test_rows_ratios_and_kernel_check_come_from_the_ranks():
+    """A row takes the slowest rank's window per step and the mean bytes; errors give no figure; ratios use DP's row."""
+    ranks = [_rank(0, 1.0, tx=25000 * 2), _rank(1, 1.2, tx=26000 * 2)]
+    tp = build_row({"model": "bert", "config": "tp", "world_size": 2, "tp_size": 2}, ranks, FACTS, 2, "emulated 100mbit", None)
+    assert tp["step_s"] == 0.6 and tp["meter_bytes_per_step"] == 12288 == tp["model_bytes_per_step"] and tp["meter_over_model"] == 1.0
+    assert tp["kernel_tx_bytes_per_step"] == 25500 and tp["kernel_over_model"] == round(25500 / 12288, 4) and tp["rate"] == "100mbit"
+    dp = build_row({"model": "bert", "config": "dp", "world_size": 2, "tp_size": 1}, [_rank(0, 0.6, 8000), _rank(1, 0.6, 8000)],
+                   FACTS, 2, "emulated 100mbit", None)  # fmt: skip
+    failed = build_row({"model": "bert", "config": "deepspeed_tp", "world_size": 2, "tp_size": 2}, [], FACTS, 2, "emulated 100mbit",
+                       "launch_ranks: rank 1 exited with code 1")  # fmt: skip
+    assert failed["step_s"] is None and failed["error"].startswith("launch_ranks")
+    check_rows([tp, dp, failed], ROW_KEYS, "test")
+    (ratio,) = ratios([tp, dp, failed])
+    assert (ratio["config"], ratio["ratio"], ratio["paper_ratio"]) == ("tp", 2.0, PAPER["bert"]["ratio"])
+    assert ratio["bytes_ratio"] == round(12288 / 4000, 3)
+    check = kernel_check([tp, dp, failed])
+    assert check["rows"] == 1 and check["within"] == 0 and check["worst"]["config"] == "tp"
+
+
+def test_crossover_from_loopback_compute_and_modelled_bytes():
+    """TP computes more and sends less: it wins below (b_dp - b_tp) / (c_tp - c_dp), and the batch crossover follows."""
+    def row(config, network, step_s, nbytes):
+        return {"model": "bert", "config": config, "world_size": 2, "network": network, "step_s": step_s,
+                "model_bytes_per_step": nbytes}  # fmt: skip
+
+    rows = [row("dp", "loopback", 0.1, 20_000_000), row("tp", "loopback", 0.2, 10_000_000),
+            row("dp", "emulated 100mbit", 1.7, 20_000_000), row("tp", "emulated 100mbit", 1.1, 10_000_000)]  # fmt: skip
+    config = SuiteConfig(models=("bert",), global_batch=8, seq_len=64, hidden_size=256, num_layers=4)
+    nets = {"loopback": {}, "emulated 100mbit": {"measured_tcp_goodput_bytes_per_s": 12_000_000}}
+    (c,) = crossover(rows, nets, config)
+    assert c["bandwidth_bytes_per_s"] == pytest.approx(1e8) and c["tp_wins"] == "bandwidth < 800.0 Mbit/s"
+    (rate,) = c["rates"]
+    assert rate["predicted_dp_s"] == pytest.approx(0.1 + 20 / 12, abs=1e-4)
+    assert rate["measured_ratio"] == round(1.1 / 1.7, 3)
+    assert rate["tp_wins_batch"].startswith("global batch <")  # TP's bytes grow with the batch, DP's do not
+
+
+@pytest.mark.standalone
+def test_tiny_real_run_on_loopback(tmp_path):
+    """DP and TP on 2 real ranks: the meters equal the byte model exactly; JSON, plot and docs section written."""
+    out = tmp_path / "out"
+    assert bench_main(["tensor_parallel", "--out", str(out), "--network", "loopback", "--configs", "dp", "tp", *TINY]) == 0
+    doc = json.loads((out / "tensor_parallel.json").read_text())
+    check_rows(doc["rows"], ROW_KEYS, "test")
+    assert [(r["config"], r["error"]) for r in doc["rows"]] == [("dp", None), ("tp", None)]
+    for row in doc["rows"]:
+        assert row["meter_bytes_per_step"] == row["model_bytes_per_step"] and row["step_s"] > 0
+    assert doc["rows"][1]["model_by_kind"] == {"tp_all_reduce": 12 * 8 * 32 * 64 * 4}
+    assert doc["ratios"][0]["paper_ratio"] == 0.705 and doc["crossover"][0]["engine"] == "tp"
+    assert (out / "tensor_parallel.png").stat().st_size > 10_000 and "Crossover" in (out / "docs_section.md").read_text()
+
+
+@pytest.mark.standalone
+@pytest.mark.skipif(not _OK, reason=_REASON)
+def test_tiny_real_tp_run_on_emulated_links_matches_the_kernel(tmp_path):
+    """On an emulated 1gbit link the veths' tx_bytes over the timed steps agree with the byte model within 10%."""
+    out = tmp_path / "out"
+    assert bench_main(["tensor_parallel", "--out", str(out), "--network", "emulated", "--rates", "1gbit", "--configs", "tp", *TINY]) == 0
+    (row,) = json.loads((out / "tensor_parallel.json").read_text())["rows"]
+    assert row["network"] == "emulated 1gbit" and row["error"] is None
+    assert abs(row["kernel_over_model"] - 1) <= 0.10
