@@ -48,7 +48,7 @@ Time model: ``t = compute / ways + bytes / bandwidth`` (:func:`step_time`). Link
 sends its bytes on its own link at once, so ``bytes`` is one rank's. With equal compute shares (``ways`` = the
 ranks for both schemes) only the bytes decide; with measured compute per scheme (TP repeats the replicated
 layers on every rank and runs smaller matmuls) :func:`crossover_bandwidth` gives the bandwidth below which the
-scheme that sends less wins, and :func:`find_crossover` the batch size or width where the winner changes.
+scheme that sends less wins, and :func:`find_crossovers` the batch sizes or widths where the winner changes.
 
 Pure functions: ``torch`` only (for :func:`tp_local_numel`); no process group.
 """
@@ -69,7 +69,7 @@ __all__ = [
     "dp_bytes",
     "dp_tp_bytes",
     "encoder_flops",
-    "find_crossover",
+    "find_crossovers",
     "hybrid_vgg_bytes",
     "ring_all_gather_bytes",
     "ring_all_reduce_bytes",
@@ -305,26 +305,35 @@ def crossover_bandwidth(
     return Crossover(d_bytes / d_compute, fewer_bytes, less_compute)
 
 
-def find_crossover(diff: Callable[[int], float], low: int, high: int, names: tuple[str, str] = ("dp", "tp")) -> Crossover:
-    """The smallest integer in ``(low, high]`` where ``diff(x) = t_a(x) - t_b(x)`` changes sign (bisection).
+def find_crossovers(
+    diff: Callable[[int], float], low: int, high: int, names: tuple[str, str] = ("dp", "tp"), samples: int = 48
+) -> list[Crossover]:
+    """Every integer in ``(low, high]`` where ``diff(x) = t_a(x) - t_b(x)`` changes sign, in increasing order.
 
-    ``diff`` must change sign at most once on ``[low, high]`` (true of the linear-in-batch and polynomial-in-width
-    models the benchmark builds). ``below`` names the winner at ``low``. Returns ``value=None`` when the sign is
-    the same at both ends.
+    ``diff`` is evaluated on ``samples`` points spaced geometrically from ``low`` to ``high``; each bracket whose
+    ends differ in sign is bisected to the first integer past the crossing. Two crossings closer together than
+    one grid step cancel out and are missed. Width sweeps need this: DP's bytes grow as ``H²`` (plus a fixed
+    embedding) and TP's as ``H``, so TP can win at small and at large widths and lose in between.
+
+    Returns:
+        One :class:`Crossover` per sign change (``below`` the winner before it, ``above`` after it), or, when the
+        sign never changes, ``[Crossover(None, winner, winner)]``.
     """
     _check_int("low", low, 1)
     if high <= low:
-        raise ValueError(f"find_crossover(low={low}, high={high}): high must be > low")
+        raise ValueError(f"find_crossovers(low={low}, high={high}): high must be > low")
+    _check_int("samples", samples, 2)
     a, b = names
-    d_low, d_high = diff(low), diff(high)
     winner = lambda d: b if d > 0 else a  # noqa: E731  (t_a > t_b: b is faster)
-    if math.copysign(1, d_low) == math.copysign(1, d_high):
-        return Crossover(None, winner(d_low), winner(d_low))
-    lo, hi = low, high
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if math.copysign(1, diff(mid)) == math.copysign(1, d_low):
-            lo = mid
-        else:
-            hi = mid
-    return Crossover(float(hi), winner(d_low), winner(d_high))
+    sign = lambda x: math.copysign(1, diff(x))  # noqa: E731
+    grid = sorted({round(low * (high / low) ** (i / (samples - 1))) for i in range(samples)} | {low, high})
+    signs = [sign(x) for x in grid]
+    out = []
+    for (lo, s_lo), (hi, s_hi) in zip(zip(grid, signs), zip(grid[1:], signs[1:])):
+        if s_lo == s_hi:
+            continue
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if sign(mid) == s_lo else (lo, mid)
+        out.append(Crossover(float(hi), winner(s_lo), winner(s_hi)))
+    return out or [Crossover(None, winner(signs[0]), winner(signs[0]))]

@@ -410,7 +410,7 @@ def crossover(rows: Sequence[dict[str, Any]], networks: dict[str, Any], config: 
             c_dp, c_tp, b_dp, b_tp = dp["step_s"], tp["step_s"], dp["model_bytes_per_step"], tp["model_bytes_per_step"]
             cross = crossover_bandwidth(c_dp, b_dp, c_tp, b_tp)
             entry = {"model": model, "engine": engine, "compute_dp_s": c_dp, "compute_tp_s": c_tp, "bytes_dp": b_dp,
-                     "bytes_tp": b_tp, "bandwidth_bytes_per_s": cross.value, "tp_wins": _wins(cross, "tp", "bandwidth"),
+                     "bytes_tp": b_tp, "bandwidth_bytes_per_s": cross.value, "tp_wins": where_wins([cross], "tp", "bandwidth"),
                      "bytes_equal_global_batch": round(b_dp / (b_tp / config.global_batch), 2) if model in ENCODERS else None,
                      "rates": []}  # fmt: skip
             for name, info in networks.items():
@@ -438,7 +438,7 @@ def scaling_crossovers(model: str, config: SuiteConfig, c_dp: float, c_tp: float
     with the width (FFN kept at the same multiple of it, heads fixed); DP's bytes follow the parameter count, TP's
     the activations.
     """
-    from lightning_pdist.algorithms.tensor_parallel_cost import dp_bytes, encoder_flops, find_crossover, step_time
+    from lightning_pdist.algorithms.tensor_parallel_cost import dp_bytes, encoder_flops, find_crossovers, step_time
     from lightning_pdist.algorithms.tensor_parallel_cost import tp_encoder_bytes
 
     G, L, H, layers, heads = config.global_batch, config.seq_len, config.hidden_size, config.num_layers, config.num_heads
@@ -454,19 +454,28 @@ def scaling_crossovers(model: str, config: SuiteConfig, c_dp: float, c_tp: float
         dp_b = dp_bytes(encoder_params(model, config, h), 2).total
         return step_time(c_dp * scale, dp_b, bw) - step_time(c_tp * scale, tp_encoder_bytes(G, L, h, layers, 2).total, bw)
 
-    by_batch, by_width = find_crossover(batch_diff, 1, 4096), find_crossover(width_diff, 2, 8192 // heads)
-    if by_width.value is not None:
-        by_width = replace(by_width, value=by_width.value * heads)
-    return {"global_batch_crossover": by_batch.value, "tp_wins_batch": _wins(by_batch, "tp", "global batch"),
-            "hidden_size_crossover": by_width.value, "tp_wins_width": _wins(by_width, "tp", "hidden size")}  # fmt: skip
+    by_batch = find_crossovers(batch_diff, 1, 4096)
+    by_width = [replace(c, value=None if c.value is None else c.value * heads)
+                for c in find_crossovers(width_diff, 2, 8192 // heads)]  # fmt: skip
+    return {"global_batch_crossovers": [c.value for c in by_batch], "tp_wins_batch": where_wins(by_batch, "tp", "global batch"),
+            "hidden_size_crossovers": [c.value for c in by_width], "tp_wins_width": where_wins(by_width, "tp", "hidden size")}  # fmt: skip
 
 
-def _wins(cross: Any, name: str, what: str) -> str:
-    """Where ``name`` wins, in words: ``"below 41.2 (bandwidth)"``, ``"everywhere"``, ``"nowhere"``."""
-    if cross.value is None:
-        return "everywhere" if cross.below == name else "nowhere"
-    value = f"{cross.value * 8 / 1e6:.1f} Mbit/s" if what == "bandwidth" else f"{cross.value:g}"
-    return f"{what} < {value}" if cross.below == name else f"{what} >= {value}"
+def where_wins(crossings: Sequence[Any], name: str, what: str) -> str:
+    """Where ``name`` is faster, in words, from :func:`~lightning_pdist.algorithms.tensor_parallel_cost.find_crossovers`
+    (or one :func:`~lightning_pdist.algorithms.tensor_parallel_cost.crossover_bandwidth`): ``"everywhere"``,
+    ``"nowhere"``, ``"at bandwidth < 376.6 Mbit/s"``, ``"at hidden size < 44 or >= 948"``."""
+    if crossings[0].value is None:
+        return "everywhere" if crossings[0].below == name else "nowhere"
+    show = (lambda v: f"{v * 8 / 1e6:.1f} Mbit/s") if what == "bandwidth" else (lambda v: f"{v:g}")  # noqa: E731
+    edges = [None, *(c.value for c in crossings), None]
+    winners = [crossings[0].below, *(c.above for c in crossings)]
+    spans = []
+    for lo, hi, who in zip(edges, edges[1:], winners):
+        if who != name:
+            continue
+        spans.append(f"< {show(hi)}" if lo is None else f">= {show(lo)}" if hi is None else f"{show(lo)} to {show(hi)}")
+    return f"at {what} " + " or ".join(spans)
 
 
 # -- the suite ------------------------------------------------------------------------------------------
@@ -525,8 +534,8 @@ RATIO_COLUMNS = (
 )  # fmt: skip
 CROSS_COLUMNS = (
     ("model", "model", None), ("engine", "engine", None), ("network", "network", None),
-    ("predicted TP÷DP", "predicted_ratio", ".3f"), ("measured TP÷DP", "measured_ratio", ".3f"),
-    ("TP wins at (batch)", "tp_wins_batch", None), ("TP wins at (hidden)", "tp_wins_width", None),
+    ("predicted ÷ DP", "predicted_ratio", ".3f"), ("measured ÷ DP", "measured_ratio", ".3f"),
+    ("TP faster (batch)", "tp_wins_batch", None), ("TP faster (width)", "tp_wins_width", None),
 )  # fmt: skip
 
 
@@ -555,9 +564,11 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         lines.append(f"Kernel tx against the byte model: {kc['within']} of {kc['rows']} rows of our strategies within "
                      f"{kc['tolerance']:.0%} (ratios {kc['min_ratio']:.3f} to {kc['max_ratio']:.3f}).")  # fmt: skip
     for c in doc["crossover"]:
+        equal = (f"; the bytes are equal at a global batch of {c['bytes_equal_global_batch']:g}"
+                 if c["bytes_equal_global_batch"] is not None else "")  # fmt: skip
         lines += ["", f"Crossover, {c['model']} {c['engine']} vs dp (2 ranks): compute {1000 * c['compute_dp_s']:.0f} vs "
-                  f"{1000 * c['compute_tp_s']:.0f} ms/step (loopback), {c['bytes_dp'] / 1e6:.2f} vs {c['bytes_tp'] / 1e6:.2f} MB/step; "
-                  f"TP wins at {c['tp_wins']}; the bytes are equal at a global batch of {c['bytes_equal_global_batch']:g}."]  # fmt: skip
+                  f"{1000 * c['compute_tp_s']:.0f} ms/step (loopback), {c['bytes_dp'] / 1e6:.2f} vs {c['bytes_tp'] / 1e6:.2f} "
+                  f"MB/step; {c['engine']} is faster {c['tp_wins']}{equal}."]  # fmt: skip
         if c["rates"]:
             lines += ["", markdown_table([{**c, **r} for r in c["rates"]], CROSS_COLUMNS)]
     return "\n".join(lines)

@@ -14,7 +14,7 @@ from lightning_pdist.algorithms.tensor_parallel_cost import (
     dp_bytes,
     dp_tp_bytes,
     encoder_flops,
-    find_crossover,
+    find_crossovers,
     hybrid_vgg_bytes,
     ring_all_gather_bytes,
     ring_all_reduce_bytes,
@@ -148,14 +148,20 @@ def test_crossover_bandwidth_when_one_side_dominates():
     assert crossover_bandwidth(0.2, 5, 0.2, 5) == Crossover(None, "dp", "dp")
 
 
-def test_find_crossover_batch_by_hand():
+def test_find_crossovers_batch_by_hand():
     """t_dp(B) = 0.01 B + 10 and t_tp(B) = 0.02 B + 5.005 cross at B = 499.5; TP wins below, DP from 500 on."""
     diff = lambda b: (0.01 * b + 10) - (0.02 * b + 5.005)  # noqa: E731
-    got = find_crossover(diff, 1, 4096)
-    assert got == Crossover(500.0, "tp", "dp")
-    assert find_crossover(lambda b: 1.0, 1, 10) == Crossover(None, "tp", "tp")
+    assert find_crossovers(diff, 1, 4096) == [Crossover(500.0, "tp", "dp")]
+    assert find_crossovers(lambda b: 1.0, 1, 10) == [Crossover(None, "tp", "tp")]
+    assert find_crossovers(lambda b: -1.0, 1, 10) == [Crossover(None, "dp", "dp")]
     with pytest.raises(ValueError, match=r"high must be > low"):
-        find_crossover(diff, 8, 8)
+        find_crossovers(diff, 8, 8)
+
+
+def test_find_crossovers_finds_both_ends_of_a_losing_band():
+    """(H - 40)(H - 950) > 0 outside [40, 950]: the second configuration wins below 40 and from 950, loses between."""
+    got = find_crossovers(lambda h: (h - 40.5) * (h - 950.5), 2, 8192)
+    assert got == [Crossover(41.0, "tp", "dp"), Crossover(951.0, "dp", "tp")]
 
 
 def test_encoder_flops_by_hand():

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from lightning_pdist.algorithms.tensor_parallel_cost import StepBytes
+from lightning_pdist.algorithms.tensor_parallel_cost import Crossover, StepBytes
 from lightning_pdist.bench import SUITES
 from lightning_pdist.bench.__main__ import main as bench_main
 from lightning_pdist.bench.netns import EmulatedNetwork
@@ -21,6 +21,7 @@ from lightning_pdist.bench.tensor_parallel import (
     plan_runs,
     ratios,
     step_bytes,
+    where_wins,
 )
 from lightning_pdist.bench.tp_worker import check_spec, loader_batch
 
@@ -151,11 +152,21 @@ def test_crossover_from_loopback_compute_and_modelled_bytes():
     config = SuiteConfig(models=("bert",), global_batch=8, seq_len=64, hidden_size=256, num_layers=4)
     nets = {"loopback": {}, "emulated 100mbit": {"measured_tcp_goodput_bytes_per_s": 12_000_000}}
     (c,) = crossover(rows, nets, config)
-    assert c["bandwidth_bytes_per_s"] == pytest.approx(1e8) and c["tp_wins"] == "bandwidth < 800.0 Mbit/s"
+    assert c["bandwidth_bytes_per_s"] == pytest.approx(1e8) and c["tp_wins"] == "at bandwidth < 800.0 Mbit/s"
     (rate,) = c["rates"]
     assert rate["predicted_dp_s"] == pytest.approx(0.1 + 20 / 12, abs=1e-4)
     assert rate["measured_ratio"] == round(1.1 / 1.7, 3)
-    assert rate["tp_wins_batch"].startswith("global batch <")  # TP's bytes grow with the batch, DP's do not
+    assert rate["tp_wins_batch"].startswith("at global batch < ")  # TP's bytes grow with the batch, DP's do not
+
+
+def test_where_wins_names_every_span():
+    """Crossings become spans in words: below the first, between two, from the last; none means everywhere or nowhere."""
+    band = [Crossover(44.0, "tp", "dp"), Crossover(1280.0, "dp", "tp")]
+    assert where_wins(band, "tp", "hidden size") == "at hidden size < 44 or >= 1280"
+    assert where_wins(band, "dp", "hidden size") == "at hidden size 44 to 1280"
+    assert where_wins([Crossover(1e8, "tp", "dp")], "tp", "bandwidth") == "at bandwidth < 800.0 Mbit/s"
+    assert where_wins([Crossover(None, "dp", "dp")], "tp", "global batch") == "nowhere"
+    assert where_wins([Crossover(None, "tp", "tp")], "tp", "global batch") == "everywhere"
 
 
 @pytest.mark.standalone
