@@ -36,6 +36,7 @@ Decisions a user meets:
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Any, Callable
 
 from lightning.fabric.utilities.apply_func import move_data_to_device
@@ -60,7 +61,8 @@ __all__ = ["ModelAveragingStrategy"]
 class ModelAveragingStrategy(PdistStrategy):
     """Base of the strategies whose ranks step locally and synchronize their models periodically.
 
-    Subclasses set ``self.schedule`` and implement :meth:`synchronize` and :meth:`consensus`.
+    Subclasses set ``self.schedule`` and implement :meth:`synchronize` (and :meth:`consensus` where it is not the
+    average of the replicas). Abstract, so LightningCLI does not offer it as a ``--trainer.strategy`` choice.
     """
 
     #: What the rule does with one rank, for the one-rank warning.
@@ -70,7 +72,8 @@ class ModelAveragingStrategy(PdistStrategy):
         owner = type(self).__name__
         refuse_owned_ddp_args(owner, kwargs, f"{owner} owns gradient communication and model averaging")
         self._user_broadcast_buffers = bool(kwargs.get("broadcast_buffers", True))
-        super().__init__(**kwargs)
+        super().__init__(ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None, model_averaging_period=None,
+                         **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
         self.schedule = schedule
         self.step = 0  # optimizer steps taken (1-based count of the last finished step)
         self._hook_state = AllReduceState(meter=self.comm_meter)
@@ -87,9 +90,9 @@ class ModelAveragingStrategy(PdistStrategy):
         """Whether the replicas synchronize right after optimizer step ``step``."""
         return self.schedule.syncs_after(step)
 
+    @abstractmethod
     def synchronize(self) -> None:
         """Synchronize the replicas (called on every rank after a step the schedule names)."""
-        raise NotImplementedError
 
     def after_warmup_step(self) -> None:
         """Called after each warm-up step, when all replicas are identical."""

@@ -20,10 +20,18 @@ def is_int(value: object) -> bool:
 
 
 def refuse_owned_ddp_args(owner: str, kwargs: dict[str, Any], reason: str) -> None:
-    """``ValueError`` naming the first DDP gradient-communication argument set in ``kwargs``."""
+    """``ValueError`` naming the first DDP gradient-communication argument set in ``kwargs``; removes the unset ones.
+
+    The caller then passes every :data:`OWNED_DDP_ARGS` name to ``super().__init__`` explicitly as ``None``
+    (``super().__init__(ddp_comm_state=None, ..., **kwargs)``): jsonargparse, which builds LightningCLI's options
+    by following ``**kwargs``, leaves out arguments a class gives explicitly, so ``--trainer.strategy.help``
+    does not offer the arguments the strategy refuses.
+    """
     for name in OWNED_DDP_ARGS:
         if kwargs.get(name) is not None:
             raise ValueError(f"{owner}({name}={kwargs[name]!r}): {reason}; {name} must be left unset")
+    for name in OWNED_DDP_ARGS:
+        kwargs.pop(name, None)
 
 
 class ConfigErrors:

@@ -187,7 +187,8 @@ class ParameterServerStrategy(PdistStrategy):
             server_addresses=_addresses(server_addresses, owner), server_secret_file=server_secret_file,
             allowed_networks=allowed_networks, server_timeout=server_timeout, owner=owner,
         )  # fmt: skip
-        super().__init__(**kwargs)
+        super().__init__(ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None, model_averaging_period=None,
+                         **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
         if server_addresses is not None and server_secret_file is None:
             rank_zero_warn(f"{owner}(server_addresses={list(server_addresses)!r}, server_secret_file=None): these servers "
                            "are unauthenticated; any process that reaches them (on a shared node, any user's) can push "

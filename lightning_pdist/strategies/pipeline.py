@@ -202,7 +202,8 @@ class PipelineStrategy(PdistStrategy):
         if not weight_stashing:
             rank_zero_warn(f"{owner}(weight_stashing=False): backwards will use newer weights than their forwards "
                            "(PipeDream's no-stashing ablation); gradients are not those of any one weight version")  # fmt: skip
-        super().__init__(**kwargs)
+        super().__init__(ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None, model_averaging_period=None,
+                         **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
         self.num_stages, self.schedule, self.num_microbatches = num_stages, schedule, num_microbatches
         self.split: StageSplit | None = None
         self.executor: StageExecutor | None = None
@@ -304,6 +305,7 @@ class PipelineStrategy(PdistStrategy):
             self._check_optimizer_unscaling()
         self.setup_precision_plugin()
         self.executor = self._make_executor()
+        self.announce(trainer)
         if fitting and self._loaded_pdist_state is not None:
             self.load_pdist_state_dict(self._loaded_pdist_state)
         self._loaded_pdist_state = None

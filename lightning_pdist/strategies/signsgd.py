@@ -286,7 +286,8 @@ class SignSGDStrategy(PdistStrategy):
                 f"{owner}(aggregation='majority', {', '.join(ignored)}): these options belong to the LLR vote "
                 "(aggregation='llr') and are ignored by the majority vote."
             )
-        super().__init__(**kwargs)
+        super().__init__(ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None, model_averaging_period=None,
+                         **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
         self.hook_state: SignSGDState | None = None
 
     @property
