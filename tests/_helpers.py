@@ -101,6 +101,8 @@ def fit(strategy, module: LightningModule, devices: int = 2, max_steps: int = 8,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         callbacks=list(callbacks),
+        # Every step is a logging step, so pdist/comm_bytes (bytes since the last logged step) is the step's bytes.
+        log_every_n_steps=1,
     )
     kwargs.update(trainer_kwargs)
     trainer = Trainer(**kwargs)

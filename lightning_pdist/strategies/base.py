@@ -47,9 +47,11 @@ from typing_extensions import override
 from lightning_pdist.comm.accounting import CommMeter
 from lightning_pdist.comm.hooks import AllReduceState, allreduce_hook
 from lightning_pdist.strategies import rank_files
+from lightning_pdist.strategies.run_logging import CommLogState, install_progress_bar_format, log_comm_bytes
+from lightning_pdist.strategies.run_logging import log_final_total, log_run_settings, resolved_settings
 from lightning_pdist.strategies.safe_io import SafeCheckpointIO
 
-__all__ = ["PdistStrategy", "check_keywords", "log_comm_bytes", "register_variants"]
+__all__ = ["PdistStrategy", "check_keywords", "register_variants"]
 
 
 class PdistStrategy(DDPStrategy):
@@ -84,6 +86,7 @@ class PdistStrategy(DDPStrategy):
                 " bytes sent by a hook from outside lightning_pdist are not counted in pdist/comm_bytes."
             )
         self.comm_meter = CommMeter()
+        self._comm_log = CommLogState()
         self._loaded_pdist_state: dict | None = None
         self._loaded_rank_state: tuple[dict | None, str] = (None, "")
 
@@ -122,7 +125,23 @@ class PdistStrategy(DDPStrategy):
         """Run the algorithm's per-step work (averaging, elastic steps); nothing for plain DDP."""
 
     def _log_comm_bytes(self) -> None:
-        log_comm_bytes(self.lightning_module, self.comm_meter)
+        log_comm_bytes(self.lightning_module, self.comm_meter, self._comm_log)
+
+    def announce(self, trainer: Any) -> None:
+        """At setup: the readable progress bar, and (when fitting) the resolved settings to every logger."""
+        install_progress_bar_format(trainer, self.progress_bar_keys)
+        if trainer.state.fn == TrainerFn.FITTING:
+            log_run_settings(trainer, self.run_settings())
+
+    def run_settings(self) -> dict[str, Any]:
+        """The resolved settings every logger receives at setup (:mod:`~lightning_pdist.strategies.run_logging`)."""
+        return resolved_settings(self, self.registered_name(self))
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            log_final_total(self.lightning_module._trainer, self.comm_meter)
 
     # ------------------------------------------------------------------ checkpoints
     def pdist_state_dict(self) -> dict:
@@ -191,9 +210,13 @@ class PdistStrategy(DDPStrategy):
         self._loaded_rank_state = rank_files.load_own(checkpoint_path, self._loaded_pdist_state, *self.rank_world)
         return checkpoint
 
+    #: At most one strategy metric shown on the progress bar besides ``comm``: ``{key: (short name, unit)}``.
+    progress_bar_keys: dict[str, tuple[str, str]] = {}
+
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
+        self.announce(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             self._loaded_pdist_state = None  # validate/test/predict: the weights are all they need
             return
@@ -252,16 +275,6 @@ class PdistStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         description = cls.__doc__.splitlines()[0] if cls.__doc__ else ""
         register_variants(strategy_registry, cls, cls.strategy_name, description, find_unused=cls.wraps_in_ddp)
-
-
-def log_comm_bytes(module: Any, meter: CommMeter) -> None:
-    """Close the meter's step and log ``pdist/comm_bytes`` (that step) and ``pdist/comm_bytes_total`` on ``module``."""
-    step_bytes = meter.end_step()
-    # `log` is legal only inside a hook the Trainer is running (optimizer_step/training_step).
-    if module is None or module._trainer is None or module._current_fx_name is None:
-        return
-    module.log("pdist/comm_bytes", float(step_bytes), on_step=True, on_epoch=False, prog_bar=True)
-    module.log("pdist/comm_bytes_total", float(meter.total_bytes), on_step=True, on_epoch=False)
 
 
 def check_keywords(cls: type, kwargs: dict[str, Any], wraps_in_ddp: bool = True) -> None:

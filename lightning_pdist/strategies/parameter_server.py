@@ -158,6 +158,7 @@ class ParameterServerStrategy(PdistStrategy):
     """
 
     strategy_name = "parameter_server"
+    progress_bar_keys = {"pdist/ps/wait_s": ("wait", "s")}  # time blocked on the servers, beside comm=
     wraps_in_ddp = False  # gradients go to the servers, not through DDP: no find_unused_parameters variants
 
     def __init__(
@@ -320,6 +321,7 @@ class ParameterServerStrategy(PdistStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self._route_metric_sync()
+        self.announce(trainer)
         if not fitting:
             self._loaded_pdist_state = None
             self._broadcast_module_from_rank_zero()

@@ -55,7 +55,9 @@ from lightning_pdist.algorithms.tensor_parallel_plan import COLWISE, ELEMENTWISE
 from lightning_pdist.comm.accounting import CommMeter
 from lightning_pdist.comm.collectives import all_reduce_mean_
 from lightning_pdist.comm.dtensor_meter import DTensorCommMeter
-from lightning_pdist.strategies.base import log_comm_bytes, register_variants
+from lightning_pdist.strategies.base import register_variants
+from lightning_pdist.strategies.run_logging import CommLogState, install_progress_bar_format, log_comm_bytes
+from lightning_pdist.strategies.run_logging import log_final_total, log_run_settings, resolved_settings
 from lightning_pdist.strategies import tensor_parallel_clip
 from lightning_pdist.strategies.safe_io import SafeCheckpointIO
 
@@ -147,6 +149,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self._start_method = start_method
         self.checkpoint_io = SafeCheckpointIO()  # a failed save never destroys the previous file
         self.comm_meter = CommMeter()
+        self._comm_log = CommLogState()
         self.plan: TPPlan | None = None
         self._counting_active = False
         self._dp_params: list[torch.nn.Parameter] = []  # hybrid: averaged over every rank
@@ -207,8 +210,23 @@ class TensorParallelStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         tensor_parallel_clip.install(self.precision_plugin)  # torch's clipping cannot mix DTensor and plain grads
+        install_progress_bar_format(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            log_run_settings(trainer, self.run_settings())
+
+    def run_settings(self) -> dict[str, Any]:
+        """The resolved settings every logger receives at setup: sizes after resolving ``None``, and the plan."""
+        settings = resolved_settings(self, self.strategy_name)
+        settings.update(tensor_parallel_size=self._tensor_parallel_size, data_parallel_size=self._data_parallel_size,
+                        plan=self.plan.as_dict() if self.plan is not None else self._plan_arg)  # fmt: skip
+        return settings
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            log_final_total(self.lightning_module._trainer, self.comm_meter)
 
     def _resolve_plan(self, module: torch.nn.Module) -> TPPlan:
         arg = self._plan_arg
@@ -277,7 +295,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         # Not counted here: hooks that run between backward and the step (on_before_optimizer_step) are not the
         # algorithm's traffic; training_step and backward are counted where they run.
         output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
-        log_comm_bytes(self.lightning_module, self.comm_meter)
+        log_comm_bytes(self.lightning_module, self.comm_meter, self._comm_log)
         return output
 
     def _sync_gradients(self, optimizer: Optimizer) -> None:

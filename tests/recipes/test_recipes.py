@@ -1,6 +1,7 @@
 """Tier 3 (standalone): every recipe parses, and runs end to end through the `pdist` console script."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -66,3 +67,7 @@ def test_recipe_writes_an_offline_wandb_run(tmp_path):
     records = run_file.read_bytes()  # protobuf records; metric keys are stored as plain UTF-8
     for key in (b"pdist/comm_bytes", b"pdist/comm_bytes_total", b"train/loss", b"val/acc"):
         assert key in records, f"{key!r} missing from {run_file}"
+    # the strategy's resolved settings are in the run's config, stored as JSON (block_momentum=None -> 1 - 1/2)
+    start = records.index(b'{"strategy":"bmuf"')
+    settings = json.loads(records[start : records.index(b"}", start) + 1])
+    assert settings["block_momentum"] == 0.5 and settings["period"] == 8 and settings["world_size"] == 2

@@ -1,0 +1,149 @@
+"""What every strategy tells the loggers: its resolved settings at setup, and comm bytes that are never sampled.
+
+**Settings.** At setup each strategy hands every logger (W&B, CSV, TensorBoard: ``logger.log_hyperparams``, the
+normal Lightning path) ``{"pdist": {...}}``: its registered name, class, world size, nodes, processes per node, and
+every constructor argument with its *resolved* value (BMUF's ``block_momentum=None`` becomes ``1 - 1/N``, EASGD's
+``alpha=None`` becomes ``0.9/N``). :func:`resolved_settings` finds each argument on the strategy, its ``config`` or
+its ``schedule``, in that order, so a property that resolves a default wins over the raw argument.
+
+**Comm bytes.** Loggers receive a step's metrics only every ``log_every_n_steps`` steps. ``pdist/comm_bytes`` is
+therefore the bytes sent *since the previous logged step* (the sum, never a sample), and ``pdist/comm_bytes_total``
+the running total; at the end of ``fit`` the total is written once more at the last step, so the last point of
+the series is the run's total whatever ``log_every_n_steps`` is.
+
+**Progress bar.** Raw byte counts read badly (``76712.0``) and crowd out ``val/acc``: the bar shows one short,
+unit-carrying entry, ``comm=11.6MB`` (the total), instead of the ``pdist/*`` keys, plus at most one strategy key a
+strategy names in ``progress_bar_keys`` (e.g. the parameter server's wait, ``wait=0.12s``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import MethodType
+from typing import Any
+
+from lightning_pdist.comm.accounting import CommMeter
+
+__all__ = ["CommLogState", "human_bytes", "install_progress_bar_format", "log_comm_bytes", "log_run_settings",
+           "resolved_settings"]  # fmt: skip
+
+_SIMPLE = (bool, int, float, str, type(None))
+
+
+def resolved_settings(strategy: Any, name: str) -> dict[str, Any]:
+    """The settings dict described in the module docstring (called once the processes exist)."""
+    out: dict[str, Any] = {"strategy": name, "class": type(strategy).__name__,
+                           "world_size": getattr(strategy, "world_size", 1), "num_nodes": getattr(strategy, "num_nodes", 1),
+                           "processes_per_node": getattr(strategy, "num_processes", 1)}  # fmt: skip
+    params = [p for p in inspect.signature(type(strategy).__init__).parameters.values()
+              if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]  # fmt: skip
+    sources = [strategy, getattr(strategy, "config", None), getattr(strategy, "schedule", None)]
+    for param in params:
+        for source in sources:
+            if source is None:
+                continue
+            try:
+                value = getattr(source, param.name)
+            except Exception:  # a property that cannot resolve yet
+                continue
+            if not callable(value):
+                out[param.name] = _loggable(value)
+                break
+    return out
+
+
+def _loggable(value: Any) -> Any:
+    if isinstance(value, _SIMPLE):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, _SIMPLE) for v in value):
+        return list(value)
+    if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, _SIMPLE) for k, v in value.items()):
+        return dict(value)
+    return repr(value)
+
+
+def log_run_settings(trainer: Any, settings: dict[str, Any]) -> None:
+    """``log_hyperparams({"pdist": settings})`` on every logger of ``trainer`` (loggers write on rank 0 only)."""
+    for logger in getattr(trainer, "loggers", None) or []:
+        logger.log_hyperparams({"pdist": settings})
+
+
+class CommLogState:
+    """Which bytes the loggers have seen: the total at the end of the last logged batch."""
+
+    def __init__(self) -> None:
+        self.logged_total = 0  # the total when the last logged batch ended
+        self.batch: int | None = None  # the loop's batch counter when we were last called
+        self.batch_logged = False  # whether that batch is one the loggers receive
+        self.total_at_call = 0
+
+
+def log_comm_bytes(module: Any, meter: CommMeter, state: CommLogState | None = None) -> None:
+    """Close the meter's step; log ``pdist/comm_bytes`` (bytes since the last logged step) and the total.
+
+    Without ``state`` the step's own bytes are logged (sampled by the loggers; kept for callers that log every
+    step themselves).
+    """
+    step_bytes = meter.end_step()
+    # `log` is legal only inside a hook the Trainer is running (optimizer_step/training_step).
+    if module is None or module._trainer is None or module._current_fx_name is None:
+        return
+    value = step_bytes
+    if state is not None:
+        trainer = module._trainer
+        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        batch = getattr(loop, "_batches_that_stepped", None)
+        if batch != state.batch:  # a new batch (several optimizers step within one batch)
+            if state.batch_logged:
+                state.logged_total = state.total_at_call
+            state.batch = batch
+        connector = getattr(trainer, "_logger_connector", None)
+        state.batch_logged = bool(getattr(connector, "should_update_logs", True))
+        state.total_at_call = meter.total_bytes
+        value = meter.total_bytes - state.logged_total
+    module.log("pdist/comm_bytes", float(value), on_step=True, on_epoch=False, prog_bar=True)
+    module.log("pdist/comm_bytes_total", float(meter.total_bytes), on_step=True, on_epoch=False, prog_bar=True)
+
+
+def log_final_total(trainer: Any, meter: CommMeter) -> None:
+    """Write the run's total bytes at the last step to every logger (the end of ``fit``)."""
+    for logger in getattr(trainer, "loggers", None) or []:
+        logger.log_metrics({"pdist/comm_bytes_total": float(meter.total_bytes)}, step=trainer.global_step)
+
+
+def human_bytes(n: float) -> str:
+    """``11.6MB``: decimal units (kB, MB, GB), three significant digits."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{int(n)}B"
+
+
+def install_progress_bar_format(trainer: Any, keys: dict[str, tuple[str, str]] | None = None) -> None:
+    """Make the trainer's progress bar show ``comm=<total>`` instead of the ``pdist/*`` entries.
+
+    ``keys`` maps at most one strategy key to ``(short name, unit)``, e.g. ``{"pdist/ps/wait_s": ("wait", "s")}``.
+    The bar's own ``get_metrics`` (Lightning's documented place to format the bar) is wrapped on this instance only.
+    """
+    bar = getattr(trainer, "progress_bar_callback", None)
+    if bar is None or getattr(bar, "_pdist_formatted", False):
+        return
+    keys = dict(keys or {})
+    if len(keys) > 1:
+        raise ValueError(f"install_progress_bar_format(keys={keys!r}): at most one strategy key on the bar")
+    original = bar.get_metrics
+
+    def get_metrics(self: Any, trainer: Any, pl_module: Any) -> dict[str, Any]:
+        metrics = dict(original(trainer, pl_module))
+        total = metrics.get("pdist/comm_bytes_total")
+        for key in [k for k in metrics if k.startswith("pdist/")]:
+            value = metrics.pop(key)
+            if key in keys:
+                short, unit = keys[key]
+                metrics[short] = f"{float(value):.3g}{unit}"
+        if total is not None:
+            metrics["comm"] = human_bytes(float(total))
+        return metrics
+
+    bar.get_metrics = MethodType(get_metrics, bar)
+    bar._pdist_formatted = True
