@@ -56,6 +56,7 @@ from lightning_pdist.comm.accounting import CommMeter
 from lightning_pdist.comm.collectives import all_reduce_mean_
 from lightning_pdist.comm.dtensor_meter import DTensorCommMeter
 from lightning_pdist.strategies.base import register_variants
+from lightning_pdist.strategies.multinode import check_gloo_interface
 from lightning_pdist.strategies.run_logging import CommLogState, install_progress_bar_format, log_comm_bytes
 from lightning_pdist.strategies.run_logging import log_final_total, log_run_settings, resolved_settings
 from lightning_pdist.strategies import tensor_parallel_clip
@@ -188,6 +189,12 @@ class TensorParallelStrategy(ModelParallelStrategy):
             super()._configure_launcher()
         else:
             self._launcher = _FullWeightsLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        check_gloo_interface(type(self).__name__, self.num_nodes,
+                             self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo"))
+        super().setup_environment()
 
     @property
     @override
