@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
 import pytest
+import yaml
 
 import lightning_pdist
-from lightning_pdist.cli import main
+from lightning_pdist.cli import RECIPES_DIR, main, resolve_recipe_args, shipped_recipes
 from lightning_pdist.strategies.config import OWNED_DDP_ARGS
 
 # Strategies that own gradient communication and refuse DDP's hook arguments.
@@ -52,3 +59,77 @@ def test_owned_arguments_left_unset_are_still_accepted(strategy):
     kwargs = {"num_stages": 2} if strategy == "PipelineStrategy" else {}
     instance = cls(**kwargs, **dict.fromkeys(OWNED_DDP_ARGS))
     assert instance._ddp_comm_hook is None
+
+
+# ---------------------------------------------------------------------------- shipped recipes
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_checkout_recipe_ships_in_the_package():
+    """lightning_pdist/recipes/ holds exactly recipes/*.yaml, with the same content (package data for the wheel)."""
+    checkout = {p.stem: p.read_text() for p in (ROOT / "recipes").glob("*.yaml")}
+    shipped = {name: path.read_text() for name, path in shipped_recipes().items()}
+    assert shipped == checkout, "a new recipes/X.yaml needs its link: ln -s ../../recipes/X.yaml lightning_pdist/recipes/"
+    assert RECIPES_DIR == ROOT / "lightning_pdist" / "recipes"
+
+
+@pytest.mark.parametrize("args", [["--config", "bmuf"], ["--config=bmuf"], ["-c", "bmuf.yaml"], ["--config", "recipes/bmuf.yaml"]])
+def test_a_recipe_name_resolves_to_the_shipped_file_when_no_such_file_is_here(args, tmp_path, monkeypatch):
+    """`--config bmuf` (or bmuf.yaml, recipes/bmuf.yaml) outside a checkout is the shipped recipe; other args stay."""
+    monkeypatch.chdir(tmp_path)
+    resolved = resolve_recipe_args(["fit", *args, "--trainer.max_steps=3"])
+    assert resolved[0] == "fit" and resolved[-1] == "--trainer.max_steps=3"
+    assert str(RECIPES_DIR / "bmuf.yaml") in resolved[-2]
+
+
+def test_a_file_in_the_working_directory_wins_over_a_shipped_recipe(tmp_path, monkeypatch):
+    """A user's own bmuf.yaml (or recipes/bmuf.yaml) is used as given; inline YAML and other paths are untouched."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "bmuf.yaml").write_text("seed_everything: 1\n")
+    args = ["fit", "--config", "recipes/bmuf.yaml", "--config", "{seed_everything: 2}", "--config", "other/x.yaml"]
+    assert resolve_recipe_args(args) == args
+
+
+def test_an_unknown_bare_name_stops_with_the_shipped_names(tmp_path, monkeypatch):
+    """`--config nosuch` is neither a file nor a recipe: the error names the input and lists the shipped recipes."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match=r"--config nosuch: no such file in .* shipped recipes: bmuf, ddp, "):
+        resolve_recipe_args(["fit", "--config", "nosuch"])
+
+
+def test_a_shipped_recipe_parses_by_name_and_keeps_its_paths_relative(tmp_path, monkeypatch, capsys):
+    """`pdist fit --config bmuf --print_config` in an empty folder: BMUF, and runs/bmuf relative to that folder."""
+    monkeypatch.chdir(tmp_path)
+    printed = yaml.safe_load(_cli_output(["fit", "--config", "bmuf", "--print_config"], capsys))
+    assert printed["trainer"]["strategy"]["class_path"] == "lightning_pdist.BMUFStrategy"
+    assert printed["trainer"]["default_root_dir"] == "runs/bmuf"
+
+
+def test_pdist_recipes_lists_name_strategy_and_a_line_each(capsys):
+    """`pdist recipes` prints one row per shipped recipe with its strategy class; `pdist recipes bmuf` its YAML."""
+    main(["recipes"])
+    rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[1:] if line.strip()}
+    assert rows["bmuf"] == "BMUFStrategy" and rows["ddp"] == "PdistStrategy" and rows["it_signsgd"] == "SignSGDStrategy"
+    assert set(shipped_recipes()) <= set(rows)
+    main(["recipes", "bmuf"])
+    assert capsys.readouterr().out == (RECIPES_DIR / "bmuf.yaml").read_text()
+    with pytest.raises(SystemExit, match=r"pdist recipes nosuch: no shipped recipe of that name; shipped recipes: bmuf"):
+        main(["recipes", "nosuch"])
+
+
+@pytest.mark.standalone
+def test_the_wheel_ships_the_recipes(tmp_path):
+    """A wheel built from the checkout (offline, no build isolation) holds every recipe with its content."""
+    source = tmp_path / "src"
+    for name in ("lightning_pdist", "recipes"):
+        shutil.copytree(ROOT / name, source / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                            str(tmp_path / "wheel"), str(source)], capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (tmp_path / "wheel").glob("lightning_pdist-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = {Path(n).stem: archive.read(n).decode() for n in archive.namelist() if n.startswith("lightning_pdist/recipes/")}
+    assert shipped == {p.stem: p.read_text() for p in (ROOT / "recipes").glob("*.yaml")}
