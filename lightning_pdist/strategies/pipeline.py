@@ -194,6 +194,9 @@ class PipelineStrategy(PdistStrategy):
     ) -> None:
         owner = type(self).__name__
         refuse_owned_ddp_args(owner, kwargs, "the pipeline moves activations, not DDP buckets")
+        if split_points is not None and not isinstance(split_points, (list, tuple)):
+            raise TypeError(f"{owner}(split_points={split_points!r}): split_points must be a list of layer names "
+                            "(the first layer of stages 1..K-1) or None")  # fmt: skip
         self.config = PipelineConfig(
             num_stages=num_stages, schedule=schedule, num_microbatches=num_microbatches, balance=balance,
             split_points=tuple(split_points) if split_points is not None else None, network=network,
