@@ -14,6 +14,7 @@ from lightning_pdist.bench.tensor_parallel import (
     PAPER,
     QUICK,
     ROW_KEYS,
+    Runner,
     SuiteConfig,
     build_row,
     crossover,
@@ -47,6 +48,7 @@ TINY = ["--world-sizes", "2", "--models", "bert", "--hidden-size", "64", "--num-
         ({"vgg_width": 0.00075}, r"--vgg-width=0.00075\): .* a positive multiple of 2"),
         ({"reviews_per_class": 2}, r"--reviews-per-class=2\): too few: the run needs 32 training reviews"),
         ({"steps": 0}, r"tensor_parallel\(--steps=0\): must be an int >= 1"),
+        ({"repeats": 0}, r"tensor_parallel\(--repeats=0\): must be an int >= 1"),
         ({"lr": 0.0}, r"tensor_parallel\(--lr=0.0\): must be > 0"),
         ({"seed": -1}, r"tensor_parallel\(--seed=-1\): must be an int >= 0"),
     ],
@@ -157,6 +159,17 @@ def test_crossover_from_loopback_compute_and_modelled_bytes():
     assert rate["predicted_dp_s"] == pytest.approx(0.1 + 20 / 12, abs=1e-4)
     assert rate["measured_ratio"] == round(1.1 / 1.7, 3)
     assert rate["tp_wins_batch"].startswith("at global batch < ")  # TP's bytes grow with the batch, DP's do not
+
+
+def test_repeats_run_the_whole_plan_again_and_keep_each_runs_fastest(tmp_path):
+    """With repeats=2 the plan runs twice in order (not each run twice back to back); a row keeps its fastest repeat."""
+    runner = Runner(SuiteConfig(repeats=2, reviews_per_class=20, global_batch=4, steps=1), tmp_path, {}, lambda line: None)
+    order, times = [], iter([0.5, None, 0.3, 0.2])
+    runner.launch = lambda run, network, net: order.append(run["config"]) or {"config": run["config"], "step_s": next(times)}
+    rows = runner.launch_all([{"config": "dp"}, {"config": "tp"}], "loopback", None)
+    assert order == ["dp", "tp", "dp", "tp"]
+    assert [(r["config"], r["step_s"], r["step_s_repeats"], r["repeats"]) for r in rows] == [
+        ("dp", 0.3, [0.5, 0.3], 2), ("tp", 0.2, [None, 0.2], 2)]  # a failed repeat never wins
 
 
 def test_where_wins_names_every_span():
