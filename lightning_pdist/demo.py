@@ -20,6 +20,7 @@ from pathlib import Path
 
 from lightning_pdist.bench.averaging import SuiteConfig, run_suite
 from lightning_pdist.bench.report import markdown_table
+from lightning_pdist.extras import require_extra
 
 STRATEGIES = ("pdist_ddp", "local_sgd", "bmuf", "easgd")
 PERIOD = 8
@@ -37,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_pdist.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("pdist-demo"), help="output directory (default %(default)s)")
     args = parser.parse_args(argv)
+    require_extra("demo", "python -m lightning_pdist.demo (digits data, plot)")
     config = SuiteConfig(networks=("loopback",), world_sizes=(2,), periods=(PERIOD,), strategies=STRATEGIES)
     command = f"python -m lightning_pdist.demo --out {args.out}"
     print(

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from lightning_pdist.bench import SUITES
+from lightning_pdist.extras import require_extra
 
 
 def load_suite(name: str) -> ModuleType:
@@ -38,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    require_extra("bench", f"python -m lightning_pdist.bench {args.suite} (digits data, plots)")
     return load_suite(args.suite).run(args, argv[argv.index(args.suite) + 1 :])
 
 
