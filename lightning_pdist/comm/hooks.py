@@ -13,7 +13,7 @@ No ``from __future__ import annotations`` here: DDP checks the hook's annotation
 """
 
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -31,11 +31,27 @@ class AllReduceState:
         process_group: group to average over (``None``: the default group).
         meter: where the bytes this rank sends are counted (``None``: not counted).
         allreduce: whether :func:`periodic_allreduce_hook` communicates on this step.
+        track_nonfinite: note whether this rank's own bucket held NaN/Inf before the average (one
+            ``isfinite`` pass per bucket, no host sync), so that a non-finite average can be blamed on
+            its ranks; read and cleared by :meth:`take_nonfinite`.
     """
 
     process_group: dist.ProcessGroup | None = None
     meter: CommMeter | None = None
     allreduce: bool = True
+    track_nonfinite: bool = False
+    nonfinite: torch.Tensor | None = field(default=None, init=False, repr=False)  # bool scalar: some bucket was
+
+    def note_bucket(self, buffer: torch.Tensor) -> None:
+        """Note whether ``buffer`` (this rank's own gradients, before the average) holds NaN/Inf."""
+        if self.track_nonfinite:
+            bad = ~torch.isfinite(buffer).all()
+            self.nonfinite = bad if self.nonfinite is None else self.nonfinite | bad
+
+    def take_nonfinite(self) -> bool:
+        """Whether a bucket noted since the last call held NaN/Inf on this rank; clears the note."""
+        noted, self.nonfinite = self.nonfinite, None
+        return noted is not None and bool(noted)
 
 
 def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -43,6 +59,7 @@ def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futu
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world_size = dist.get_world_size(group)
     buffer = bucket.buffer()
+    state.note_bucket(buffer)  # this rank's own gradients, before the average (a NaN average is blamed on them)
     buffer.div_(world_size)
     if state.meter is not None:
         state.meter.add("grad_all_reduce", all_reduce_bytes(buffer.numel() * buffer.element_size(), world_size))

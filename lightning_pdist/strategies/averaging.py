@@ -32,6 +32,17 @@ Decisions a user meets:
 * **Learning-rate schedulers** run unchanged on each rank (they count the same steps).
 * **BatchNorm buffers**: floating-point buffers are averaged with the parameters; during warm-up
   DDP's ``broadcast_buffers`` stays as configured (default True, as in DDP), afterwards it is off.
+* **Non-finite values** (``nonfinite=``, :mod:`lightning_pdist.algorithms.nonfinite`) are checked at two points,
+  both before any state changes. *The step*: the gradients the optimizer is about to apply. During warm-up they
+  are DDP's average (the same on every rank: no extra collective); afterwards each rank's own, so one all-reduce
+  of ``world_size`` flags per step (counted as ``nonfinite_flag``) makes every rank agree and learn who. ``"raise"``
+  stops every rank there; ``"skip_step"`` skips that step on every rank (no optimizer step, float buffers
+  restored, the step not counted towards ``period`` or ``warmup_steps``). *The synchronization*: the combined
+  vector (the average, EASGD's sum, the final consensus) is checked before it is applied, so the replicas, BMUF's
+  anchor and block momentum and EASGD's center never take a NaN; it is the same on every rank, so this costs no
+  collective unless it is not finite. A replica that became non-finite from finite gradients (a diverging learning
+  rate) stops every rank there under ``"skip_step"`` too: skipping a synchronization cannot bring it back.
+  ``"propagate"`` checks neither and sends no flag (the local steps then meet at synchronizations only).
 """
 
 from __future__ import annotations
@@ -42,18 +53,19 @@ from typing import Any, Callable
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pdist.algorithms.flat import all_finite, averaged_tensors, flatten, unflatten_into_
+from lightning_pdist.algorithms.flat import averaged_tensors, flatten, unflatten_into_
+from lightning_pdist.algorithms.nonfinite import all_finite, culprit_ranks, nonfinite_error, one_hot_flag
 from lightning_pdist.algorithms.periodic import PeriodicSchedule
-from lightning_pdist.comm.collectives import all_reduce_mean_
+from lightning_pdist.comm.collectives import all_reduce_mean_, all_reduce_sum_
 from lightning_pdist.comm.hooks import AllReduceState, periodic_allreduce_hook
 from lightning_pdist.strategies.base import PdistStrategy
 from lightning_pdist.strategies.config import refuse_owned_ddp_args
+from lightning_pdist.strategies.nonfinite import global_step, optimizer_grads
 
 __all__ = ["ModelAveragingStrategy"]
 
@@ -61,22 +73,30 @@ __all__ = ["ModelAveragingStrategy"]
 class ModelAveragingStrategy(PdistStrategy):
     """Base of the strategies whose ranks step locally and synchronize their models periodically.
 
-    Subclasses set ``self.schedule`` and implement :meth:`synchronize` (and :meth:`consensus` where it is not the
-    average of the replicas). Abstract, so LightningCLI does not offer it as a ``--trainer.strategy`` choice.
+    Subclasses set ``self.schedule`` and implement :meth:`reduce_replicas` and :meth:`apply_sync` (and
+    :meth:`consensus` where it is not the average of the replicas). Abstract, so LightningCLI does not offer it as
+    a ``--trainer.strategy`` choice.
+
+    Args:
+        schedule: when gradients are averaged (warm-up) and when the replicas synchronize.
+        nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"`` (see the module docstring).
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
 
     #: What the rule does with one rank, for the one-rank warning.
     one_rank_behaviour = "the result is plain single-process training"
+    #: What a synchronization changes, for the non-finite error ("... every rank stops here, before ...").
+    sync_changes = "the synchronization changes the replicas"
 
-    def __init__(self, schedule: PeriodicSchedule, **kwargs: Any) -> None:
+    def __init__(self, schedule: PeriodicSchedule, nonfinite: str = "raise", **kwargs: Any) -> None:
         owner = type(self).__name__
         refuse_owned_ddp_args(owner, kwargs, f"{owner} owns gradient communication and model averaging")
         self._user_broadcast_buffers = bool(kwargs.get("broadcast_buffers", True))
-        super().__init__(ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None, model_averaging_period=None,
-                         **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
+        super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
+                         model_averaging_period=None, **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
         self.schedule = schedule
         self.step = 0  # optimizer steps taken (1-based count of the last finished step)
-        self._hook_state = AllReduceState(meter=self.comm_meter)
+        self._hook_state = AllReduceState(meter=self.comm_meter, track_nonfinite=nonfinite != "propagate")
         self._evaluating_backup: Tensor | None = None
         self._finalized = False
         self._step_open = False  # several optimizers: an optimizer stepped in the current batch
@@ -90,38 +110,55 @@ class ModelAveragingStrategy(PdistStrategy):
         """Whether the replicas synchronize right after optimizer step ``step``."""
         return self.schedule.syncs_after(step)
 
-    @abstractmethod
     def synchronize(self) -> None:
-        """Synchronize the replicas (called on every rank after a step the schedule names)."""
+        """Synchronize the replicas (called on every rank after a step the schedule names).
+
+        The combined vector is checked before :meth:`apply_sync` changes anything (the non-finite policy).
+        """
+        combined = self.reduce_replicas()
+        self.refuse_nonfinite(combined, before=self.sync_changes)
+        self.apply_sync(combined)
+
+    @abstractmethod
+    def reduce_replicas(self) -> Tensor:
+        """The synchronization's collective: what every rank combines (the same flat vector on every rank)."""
+
+    @abstractmethod
+    def apply_sync(self, combined: Tensor) -> None:
+        """Apply the synchronization rule to ``combined`` (:meth:`reduce_replicas`' result); no collective."""
 
     def after_warmup_step(self) -> None:
         """Called after each warm-up step, when all replicas are identical."""
 
-    def shared_tensors(self) -> list[Tensor]:
-        """What every rank holds identically after :meth:`synchronize` (the average, BMUF's start, EASGD's center)."""
-        return self.averaged_tensors
+    def nonfinite_ranks(self, optimizer: Optimizer) -> list[int] | None:
+        """The step's check: during warm-up DDP's (see the base); afterwards each rank's own gradients, agreed
+        through one all-reduce of ``world_size`` flags (counted as ``nonfinite_flag``)."""
+        if self.averages_gradients(self.step + 1):
+            return super().nonfinite_ranks(optimizer)
+        bad = not all_finite(optimizer_grads(optimizer))
+        rank, world_size = self.rank_world
+        flags = all_reduce_sum_(one_hot_flag(bad, rank, world_size, device=self.root_device), meter=self.comm_meter,
+                                kind="nonfinite_flag")  # fmt: skip
+        return culprit_ranks(flags) or None
 
-    def _refuse_nonfinite(self, own_finite: bool) -> None:
-        """Stop every rank at once when the synchronized model is not finite, naming the ranks that made it so.
+    def refuse_nonfinite(self, combined: Tensor, before: str) -> None:
+        """Stop every rank when ``combined`` (the same on every rank) is not finite, naming the replicas that were not.
 
-        A NaN on one rank reaches every replica through the average; without this check the run would go on and
-        end with NaN weights and exit 0. The shared vector is the same on every rank, so every rank takes the same
-        branch (the gather of the culprits runs on the failure path only, on every rank).
+        A NaN on one rank reaches every replica through the average; stopping here, before anything is applied,
+        keeps it out of the replicas, the algorithm's state and every checkpoint. The ranks are gathered on this
+        failure path only. Not consulted under ``nonfinite="propagate"``.
         """
-        if all_finite(self.shared_tensors()):
+        if self.nonfinite == "propagate" or all_finite([combined]):
             return
-        _, world_size = self.rank_world
-        flags: list[Any] = [own_finite]
+        bad = not all_finite(self.averaged_tensors)
+        rank, world_size = self.rank_world
+        flags = one_hot_flag(bad, rank, world_size, device=combined.device)
         if world_size > 1:
-            flags = [None] * world_size
-            dist.all_gather_object(flags, own_finite)
-        culprits = [r for r, ok in enumerate(flags) if not ok]
-        raise FloatingPointError(
-            f"{type(self).__name__}: after training step {self.step} the synchronized model is not finite; "
-            f"rank(s) {culprits} held non-finite parameters or buffers before the synchronization (a NaN/inf loss or "
-            "a diverging learning rate). Training stops here, before the NaN reaches a checkpoint: lower the learning "
-            "rate, clip gradients, or look for the batch that produced it."
-        )
+            all_reduce_sum_(flags)
+        note = ("The step's check saw finite gradients: these weights became non-finite in the optimizer (a diverging "
+                "learning rate) or outside it, and skipping a synchronization cannot bring them back.")  # fmt: skip
+        raise nonfinite_error(type(self).__name__, "replica parameters or buffers", culprit_ranks(flags),
+                              global_step(self.lightning_module), before, self.nonfinite, note, skippable=False)  # fmt: skip
 
     def consensus(self) -> Tensor:
         """The flat consensus model (collective: called on every rank at the same point)."""
@@ -193,8 +230,8 @@ class ModelAveragingStrategy(PdistStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._close_training_step()  # before the base keeps the buffers for skip_step (a synchronization changes them)
         super().on_train_batch_start(batch, batch_idx)
-        self._close_training_step()
 
     def _end_training_step(self) -> None:
         self.step += 1
@@ -202,9 +239,7 @@ class ModelAveragingStrategy(PdistStrategy):
             self._count_buffer_broadcast()
             self.after_warmup_step()
         elif self.syncs_after(self.step):
-            own_finite = all_finite(self.averaged_tensors)
             self.synchronize()
-            self._refuse_nonfinite(own_finite)
         self._set_phase()
 
     def _count_buffer_broadcast(self) -> None:
@@ -250,7 +285,9 @@ class ModelAveragingStrategy(PdistStrategy):
         super().on_train_end()
         self._close_training_step()
         if not self._finalized:
-            self.load_vector(self.consensus())
+            consensus = self.consensus()
+            self.refuse_nonfinite(consensus, before="every rank loads the consensus model")
+            self.load_vector(consensus)
             self._finalized = True
 
     # ------------------------------------------------------------------ checkpoints

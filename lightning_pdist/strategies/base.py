@@ -21,7 +21,16 @@ things every algorithm here needs:
    (:mod:`lightning_pdist.strategies.rank_files`): no rank ever holds another rank's state, so the
    memory a save needs and the main file's size do not grow with the world size, and
    ``load_from_checkpoint`` still reads the main file alone.
-4. **Every registered name has its variants**: ``<name>``, ``<name>_fork``, ``<name>_spawn`` and,
+4. **One non-finite policy** (``nonfinite=``, :mod:`lightning_pdist.algorithms.nonfinite`): after the closure
+   (forward, backward) and before the optimizer steps, the step's gradients are checked per tensor; ``"raise"``
+   stops every rank naming the culprits and the global step, ``"skip_step"`` skips the step on every rank and
+   counts it in ``pdist/skipped_steps`` (both put back the float buffers the step's forward updated),
+   ``"propagate"`` checks nothing. Under DDP the averaged gradients are the same on every rank, so every rank takes
+   the same branch without a collective; the comm hook notes which ranks' buckets were non-finite before the
+   average, and those notes are gathered only when the average was. Subclasses whose ranks step on gradients of
+   their own override :meth:`~PdistStrategy.nonfinite_ranks`. Under an fp16 ``GradScaler`` the scaler's overflow
+   rule decides.
+5. **Every registered name has its variants**: ``<name>``, ``<name>_fork``, ``<name>_spawn`` and,
    for strategies that wrap the model in DDP, each with ``_find_unused_parameters_true``; DDP's
    unused-parameter error is rewritten to name that variant, never plain ``ddp``'s (which would
    silently drop the algorithm).
@@ -44,9 +53,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_pdist.algorithms.nonfinite import all_finite, culprit_ranks, one_hot_flag
 from lightning_pdist.comm.accounting import CommMeter
+from lightning_pdist.comm.collectives import all_reduce_sum_
 from lightning_pdist.comm.hooks import AllReduceState, allreduce_hook
 from lightning_pdist.strategies import rank_files
+from lightning_pdist.strategies.nonfinite import NonFiniteGuard, SkipStep, optimizer_grads
 from lightning_pdist.strategies.run_logging import CommLogState, install_progress_bar_format, log_comm_bytes
 from lightning_pdist.strategies.run_logging import log_final_total, log_run_settings, resolved_settings
 from lightning_pdist.strategies.safe_io import SafeCheckpointIO
@@ -58,9 +70,13 @@ class PdistStrategy(DDPStrategy):
     """DDP with comm hooks on every device, byte accounting and checkpointed algorithm state.
 
     Registered as ``"pdist_ddp"``: gradient all-reduce every step, exactly Lightning's ``"ddp"``,
-    with ``pdist/comm_bytes`` logged. All keyword arguments go to
+    with ``pdist/comm_bytes`` logged. The other keyword arguments go to
     :class:`~lightning.pytorch.strategies.DDPStrategy` (and from there to
     ``DistributedDataParallel``), so LightningCLI exposes them too.
+
+    Args:
+        nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what every rank does when a step's
+            gradients hold NaN/Inf (:mod:`lightning_pdist.algorithms.nonfinite`; module docstring, point 4).
 
     Example::
 
@@ -71,8 +87,9 @@ class PdistStrategy(DDPStrategy):
     #: Whether the model is wrapped in DistributedDataParallel (and so has a ``find_unused_parameters`` switch).
     wraps_in_ddp = True
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, nonfinite: str = "raise", **kwargs: Any) -> None:
         check_keywords(type(self), kwargs, wraps_in_ddp=self.wraps_in_ddp)
+        self.nonfinite_guard = NonFiniteGuard(nonfinite, type(self).__name__)
         hook = kwargs.get("ddp_comm_hook")
         if hook is not None and not callable(hook):
             raise TypeError(f"{type(self).__name__}(ddp_comm_hook={hook!r}): ddp_comm_hook must be a callable "
@@ -86,6 +103,7 @@ class PdistStrategy(DDPStrategy):
                 " bytes sent by a hook from outside lightning_pdist are not counted in pdist/comm_bytes."
             )
         self.comm_meter = CommMeter()
+        self._hook_state: AllReduceState | None = None  # our gradient hook's (it notes non-finite buckets)
         self._comm_log = CommLogState()
         self._loaded_pdist_state: dict | None = None
         self._loaded_rank_state: tuple[dict | None, str] = (None, "")
@@ -93,7 +111,8 @@ class PdistStrategy(DDPStrategy):
     # ------------------------------------------------------------------ comm hooks
     def _default_comm_hook(self) -> tuple[object, Callable] | None:
         """(state, hook) registered when the user gives no ``ddp_comm_hook``."""
-        return AllReduceState(meter=self.comm_meter), allreduce_hook
+        self._hook_state = AllReduceState(meter=self.comm_meter, track_nonfinite=self.nonfinite != "propagate")
+        return self._hook_state, allreduce_hook
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -116,8 +135,17 @@ class PdistStrategy(DDPStrategy):
     # ------------------------------------------------------------------ step + logging
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.after_optimizer_step(optimizer)
+        guard = self.nonfinite_guard
+        if guard.consulted(self.precision_plugin):
+            module = model if model is not None else self.lightning_module
+            closure = guard.wrap(closure, lambda: self.nonfinite_ranks(optimizer), module)
+        try:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        except SkipStep:
+            output = None  # every rank skipped this step: no optimizer step, no per-step work, nothing counted
+        else:
+            self.after_optimizer_step(optimizer)
+        guard.step_done()
         self._log_comm_bytes()
         return output
 
@@ -126,6 +154,36 @@ class PdistStrategy(DDPStrategy):
 
     def _log_comm_bytes(self) -> None:
         log_comm_bytes(self.lightning_module, self.comm_meter, self._comm_log)
+        self.nonfinite_guard.log(self.lightning_module)
+
+    # ------------------------------------------------------------------ non-finite policy
+    @property
+    def nonfinite(self) -> str:
+        """The non-finite policy: ``"raise"``, ``"skip_step"`` or ``"propagate"``."""
+        return self.nonfinite_guard.policy
+
+    def nonfinite_ranks(self, optimizer: Optimizer) -> list[int] | None:
+        """``None`` when this step's gradients of ``optimizer`` are finite on every rank; else the ranks that were not.
+
+        The same answer on every rank. Here the gradients are DDP's average (the same everywhere), so no
+        collective runs while they are finite; the ranks come from the comm hook's notes, gathered on the failure
+        path only (an empty list where a ``ddp_comm_hook`` from outside lightning_pdist noted nothing).
+        """
+        if all_finite(optimizer_grads(optimizer)):
+            return None
+        state = self._hook_state
+        noted = state is not None and state.track_nonfinite
+        bad = state.take_nonfinite() if noted else False
+        rank, world_size = self.rank_world
+        flags = one_hot_flag(bad, rank, world_size, device=self.root_device)
+        if world_size > 1:
+            all_reduce_sum_(flags)
+        return culprit_ranks(flags) if noted else []
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.nonfinite_guard.snapshot(self.lightning_module, self.precision_plugin)
 
     def announce(self, trainer: Any) -> None:
         """At setup: the readable progress bar, and (when fitting) the resolved settings to every logger."""
@@ -146,11 +204,13 @@ class PdistStrategy(DDPStrategy):
     # ------------------------------------------------------------------ checkpoints
     def pdist_state_dict(self) -> dict:
         """Algorithm state stored under ``checkpoint["pdist"]`` (called on every rank)."""
-        return {"strategy": type(self).__name__, "comm_meter": self.comm_meter.state_dict()}
+        return {"strategy": type(self).__name__, "comm_meter": self.comm_meter.state_dict(),
+                "skipped_steps": self.nonfinite_guard.skipped.state_dict()}  # fmt: skip
 
     def load_pdist_state_dict(self, state: dict) -> None:
         """Restore what :meth:`pdist_state_dict` stored (called on every rank after ``setup``)."""
         self.comm_meter.load_state_dict(state.get("comm_meter", {}))
+        self.nonfinite_guard.skipped.load_state_dict(state.get("skipped_steps", {}))
 
     def _refuse_foreign_state(self, checkpoint_path: Any) -> None:
         """Resuming ``fit`` from another algorithm's checkpoint would drop or misread its state: refuse it by name.
@@ -166,7 +226,7 @@ class PdistStrategy(DDPStrategy):
             return
         raise ValueError(
             f"{owner}: {checkpoint_path} was saved by {saved}; its algorithm state "
-            f"({', '.join(sorted(k for k in self._loaded_pdist_state if k not in ('strategy', 'comm_meter'))) or 'none'}) "
+            f"({', '.join(sorted(k for k in self._loaded_pdist_state if k not in ('strategy', 'comm_meter', 'skipped_steps'))) or 'none'}) "
             f"does not carry over to {owner}. Resume it with {saved}, or start a new run from its weights: "
             "model = YourModule.load_from_checkpoint(path); trainer.fit(model) (without ckpt_path)"
         )

@@ -33,6 +33,8 @@ class BMUFStrategy(ModelAveragingStrategy):
         block_lr: ``ζ > 0`` (1.0).
         nesterov: start blocks from the look-ahead ``W_g - η·Δ`` (True, the paper's NBM).
         warmup_steps: leading steps that run as plain DDP; the first block starts after them.
+        nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what every rank does when a step's
+            gradients, or the replicas at a synchronization, hold NaN/Inf (see the method card).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
 
@@ -41,6 +43,7 @@ class BMUFStrategy(ModelAveragingStrategy):
         "with one rank G = A - W, so block momentum and block_lr still act on top of local training; "
         "the default block_momentum 1 - 1/1 = 0 with block_lr 1 is plain training"
     )
+    sync_changes = "the block update changes the anchor, the block momentum and the replicas"
 
     def __init__(
         self,
@@ -49,12 +52,13 @@ class BMUFStrategy(ModelAveragingStrategy):
         block_lr: float = 1.0,
         nesterov: bool = True,
         warmup_steps: int = 0,
+        nonfinite: str = "raise",
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
         schedule = PeriodicSchedule(period=period, warmup_steps=warmup_steps, owner=owner)
         self.config = BMUFConfig(block_momentum=block_momentum, block_lr=block_lr, nesterov=nesterov, owner=owner)
-        super().__init__(schedule=schedule, **kwargs)
+        super().__init__(schedule=schedule, nonfinite=nonfinite, **kwargs)
         self.period = period
         self.warmup_steps = warmup_steps
         self.bmuf_state: BMUFState | None = None
@@ -74,8 +78,12 @@ class BMUFStrategy(ModelAveragingStrategy):
         self.bmuf_state.anchor.copy_(self.local_vector())
 
     @override
-    def synchronize(self) -> None:
-        mean_local = self.average_of_replicas(count=True)
+    def reduce_replicas(self) -> Tensor:
+        return self.average_of_replicas(count=True)
+
+    @override
+    def apply_sync(self, combined: Tensor) -> None:
+        mean_local = combined
         cfg = self.config
         bmuf_block_update_(
             self.bmuf_state.anchor, self.bmuf_state.delta, mean_local, self.block_momentum, cfg.block_lr, cfg.nesterov

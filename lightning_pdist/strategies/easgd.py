@@ -31,6 +31,8 @@ class EASGDStrategy(ModelAveragingStrategy):
         alpha: ``α`` in ``(0, 1]``; ``None`` means ``0.9 / world_size`` (the paper's ``β = Nα = 0.9``).
             ``alpha * world_size > 1`` is refused at setup: the center would overshoot.
         warmup_steps: leading steps that run as plain DDP (the center follows the replicas).
+        nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what every rank does when a step's
+            gradients, or the replicas at a synchronization, hold NaN/Inf (see the method card).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
 
@@ -39,12 +41,15 @@ class EASGDStrategy(ModelAveragingStrategy):
         "the replica and the center still pull towards each other with alpha every period, "
         "and validation and the output use the center"
     )
+    sync_changes = "the elastic step changes the center and the replicas"
 
-    def __init__(self, period: int = 4, alpha: float | None = None, warmup_steps: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self, period: int = 4, alpha: float | None = None, warmup_steps: int = 0, nonfinite: str = "raise", **kwargs: Any
+    ) -> None:
         owner = type(self).__name__
         schedule = PeriodicSchedule(period=period, warmup_steps=warmup_steps, owner=owner)
         self.config = EASGDConfig(alpha=alpha, owner=owner)
-        super().__init__(schedule=schedule, **kwargs)
+        super().__init__(schedule=schedule, nonfinite=nonfinite, **kwargs)
         self.period = period
         self.warmup_steps = warmup_steps
         self.easgd_state: EASGDState | None = None
@@ -65,19 +70,18 @@ class EASGDStrategy(ModelAveragingStrategy):
         self.easgd_state.center.copy_(self.local_vector())
 
     @override
-    def synchronize(self) -> None:
+    def reduce_replicas(self) -> Tensor:
+        return all_reduce_sum_(self.local_vector(), meter=self.comm_meter, kind="param_all_reduce")  # Σ_i x_i
+
+    @override
+    def apply_sync(self, combined: Tensor) -> None:
         local = self.local_vector()
-        total = all_reduce_sum_(local.clone(), meter=self.comm_meter, kind="param_all_reduce")
-        easgd_update_(local, self.easgd_state.center, total, self.rank_world[1], self.alpha)
+        easgd_update_(local, self.easgd_state.center, combined, self.rank_world[1], self.alpha)
         self.load_vector(local)
 
     @override
     def consensus(self) -> Tensor:
         return self.easgd_state.center.clone()
-
-    @override
-    def shared_tensors(self) -> list[Tensor]:
-        return [self.easgd_state.center]
 
     @override
     def algorithm_state_dict(self) -> dict:

@@ -26,6 +26,8 @@ class LocalSGDStrategy(ModelAveragingStrategy):
             synchronous SGD in accuracy on small models (Lin et al. use 16 after warm-up on ImageNet).
         warmup_steps: leading steps that run as plain DDP. Default 0; post-local SGD suggests
             warming up until the first learning-rate decay.
+        nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what every rank does when a step's
+            gradients, or the replicas at a synchronization, hold NaN/Inf (see the method card).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
 
     Example::
@@ -34,16 +36,21 @@ class LocalSGDStrategy(ModelAveragingStrategy):
     """
 
     strategy_name = "local_sgd"
+    sync_changes = "the average replaces the replicas"
 
-    def __init__(self, period: int = 8, warmup_steps: int = 0, **kwargs: Any) -> None:
+    def __init__(self, period: int = 8, warmup_steps: int = 0, nonfinite: str = "raise", **kwargs: Any) -> None:
         schedule = PeriodicSchedule(period=period, warmup_steps=warmup_steps, owner=type(self).__name__)
-        super().__init__(schedule=schedule, **kwargs)
+        super().__init__(schedule=schedule, nonfinite=nonfinite, **kwargs)
         self.period = period
         self.warmup_steps = warmup_steps
 
     @override
-    def synchronize(self) -> None:
-        self.load_vector(self.average_of_replicas(count=True))
+    def reduce_replicas(self) -> Tensor:
+        return self.average_of_replicas(count=True)
+
+    @override
+    def apply_sync(self, combined: Tensor) -> None:
+        self.load_vector(combined)
 
     @override
     def consensus(self) -> Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_pdist.algorithms.periodic import PeriodicSchedule
@@ -26,13 +27,16 @@ class SimuParallelSGDStrategy(ModelAveragingStrategy):
     zero until the final average.
 
     Args:
+        nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what every rank does when a step's
+            gradients, or the replicas at the final average, hold NaN/Inf (see the method card).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
 
     strategy_name = "simuparallel_sgd"
+    sync_changes = "the final average replaces the replicas"
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(schedule=PeriodicSchedule(period=1, owner=type(self).__name__), **kwargs)
+    def __init__(self, nonfinite: str = "raise", **kwargs: Any) -> None:
+        super().__init__(schedule=PeriodicSchedule(period=1, owner=type(self).__name__), nonfinite=nonfinite, **kwargs)
 
     @override
     def averages_gradients(self, step: int) -> bool:
@@ -43,14 +47,18 @@ class SimuParallelSGDStrategy(ModelAveragingStrategy):
         return False
 
     @override
-    def synchronize(self) -> None:  # never scheduled; the one average happens in on_train_end
-        raise AssertionError("SimuParallelSGD has no periodic synchronization")
+    def reduce_replicas(self) -> Tensor:  # the one average, in on_train_end (never scheduled)
+        return self.average_of_replicas(count=True)
+
+    @override
+    def apply_sync(self, combined: Tensor) -> None:
+        self.load_vector(combined)
 
     @override
     def on_train_end(self) -> None:
         if not self._finalized:
             # The one and only training communication: counted, unlike evaluation averages.
-            self.load_vector(self.average_of_replicas(count=True))
+            self.synchronize()
             self.comm_meter.end_step()
             self._finalized = True
         super().on_train_end()

@@ -58,9 +58,11 @@ class _NanOnRankOne(TinyRegression):
 @pytest.mark.parametrize("make", [lambda: LocalSGDStrategy(period=2, start_method="fork"),
                                   lambda: BMUFStrategy(period=2, start_method="fork"),
                                   lambda: EASGDStrategy(period=2, start_method="fork")])  # fmt: skip
-def test_a_nan_on_one_rank_stops_every_rank_at_the_next_synchronization(make):
-    with pytest.raises(ProcessRaisedException, match=r"after training step 2 the synchronized model is not finite; "
-                                                     r"rank\(s\) \[1\] held non-finite parameters"):
+def test_a_nan_on_one_rank_stops_every_rank_at_that_step(make):
+    """A NaN loss on rank 1 at its second batch stops every rank before that optimizer step (tests/strategies/
+    test_nonfinite.py has each policy in detail)."""
+    with pytest.raises(ProcessRaisedException, match=r"\(nonfinite='raise'\): non-finite gradients \(NaN/Inf\) on "
+                                                     r"rank\(s\) \[1\] at global step 1; every rank stops here"):
         fit(make(), _NanOnRankOne(), max_steps=4)
 
 

@@ -1,0 +1,296 @@
+"""One non-finite policy for every strategy: a NaN on one rank at a chosen step, under raise, skip_step and propagate.
+
+Real 2-rank fork-launched runs. A rank multiplies its input by NaN at one batch (the loss and every gradient of
+that step are NaN, and a BatchNorm's running statistics take the NaN in the forward). Each rank writes what it
+raised, with its state before the step and at the exception, so every test sees *both* ranks.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+from torch import nn
+from torch.multiprocessing import ProcessRaisedException
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pdist import (BMUFStrategy, EASGDStrategy, LocalSGDStrategy, PdistStrategy,
+                             SimuParallelSGDStrategy)  # fmt: skip
+from lightning_pdist.algorithms.nonfinite import (
+    NONFINITE_POLICIES,
+    BufferSnapshot,
+    SkippedSteps,
+    all_finite,
+    check_nonfinite_policy,
+    culprit_ranks,
+    nonfinite_error,
+    one_hot_flag,
+)
+from tests._helpers import TinyRegression, fit, regression_data
+
+NAN_RANK, NAN_BATCH = 1, 2  # rank 1's third batch (global step 2)
+
+
+# ---------------------------------------------------------------------------------------------- tier 1: the policy
+def test_policy_values_are_checked_naming_argument_value_and_rule():
+    """A policy outside the three is refused with the argument, the value and the rule; a non-str is a TypeError."""
+    assert NONFINITE_POLICIES == ("raise", "skip_step", "propagate")
+    assert check_nonfinite_policy("skip_step", "X") == "skip_step"
+    with pytest.raises(ValueError, match=r"X\(nonfinite='skip'\): nonfinite must be one of 'raise', 'skip_step', "
+                                         r"'propagate' \('raise': every rank stops"):
+        check_nonfinite_policy("skip", "X")
+    with pytest.raises(TypeError, match=r"X\(nonfinite=True\): nonfinite must be a str"):
+        check_nonfinite_policy(True, "X")
+
+
+@pytest.mark.parametrize("make", [LocalSGDStrategy, BMUFStrategy, EASGDStrategy, SimuParallelSGDStrategy, PdistStrategy])
+def test_every_averaging_strategy_refuses_a_bad_policy_at_construction(make):
+    """The same refusal from every constructor, before any process starts."""
+    with pytest.raises(ValueError, match=rf"{make.__name__}\(nonfinite='Raise'\): nonfinite must be one of"):
+        make(nonfinite="Raise")
+    assert make().nonfinite == "raise" and make(nonfinite="propagate").nonfinite == "propagate"
+
+
+def test_agreement_vector_messages_and_state():
+    """The one-hot flags name the culprits; the error names ranks and step; skip count and buffer copy round-trip."""
+    flags = one_hot_flag(True, 2, 4) + one_hot_flag(False, 0, 4) + one_hot_flag(True, 3, 4)
+    assert culprit_ranks(flags) == [2, 3]
+    assert all_finite([torch.ones(3), torch.zeros(2, 2)]) and not all_finite([torch.ones(3), torch.tensor([float("inf")])])
+    assert all_finite([])
+    error = nonfinite_error("S", "gradients", [1], 7, "the optimizer step")
+    assert isinstance(error, FloatingPointError)
+    assert "S(nonfinite='raise'): non-finite gradients (NaN/Inf) on rank(s) [1] at global step 7" in str(error)
+    assert "some rank (which one could not be told)" in str(nonfinite_error("S", "gradients", [], 7, "x"))
+    skipped = SkippedSteps()
+    assert skipped.record(3) and not skipped.record(5)
+    again = SkippedSteps()
+    again.load_state_dict(skipped.state_dict())
+    assert (again.count, again.last_step) == (2, 5)
+    buffer = torch.ones(3)
+    snapshot = BufferSnapshot()
+    snapshot.take([buffer])
+    buffer.fill_(float("nan"))
+    snapshot.take([buffer])  # a copy is held: kept (an accumulation window keeps its first)
+    snapshot.restore_([buffer])
+    assert torch.equal(buffer, torch.ones(3)) and snapshot.saved is None
+
+
+# ---------------------------------------------------------------------------------------------- modules and records
+class NormedRegression(TinyRegression):
+    """TinyRegression with a BatchNorm; rank ``nan_rank`` feeds NaN at ``nan_batch``.
+
+    Each rank reads rows ``rank::world_size`` in order (run with ``use_distributed_sampler=False``);
+    ``drop_batch`` leaves that batch out on every rank (the reference of a skipped step).
+    """
+
+    def __init__(self, nan_rank: int | None = NAN_RANK, nan_batch: int = NAN_BATCH, drop_batch: int | None = None,
+                 **kwargs):  # fmt: skip
+        super().__init__(**kwargs)
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+        self.nan_rank, self.nan_batch, self.drop_batch = nan_rank, nan_batch, drop_batch
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_rank == self.nan_rank and batch_idx == self.nan_batch:
+            x = x * float("nan")
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def optimizer_step(self, *args, **kwargs):
+        # Inside the rank's process (Lightning calls callbacks' on_exception in the launching process only).
+        try:
+            return super().optimizer_step(*args, **kwargs)
+        except Exception as exception:
+            for callback in self.trainer.callbacks:
+                if isinstance(callback, Record):
+                    callback.write(self.trainer, exception)
+            raise
+
+    def train_dataloader(self):
+        x, y = regression_data(self.n).tensors
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        x, y = x[rank::world], y[rank::world]
+        if self.drop_batch is not None:  # the reference run: this batch never reaches any rank
+            keep = torch.ones(len(x), dtype=torch.bool)
+            keep[self.drop_batch * self.batch_size : (self.drop_batch + 1) * self.batch_size] = False
+            x, y = x[keep], y[keep]
+        return DataLoader(TensorDataset(x, y), batch_size=self.batch_size, shuffle=False)
+
+
+def run(strategy, module, **kwargs):
+    """A 2-rank fork-launched fit in which each rank reads its own rows (NormedRegression.train_dataloader)."""
+    return fit(strategy, module, use_distributed_sampler=False, **kwargs)
+
+
+def flat_module(module) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).clone() for t in module.state_dict().values() if t.is_floating_point()])
+
+
+def averaging_state(trainer) -> dict:
+    strategy = trainer.strategy
+    state = {"module": flat_module(trainer.lightning_module), "step": strategy.step}
+    state.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in strategy.algorithm_state_dict().items()})
+    return state
+
+
+class Record(Callback):
+    """Each rank writes the exception it stopped with, its state after the previous batch and at the exception.
+
+    The module's ``optimizer_step`` calls :meth:`write` in the rank's own process when the step raises.
+    """
+
+    def __init__(self, dirpath: Path, state, checkpoint: bool = False):
+        self.dirpath, self.state, self.checkpoint, self.last = Path(dirpath), state, checkpoint, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.last = self.state(trainer)
+
+    def write(self, trainer, exception):
+        record = {"type": type(exception).__name__, "message": str(exception), "before": self.last,
+                  "at": self.state(trainer)}  # fmt: skip
+        torch.save(record, self.dirpath / f"rank{trainer.global_rank}.pt")
+        if self.checkpoint:  # every rank stopped at the same step, so the collective save works
+            trainer.save_checkpoint(self.dirpath / "stopped.ckpt")
+        trainer.strategy.barrier()  # both records are written before either process exits
+
+
+def records(dirpath: Path, world: int = 2) -> list[dict]:
+    return [torch.load(Path(dirpath) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def assert_same_state(before: dict, at: dict) -> None:
+    assert before.keys() == at.keys()
+    for key in before:
+        if isinstance(before[key], torch.Tensor):
+            torch.testing.assert_close(at[key], before[key], atol=0, rtol=0, msg=lambda m: f"{key}: {m}")
+        else:
+            assert at[key] == before[key], key
+
+
+class FinalModule(Callback):
+    """Each rank saves its module (parameters and float buffers), the logged skip count and its warnings at the end."""
+
+    def __init__(self, dirpath: Path):
+        self.dirpath = Path(dirpath)
+
+    def on_fit_start(self, trainer, pl_module):
+        self._catching = warnings.catch_warnings(record=True)
+        self._caught = self._catching.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_end(self, trainer, pl_module):
+        self._catching.__exit__(None, None, None)
+        skipped = trainer.callback_metrics.get("pdist/skipped_steps")
+        torch.save({"module": flat_module(pl_module), "skipped": None if skipped is None else float(skipped),
+                    "warnings": [str(w.message) for w in self._caught]},
+                   self.dirpath / f"final{trainer.global_rank}.pt")  # fmt: skip
+
+
+def finals(dirpath: Path, world: int = 2) -> list[dict]:
+    return [torch.load(Path(dirpath) / f"final{r}.pt", weights_only=False) for r in range(world)]
+
+
+def assert_warned_once(final: list[dict], text: str) -> None:
+    """Rank 0 warned about the first skip once; rank 1 stayed quiet (rank_zero_warn)."""
+    assert [text in w for w in final[0]["warnings"]].count(True) == 1, final[0]["warnings"]
+    assert not any(text in w for w in final[1]["warnings"])
+
+
+# ---------------------------------------------------------------------------------------------- averaging family
+AVERAGING = {
+    "local_sgd": lambda **kw: LocalSGDStrategy(period=2, start_method="fork", **kw),
+    "bmuf": lambda **kw: BMUFStrategy(period=2, start_method="fork", **kw),
+    "easgd": lambda **kw: EASGDStrategy(period=2, start_method="fork", **kw),
+    "simuparallel_sgd": lambda **kw: SimuParallelSGDStrategy(start_method="fork", **kw),
+}
+
+
+@pytest.mark.parametrize("name", list(AVERAGING))
+def test_raise_stops_both_ranks_at_the_step_before_any_state_changes(tmp_path, name):
+    """nonfinite='raise': both ranks raise at global step 2 naming rank 1; replica, step count and algorithm state
+    (BMUF anchor and block momentum, EASGD center) are those after step 1; BMUF's stopped run checkpoints."""
+    checkpoint = name == "bmuf"
+    with pytest.raises(ProcessRaisedException, match=r"non-finite gradients \(NaN/Inf\) on rank\(s\) \[1\] at global step 2"):
+        run(AVERAGING[name](), NormedRegression(), max_steps=6,
+            callbacks=[Record(tmp_path, averaging_state, checkpoint=checkpoint)])  # fmt: skip
+    for record in records(tmp_path):
+        assert record["type"] == "FloatingPointError"
+        assert "(nonfinite='raise'): non-finite gradients (NaN/Inf) on rank(s) [1] at global step 2; every rank " \
+               "stops here, before the optimizer step" in record["message"]
+        assert_same_state(record["before"], record["at"])
+    if checkpoint:
+        saved = torch.load(tmp_path / "stopped.ckpt", weights_only=False)["pdist"]
+        before = records(tmp_path)[0]["before"]
+        torch.testing.assert_close(saved["algorithm"]["anchor"], before["anchor"], atol=0, rtol=0)
+        torch.testing.assert_close(saved["algorithm"]["delta"], before["delta"], atol=0, rtol=0)
+        assert saved["step"] == before["step"] == 2
+
+
+def test_raise_during_warmup_names_the_rank_despite_the_gradient_average(tmp_path):
+    """In warm-up DDP averages the gradients (NaN everywhere); the comm hook's notes still name rank 1."""
+    with pytest.raises(ProcessRaisedException, match=r"on rank\(s\) \[1\] at global step 2"):
+        run(LocalSGDStrategy(period=2, warmup_steps=4, start_method="fork"), NormedRegression(), max_steps=6,
+            callbacks=[Record(tmp_path, averaging_state)])  # fmt: skip
+    for record in records(tmp_path):
+        assert "on rank(s) [1] at global step 2" in record["message"]
+        assert_same_state(record["before"], record["at"])
+
+
+@pytest.mark.parametrize("name", ["local_sgd", "bmuf", "easgd"])
+def test_skip_step_equals_a_run_without_that_batch(tmp_path, name):
+    """nonfinite='skip_step': both ranks skip global step 2 (BatchNorm statistics restored, the step not counted
+    towards the period), warn once, log pdist/skipped_steps = 1, and end exactly where a run without that batch does."""
+    run(AVERAGING[name](nonfinite="skip_step"), NormedRegression(), max_steps=7, callbacks=[FinalModule(tmp_path)])
+    skipped = finals(tmp_path)
+    assert_warned_once(skipped, "non-finite gradients (NaN/Inf) on rank(s) [1] at global step 2; every rank skipped "
+                                "that optimizer step")
+    run(AVERAGING[name](), NormedRegression(nan_rank=None, drop_batch=NAN_BATCH), max_steps=6, callbacks=[FinalModule(tmp_path)])
+    reference = finals(tmp_path)
+    for rank in range(2):
+        assert skipped[rank]["skipped"] == 1.0
+        assert all_finite([skipped[rank]["module"]])
+        torch.testing.assert_close(skipped[rank]["module"], reference[rank]["module"], atol=1e-6, rtol=0)
+
+
+def test_propagate_lets_the_nan_reach_every_replica(tmp_path):
+    """nonfinite='propagate' is plain PyTorch: no check; rank 1's NaN reaches both replicas and fit returns."""
+    run(AVERAGING["local_sgd"](nonfinite="propagate"), NormedRegression(), max_steps=4, callbacks=[FinalModule(tmp_path)])
+    for final in finals(tmp_path):
+        assert torch.isnan(final["module"]).any()
+
+
+class _DivergeOnRankOne(Callback):
+    """Rank 1's optimizer writes inf into a weight after its step at global step 3: finite gradients, diverged replica."""
+
+    def on_train_start(self, trainer, pl_module):
+        optimizer = trainer.optimizers[0]
+
+        def diverge(opt, args, kwargs):
+            if trainer.global_rank == 1 and trainer.global_step == 3:
+                with torch.no_grad():
+                    pl_module.net[0].weight[0, 0] = float("inf")
+
+        optimizer.register_step_post_hook(diverge)
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+def test_a_diverged_replica_stops_both_ranks_before_the_block_update(tmp_path, policy):
+    """A replica that became non-finite from finite gradients stops every rank at the synchronization (after global
+    step 3), naming rank 1, before the anchor and block momentum change; skip_step cannot skip it back."""
+    strategy = BMUFStrategy(period=2, start_method="fork", nonfinite=policy)
+    with pytest.raises(ProcessRaisedException, match=r"non-finite replica parameters or buffers \(NaN/Inf\) on rank\(s\) "
+                                                     r"\[1\] at global step 3; every rank stops here, before the block "
+                                                     r"update changes the anchor, the block momentum and the replicas"):
+        run(strategy, NormedRegression(nan_rank=None), max_steps=6,
+            callbacks=[_DivergeOnRankOne(), Record(tmp_path, averaging_state)])  # fmt: skip
+    for record in records(tmp_path):
+        assert f"BMUFStrategy(nonfinite={policy!r})" in record["message"]
+        assert "skipping a synchronization cannot bring them back" in record["message"]
+        assert "skips such steps" not in record["message"]
+        for key in ("anchor", "delta"):
+            torch.testing.assert_close(record["at"][key], record["before"][key], atol=0, rtol=0)
