@@ -497,6 +497,41 @@ def where_wins(crossings: Sequence[Any], name: str, what: str) -> str:
     return f"at {what} " + " or ".join(spans)
 
 
+PAPER_SHAPES = {  # transformers' BERT-base and ALBERT-base, as paper 003 trained them, at its degree 6
+    "bert": {"vocab_size": 30522, "hidden_size": 768, "num_layers": 12, "num_heads": 12, "intermediate_size": 3072,
+             "max_len": 512},
+    "albert": {"vocab_size": 30000, "hidden_size": 768, "num_layers": 12, "num_heads": 12, "intermediate_size": 3072,
+               "max_len": 512, "embedding_size": 128},
+}  # fmt: skip
+PAPER_RANKS = 6
+PAPER_BATCHES = ((8, 128), (8, 512), (32, 512))  # (samples, tokens each) per step: the paper gives neither
+
+
+def paper_scale() -> dict[str, Any]:
+    """The byte model at paper 003's scale (no run): DP over 6 ranks against TP of degree 6, per step and rank.
+
+    DP's bytes do not depend on the batch; TP's grow with the tokens per step, so they are equal at
+    ``bytes_dp / (TP bytes per token)`` tokens. The paper states neither its batch nor its sequence length, so a few
+    common IMDB fine-tuning settings are shown.
+    """
+    import torch
+
+    from lightning_pdist.algorithms.tensor_parallel_cost import dp_bytes, tp_encoder_bytes
+    from lightning_pdist.models.encoder import EncoderClassifier
+
+    out = {}
+    for family, shape in PAPER_SHAPES.items():
+        with torch.device("meta"):
+            params = sum(p.numel() for p in EncoderClassifier(family, num_classes=2, **shape).parameters())
+        dp = dp_bytes(params, PAPER_RANKS).total
+        per_token = tp_encoder_bytes(1, 1, shape["hidden_size"], shape["num_layers"], PAPER_RANKS).total
+        out[family] = {"params": params, "ranks": PAPER_RANKS, "dp_bytes_per_step": dp, "tp_bytes_per_token": per_token,
+                       "equal_bytes_tokens_per_step": round(dp / per_token),
+                       "tp_over_dp_bytes": {f"{b}x{L}": round(b * L * per_token / dp, 3) for b, L in PAPER_BATCHES},
+                       "paper_time_ratio": PAPER[family]["ratio"]}  # fmt: skip
+    return out
+
+
 # -- the suite ------------------------------------------------------------------------------------------
 
 
@@ -534,6 +569,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
     doc["kernel_check"] = kernel_check(doc["rows"])
     doc["crossover"] = crossover(doc["rows"], doc["networks"], config)
     doc["paper"] = PAPER
+    doc["paper_scale"] = paper_scale()
     return finish_suite(doc, out, SUITE, t_suite, plot)
 
 
@@ -591,6 +627,13 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
                   f"MB/step; {c['engine']} is faster {c['tp_wins']}{equal}."]  # fmt: skip
         if c["rates"]:
             lines += ["", markdown_table([{**c, **r} for r in c["rates"]], CROSS_COLUMNS)]
+    for family, p in doc.get("paper_scale", {}).items():
+        ratios_text = ", ".join(f"{k} tokens {v:.2f}x" for k, v in p["tp_over_dp_bytes"].items())
+        lines += ["", f"Paper scale ({family}-base, {p['params']:,} parameters, {p['ranks']} ranks, byte model only): DP "
+                  f"{p['dp_bytes_per_step'] / 1e6:.0f} MB per step and rank whatever the batch, TP "
+                  f"{p['tp_bytes_per_token'] / 1e3:.0f} kB per token of the step, equal at "
+                  f"{p['equal_bytes_tokens_per_step']:,} tokens per step; TP's bytes over DP's at batch x sequence "
+                  f"{ratios_text} (paper 003's time ratio: {p['paper_time_ratio']})."]  # fmt: skip
     return "\n".join(lines)
 
 

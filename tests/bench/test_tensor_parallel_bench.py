@@ -19,6 +19,7 @@ from lightning_pdist.bench.tensor_parallel import (
     build_row,
     crossover,
     kernel_check,
+    paper_scale,
     plan_runs,
     ratios,
     step_bytes,
@@ -180,6 +181,16 @@ def test_where_wins_names_every_span():
     assert where_wins([Crossover(1e8, "tp", "dp")], "tp", "bandwidth") == "at bandwidth < 800.0 Mbit/s"
     assert where_wins([Crossover(None, "dp", "dp")], "tp", "global batch") == "nowhere"
     assert where_wins([Crossover(None, "tp", "tp")], "tp", "global batch") == "everywhere"
+
+
+def test_paper_scale_by_hand():
+    """BERT-base (109,483,778 parameters) on 6 ranks: DP sends 2*5/6 of its 4-byte gradients; TP 72 all-reduces a token."""
+    got = paper_scale()
+    bert, albert = got["bert"], got["albert"]
+    assert bert["params"] == 109_483_778 and bert["dp_bytes_per_step"] == 2 * 5 * 4 * 109_483_778 // 6
+    assert bert["tp_bytes_per_token"] == albert["tp_bytes_per_token"] == 12 * 6 * (2 * 5 * 4 * 768 // 6)
+    assert bert["equal_bytes_tokens_per_step"] == round(bert["dp_bytes_per_step"] / bert["tp_bytes_per_token"])
+    assert albert["tp_over_dp_bytes"]["8x128"] > 1 > bert["tp_over_dp_bytes"]["8x128"]  # ALBERT's DP sends 1/9 of BERT's
 
 
 @pytest.mark.standalone
