@@ -1,4 +1,4 @@
-"""The README's example runs as written (one epoch instead of five) and prints once, from rank 0."""
+"""The README's example runs as written (one epoch instead of five) and prints once, from rank 0, under every launcher."""
 
 from __future__ import annotations
 
@@ -10,13 +10,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+AS_WRITTEN = "strategy=lightning_pdist.BMUFStrategy(period=8)"  # popen: the ranks re-run the script
 
 
 @pytest.mark.standalone
-def test_the_readme_example_runs_and_prints_once(tmp_path):
+@pytest.mark.parametrize("strategy", [None, "bmuf_fork", "bmuf_spawn"], ids=["as_written", "fork", "spawn"])
+def test_the_readme_example_runs_and_prints_once(strategy, tmp_path):
+    """As written (popen), and with the _fork and _spawn names the README's strategy table offers."""
     readme = (ROOT / "README.md").read_text()
     code = re.search(r"## Example\n\n```python\n(.*?)```", readme, re.S).group(1)
-    assert 'if __name__ == "__main__":' in code  # the popen launcher re-runs the script on every rank
+    assert 'if __name__ == "__main__":' in code  # the popen launcher re-runs the script, spawn re-imports it
+    assert AS_WRITTEN in code
+    if strategy is not None:
+        code = code.replace(AS_WRITTEN, f'strategy="{strategy}"')
     script = tmp_path / "example.py"
     script.write_text(code.replace("max_epochs=5", "max_epochs=1"))
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240)
