@@ -54,11 +54,14 @@ Behaviour at the edges
 * **Non-finite gradients.** A NaN has no sign (``NaN >= 0`` is False, so it would silently vote
   −1). Every rank flags non-finite values in its header, so all ranks learn of them in the same
   collective and act alike (a rank raising alone would leave the others blocked in the next
-  collective). ``nonfinite="raise"`` (default) raises ``ValueError`` naming the bucket and the
-  ranks; ``nonfinite="propagate"`` returns a NaN bucket on every rank and leaves the state
-  untouched for that round. Under loss scaling (``state.loss_scaling``, an fp16 ``GradScaler``) a
-  non-finite flag is an overflow instead: every rank skips the whole backward pass, whose state
-  changes wait for its end (:mod:`~lightning_pdist.comm.sign_overflow`).
+  collective). With a :class:`~lightning_pdist.comm.sign_overflow.LossScaledRound` in
+  ``state.loss_scaling`` (an fp16 ``GradScaler``'s, or the one ``SignSGDStrategy`` installs for
+  ``nonfinite="raise"``/``"skip_step"``) the flag marks the whole backward pass: every rank gets NaN
+  buckets, later buckets skip their collectives, and the pass's state changes, which wait for its
+  end, are dropped (:mod:`~lightning_pdist.comm.sign_overflow`); the owner of the round then stops or
+  skips the step. Without a round, ``nonfinite="raise"`` (default) raises ``FloatingPointError``
+  naming the bucket and the ranks, and ``nonfinite="propagate"`` returns a NaN bucket on every rank
+  and leaves the state untouched for that round; ``"skip_step"`` needs a round.
 * **One rank.** No collective is issued; the result is ``sign(grad)`` (or the EF scaled sign).
   Warning about it is the strategy's job.
 * **fp16/bf16 buckets.** Signs ignore precision; the result is cast to the bucket's dtype.
@@ -100,6 +103,7 @@ from lightning_pdist.algorithms.llr_vote import (
     observations_per_round,
     pooled_vote_tables,
 )
+from lightning_pdist.algorithms.nonfinite import NONFINITE_POLICIES, check_nonfinite_policy
 from lightning_pdist.algorithms.sign import ef_scaled_vote, segment_l1_mean, vote_table, worker_vote
 from lightning_pdist.comm.accounting import CommMeter, all_gather_bytes, all_to_all_bytes
 from lightning_pdist.comm.bits import (
@@ -134,7 +138,6 @@ __all__ = [
     "signsgd_mv_hook",
 ]
 
-NONFINITE_POLICIES = ("raise", "propagate")
 #: What the hook returns: the vote ``U`` (``"unit"``, ±1) or ``s̄_j·U`` with ``s̄_j`` the workers' mean ``‖v_j‖₁/numel_j``.
 SCALES = ("unit", "l1")
 
@@ -251,7 +254,8 @@ class SignSGDState:
         error_feedback: EF-signSGD: vote with ``sign(g + e)`` and return the scaled vote
             ``s̄·U`` (per tensor), keeping each worker's residual ``e``. Then use SGD's usual
             learning rate, not Signum's small ``δ``.
-        nonfinite: ``"raise"`` (default) or ``"propagate"``; see the module docstring.
+        nonfinite: ``"raise"`` (default), ``"skip_step"`` (needs ``loss_scaling``: a round whose owner skips
+            the step) or ``"propagate"``; see the module docstring.
         scale: ``"unit"`` (default): the hook returns ``U`` (±1) and the optimizer's ``lr`` is the
             sign step ``δ``. ``"l1"``: it returns ``s̄_j·U`` with ``s̄_j`` the workers' mean
             ``‖v_j‖₁/numel_j`` per tensor (the scales ride in the header, ``4T`` bytes), so an SGD
@@ -284,9 +288,7 @@ class SignSGDState:
         name = type(self).__name__
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"{name}(momentum={self.momentum}): momentum must be in [0, 1)")
-        if self.nonfinite not in NONFINITE_POLICIES:
-            choices = ", ".join(repr(p) for p in NONFINITE_POLICIES)
-            raise ValueError(f"{name}(nonfinite={self.nonfinite!r}): nonfinite must be one of {choices}")
+        check_nonfinite_policy(self.nonfinite, name)
         if not isinstance(self.error_feedback, bool):
             raise TypeError(f"{name}(error_feedback={self.error_feedback!r}): error_feedback must be a bool")
         if self.scale not in SCALES:
@@ -664,11 +666,17 @@ def _sign_hook(state: SignSGDState, bucket: dist.GradBucket, hook: str) -> torch
             mine = coordinate_mask(lengths, torch.tensor(local_used)).to(raw.device)
             buffer = raw.masked_fill(~mine, 0)
     scaling = state.loss_scaling
+    if scaling is None and state.nonfinite == "skip_step":
+        raise RuntimeError(
+            f"{hook}: nonfinite='skip_step' needs state.loss_scaling, a LossScaledRound begun before and finished after "
+            "each backward pass, so that a non-finite pass's state changes are dropped and its owner skips the step "
+            "(SignSGDStrategy installs one)"
+        )
     if scaling is not None:
         scaling.enter_bucket(bucket.index(), hook)
         if scaling.overflowed:  # an earlier bucket of this pass overflowed on some rank: every rank skips the rest
             return _finish(torch.full_like(raw, float("nan")), raw, mine, lengths, order)
-        if state.momentum > 0 or state.scaled:
+        if (state.momentum > 0 or state.scaled) and scaling.loss_scale != 1.0:
             # Momentum, residual and l1 scales are kept in gradient units (the scale changes between steps): divide
             # by S in fp32, where S·g / S is exact for a power-of-two S. The plain sign needs no division.
             buffer = buffer.float() / scaling.loss_scale
@@ -697,12 +705,12 @@ def _sign_hook(state: SignSGDState, bucket: dist.GradBucket, hook: str) -> torch
             used, keep = anywhere, coordinate_mask(lengths, anywhere).to(raw.device)
 
     bad_ranks = headers[:, 0].nonzero().flatten().tolist()
-    if bad_ranks and scaling is not None:  # a loss-scale overflow: every rank skips this step, nothing commits
+    if bad_ranks and scaling is not None:  # the round's owner stops or skips this step; nothing commits
         scaling.overflow(bucket.index(), bad_ranks)
         return _finish(torch.full_like(raw, float("nan")), raw, keep, lengths, order)
     if bad_ranks:
         if state.nonfinite == "raise":
-            raise ValueError(
+            raise FloatingPointError(
                 f"{hook}: bucket {bucket.index()} holds non-finite gradients (NaN/Inf) on rank(s) {bad_ranks}; a NaN "
                 "has no sign and must not become a silent vote. Lower the learning rate or fix the loss, or pass "
                 "nonfinite='propagate' to hand a NaN bucket to the optimizer (fp16 loss-scale overflows, under a "

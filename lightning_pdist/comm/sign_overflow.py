@@ -16,6 +16,11 @@ counter) and applies them only when the backward pass ends without an overflow
 (:meth:`LossScaledRound.finish`); an overflowed pass drops them all. Once a bucket has overflowed,
 the later buckets of the same pass skip their collectives (every rank knows, so every rank skips).
 
+The same round serves ``nonfinite="raise"``/``"skip_step"`` without a scaler: ``SignSGDStrategy`` begins
+every backward pass with a scale of 1 (so nothing is divided), and a non-finite flag then drops the pass
+exactly as an overflow does, after which the strategy stops or skips the step
+(:mod:`lightning_pdist.algorithms.nonfinite`).
+
 With plain PyTorch DDP::
 
     round = LossScaledRound()

@@ -24,16 +24,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_pdist.algorithms.llr_vote import DEFAULT_MAX_WEIGHT, LLRConfig
+from lightning_pdist.algorithms.nonfinite import check_nonfinite_policy
 from lightning_pdist.algorithms.sign_simulator import AGGREGATIONS
 from lightning_pdist.comm.accounting import CommMeter
 from lightning_pdist.comm.sign_hooks import (
-    NONFINITE_POLICIES,
     SCALES,
     ITSignSGDState,
     SignSGDState,
     it_signsgd_hook,
     signsgd_mv_hook,
 )
+from lightning_pdist.comm.sign_overflow import LossScaledRound
 from lightning_pdist.plugins.sign_precision import SignMixedPrecision
 from lightning_pdist.strategies.base import PdistStrategy, register_variants
 from lightning_pdist.strategies.config import refuse_owned_ddp_args
@@ -83,9 +84,7 @@ class SignSGDConfig:
         for name in ("error_feedback", "negative_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{owner}({name}={getattr(self, name)!r}): {name} must be a bool")
-        if self.nonfinite not in NONFINITE_POLICIES:
-            choices = ", ".join(repr(p) for p in NONFINITE_POLICIES)
-            raise ValueError(f"{owner}(nonfinite={self.nonfinite!r}): nonfinite must be one of {choices}")
+        check_nonfinite_policy(self.nonfinite, owner)
         if self.scale not in SCALES:
             choices = ", ".join(repr(c) for c in SCALES)
             raise ValueError(
@@ -206,10 +205,16 @@ class SignSGDStrategy(PdistStrategy):
       one, ``nonfinite="raise"`` keeps its meaning. The scaler's state is checkpointed by
       Lightning under the plugin's key, so a resumed run continues with the same scale.
     * **One rank** works and warns: the update is ``δ·sign(grad)`` (signSGD), nothing is sent.
-    * **Non-finite gradients** raise on every rank at once (``nonfinite="raise"``), or give every
-      rank a NaN gradient for that step (``"propagate"``). Without a GradScaler nothing here skips
-      that optimizer step, so with ``"propagate"`` your code must (plain SGD would write NaN into
-      the parameters).
+    * **Non-finite gradients** (``nonfinite=``, :mod:`lightning_pdist.algorithms.nonfinite`): every
+      rank's non-finite flag rides in each bucket's all-to-all header, so every rank learns in the
+      same collective that some rank's gradient was not finite, and who (no extra collective, no
+      extra byte). The whole backward pass is then dropped as an fp16 overflow would be: later
+      buckets skip their collectives and no vote state changes (Signum momentum, EF residual, LLR
+      statistics, round counters). ``"raise"`` (default) then stops every rank before the optimizer
+      step with a ``FloatingPointError`` naming the ranks and the global step; ``"skip_step"`` skips
+      that optimizer step on every rank (float buffers restored, ``pdist/skipped_steps``);
+      ``"propagate"`` gives every rank a NaN gradient for that step and steps, so your code must
+      skip it (plain SGD would write NaN into the parameters).
     * **Checkpoints**: each rank writes its own hook state (LLR statistics, EF residual, Signum
       momentum, round counters) to its own file next to the checkpoint
       (:mod:`~lightning_pdist.strategies.rank_files`); a resumed run with the same world size
@@ -233,8 +238,8 @@ class SignSGDStrategy(PdistStrategy):
         momentum: Signum's ``β`` in ``[0, 1)``, applied on each worker *before* the sign
             (``m ← β·m + (1 − β)·g``). Default 0 (plain signSGD); ``0.9`` is the papers' value.
         error_feedback: EF-signSGD (scaled signs plus a local residual).
-        nonfinite: ``"raise"`` (default) or ``"propagate"``; not consulted under a GradScaler,
-            whose overflows skip the step on every rank.
+        nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"`` (see "Non-finite
+            gradients"); not consulted under a GradScaler, whose overflows skip the step on every rank.
         scale: ``"unit"`` (default; the papers' ``±1``, the optimizer's ``lr`` is ``δ``) or ``"l1"``
             (the per-tensor scaled vote; an SGD ``lr`` keeps its meaning; 4 bytes per tensor more
             per bucket and rank). Error feedback always returns the scaled vote.
@@ -286,9 +291,11 @@ class SignSGDStrategy(PdistStrategy):
                 f"{owner}(aggregation='majority', {', '.join(ignored)}): these options belong to the LLR vote "
                 "(aggregation='llr') and are ignored by the majority vote."
             )
-        super().__init__(ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None, model_averaging_period=None,
-                         **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
+        super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
+                         model_averaging_period=None, **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
         self.hook_state: SignSGDState | None = None
+        self._round: LossScaledRound | None = None  # nonfinite raise/skip_step without a scaler: one per backward pass
+        self._nonfinite_ranks: set[int] = set()  # ranks the passes since the last step found non-finite
 
     @property
     def aggregation(self) -> str:
@@ -324,12 +331,38 @@ class SignSGDStrategy(PdistStrategy):
         owner = type(self).__name__
         self._warn_large_sign_step(owner)
         self._use_sign_precision()
+        self._round, self._nonfinite_ranks = None, set()
+        if self.hook_state is not None and self.hook_state.loss_scaling is None and self.nonfinite != "propagate":
+            # A non-finite bucket drops the whole backward pass (as an fp16 overflow does); the step decides after.
+            self._round = LossScaledRound()
+            self.hook_state.loss_scaling = self._round
         _, world_size = self.rank_world
         if world_size == 1:
             rank_zero_warn(
                 f"{owner}: world_size == 1, so there is no vote; each step applies lr * sign(grad) (signSGD"
                 f"{' with error feedback' if self.config.error_feedback else ''}) and sends nothing."
             )
+
+    @override
+    def pre_backward(self, closure_loss: Any) -> None:
+        super().pre_backward(closure_loss)
+        if self._round is not None:
+            self._round.begin(1.0)
+
+    @override
+    def post_backward(self, closure_loss: Any) -> None:
+        super().post_backward(closure_loss)
+        if self._round is not None:
+            if self._round.overflow_at is not None:
+                self._nonfinite_ranks.update(self._round.overflow_at[1])
+            self._round.finish()  # drops the pass's vote state changes if any bucket was not finite
+
+    @override
+    def nonfinite_ranks(self, optimizer: Any) -> list[int] | None:
+        """The ranks whose gradients the votes since the last step found non-finite (read from the all-to-all
+        headers, so the same on every rank; no extra collective)."""
+        ranks, self._nonfinite_ranks = sorted(self._nonfinite_ranks), set()
+        return ranks or None
 
     def _use_sign_precision(self) -> None:
         """Swap a ``MixedPrecision`` with a scaler for :class:`SignMixedPrecision` (the same scaler), bound to the vote."""

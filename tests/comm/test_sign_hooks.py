@@ -212,8 +212,14 @@ def _three_rank_worker(rank, world_size, grads):
     try:
         run_rounds(rank, bad, ITSignSGDState(warmup_rounds=0), it_signsgd_hook)
         results["nan_raise"] = None
-    except ValueError as error:
+    except FloatingPointError as error:
         results["nan_raise"] = str(error)
+    # skip_step needs a round (LossScaledRound) whose owner skips the step: refused on every rank before any collective.
+    try:
+        run_rounds(rank, grads[:2], SignSGDState(nonfinite="skip_step"), signsgd_mv_hook)
+        results["skip_without_round"] = None
+    except RuntimeError as error:
+        results["skip_without_round"] = str(error)
     # ... or, with nonfinite="propagate", every rank gets a NaN bucket and the state skips that round.
     state = SignSGDState(nonfinite="propagate", momentum=0.5)
     bad[1, 1, 7] = float("inf")
@@ -319,11 +325,18 @@ def test_half_precision_buckets_vote_and_keep_dtype(three_ranks):
 
 
 def test_nonfinite_gradient_raises_on_every_rank(three_ranks):
-    """A NaN on rank 1 makes every rank raise a ValueError naming the bucket and the rank, instead of voting."""
+    """A NaN on rank 1 makes every rank raise a FloatingPointError naming the bucket and the rank, instead of voting."""
     _, results = three_ranks
     for rank in range(3):
         message = results[rank]["nan_raise"]
         assert message is not None and "bucket 0 holds non-finite gradients (NaN/Inf) on rank(s) [1]" in message
+
+
+def test_skip_step_without_a_round_is_refused_on_every_rank(three_ranks):
+    """nonfinite='skip_step' without state.loss_scaling is refused by the hook (nothing could drop the pass)."""
+    _, results = three_ranks
+    for rank in range(3):
+        assert "signsgd_mv_hook: nonfinite='skip_step' needs state.loss_scaling" in results[rank]["skip_without_round"]
 
 
 def test_nonfinite_propagate_returns_nan_and_skips_the_round(three_ranks):
@@ -502,7 +515,7 @@ def test_regrouped_bucket_restarts_with_a_warning(one_rank):
     [
         (SignSGDState, dict(momentum=1.0), ValueError, r"SignSGDState\(momentum=1.0\): momentum must be in \[0, 1\)"),
         (SignSGDState, dict(nonfinite="skip"), ValueError,
-         r"SignSGDState\(nonfinite='skip'\): nonfinite must be one of 'raise', 'propagate'"),
+         r"SignSGDState\(nonfinite='skip'\): nonfinite must be one of 'raise', 'skip_step', 'propagate'"),
         (SignSGDState, dict(error_feedback=1), TypeError,
          r"SignSGDState\(error_feedback=1\): error_feedback must be a bool"),
         (ITSignSGDState, dict(warmup_rounds=-2), ValueError,

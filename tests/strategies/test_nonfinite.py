@@ -17,7 +17,7 @@ from torch import nn
 from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pdist import (BMUFStrategy, EASGDStrategy, LocalSGDStrategy, PdistStrategy,
+from lightning_pdist import (BMUFStrategy, EASGDStrategy, LocalSGDStrategy, PdistStrategy, SignSGDStrategy,
                              SimuParallelSGDStrategy)  # fmt: skip
 from lightning_pdist.algorithms.nonfinite import (
     NONFINITE_POLICIES,
@@ -46,8 +46,9 @@ def test_policy_values_are_checked_naming_argument_value_and_rule():
         check_nonfinite_policy(True, "X")
 
 
-@pytest.mark.parametrize("make", [LocalSGDStrategy, BMUFStrategy, EASGDStrategy, SimuParallelSGDStrategy, PdistStrategy])
-def test_every_averaging_strategy_refuses_a_bad_policy_at_construction(make):
+@pytest.mark.parametrize("make", [LocalSGDStrategy, BMUFStrategy, EASGDStrategy, SimuParallelSGDStrategy, PdistStrategy,
+                                  SignSGDStrategy])  # fmt: skip
+def test_every_strategy_refuses_a_bad_policy_at_construction(make):
     """The same refusal from every constructor, before any process starts."""
     with pytest.raises(ValueError, match=rf"{make.__name__}\(nonfinite='Raise'\): nonfinite must be one of"):
         make(nonfinite="Raise")
@@ -294,3 +295,48 @@ def test_a_diverged_replica_stops_both_ranks_before_the_block_update(tmp_path, p
         assert "skips such steps" not in record["message"]
         for key in ("anchor", "delta"):
             torch.testing.assert_close(record["at"][key], record["before"][key], atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- sign votes
+def sign_state(trainer) -> dict:
+    buckets = trainer.strategy.hook_state.buckets.values()
+    return {"module": flat_module(trainer.lightning_module), "rounds": sum(b.rounds for b in buckets),
+            "momentum": torch.cat([b.momentum.reshape(-1) for b in buckets if b.momentum is not None])}  # fmt: skip
+
+
+def signum(**kw):
+    return SignSGDStrategy(momentum=0.9, start_method="fork", **kw)
+
+
+def test_sign_raise_stops_both_ranks_before_the_step_and_keeps_the_vote_state(tmp_path):
+    """nonfinite='raise' under a sign vote: the flag in the all-to-all header tells both ranks; both raise at global
+    step 2 naming rank 1, with the Signum momentum and the round count of step 1 (the pass's changes dropped)."""
+    with pytest.raises(ProcessRaisedException, match=r"SignSGDStrategy\(nonfinite='raise'\): non-finite gradients "
+                                                     r"\(NaN/Inf\) on rank\(s\) \[1\] at global step 2"):
+        run(signum(), NormedRegression(lr=0.01), max_steps=5, callbacks=[Record(tmp_path, sign_state)])
+    for record in records(tmp_path):
+        assert record["type"] == "FloatingPointError"
+        assert record["before"]["rounds"] == 2
+        assert_same_state(record["before"], record["at"])
+
+
+def test_sign_skip_step_equals_a_run_without_that_batch(tmp_path):
+    """nonfinite='skip_step': both ranks skip global step 2; momentum, rounds, weights and BatchNorm statistics end
+    exactly where a run without that batch ends."""
+    run(signum(nonfinite="skip_step"), NormedRegression(lr=0.01), max_steps=6, callbacks=[FinalModule(tmp_path)])
+    skipped = finals(tmp_path)
+    assert_warned_once(skipped, "SignSGDStrategy(nonfinite='skip_step'): non-finite gradients (NaN/Inf) on rank(s) "
+                                "[1] at global step 2; every rank skipped that optimizer step")
+    run(signum(), NormedRegression(lr=0.01, nan_rank=None, drop_batch=NAN_BATCH), max_steps=5,
+        callbacks=[FinalModule(tmp_path)])  # fmt: skip
+    reference = finals(tmp_path)
+    for rank in range(2):
+        assert skipped[rank]["skipped"] == 1.0
+        torch.testing.assert_close(skipped[rank]["module"], reference[rank]["module"], atol=1e-6, rtol=0)
+
+
+def test_sign_propagate_hands_the_optimizer_a_nan_gradient(tmp_path):
+    """nonfinite='propagate': every rank gets NaN gradients for that step and SGD writes them into the weights."""
+    run(signum(nonfinite="propagate"), NormedRegression(lr=0.01), max_steps=4, callbacks=[FinalModule(tmp_path)])
+    for final in finals(tmp_path):
+        assert torch.isnan(final["module"]).any()

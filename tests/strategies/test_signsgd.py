@@ -234,9 +234,10 @@ class _NaNAtStep2(TinyRegression):
         return loss * float("nan") if batch_idx == 1 else loss
 
 
-def test_nonfinite_gradient_raises_naming_the_bucket():
-    """A NaN gradient raises (nonfinite='raise') instead of becoming a silent -1 vote."""
-    with pytest.raises(ValueError, match=r"bucket 0 holds non-finite gradients \(NaN/Inf\) on rank\(s\) \[0\]"):
+def test_nonfinite_gradient_raises_naming_rank_and_step():
+    """A NaN gradient raises (nonfinite='raise') before the optimizer step instead of becoming a silent -1 vote."""
+    with pytest.raises(FloatingPointError, match=r"SignSGDStrategy\(nonfinite='raise'\): non-finite gradients \(NaN/Inf\) "
+                                                 r"on rank\(s\) \[0\] at global step 1; every rank stops here"):
         fit(SignSGDStrategy(), _NaNAtStep2(lr=LR), devices=1, max_steps=3)
 
 
@@ -344,7 +345,7 @@ def test_options_reach_the_hook_state():
     (dict(momentum="0.9"), TypeError, r"\(momentum='0.9'\): momentum must be a float"),
     (dict(error_feedback=1), TypeError, r"\(error_feedback=1\): error_feedback must be a bool"),
     (dict(aggregation="llr", negative_weights="yes"), TypeError, r"\(negative_weights='yes'\): negative_weights must"),
-    (dict(nonfinite="skip"), ValueError, r"\(nonfinite='skip'\): nonfinite must be one of 'raise', 'propagate'"),
+    (dict(nonfinite="skip"), ValueError, r"\(nonfinite='skip'\): nonfinite must be one of 'raise', 'skip_step', 'propagate'"),
     (dict(scale="sign"), ValueError, r"\(scale='sign'\): scale must be one of 'unit', 'l1' \('unit': the optimizer's lr is"),
     (dict(ddp_comm_hook=signsgd_mv_hook), ValueError, r"\(ddp_comm_hook=.*\): SignSGDStrategy owns gradient comm"),
 ])  # fmt: skip
