@@ -8,6 +8,12 @@ a header declaring more than the peer sends costs nothing, and a garbled reply f
 server. One thread per server sends and then receives, so
 a server that is answering another worker never waits on this one (no cycle of full socket buffers).
 
+Waiting requests (``PULL``, ``PUSHPULL``: a sync or SSP server answers them only once the other workers have
+pushed) carry the worker's ``timeout`` as their ``patience``: a live server answers by then, naming the workers it
+still waits for (:class:`WorkerStalled`: ``worker 1 (pid 4242 on host node3, ...) has not pushed step 17 for 20 s:
+it is stopped, hung or dead; parameter server 0 is alive``), so the client waits :data:`WAIT_GRACE` seconds longer
+for that answer before it blames the server itself.
+
 Given the servers' shared secret, a connection first answers the server's challenge and checks the server's
 proof in turn (:mod:`~lightning_pdist.comm.ps_auth`); a wrong secret on either side fails the connection at once,
 naming the server. Handshake bytes are not counted in ``bytes_sent``/``bytes_received`` (training traffic only).
@@ -15,6 +21,7 @@ naming the server. Handshake bytes are not counted in ``bytes_sent``/``bytes_rec
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +32,12 @@ from torch import Tensor
 from lightning_pdist.comm.ps_auth import CLIENT_LABEL, NONCE_BYTES, SERVER_LABEL, check_secret, new_nonce, proof, verify
 from lightning_pdist.comm.ps_wire import Kind, PeerClosed, bytes_to_tensor, recv_message, send_message
 
-__all__ = ["ParameterServerClient", "ServerConnection", "ServerError", "ServerUnavailable"]
+__all__ = ["WAIT_GRACE", "ParameterServerClient", "ServerConnection", "ServerError", "ServerUnavailable", "WorkerStalled"]
+
+#: Seconds a waiting request's reply may take beyond ``timeout``: the server answers at ``timeout`` when other
+#: workers hold it back (naming them); only a server that has not answered by ``timeout + WAIT_GRACE`` is blamed.
+WAIT_GRACE = 10.0
+_WAITING_KINDS = (Kind.PULL, Kind.PUSHPULL)
 
 
 class ServerUnavailable(RuntimeError):
@@ -36,18 +48,24 @@ class ServerError(RuntimeError):
     """A parameter server answered a request with an error."""
 
 
+class WorkerStalled(RuntimeError):
+    """A live parameter server answered a waiting request: other workers (named) kept it from answering in time."""
+
+
 class ServerConnection:
     """A connection to parameter server ``index`` at ``address`` (``"host:port"``)."""
 
     def __init__(self, index: int, address: str, timeout: float = 300.0, connect_timeout: float = 30.0,
-                 secret: bytes | None = None):  # fmt: skip
+                 secret: bytes | None = None, wait_grace: float = WAIT_GRACE):  # fmt: skip
         """Connect to the server (``connect_timeout``: how long a refused connection is retried, in s).
 
-        ``secret``: the servers' shared secret; the connection authenticates before it returns.
+        ``secret``: the servers' shared secret; the connection authenticates before it returns. ``wait_grace``: how
+        much longer than ``timeout`` a waiting request waits for the server's answer naming the workers it waits for.
         """
         self.index = index
         self.address = address
         self.timeout = timeout
+        self.wait_grace = wait_grace
         self.bytes_sent = 0
         self.bytes_received = 0
         host, _, port = address.rpartition(":")
@@ -114,25 +132,28 @@ class ServerConnection:
 
     def request(self, kind: Kind, meta: dict | None = None, payload: Any = None) -> tuple[dict, bytearray]:
         """Send one request and wait for its reply: ``(meta, payload)``."""
+        waits = kind in _WAITING_KINDS
+        if waits:  # the server answers by then, naming the workers it waits for, if any hold it back
+            meta = {**(meta or {}), "patience": self.timeout}
         self.send(kind, meta, payload)
+        limit = self.timeout + self.wait_grace if waits else self.timeout
         try:
-            reply, meta_in, payload_in, nbytes = recv_message(self.sock, timeout=self.timeout)  # whole reply
+            reply, meta_in, payload_in, nbytes = recv_message(self.sock, timeout=limit)  # whole reply
         except (PeerClosed, ConnectionResetError, BrokenPipeError):
             raise ServerUnavailable(f"{self._where()} closed the connection (it exited or crashed) during {kind.name}") from None
         except TimeoutError:
-            waits = kind.name in ("PUSH", "PUSHPULL", "PULL")
-            hint = ("; a sync or SSP server answers only once every worker has pushed (or is within the staleness "
-                    "bound), so a stopped, slow or crashed worker delays this answer as much as a stuck server: "
-                    "check the other ranks first" if waits else "")  # fmt: skip
-            raise ServerUnavailable(
-                f"{self._where()} did not answer {kind.name} within {self.timeout:g} s{hint}"
-            ) from None
+            hint = (f"; a live server answers a waiting request after {self.timeout:g} s, naming the workers it waits "
+                    "for, so this server is stopped, hung or unreachable (or its host is overloaded)" if waits else "")  # fmt: skip
+            raise ServerUnavailable(f"{self._where()} did not answer {kind.name} within {limit:g} s{hint}") from None
         except (OSError, ValueError) as err:
             raise ServerUnavailable(f"{self._where()} failed during {kind.name}: {err}") from None
         self.bytes_received += nbytes
         if reply == Kind.CHALLENGE:
             raise ServerError(f"{self._where()} requires authentication (it was started with a secret); pass the same "
                               "secret (strategy: server_secret_file) to connect")  # fmt: skip
+        if reply == Kind.ERROR and waits and "stalled" in meta_in:
+            raise WorkerStalled(f"{kind.name} to {self._where()}: {meta_in.get('message', '?')}. Look at the worker(s) "
+                                f"named; if only slow, raise the timeout (server_timeout, now {self.timeout:g} s)")  # fmt: skip
         if reply == Kind.ERROR:
             raise ServerError(f"{self._where()} refused {kind.name}: {meta_in.get('message', '?')}")
         return meta_in, payload_in
@@ -201,7 +222,12 @@ class ParameterServerClient:
                 pass
 
     def hello(self) -> list[dict]:
-        return [meta for meta, _ in self.map(Kind.HELLO, [{"worker": self.worker}] * self.num_servers)]
+        """Register with every server, telling it this process's pid and host (named if this worker stalls)."""
+        meta: dict[str, Any] = {"worker": self.worker, "pid": os.getpid()}
+        host = socket.gethostname()
+        if 0 < len(host) <= 255 and host.isascii() and host.isprintable():
+            meta["host"] = host
+        return [meta for meta, _ in self.map(Kind.HELLO, [meta] * self.num_servers)]
 
     def pull(self, wait_version: int | None = None, record: bool = True) -> tuple[list[Tensor], list[dict]]:
         """Every server's shard (tensors over the received bytes) and reply metadata."""

@@ -116,6 +116,8 @@ MODES = ("sync", "async", "ssp")
 STALENESS_BUCKETS = 16  # histogram bins 0..15, the last one also counts everything staler
 DTYPES = ("torch.float32", "torch.float64", "torch.float16", "torch.bfloat16")
 MAX_WORKERS = 1 << 16  # per-worker bookkeeping is allocated from INIT's num_workers: bound it
+MAX_PATIENCE = 1e7  # seconds a waiting request may ask the server to wait before naming the workers it waits for
+MAX_HOST_CHARS = 255  # a HELLO's host name (DNS names are at most 253 characters)
 _MISSING = object()
 
 
@@ -164,6 +166,10 @@ class RequestRefused(ValueError):
 def _show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _secs(seconds: float) -> str:
+    return f"{seconds:.1f}" if seconds < 10 else f"{seconds:.0f}"
 
 
 def _is_int(value: Any) -> bool:
@@ -239,6 +245,8 @@ class _Pending:
     wait_version: int | None
     record: bool
     ack: dict
+    since: float = 0.0  # when the request started waiting (monotonic)
+    patience: float | None = None  # the worker's own timeout: answer by then, naming the workers we wait for
 
 
 class ShardServer:
@@ -289,6 +297,8 @@ class ShardServer:
         self.dc: DelayCompensation | None = None
         self.open_step: tuple[int, list[bool]] | None = None  # sync: (optimizer, present) of the open step
         self._revisit: list[_Conn] = []  # connections whose queued request may now be handled
+        self.peers: dict[int, str] = {}  # worker -> "pid P on host H, connected from A" (its last HELLO)
+        self.last_heard: dict[int, float] = {}  # worker -> when its last push or pull arrived (monotonic)
         self._log_times: dict[str, tuple[float, int]] = {}  # rate limit per kind of log line
 
     # ------------------------------------------------------------------ logging
@@ -373,6 +383,9 @@ class ShardServer:
                     soonest = deadline
             if not conn.known and conn.opened + self.limits.handshake_timeout < soonest:
                 soonest = conn.opened + self.limits.handshake_timeout
+        for pending in self.pending:
+            if pending.patience is not None and pending.since + pending.patience < soonest:
+                soonest = pending.since + pending.patience
         return max(0.0, min(soonest, now_plus) - now)
 
     def _expire(self, now: float) -> None:
@@ -386,6 +399,9 @@ class ShardServer:
                 self._close(conn, f"did not read its reply within reply_timeout={limits.reply_timeout:g} s")
             elif not conn.known and not conn.busy and now >= conn.opened + limits.handshake_timeout:
                 self._close(conn, f"completed no request within handshake_timeout={limits.handshake_timeout:g} s")
+        for pending in list(self.pending):
+            if pending.patience is not None and now >= pending.since + pending.patience and not pending.conn.closed:
+                self._answer_stalled(pending, now)
 
     def _max_connections(self) -> int:
         num_workers = int(self.config.get("num_workers", 0))
@@ -649,10 +665,17 @@ class ShardServer:
             worker = _field(meta, "worker", "HELLO", f"an int in [0, {n})", lambda v: _is_int(v) and 0 <= v < n)
             if conn.worker is not None and conn.worker != worker:
                 raise RequestRefused(f"HELLO: worker={worker}: this connection already said HELLO as worker {conn.worker}")
+            pid = _field(meta, "pid", "HELLO", "an int >= 1", lambda v: _is_int(v) and 1 <= v < 1 << 31, None)
+            host = _field(meta, "host", "HELLO", f"a printable ASCII host name of 1 to {MAX_HOST_CHARS} characters",
+                          lambda v: isinstance(v, str) and 0 < len(v) <= MAX_HOST_CHARS and v.isascii() and v.isprintable(),
+                          None)  # fmt: skip
             if conn.worker is None:
                 conn.worker = worker
                 self.live[worker] = self.live.get(worker, 0) + 1
             self.registered.add(worker)
+            who = [f"pid {pid}" if pid is not None else "", f"on host {host}" if host is not None else ""]
+            self.peers[worker] = " ".join(w for w in who if w) + f"{', ' if pid or host else ''}connected from {conn.peer}"
+            self.last_heard[worker] = time.monotonic()
             self._reply(conn, Kind.REPLY, {"version": self.version, **self._stats()})
         elif kind == Kind.GET_STATE:
             self._reply(conn, Kind.REPLY, {}, dumps_state(self.state_dict()))
@@ -663,8 +686,11 @@ class ShardServer:
             worker = self._worker_of(conn, kind, meta)
             wait = _field(meta, "wait_version", kind.name, "null or an int >= 0", lambda v: v is None or (_is_int(v) and v >= 0), None)
             record = _field(meta, "record", kind.name, "true or false", lambda v: isinstance(v, bool), True)
+            patience = _field(meta, "patience", kind.name, f"null or a number of seconds in (0, {MAX_PATIENCE:g}]",
+                              lambda v: v is None or (_is_finite_number(v) and 0 < v <= MAX_PATIENCE), None)  # fmt: skip
             if kind == Kind.PULL and payload:
                 raise RequestRefused(f"PULL: payload of {len(payload)} bytes: a PULL carries none")
+            self.last_heard[worker] = time.monotonic()
             ack = self._push(worker, kind, meta, payload) if kind != Kind.PULL else {}
             if kind == Kind.PUSH:
                 self._reply(conn, Kind.REPLY, {**ack, **self._stats()})
@@ -672,7 +698,7 @@ class ShardServer:
                 if kind == Kind.PUSHPULL and self.config["mode"] == "sync" and wait is None:
                     wait = int(meta["version"]) + 1  # answered once the step this gradient belongs to closed
                 conn.pending = True
-                self.pending.append(_Pending(conn, worker, wait, record, ack))
+                self.pending.append(_Pending(conn, worker, wait, record, ack, time.monotonic(), patience))
         else:
             raise RequestRefused(f"unexpected message kind {kind.name}")
 
@@ -821,6 +847,50 @@ class ShardServer:
                     self.dc.record_pull(pending.worker, self.shard.flat)
             meta = {**pending.ack, "version": self.version, "dtype": self.config["dtype"], **self._stats()}
             self._reply(pending.conn, Kind.REPLY, meta, tensor_bytes(self.shard.flat))
+
+    def _answer_stalled(self, pending: _Pending, now: float) -> None:
+        """A request waited its worker's whole ``patience`` for other workers: answer, naming them (we are alive)."""
+        self.pending.remove(pending)
+        pending.conn.pending = False
+        waited = now - pending.since
+        stalled, what, why = self._holding_back(pending.worker)
+        if stalled:
+            names = [f"worker {w} ({self._describe(w, now)})" for w in stalled[:8]]
+            more = f" and {len(stalled) - 8} more" if len(stalled) > 8 else ""
+            verb = "has" if len(stalled) == 1 else "have"
+            pronoun = "it is" if len(stalled) == 1 else "they are"
+            message = (f"{', '.join(names)}{more} {verb} not {what} for {_secs(waited)} s: {pronoun} stopped, hung or "
+                       f"dead; parameter server {self.index} is alive ({why})")  # fmt: skip
+        else:
+            message = (f"parameter server {self.index} is alive but could not answer worker {pending.worker}'s request "
+                       f"within {_secs(waited)} s ({why})")  # fmt: skip
+        self._log(f"answered worker {pending.worker}'s waiting request after {waited:.1f} s: {message}", key="stalled")
+        self._reply(pending.conn, Kind.ERROR, {"message": message, "stalled": stalled[:64]})
+
+    def _holding_back(self, worker: int) -> tuple[list[int], str, str]:
+        """``(workers, what they have not done, the rule)`` that keep ``worker``'s waiting request from an answer."""
+        n = self.config.get("num_workers", 0)
+        if self.aggregator is not None:
+            step, arrived = self.aggregator.step, set(self.aggregator.arrived)
+            quorum = self.aggregator.quorum
+            rule = (f"a sync step needs the gradients of all {n} workers" if quorum == n else
+                    f"a sync step needs {quorum} of {n} workers' gradients (backup_workers={n - quorum}); "
+                    f"{len(arrived)} arrived")  # fmt: skip
+            return [w for w in range(n) if w not in arrived], f"pushed step {step}", rule
+        if self.clock is not None and worker not in self.clock.retired:
+            clock = self.clock.clocks[worker]
+            behind = list(self.clock.waiting_for(worker))
+            what = f"reached clock {clock - self.clock.staleness} (worker {worker} is at clock {clock})"
+            rule = f"mode='ssp' holds a worker until no worker is more than staleness={self.clock.staleness} clocks behind"
+            return behind, what, rule
+        return [], "answered", f"mode={self.config.get('mode')!r}"
+
+    def _describe(self, worker: int, now: float) -> str:
+        peer = self.peers.get(worker, "never said HELLO")
+        if worker in self.gone:
+            return f"{peer}; disconnected"
+        heard = self.last_heard.get(worker)
+        return f"{peer}; last heard from {_secs(now - heard)} s ago" if heard is not None else peer
 
     def _stats(self) -> dict:
         stats = {"bytes_in": self.bytes_in, "bytes_out": self.bytes_out}

@@ -366,8 +366,8 @@ def test_an_impostor_that_says_hello_as_a_live_worker_and_leaves_does_not_fail_s
         torch.testing.assert_close(a.pull(wait_version=1)[0][0], torch.full((6,), -2.0))
 
 
-def test_a_sync_timeout_says_a_stopped_worker_may_be_the_cause():
-    """A server that never answers a PUSHPULL (as when another worker is SIGSTOPped): the message points at the ranks."""
+def test_a_server_silent_past_the_grace_is_blamed_itself():
+    """A server that never answers a PUSHPULL, not even to name a stalled worker, is blamed after timeout + wait_grace."""
     import socket as _socket
 
     from lightning_pdist.comm.ps_client import ServerConnection, ServerUnavailable
@@ -376,8 +376,9 @@ def test_a_sync_timeout_says_a_stopped_worker_may_be_the_cause():
     with _socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
-        connection = ServerConnection(0, f"127.0.0.1:{listener.getsockname()[1]}", timeout=0.3)
-        with pytest.raises(ServerUnavailable, match=r"did not answer PUSHPULL within 0.3 s; a sync or SSP server answers "
-                                                    r"only once every worker has pushed .* check the other ranks first"):
+        connection = ServerConnection(0, f"127.0.0.1:{listener.getsockname()[1]}", timeout=0.3, wait_grace=0.2)
+        with pytest.raises(ServerUnavailable, match=r"did not answer PUSHPULL within 0.5 s; a live server answers a "
+                                                    r"waiting request after 0.3 s, naming the workers it waits for, so "
+                                                    r"this server is stopped, hung or unreachable"):
             connection.request(Kind.PUSHPULL, {})
         connection.sock.close()
