@@ -637,6 +637,18 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
     return "\n".join(lines)
 
 
+def _network_groups(ax: Any, rows: Sequence[dict[str, Any]]) -> None:
+    """Tick labels ``model config xN`` and each network's name over its run of bars, split by a vertical line."""
+    ax.set_xticks(range(len(rows)), [f"{r['model']} {r['config']} x{r['world_size']}" for r in rows], rotation=90, fontsize=7)
+    start = 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i]["network"] != rows[start]["network"]:
+            ax.text((start + i - 1) / 2, 1.01, rows[start]["network"], transform=ax.get_xaxis_transform(), ha="center", fontsize=8)
+            if i < len(rows):
+                ax.axvline(i - 0.5, color="gray", lw=0.6)
+            start = i
+
+
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Step time per run, bytes per step (measured, model, kernel), time ratios against the paper, the time model."""
     import matplotlib
@@ -644,29 +656,32 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(15, 9))
+    fig = plt.figure(figsize=(16, 14))
+    grid = fig.add_gridspec(3, 2, height_ratios=(1, 1, 1.2))
+    top, middle = fig.add_subplot(grid[0, :]), fig.add_subplot(grid[1, :])
+    left, ax = fig.add_subplot(grid[2, 0]), fig.add_subplot(grid[2, 1])
     rows = [r for r in doc["rows"] if r["step_s"]]
-    labels = [f"{r['network'].replace('emulated ', '')}\n{r['model']} {r['config']} x{r['world_size']}" for r in rows]
-    x = range(len(rows))
-    axes[0, 0].bar(x, [1000 * r["step_s"] for r in rows], color=[f"C{CONFIGS.index(r['config'])}" for r in rows])
-    axes[0, 0].set_xticks(x, labels, rotation=90, fontsize=6)
-    axes[0, 0].set(ylabel="ms per step", title="step time (colour = configuration)", yscale="log")
+    x = list(range(len(rows)))
+    top.bar(x, [1000 * r["step_s"] for r in rows], color=[f"C{CONFIGS.index(r['config'])}" for r in rows])
+    top.set(ylabel="ms per step", yscale="log")
+    top.set_title("step time (colour = configuration)", pad=16)
     for j, (key, name) in enumerate((("meter_bytes_per_step", "measured (meter)"), ("model_bytes_per_step", "byte model"),
                                      ("kernel_tx_bytes_per_step", "kernel tx"))):  # fmt: skip
-        axes[0, 1].bar([i + 0.27 * j for i in x], [(r.get(key) or 0) / 1e6 for r in rows], 0.27, label=name)
-    axes[0, 1].set_xticks(x, labels, rotation=90, fontsize=6)
-    axes[0, 1].set(ylabel="MB per step per rank", title="bytes per step", yscale="log")
-    axes[0, 1].legend(fontsize=7)
+        middle.bar([i + 0.27 * (j - 1) for i in x], [(r.get(key) or 0) / 1e6 for r in rows], 0.27, label=name)
+    middle.set(ylabel="MB per step per rank", yscale="log")
+    middle.set_title("bytes per step and rank", pad=16)
+    middle.legend(fontsize=8)
+    for panel in (top, middle):
+        _network_groups(panel, rows)
     rat = doc.get("ratios", [])
-    rl = [f"{r['network'].replace('emulated ', '')}\n{r['model']} {r['config']} x{r['world_size']}" for r in rat]
-    axes[1, 0].bar(range(len(rat)), [r["ratio"] for r in rat], color=[f"C{CONFIGS.index(r['config'])}" for r in rat])
+    left.bar(range(len(rat)), [r["ratio"] for r in rat], color=[f"C{CONFIGS.index(r['config'])}" for r in rat])
     for model, ls in (("bert", "--"), ("albert", ":")):
-        axes[1, 0].axhline(PAPER[model]["ratio"], color="k", ls=ls, lw=1, label=f"paper 003 {model} TP÷DP {PAPER[model]['ratio']}")
-    axes[1, 0].axhline(1.0, color="gray", lw=0.8)
-    axes[1, 0].set_xticks(range(len(rat)), rl, rotation=90, fontsize=6)
-    axes[1, 0].set(ylabel="step time ÷ DP's", title="TP-like configurations against DP", yscale="log")
-    axes[1, 0].legend(fontsize=7)
-    ax = axes[1, 1]
+        left.axhline(PAPER[model]["ratio"], color="k", ls=ls, lw=1, label=f"paper 003 {model} TP÷DP {PAPER[model]['ratio']}")
+    left.axhline(1.0, color="gray", lw=0.8)
+    left.set(ylabel="step time ÷ DP's", yscale="log")
+    left.set_title("against DP (same model, network, ranks)", pad=16)
+    _network_groups(left, rat)
+    left.legend(fontsize=7)
     cross = doc.get("crossover", [])
     models = list(dict.fromkeys(c["model"] for c in cross))
     bws = [10 ** (5 + k / 20) for k in range(100)]  # 100 kB/s .. 10 GB/s
@@ -684,7 +699,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
         if c["bandwidth_bytes_per_s"]:
             ax.axvline(c["bandwidth_bytes_per_s"] * 8 / 1e6, color=color, lw=0.6, ls=":")
     ax.set(xscale="log", yscale="log", xlabel="link bandwidth, Mbit/s", ylabel="s per step",
-           title="time model t = compute + bytes / bandwidth; markers measured, dotted verticals crossovers")  # fmt: skip
+           title="t = compute + bytes / bandwidth (lines), measured (markers)")  # fmt: skip
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=6, ncol=2)
     fig.suptitle(f"tensor_parallel suite, {doc['created']}", fontsize=9)
