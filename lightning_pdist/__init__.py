@@ -1,7 +1,8 @@
 """lightning_pdist: distributed-training algorithms from the literature as Lightning strategies.
 
 Importing the package registers every strategy name with Lightning's ``StrategyRegistry``, so
-``Trainer(strategy="bmuf")`` works after ``import lightning_pdist``.
+``Trainer(strategy="bmuf")`` works after ``import lightning_pdist``; the Lightning Fabric strategies
+(:mod:`lightning_pdist.fabric`) register with Fabric's own registry, so ``Fabric(strategy="bmuf")`` works too.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -25,3 +26,5 @@ for _strategy in (PdistStrategy, LocalSGDStrategy, SimuParallelSGDStrategy, BMUF
 ParameterServerStrategy.register_strategies(StrategyRegistry)
 PipelineStrategy.register_strategies(StrategyRegistry)
 TensorParallelStrategy.register_strategies(StrategyRegistry)
+
+import lightning_pdist.fabric  # noqa: E402  (registers the Fabric strategy names)

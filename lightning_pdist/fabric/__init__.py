@@ -1,0 +1,21 @@
+"""lightning_pdist's algorithms as Lightning Fabric strategies: ``Fabric(strategy="bmuf")`` or a class below.
+
+Importing ``lightning_pdist`` registers the names with Fabric's ``STRATEGY_REGISTRY`` (a registry of its own, apart
+from the Trainer's): ``local_sgd``, ``bmuf``, ``easgd``, ``signsgd_mv`` and ``it_signsgd``, each with ``_fork`` and
+``_spawn`` variants and ``_find_unused_parameters_true`` forms. ``docs/fabric.md`` has a whole training loop, and
+says per strategy why the parameter server, the pipeline and tensor parallelism have no Fabric form.
+"""
+
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+from lightning_pdist.fabric.base import PdistFabricStrategy
+from lightning_pdist.fabric.bmuf import BMUFFabricStrategy
+from lightning_pdist.fabric.easgd import EASGDFabricStrategy
+from lightning_pdist.fabric.local_sgd import LocalSGDFabricStrategy
+from lightning_pdist.fabric.signsgd import SignSGDFabricStrategy
+
+__all__ = ["BMUFFabricStrategy", "EASGDFabricStrategy", "LocalSGDFabricStrategy", "PdistFabricStrategy",
+           "SignSGDFabricStrategy"]  # fmt: skip
+
+for _strategy in (LocalSGDFabricStrategy, BMUFFabricStrategy, EASGDFabricStrategy, SignSGDFabricStrategy):
+    _strategy.register_strategies(STRATEGY_REGISTRY)
