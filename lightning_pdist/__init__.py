@@ -27,4 +27,4 @@ ParameterServerStrategy.register_strategies(StrategyRegistry)
 PipelineStrategy.register_strategies(StrategyRegistry)
 TensorParallelStrategy.register_strategies(StrategyRegistry)
 
-import lightning_pdist.fabric  # noqa: E402  (registers the Fabric strategy names)
+from lightning_pdist import fabric  # noqa: E402, F401  (registers the Fabric strategy names with Fabric's registry)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 from _helpers import free_port, make_net, rank_batches, regression_data
 from lightning.fabric import Fabric
 from torch import nn
@@ -29,6 +30,13 @@ def flat(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
+def gathered(vector: torch.Tensor):
+    """Every rank's ``vector`` as a numpy (world, d) array (numpy: torch tensors do not survive the launcher's queue)."""
+    out = [torch.empty_like(vector) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, vector.contiguous())
+    return torch.stack(out).numpy()
+
+
 def train(fabric, steps: int, lr: float = 0.1, save_at: int | None = None, path=None, resume: bool = False,
           finish: bool = False, optimizer=torch.optim.SGD, **optimizer_kwargs):  # fmt: skip
     """SGD on the regression data; returns {step: numpy (world, d) of every rank's parameters} (rank 0's copy).
@@ -47,11 +55,11 @@ def train(fabric, steps: int, lr: float = 0.1, save_at: int | None = None, path=
         fabric.backward(nn.functional.mse_loss(model(x), y))
         opt.step()
         opt.zero_grad()
-        history[t] = fabric.all_gather(flat(model)).numpy()
+        history[t] = gathered(flat(model))
         if t == save_at:
             state["step"] = t
             fabric.save(path, state)
     if finish:
         fabric.strategy.load_consensus()
-        history["final"] = fabric.all_gather(flat(model)).numpy()
+        history["final"] = gathered(flat(model))
     return history

@@ -1,8 +1,8 @@
 """lightning_pdist's algorithms as Lightning Fabric strategies: ``Fabric(strategy="bmuf")`` or a class below.
 
 Importing ``lightning_pdist`` registers the names with Fabric's ``STRATEGY_REGISTRY`` (a registry of its own, apart
-from the Trainer's): ``local_sgd``, ``bmuf``, ``easgd``, ``signsgd_mv`` and ``it_signsgd``, each with ``_fork`` and
-``_spawn`` variants and ``_find_unused_parameters_true`` forms. ``docs/fabric.md`` has a whole training loop, and
+from the Trainer's): ``local_sgd``, ``simuparallel_sgd``, ``bmuf``, ``easgd``, ``signsgd_mv`` and ``it_signsgd``,
+each with ``_fork`` and ``_spawn`` variants and ``_find_unused_parameters_true`` forms. ``docs/fabric.md`` has a whole training loop, and
 says per strategy why the parameter server, the pipeline and tensor parallelism have no Fabric form.
 """
 
@@ -13,9 +13,11 @@ from lightning_pdist.fabric.bmuf import BMUFFabricStrategy
 from lightning_pdist.fabric.easgd import EASGDFabricStrategy
 from lightning_pdist.fabric.local_sgd import LocalSGDFabricStrategy
 from lightning_pdist.fabric.signsgd import SignSGDFabricStrategy
+from lightning_pdist.fabric.simuparallel_sgd import SimuParallelSGDFabricStrategy
 
 __all__ = ["BMUFFabricStrategy", "EASGDFabricStrategy", "LocalSGDFabricStrategy", "PdistFabricStrategy",
-           "SignSGDFabricStrategy"]  # fmt: skip
+           "SignSGDFabricStrategy", "SimuParallelSGDFabricStrategy"]  # fmt: skip
 
-for _strategy in (LocalSGDFabricStrategy, BMUFFabricStrategy, EASGDFabricStrategy, SignSGDFabricStrategy):
+for _strategy in (LocalSGDFabricStrategy, SimuParallelSGDFabricStrategy, BMUFFabricStrategy, EASGDFabricStrategy,
+                  SignSGDFabricStrategy):  # fmt: skip
     _strategy.register_strategies(STRATEGY_REGISTRY)

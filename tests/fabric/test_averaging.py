@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from _fabric_loop import flat, launch, train
+from _fabric_loop import flat, gathered, launch, train
 from _helpers import TinyRegression, fit, make_net, reference_replicas
 
 from lightning_pdist import BMUFStrategy
 from lightning_pdist.fabric import BMUFFabricStrategy, EASGDFabricStrategy, LocalSGDFabricStrategy
+from lightning_pdist.fabric import SimuParallelSGDFabricStrategy
 
 
 def _initial():
@@ -104,6 +105,22 @@ def _early_global_model(state, replicas, bm, blr):
     return anchor - (bm * delta + blr * (anchor - torch.stack(replicas).mean(0)))
 
 
+def test_simuparallel_sgd_trains_independently_and_averages_once():
+    """SimuParallelSGD: no communication while training; load_consensus() loads the mean of the independent replicas."""
+
+    def run(fabric):
+        history = train(fabric, 7, finish=True)
+        return history, fabric.strategy.comm_meter.by_kind
+
+    history, by_kind = launch(SimuParallelSGDFabricStrategy(start_method="fork"), run)
+    independent = reference_replicas(2, 7, _local_sgd_reference, period=100)
+    _assert_history(history, independent, range(1, 8))
+    for r in range(2):
+        torch.testing.assert_close(torch.from_numpy(history["final"][r]), torch.stack(independent[7]).mean(0),
+                                   atol=1e-6, rtol=0)  # fmt: skip
+    assert list(by_kind) == ["param_all_reduce"]  # the one average; no gradient traffic
+
+
 def test_consensus_weights_swaps_in_and_out():
     """Inside consensus_weights() the module holds the average; after it each rank has its own replica back."""
 
@@ -112,8 +129,8 @@ def test_consensus_weights_swaps_in_and_out():
         model = fabric.strategy.module
         own = flat(model).clone()
         with fabric.strategy.consensus_weights():
-            inside = fabric.all_gather(flat(model)).numpy()
-        return train_history[4], inside, fabric.all_gather(own).numpy(), fabric.all_gather(flat(model)).numpy()
+            inside = gathered(flat(model))
+        return train_history[4], inside, gathered(own), gathered(flat(model))
 
     replicas, inside, own, after = launch(LocalSGDFabricStrategy(period=3, start_method="fork"), run)
     assert not torch.allclose(torch.from_numpy(replicas[0]), torch.from_numpy(replicas[1]))
