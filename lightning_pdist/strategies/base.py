@@ -57,7 +57,7 @@ from lightning_pdist.algorithms.nonfinite import all_finite, culprit_ranks, one_
 from lightning_pdist.comm.accounting import CommMeter
 from lightning_pdist.comm.collectives import all_reduce_sum_
 from lightning_pdist.comm.hooks import AllReduceState, allreduce_hook
-from lightning_pdist.strategies import rank_files
+from lightning_pdist.strategies import lifetime, rank_files
 from lightning_pdist.strategies.nonfinite import NonFiniteGuard, SkipStep, optimizer_grads
 from lightning_pdist.strategies.run_logging import CommLogState, install_progress_bar_format, log_comm_bytes
 from lightning_pdist.strategies.run_logging import log_final_total, log_run_settings, resolved_settings
@@ -107,6 +107,31 @@ class PdistStrategy(DDPStrategy):
         self._comm_log = CommLogState()
         self._loaded_pdist_state: dict | None = None
         self._loaded_rank_state: tuple[dict | None, str] = (None, "")
+
+    # ------------------------------------------------------------------ lifetime
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        self._launcher = lifetime.own_launcher(self._launcher)  # popen: tells the ranks it starts its pid
+        self._launcher_pid = lifetime.launcher_pid()  # fork/spawn children carry the launching process's value
+
+    @override
+    def setup_environment(self) -> None:
+        # A rank that Lightning's launcher started dies with it (SIGKILL, even if stopped): no rank outlives the job.
+        lifetime.die_with_launcher(getattr(self, "_launcher_pid", None))
+        super().setup_environment()
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        self._heartbeat = lifetime.start_heartbeat(self)  # names a stopped or dead rank if a collective fails
+
+    @override
+    def teardown(self) -> None:
+        heartbeat, self._heartbeat = getattr(self, "_heartbeat", None), None
+        if heartbeat is not None:
+            heartbeat.stop()
+        super().teardown()
 
     # ------------------------------------------------------------------ comm hooks
     def _default_comm_hook(self) -> tuple[object, Callable] | None:
@@ -316,6 +341,7 @@ class PdistStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        lifetime.name_lost_ranks(self, exception, getattr(self, "_heartbeat", None))
         # DDPStrategy.on_exception would advise strategy='ddp_find_unused_parameters_true': plain DDP, no algorithm.
         name = self.registered_name(self)
         _augment_message(

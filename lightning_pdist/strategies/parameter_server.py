@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
@@ -703,7 +703,11 @@ class ParameterServerStrategy(PdistStrategy):
         self._secret = None
         workers, self.workers = self.workers, None
         if workers is not None:
-            workers.close()  # rank 0's store on MASTER_PORT is gone before any worker returns from here
+            # rank 0's store on MASTER_PORT is gone before any worker returns from here; after a failure the others
+            # may be stopped or dead, so the closing barrier waits a second, not 30 s
+            module = self.lightning_module
+            failed = module is not None and module._trainer is not None and module.trainer.state.status == TrainerStatus.INTERRUPTED
+            workers.close(timeout=timedelta(seconds=1 if failed else 30))
         super().teardown()
 
     def _stop_servers(self) -> None:
