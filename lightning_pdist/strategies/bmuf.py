@@ -35,7 +35,9 @@ class BMUFStrategy(ModelAveragingStrategy):
         warmup_steps: leading steps that run as plain DDP; the first block starts after them.
         nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what every rank does when a step's
             gradients, or the replicas at a synchronization, hold NaN/Inf (see the method card).
-        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`, e.g. ``timeout``: how long the
+            rendezvous and every collective wait for a stopped or hung rank (default 30 min); then the waiting ranks
+            fail naming the rank whose heartbeat stopped (method card, "Timeouts, hung and dead ranks").
     """
 
     strategy_name = "bmuf"
