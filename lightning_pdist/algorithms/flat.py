@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["all_finite", "averaged_tensors", "flatten", "unflatten_into_"]
+__all__ = ["averaged_tensors", "flatten", "unflatten_into_"]
 
 
 def averaged_tensors(module: nn.Module) -> list[Tensor]:
@@ -19,11 +19,6 @@ def averaged_tensors(module: nn.Module) -> list[Tensor]:
     params = [p for p in module.parameters()]
     buffers = [b for b in module.buffers() if torch.is_floating_point(b)]
     return params + buffers
-
-
-def all_finite(tensors: list[Tensor]) -> bool:
-    """Whether every element of every tensor is finite (no flat copy is made)."""
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def flatten(tensors: list[Tensor]) -> Tensor:

@@ -87,7 +87,7 @@ def culprit_ranks(flags: Tensor) -> list[int]:
 
 def nonfinite_error(
     owner: str, what: str, ranks: list[int], step: int, before: str, policy: str = "raise", note: str = "",
-    skippable: bool = True,
+    skippable: bool = True, scope: str = "every rank", who: str | None = None,
 ) -> FloatingPointError:
     """The error every rank stops with; the same words in every strategy.
 
@@ -100,21 +100,24 @@ def nonfinite_error(
         policy: the policy in force (``"skip_step"`` raises too where a skip cannot help; ``note`` says why).
         note: a sentence the strategy adds.
         skippable: whether ``nonfinite='skip_step'`` would have skipped it (then the message suggests it).
+        scope: who stops (``"every rank"`` where the ranks agree; one worker where they cannot).
+        who: where they were, instead of ``ranks`` (e.g. ``"worker 1"``).
     """
-    who = f"rank(s) {ranks}" if ranks else "some rank (which one could not be told)"
+    if who is None:
+        who = f"rank(s) {ranks}" if ranks else "some rank (which one could not be told)"
     advice = "; nonfinite='skip_step' skips such steps on every rank instead." if skippable and policy == "raise" else "."
     return FloatingPointError(
-        f"{owner}(nonfinite={policy!r}): non-finite {what} (NaN/Inf) on {who} at global step {step}; every rank "
+        f"{owner}(nonfinite={policy!r}): non-finite {what} (NaN/Inf) on {who} at global step {step}; {scope} "
         f"stops here, before {before}.{(' ' + note) if note else ''} Lower the learning rate, clip gradients or "
         f"look for the batch that produced them{advice}"
     )
 
 
-def skip_warning(owner: str, what: str, ranks: list[int], step: int, skipped: str) -> str:
+def skip_warning(owner: str, what: str, ranks: list[int], step: int, skipped: str, scope: str = "every rank") -> str:
     """The warning of the first step ``nonfinite='skip_step'`` skips (``ranks`` empty: not known which)."""
     who = f"rank(s) {ranks}" if ranks else "some rank"
     return (
-        f"{owner}(nonfinite='skip_step'): non-finite {what} (NaN/Inf) on {who} at global step {step}; every rank "
+        f"{owner}(nonfinite='skip_step'): non-finite {what} (NaN/Inf) on {who} at global step {step}; {scope} "
         f"skipped {skipped}. Later skips are counted in pdist/skipped_steps without another warning."
     )
 

@@ -17,6 +17,7 @@ does the rest the same way everywhere:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -91,8 +92,11 @@ class NonFiniteGuard:
 
         return guarded
 
-    def act(self, what: str, ranks: list[int], module: Any, before: str, skipped: str) -> None:
+    def act(self, what: str, ranks: list[int], module: Any, before: str, skipped: str, scope: str = "every rank") -> None:
         """Every rank, at the same step: raise (``"raise"``), or restore the buffers, count, warn once and skip.
+
+        ``scope`` says who acts: ``"every rank"`` (or ``"every worker"``: the ranks agreed, so rank 0 warns for all)
+        or one rank that acts alone (it warns itself), such as an asynchronous parameter-server worker.
 
         Raises:
             FloatingPointError: under ``"raise"``, naming ``ranks`` and the global step.
@@ -102,9 +106,10 @@ class NonFiniteGuard:
         if module is not None:
             self._snapshot.restore_(float_buffers(module))
         if self.policy == "raise":
-            raise nonfinite_error(self.owner, what, ranks, step, before)
+            raise nonfinite_error(self.owner, what, ranks, step, before, scope=scope)
         if self.skipped.record(step):
-            rank_zero_warn(skip_warning(self.owner, what, ranks, step, skipped))
+            message = skip_warning(self.owner, what, ranks, step, skipped, scope)
+            rank_zero_warn(message) if scope.startswith("every") else warnings.warn(message, stacklevel=2)
         raise SkipStep
 
     def snapshot(self, module: Any, precision_plugin: Any = None) -> None:

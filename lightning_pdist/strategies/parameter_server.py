@@ -45,7 +45,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pdist.algorithms.flat import all_finite
+from lightning_pdist.algorithms.nonfinite import all_finite, culprit_ranks, nonfinite_error, one_hot_flag
 from lightning_pdist.algorithms.sharding import ShardingPlan, param_specs, plan_sharding
 from lightning_pdist.comm.accounting import all_reduce_bytes
 from lightning_pdist.comm.ps_auth import new_secret, read_secret_file
@@ -57,6 +57,7 @@ from lightning_pdist.comm.ps_workers import WorkerGroup
 from lightning_pdist.plugins.ps_precision import ParameterServerMixedPrecision
 from lightning_pdist.strategies.base import PdistStrategy
 from lightning_pdist.strategies.config import refuse_owned_ddp_args
+from lightning_pdist.strategies.nonfinite import SkipStep, global_step
 from lightning_pdist.strategies.ps_config import ParameterServerConfig
 
 __all__ = ["ParameterServerConfig", "ParameterServerStrategy"]
@@ -129,6 +130,22 @@ class ParameterServerStrategy(PdistStrategy):
     the iteration and the staleness bound keeps its meaning. In both, the other workers are unaffected and each
     worker's scale is its own. ``plugin.skipped_steps`` counts a worker's skipped pushes.
 
+    Non-finite gradients (``nonfinite=``, :mod:`lightning_pdist.algorithms.nonfinite`; without a GradScaler): each
+    worker checks its own gradient, per tensor, after the backward and *before* the push, so no server shard, server
+    optimizer state or version ever takes a NaN. ``sync`` (with or without backup workers): one all-reduce of
+    ``world_size`` flags on the workers' group every step (``4·N`` bytes, counted as ``ps_nonfinite``; it waits for
+    every worker's backward, also with backup workers) tells every worker whether, and on which workers, a
+    gradient was not finite; then ``"raise"`` stops every worker at that step with a ``FloatingPointError``
+    naming the workers and the global step, and ``"skip_step"`` skips that step's push on every worker (no server
+    steps, as for an fp16 overflow). ``async``/``ssp``: the workers do not meet per step, so the check is the
+    worker's own: ``"raise"`` stops that worker before its push (the others go on until they next meet it, at
+    validation, a checkpoint or the end of ``fit``, or until the launcher ends the job; Lightning's fork/spawn
+    launchers end them at once); ``"skip_step"`` skips that worker's own push of that step as an fp16 overflow does
+    (its earlier accumulated gradients still go out; ``ssp`` sends an empty push so that its clock counts the
+    step), and the other workers are not affected. Both restore the worker's float buffers. Whatever the mode, a
+    non-finite parameter pulled from the servers after checked-finite pushes (the servers' step diverged) stops
+    that worker (every worker in ``sync``): no skip can undo a server step. ``"propagate"`` checks nothing.
+
     Logged every step (this worker's view): ``pdist/comm_bytes`` (bytes it sent), ``pdist/ps/wait_s``
     (time in push/pull, including waiting for other workers), ``pdist/ps/server{s}_bytes_in``/``_out``
     (server ``s``'s traffic since this worker's previous exchange), ``pdist/ps/server_bytes_max``/``_mean``,
@@ -151,15 +168,12 @@ class ParameterServerStrategy(PdistStrategy):
             unauthenticated (warned). Servers the strategy starts always authenticate, with a fresh secret.
         allowed_networks: comma-separated address ranges servers accept connections from. Nothing is
             encrypted: run inside a trusted network (see the method card).
-        server_timeout: seconds a worker waits for a server's reply (default 300). A sync step (or SSP pull) waits
-            for the slowest worker: when other workers keep it waiting this long, the live server answers naming them
-            (``WorkerStalled: ... worker 1 (pid 4242 on host node3, ...) has not pushed step 17 for 300 s: it is
-            stopped, hung or dead; parameter server 0 is alive``); a server that has not answered 10 s later is
-            blamed itself. A server that dies fails its workers at once. Worker ``m`` is global rank ``m``.
+        server_timeout: seconds a worker waits for a server's reply before failing (sync steps wait for
+            the slowest worker, so keep it generous). A server that dies fails its workers at once.
+        nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what the workers do when a gradient
+            holds NaN/Inf before its push (see "Non-finite gradients" above).
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (``start_method``,
-            ``timeout`` of the workers' gloo group: the rendezvous, barriers and broadcasts, default 30 min, ...).
-            Nothing is wrapped in ``DistributedDataParallel``. The method card's "Timeouts and hung workers" has
-            values for long runs.
+            ``timeout`` of the workers' gloo group, ...). Nothing is wrapped in ``DistributedDataParallel``.
     """
 
     strategy_name = "parameter_server"
@@ -182,6 +196,7 @@ class ParameterServerStrategy(PdistStrategy):
         server_secret_file: str | None = None,
         allowed_networks: str = "127.0.0.0/8",
         server_timeout: float = 300.0,
+        nonfinite: str = "raise",
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
@@ -193,8 +208,8 @@ class ParameterServerStrategy(PdistStrategy):
             server_addresses=_addresses(server_addresses, owner), server_secret_file=server_secret_file,
             allowed_networks=allowed_networks, server_timeout=server_timeout, owner=owner,
         )  # fmt: skip
-        super().__init__(ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None, model_averaging_period=None,
-                         **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
+        super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
+                         model_averaging_period=None, **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
         if server_addresses is not None and server_secret_file is None:
             rank_zero_warn(f"{owner}(server_addresses={list(server_addresses)!r}, server_secret_file=None): these servers "
                            "are unauthenticated; any process that reaches them (on a shared node, any user's) can push "
@@ -457,16 +472,19 @@ class ParameterServerStrategy(PdistStrategy):
         plugin = self.precision_plugin
         scaled = isinstance(plugin, ParameterServerMixedPrecision)
         # forward + backward, then on_before_optimizer_step and gradient clipping; the step itself is the servers'
+        k = next((i for i, o in enumerate(self.optimizers) if o is optimizer), None)
+        if k is None:
+            raise RuntimeError(f"{type(self).__name__}.optimizer_step: {type(optimizer).__name__} is not one of the optimizers "
+                               "configure_optimizers returned; the servers run only those")  # fmt: skip
         if scaled:  # fp16 with a GradScaler: the gradients come back unscaled, with this worker's overflow flag
             closure_result, overflowed = plugin.backward_and_unscale(model, optimizer, closure)
             skip = self._agree_overflow(bool(overflowed))
         else:
             closure_result, overflowed, skip = plugin._wrap_closure(model, optimizer, closure), None, False
-        k = next((i for i, o in enumerate(self.optimizers) if o is optimizer), None)
-        if k is None:
-            raise RuntimeError(f"{type(self).__name__}.optimizer_step: {type(optimizer).__name__} is not one of the optimizers "
-                               "configure_optimizers returned; the servers run only those")  # fmt: skip
+            if self.nonfinite_guard.consulted(plugin) and not (closure_result is None and model.automatic_optimization):
+                skip = self._check_nonfinite(k)
         self._exchange(k, skip)
+        self.nonfinite_guard.step_done()
         if scaled and (overflowed is not None or self.config.mode == "sync"):
             # Without a backward Lightning leaves the scale alone; a sync worker still takes the agreed flag, so
             # that every worker's scale stays the same.
@@ -494,13 +512,40 @@ class ParameterServerStrategy(PdistStrategy):
         self.comm_meter.add("ps_overflow", all_reduce_bytes(flag.numel() * flag.element_size(), self.world_size))
         return bool(flag.item())
 
+    def _check_nonfinite(self, k: int) -> bool:
+        """Whether this step's push is skipped for non-finite gradients (``"raise"`` raises instead); before any push.
+
+        ``sync``: every worker learns which workers' gradients were not finite (one all-reduce of ``world_size``
+        flags), so every worker raises or skips at the same step. ``async``/``ssp``: this worker's own check.
+        """
+        bad = not all_finite([g for g in self.layout.grads_of(k).values() if g is not None])
+        agreed = self.config.mode == "sync" and self.workers is not None and self.world_size > 1
+        if agreed:
+            flags = one_hot_flag(bad, self.global_rank, self.world_size)
+            self.workers.all_reduce_(flags, "sum")
+            self.comm_meter.add("ps_nonfinite", all_reduce_bytes(flags.numel() * flags.element_size(), self.world_size))
+            ranks = culprit_ranks(flags)
+        else:
+            ranks = [self.global_rank] if bad else []
+        if not ranks:
+            return False
+        local = self.config.mode != "sync"
+        try:
+            self.nonfinite_guard.act(
+                "gradients", ranks, self.lightning_module, before="its push (no server has seen them)" if local else
+                "the push (no server has seen them)", skipped="its own push of that step" if local else
+                "that step's push (no server stepped)", scope=f"worker {self.global_rank}" if local else "every worker")  # fmt: skip
+        except SkipStep:
+            return True
+        return False
+
     def _exchange(self, k: int, skip: bool = False) -> None:
         # The worker's .grad is left as it is (a torch optimizer's step does not clear it either): the user's or
         # Lightning's zero_grad does, and another optimizer may still need the gradients of its own parameters.
         self.step += 1
         self.optimizer_steps[k] += 1
         grads = self.layout.grads_of(k)
-        if skip:  # an fp16 overflow: this step's gradient (Inf/NaN) goes nowhere
+        if skip:  # an fp16 overflow or a non-finite skip: this step's gradient (Inf/NaN) goes nowhere
             grads = dict.fromkeys(grads)
         sent_before = sum(c.bytes_sent for c in self.client.connections)
         metas: list[dict] = []
@@ -523,27 +568,27 @@ class ParameterServerStrategy(PdistStrategy):
             new, metas = self._push(k, grads, pull=True)
             self._load_shards(new, metas)
         # sync skip: every worker skips (agreed), no server steps, versions stay where they are
-        if metas:
-            self._refuse_nonfinite(grads)
+        if metas and self.nonfinite != "propagate":
+            self._refuse_nonfinite()
         self.comm_meter.add("ps_push", sum(c.bytes_sent for c in self.client.connections) - sent_before)
         self._average_buffers(meeting=False)
         self._log_ps_metrics(metas)
 
-    def _refuse_nonfinite(self, grads: dict) -> None:
-        """Stop when the pulled parameters are not finite (a NaN push reaches every worker through the servers).
+    def _refuse_nonfinite(self) -> None:
+        """Stop when the pulled parameters are not finite although every push was checked: a server step diverged.
 
         In sync mode every worker pulls the same parameters, so every worker stops at the same step; in async/ssp
-        each stops at its first non-finite pull. Each says whether its own gradient was the non-finite one.
+        each stops at its first non-finite pull. Not consulted under ``nonfinite="propagate"``.
         """
-        if all_finite(self._params()):  # every step: per tensor, no flat copy
+        if all_finite(self._params()):  # every exchange: per tensor, no flat copy
             return
-        own = all_finite([g for g in grads.values() if g is not None])
-        raise FloatingPointError(
-            f"{type(self).__name__}: after step {self.step} the parameters pulled from the servers are not finite "
-            f"(worker {self.global_rank}'s own gradient was {'finite' if own else 'NOT finite'}): a NaN/inf gradient "
-            "was pushed. Training stops here, before the NaN reaches a checkpoint: lower the learning rate, clip "
-            "gradients, or look for the batch that produced it."
-        )
+        note = ("Every gradient pushed was checked finite (under a GradScaler: unscaled and not overflowed), so the "
+                "servers' optimizer step made them, and no skip can undo a server step.")  # fmt: skip
+        sync = self.config.mode == "sync"
+        raise nonfinite_error(type(self).__name__, "parameters pulled from the servers", [],
+                              global_step(self.lightning_module), "they reach a checkpoint", self.nonfinite, note,
+                              skippable=False, scope="every worker" if sync else f"worker {self.global_rank}",
+                              who=f"worker {self.global_rank}")  # fmt: skip
 
     def _buffers_every_step(self) -> bool:
         # Only where the workers are in lockstep anyway: an all-reduce per step would hold async/SSP workers

@@ -17,8 +17,8 @@ from torch import nn
 from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pdist import (BMUFStrategy, EASGDStrategy, LocalSGDStrategy, PdistStrategy, SignSGDStrategy,
-                             SimuParallelSGDStrategy)  # fmt: skip
+from lightning_pdist import (BMUFStrategy, EASGDStrategy, LocalSGDStrategy, ParameterServerStrategy, PdistStrategy,
+                             SignSGDStrategy, SimuParallelSGDStrategy)  # fmt: skip
 from lightning_pdist.algorithms.nonfinite import (
     NONFINITE_POLICIES,
     BufferSnapshot,
@@ -29,7 +29,7 @@ from lightning_pdist.algorithms.nonfinite import (
     nonfinite_error,
     one_hot_flag,
 )
-from tests._helpers import TinyRegression, fit, regression_data
+from tests._helpers import TinyRegression, fit, no_orphaned_servers, regression_data  # noqa: F401 (fixture)
 
 NAN_RANK, NAN_BATCH = 1, 2  # rank 1's third batch (global step 2)
 
@@ -47,7 +47,7 @@ def test_policy_values_are_checked_naming_argument_value_and_rule():
 
 
 @pytest.mark.parametrize("make", [LocalSGDStrategy, BMUFStrategy, EASGDStrategy, SimuParallelSGDStrategy, PdistStrategy,
-                                  SignSGDStrategy])  # fmt: skip
+                                  SignSGDStrategy, ParameterServerStrategy])  # fmt: skip
 def test_every_strategy_refuses_a_bad_policy_at_construction(make):
     """The same refusal from every constructor, before any process starts."""
     with pytest.raises(ValueError, match=rf"{make.__name__}\(nonfinite='Raise'\): nonfinite must be one of"):
@@ -145,8 +145,8 @@ class Record(Callback):
     The module's ``optimizer_step`` calls :meth:`write` in the rank's own process when the step raises.
     """
 
-    def __init__(self, dirpath: Path, state, checkpoint: bool = False):
-        self.dirpath, self.state, self.checkpoint, self.last = Path(dirpath), state, checkpoint, None
+    def __init__(self, dirpath: Path, state, checkpoint: bool = False, barrier: bool = True):
+        self.dirpath, self.state, self.checkpoint, self.barrier, self.last = Path(dirpath), state, checkpoint, barrier, None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.last = self.state(trainer)
@@ -157,7 +157,8 @@ class Record(Callback):
         torch.save(record, self.dirpath / f"rank{trainer.global_rank}.pt")
         if self.checkpoint:  # every rank stopped at the same step, so the collective save works
             trainer.save_checkpoint(self.dirpath / "stopped.ckpt")
-        trainer.strategy.barrier()  # both records are written before either process exits
+        if self.barrier:  # every rank stopped at this step: both records are written before either process exits
+            trainer.strategy.barrier()
 
 
 def records(dirpath: Path, world: int = 2) -> list[dict]:
@@ -340,3 +341,93 @@ def test_sign_propagate_hands_the_optimizer_a_nan_gradient(tmp_path):
     run(signum(nonfinite="propagate"), NormedRegression(lr=0.01), max_steps=4, callbacks=[FinalModule(tmp_path)])
     for final in finals(tmp_path):
         assert torch.isnan(final["module"]).any()
+
+
+# ---------------------------------------------------------------------------------------------- parameter servers
+def ps_state(trainer) -> dict:
+    strategy = trainer.strategy
+    return {"module": flat_module(trainer.lightning_module), "versions": list(strategy._versions),
+            "servers": strategy._servers_params()}  # fmt: skip
+
+
+def ps(**kw):
+    return ParameterServerStrategy(start_method="fork", server_timeout=30.0, **kw)
+
+
+def test_ps_sync_raise_stops_every_worker_before_the_push(tmp_path):
+    """sync, nonfinite='raise': one flag all-reduce per step; both workers raise at global step 2 naming worker 1,
+    before pushing: the servers' parameters and versions are those after step 1."""
+    with pytest.raises(ProcessRaisedException, match=r"ParameterServerStrategy\(nonfinite='raise'\): non-finite gradients "
+                                                     r"\(NaN/Inf\) on rank\(s\) \[1\] at global step 2; every worker "
+                                                     r"stops here, before the push \(no server has seen them\)"):
+        run(ps(), NormedRegression(), max_steps=5, callbacks=[Record(tmp_path, ps_state)])
+    for record in records(tmp_path):
+        assert_same_state(record["before"], record["at"])
+        assert all_finite([record["at"]["servers"]])
+
+
+def test_ps_sync_skip_step_equals_a_run_without_that_batch(tmp_path):
+    """sync, nonfinite='skip_step': every worker skips global step 2's push (no server steps) and the run ends where
+    one without that batch ends (weights and averaged BatchNorm statistics)."""
+    run(ps(nonfinite="skip_step"), NormedRegression(), max_steps=6, callbacks=[FinalModule(tmp_path)])
+    skipped = finals(tmp_path)
+    assert_warned_once(skipped, "ParameterServerStrategy(nonfinite='skip_step'): non-finite gradients (NaN/Inf) on "
+                                "rank(s) [1] at global step 2; every worker skipped that step's push (no server stepped)")
+    run(ps(), NormedRegression(nan_rank=None, drop_batch=NAN_BATCH), max_steps=5, callbacks=[FinalModule(tmp_path)])
+    reference = finals(tmp_path)
+    for rank in range(2):
+        assert skipped[rank]["skipped"] == 1.0
+        torch.testing.assert_close(skipped[rank]["module"], reference[rank]["module"], atol=1e-6, rtol=0)
+
+
+def test_ps_async_raise_stops_that_worker_before_its_push(tmp_path):
+    """async, nonfinite='raise': worker 1 checks its own gradient and stops before pushing it (the launcher ends
+    worker 0); the servers never see the NaN."""
+    with pytest.raises(ProcessRaisedException, match=r"non-finite gradients \(NaN/Inf\) on rank\(s\) \[1\] at global "
+                                                     r"step 2; worker 1 stops here, before its push"):
+        run(ps(mode="async"), NormedRegression(), max_steps=5, callbacks=[Record(tmp_path, ps_state, barrier=False)])
+    record = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    assert torch.equal(record["at"]["module"], record["before"]["module"])
+    assert all_finite([record["at"]["servers"]])
+
+
+def test_ps_async_skip_step_skips_that_workers_push_alone(tmp_path):
+    """async, nonfinite='skip_step': worker 1 alone skips its push of global step 2 and warns; worker 0 skips
+    nothing; both train on to finite weights."""
+    run(ps(mode="async", nonfinite="skip_step"), NormedRegression(), max_steps=6, callbacks=[FinalModule(tmp_path)])
+    final = finals(tmp_path)
+    assert [f["skipped"] for f in final] == [0.0, 1.0]
+    text = "on rank(s) [1] at global step 2; worker 1 skipped its own push of that step"
+    assert [text in w for w in final[1]["warnings"]].count(True) == 1 and not any(text in w for w in final[0]["warnings"])
+    assert all(all_finite([f["module"]]) for f in final)
+
+
+def test_ps_propagate_lets_the_nan_reach_the_servers(tmp_path):
+    """nonfinite='propagate': worker 1's NaN gradient is pushed, the servers step on it, every worker pulls NaN."""
+    run(ps(nonfinite="propagate"), NormedRegression(), max_steps=4, callbacks=[FinalModule(tmp_path)])
+    for final in finals(tmp_path):
+        assert torch.isnan(final["module"]).any()
+
+
+class _DivergingServerStep(NormedRegression):
+    """A weight whose gradient is 0 (finite) but whose weight decay of 1e38 makes the servers' SGD step overflow."""
+
+    def __init__(self):
+        super().__init__(nan_rank=None)
+        self.extra = nn.Parameter(torch.ones(2))
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) + 0.0 * self.extra.sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([{"params": self.net.parameters()},
+                                {"params": [self.extra], "lr": 10.0, "weight_decay": 1e38}], lr=0.1)  # fmt: skip
+
+
+def test_ps_a_diverged_server_step_stops_every_worker_even_under_skip_step():
+    """Finite gradients, a server step that overflows: every (sync) worker stops at the pull; no skip can undo it."""
+    with pytest.raises(ProcessRaisedException, match=r"ParameterServerStrategy\(nonfinite='skip_step'\): non-finite "
+                                                     r"parameters pulled from the servers \(NaN/Inf\) on worker \d at "
+                                                     r"global step 0; every worker stops here, before they reach a "
+                                                     r"checkpoint\. Every gradient pushed was checked finite"):
+        run(ps(nonfinite="skip_step"), _DivergingServerStep(), max_steps=3)
