@@ -173,14 +173,16 @@ class ParameterServerClient:
         worker: this worker's index in ``[0, num_workers)``.
         timeout: seconds a request may wait for its reply (a sync step waits for the slowest worker).
         secret: the servers' shared secret (``None``: servers without authentication).
+        wait_grace: how much longer than ``timeout`` a waiting request waits for a server's answer.
     """
 
-    def __init__(self, addresses: list[str], worker: int, timeout: float = 300.0, secret: bytes | None = None):
+    def __init__(self, addresses: list[str], worker: int, timeout: float = 300.0, secret: bytes | None = None,
+                 wait_grace: float = WAIT_GRACE):  # fmt: skip
         self.worker = worker
         self.connections: list[ServerConnection] = []
         try:
             for index, address in enumerate(addresses):
-                self.connections.append(ServerConnection(index, address, timeout=timeout, secret=secret))
+                self.connections.append(ServerConnection(index, address, timeout=timeout, secret=secret, wait_grace=wait_grace))
         except BaseException:
             self.close()
             raise

@@ -131,3 +131,22 @@ def test_hello_refuses_a_bad_pid_or_host(server, field, value):
     with pytest.raises(ServerError, match=rf"refused HELLO: RequestRefused: HELLO: {field}=.*: {field} must be"):
         conn.request(Kind.HELLO, {"worker": 0, field: value})
     conn.close()
+
+
+def test_a_stopped_server_is_blamed_after_the_grace(server):
+    """SIGSTOP the server: a waiting request fails after timeout + wait_grace, naming the server as stopped or hung."""
+    import signal
+
+    from lightning_pdist.comm.ps_client import ServerUnavailable
+
+    init(server.address)
+    client = ParameterServerClient([server.address], 0, timeout=0.5, wait_grace=0.5)
+    client.hello()
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(ServerUnavailable, match=rf"parameter server 0 at {re.escape(server.address)} did not answer "
+                                                    r"PUSHPULL within 1 s; a live server answers a waiting request after "
+                                                    r"0.5 s, .* so this server is stopped, hung or unreachable"):  # fmt: skip
+            client.push([torch.ones(6)], [0], [{"lr": 0.5}], pull=True)
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
