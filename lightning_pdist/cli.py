@@ -27,18 +27,31 @@ import sys
 from pathlib import Path
 
 import yaml
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lightning_pdist  # noqa: F401  (registers the strategy names)
 from lightning_pdist.data import PdistDataModule
 from lightning_pdist.models import ClassifierModule
 
-__all__ = ["RECIPES_DIR", "PdistCLI", "main", "resolve_recipe_args", "shipped_recipes"]
+__all__ = ["RECIPES_DIR", "LoggedConfig", "PdistCLI", "main", "resolve_recipe_args", "shipped_recipes"]
 
 #: The recipes that ship with the package (in a checkout: links to ``recipes/*.yaml``).
 RECIPES_DIR = Path(__file__).resolve().with_name("recipes")
 _RECIPE_REF = re.compile(r"(?:recipes/)?([A-Za-z0-9_-]+)(?:\.ya?ml)?")  # bmuf, bmuf.yaml, recipes/bmuf.yaml
+
+
+class LoggedConfig(SaveConfigCallback):
+    """Lightning's config file in the log dir, and the whole resolved config in every logger (``{"config": ...}``).
+
+    W&B, CSV (``hparams.yaml``) and TensorBoard then hold the run's configuration; the strategy adds its resolved
+    settings under ``"pdist"`` (:mod:`lightning_pdist.strategies.run_logging`). Runs on rank 0 only.
+    """
+
+    def save_config(self, trainer, pl_module, stage) -> None:  # noqa: ANN001 - Lightning's signature
+        config = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
+        for logger in trainer.loggers:
+            logger.log_hyperparams({"config": config})
 
 
 class PdistCLI(LightningCLI):
@@ -131,6 +144,7 @@ def main(args: list[str] | None = None) -> None:
         ClassifierModule,
         PdistDataModule,
         subclass_mode_data=True,
+        save_config_callback=LoggedConfig,
         save_config_kwargs={"overwrite": True},
         args=args,
     )

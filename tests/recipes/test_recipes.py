@@ -52,6 +52,10 @@ def test_recipe_trains_with_two_popen_ranks_and_logs_comm_bytes(recipe, tmp_path
     _run_pdist(recipe, tmp_path, "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
                f"--trainer.logger.init_args.save_dir={tmp_path}")  # fmt: skip
     rows = list(csv.DictReader(open(next(tmp_path.glob("*/version_*/metrics.csv")))))
+    hparams = yaml.safe_load(next(tmp_path.glob("*/version_*/hparams.yaml")).read_text())
+    recipe_strategy = yaml.safe_load(recipe.read_text())["trainer"]["strategy"]["class_path"]
+    assert hparams["config"]["trainer"]["strategy"]["class_path"] == recipe_strategy  # the CLI's whole config
+    assert hparams["pdist"]["world_size"] == 2  # the strategy's resolved settings
     logged = {k for row in rows for k, v in row.items() if v != ""}
     assert {"pdist/comm_bytes", "pdist/comm_bytes_total", "train/loss", "val/acc"} <= logged
     totals = [float(r["pdist/comm_bytes_total"]) for r in rows if r.get("pdist/comm_bytes_total")]
