@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from _fabric_loop import flat, gathered, launch, train
+from _fabric_loop import batch, flat, gathered, launch, train
 from _helpers import TinyRegression, fit, make_net, reference_replicas
+from torch import nn
 
 from lightning_pdist import BMUFStrategy
 from lightning_pdist.fabric import BMUFFabricStrategy, EASGDFabricStrategy, LocalSGDFabricStrategy
@@ -68,6 +69,30 @@ def test_every_rank_matches_reference(name, warmup):
     make_strategy, make_sync = CASES[name]
     history = launch(make_strategy(warmup), lambda fabric: train(fabric, 10))
     _assert_history(history, reference_replicas(2, 10, make_sync(), 3, warmup), range(1, 11))
+
+
+def test_gradient_accumulation_with_no_backward_sync():
+    """Two half-batches per step (the first under fabric.no_backward_sync) give the full-batch run, warm-up included."""
+
+    def run(fabric):
+        model = make_net()
+        model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        history = {}
+        for t in range(1, 9):
+            x, y = batch(t, fabric.global_rank, fabric.world_size)
+            with fabric.no_backward_sync(model, enabled=True):
+                fabric.backward(nn.functional.mse_loss(model(x[:2]), y[:2]) / 2)
+            fabric.backward(nn.functional.mse_loss(model(x[2:]), y[2:]) / 2)
+            opt.step()
+            opt.zero_grad()
+            history[t] = gathered(flat(model))
+        return history
+
+    history = launch(BMUFFabricStrategy(period=3, block_momentum=0.5, warmup_steps=2, start_method="fork"), run)
+    reference = reference_replicas(2, 8, _bmuf_reference(0.5, 1.0, True), 3, warmup=2)
+    for t in range(1, 9):
+        for r in range(2):
+            torch.testing.assert_close(torch.from_numpy(history[t][r]), reference[t][r], atol=1e-5, rtol=0)
 
 
 def test_fabric_and_trainer_give_the_same_weights():
