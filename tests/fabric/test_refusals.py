@@ -110,3 +110,33 @@ def test_one_rank_warns_and_trains(monkeypatch):
     fabric = Fabric(accelerator="cpu", devices=1, strategy=LocalSGDFabricStrategy(period=2))
     with pytest.warns(UserWarning, match=r"LocalSGDFabricStrategy: world_size == 1, so there is nothing to communicate"):
         fabric.launch(lambda f: train(f, 3))
+
+
+def test_consensus_before_setup_is_refused():
+    """load_consensus() before fabric.setup raises, naming the missing call."""
+    with pytest.raises(RuntimeError, match=r"LocalSGDFabricStrategy: no module is set up yet; call fabric.setup"):
+        LocalSGDFabricStrategy().load_consensus()
+
+
+@pytest.mark.filterwarnings("ignore:LocalSGDFabricStrategy. world_size == 1")
+def test_resume_without_this_ranks_file_warns(monkeypatch, tmp_path):
+    """A checkpoint whose rank file is gone resumes from the consensus, with a warning that says why."""
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    path = tmp_path / "ckpt.pt"
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=LocalSGDFabricStrategy(period=2))
+    fabric.launch(lambda f: train(f, 2, save_at=1, path=path))
+    (tmp_path / "ckpt.pt.pdist-rank0-of-1").unlink()
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=LocalSGDFabricStrategy(period=2))
+    with pytest.warns(UserWarning, match=r"pdist-rank0-of-1 \(rank 0's part of the checkpoint\) does not exist; every "
+                                         r"rank resumes from the consensus model"):  # fmt: skip
+        fabric.launch(lambda f: train(f, 2, path=path, resume=True))
+
+
+def test_sign_resume_without_rank_state_warns():
+    """The sign strategy says the vote state starts from zero when no rank file can be read."""
+    from lightning_pdist.comm.sign_hooks import SignSGDState
+
+    strategy = SignSGDFabricStrategy()
+    strategy.hook_state = SignSGDState()
+    with pytest.warns(UserWarning, match=r"SignSGDFabricStrategy: no file; the vote statistics, residuals and momentum"):
+        strategy.load_rank_state(None, {}, "no file")
