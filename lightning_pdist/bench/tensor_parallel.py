@@ -33,8 +33,8 @@ byte model, and on emulated links the kernel's ``tx_bytes`` of each rank's veth 
 (``kernel_over_model`` must lie within 10% of 1: headers and ACKs add ~5%).
 
 Crossover (``crossover``): the time model ``t = compute + bytes / bandwidth`` with each configuration's compute
-measured on loopback (its step time there; loopback's bandwidth is high enough to leave mostly compute) and its
-bytes from the model: the bandwidth below which TP beats DP, the model's prediction at every emulated rate
+measured on loopback (its busiest rank's CPU time per step, which other sessions' load hardly moves; wall time per
+step for DeepSpeed, which reports no CPU time) and its bytes from the model: the bandwidth below which TP beats DP, the model's prediction at every emulated rate
 against the measurement, and at each rate the global batch and the hidden size at which the winner changes
 (compute scaled by :func:`~lightning_pdist.algorithms.tensor_parallel_cost.encoder_flops`).
 
@@ -339,7 +339,8 @@ def build_row(run: dict[str, Any], ranks: Sequence[dict[str, Any]], facts: dict[
     row["time_steps_s"] = round(window, 4)
     row["params_local"] = ranks[0]["params_local"]
     row["final_loss"] = round(ranks[0]["losses"][-1], 4)
-    if not deepspeed:  # DeepSpeed counts nothing; its bytes are the kernel's alone
+    if not deepspeed:  # DeepSpeed counts nothing (bytes, CPU time); its bytes are the kernel's alone
+        row["cpu_per_step_s"] = round(max(r["cpu_s"] for r in ranks) / steps, 5)
         meter = statistics.mean(r["meter_bytes"] for r in ranks) / steps
         row["meter_bytes_per_step"] = round(meter)
         row["meter_by_kind_per_step"] = {k: v // steps for k, v in ranks[0]["meter_by_kind"].items()}
@@ -412,7 +413,8 @@ def encoder_params(family: str, config: SuiteConfig, hidden: int) -> int:
 def crossover(rows: Sequence[dict[str, Any]], networks: dict[str, Any], config: SuiteConfig) -> list[dict[str, Any]]:
     """Per model and TP-like engine against DP (2 ranks): where the modelled step times cross, and how well they predict.
 
-    ``compute`` is each configuration's loopback step time; bandwidths are the emulated links' measured TCP goodput.
+    ``compute`` is each configuration's CPU time per step on loopback (its busiest rank's; wall time for DeepSpeed,
+    which does not report CPU time, and for DP beside it); bandwidths are the emulated links' measured TCP goodput.
     For the encoders, at each rate also the global batch and the hidden size at which the winner changes.
     """
     from lightning_pdist.algorithms.tensor_parallel_cost import crossover_bandwidth, step_time
@@ -426,10 +428,13 @@ def crossover(rows: Sequence[dict[str, Any]], networks: dict[str, Any], config: 
             tp = at(engine, "loopback")
             if dp is None or tp is None:
                 continue
-            c_dp, c_tp, b_dp, b_tp = dp["step_s"], tp["step_s"], dp["model_bytes_per_step"], tp["model_bytes_per_step"]
+            # Compute: the busiest rank's CPU time per step where both rows have it (other sessions' load hardly
+            # moves it), else both loopback step times.
+            source = "cpu_per_step_s" if dp.get("cpu_per_step_s") and tp.get("cpu_per_step_s") else "step_s"
+            c_dp, c_tp, b_dp, b_tp = dp[source], tp[source], dp["model_bytes_per_step"], tp["model_bytes_per_step"]
             cross = crossover_bandwidth(c_dp, b_dp, c_tp, b_tp)
-            entry = {"model": model, "engine": engine, "compute_dp_s": c_dp, "compute_tp_s": c_tp, "bytes_dp": b_dp,
-                     "bytes_tp": b_tp, "bandwidth_bytes_per_s": cross.value, "tp_wins": where_wins([cross], "tp", "bandwidth"),
+            entry = {"model": model, "engine": engine, "compute_source": f"loopback {source}", "compute_dp_s": c_dp,
+                     "compute_tp_s": c_tp, "bytes_dp": b_dp, "bytes_tp": b_tp, "bandwidth_bytes_per_s": cross.value, "tp_wins": where_wins([cross], "tp", "bandwidth"),
                      "bytes_equal_global_batch": round(b_dp / (b_tp / config.global_batch), 2) if model in ENCODERS else None,
                      "rates": []}  # fmt: skip
             for name, info in networks.items():
@@ -578,7 +583,8 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
 MB = lambda b: f"{b / 1e6:.3f}"  # noqa: E731
 ROW_COLUMNS = (
     ("network", "network", None), ("model", "model", None), ("config", "config", None), ("ranks", "world_size", None),
-    ("ms/step", "step_s", lambda s: f"{1000 * s:.1f}"), ("MB/step measured", "meter_bytes_per_step", MB),
+    ("ms/step", "step_s", lambda s: f"{1000 * s:.1f}"), ("CPU ms/step", "cpu_per_step_s", lambda s: f"{1000 * s:.1f}"),
+    ("MB/step measured", "meter_bytes_per_step", MB),
     ("MB/step model", "model_bytes_per_step", MB), ("MB/step kernel", "kernel_tx_bytes_per_step", MB),
     ("kernel/model", "kernel_over_model", ".3f"), ("other load", "other_load_cores", ".2f"), ("error", "error", None),
 )  # fmt: skip
@@ -612,7 +618,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
              "FFN 3072, 108M parameters; ALBERT-base: 12M):", "", *models, "",
              f"Time: {cfg['steps']} timed optimizer steps after {cfg['warmup_steps']} untimed, between barriers on every rank; "
              f"`ms/step` is that window over the steps, the fastest of {cfg.get('repeats', 1)} runs of the plan "
-             "(`other load`: cores other sessions kept busy during the kept run). Bytes per step and rank: `measured` by the strategy's CommMeter, "
+             "(`other load`: cores other sessions kept busy during the kept run); `CPU ms/step` the busiest rank's CPU time over the same steps (not reported by DeepSpeed). Bytes per step and rank: `measured` by the strategy's CommMeter, "
              "`model` from `algorithms/tensor_parallel_cost.py`, `kernel` the veth's tx_bytes over the same window.", "",
              markdown_table(doc["rows"], ROW_COLUMNS), "", "Step time against DP (same model, network, ranks and global batch):",
              "", markdown_table(doc["ratios"], RATIO_COLUMNS), ""]  # fmt: skip
@@ -623,7 +629,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         equal = (f"; the bytes are equal at a global batch of {c['bytes_equal_global_batch']:g}"
                  if c["bytes_equal_global_batch"] is not None else "")  # fmt: skip
         lines += ["", f"Crossover, {c['model']} {c['engine']} vs dp (2 ranks): compute {1000 * c['compute_dp_s']:.0f} vs "
-                  f"{1000 * c['compute_tp_s']:.0f} ms/step (loopback), {c['bytes_dp'] / 1e6:.2f} vs {c['bytes_tp'] / 1e6:.2f} "
+                  f"{1000 * c['compute_tp_s']:.0f} ms/step ({c['compute_source']}), {c['bytes_dp'] / 1e6:.2f} vs {c['bytes_tp'] / 1e6:.2f} "
                   f"MB/step; {c['engine']} is faster {c['tp_wins']}{equal}."]  # fmt: skip
         if c["rates"]:
             lines += ["", markdown_table([{**c, **r} for r in c["rates"]], CROSS_COLUMNS)]

@@ -20,10 +20,11 @@ The rank runs ``warmup_steps`` untimed optimizer steps, then ``steps`` timed one
 window every rank waits at a barrier and reads the clock, its :class:`~lightning_pdist.comm.accounting.CommMeter`
 and its veth's kernel ``tx_bytes`` / ``tx_packets`` (emulated links). ``DIR/rank<r>.json``::
 
-    {"rank", "world_size", "spec", "step_s", "window_s", "meter_bytes", "meter_by_kind", "tx_bytes",
+    {"rank", "world_size", "spec", "step_s", "window_s", "cpu_s", "meter_bytes", "meter_by_kind", "tx_bytes",
      "tx_packets", "params_full", "params_local", "losses", "fit_s"}
 
-``meter_*`` and ``tx_*`` cover the timed window only (the barriers add a few hundred bytes to ``tx``).
+``cpu_s`` (this process's CPU time, all its threads), ``meter_*`` and ``tx_*`` cover the timed window only (the
+barriers add a few hundred bytes to ``tx``). CPU time barely moves when other work shares the cores; wall time does.
 """
 
 from __future__ import annotations
@@ -149,8 +150,8 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
             if trainer.global_step in (warmup, warmup + steps):
                 trainer.strategy.barrier()  # every rank's sends of the last step have left
                 meter = trainer.strategy.comm_meter
-                edges.append({"t": time.perf_counter(), "bytes": meter.total_bytes, "by_kind": dict(meter.by_kind),
-                              "tx": read_tx(ifname)})  # fmt: skip
+                edges.append({"t": time.perf_counter(), "cpu": time.process_time(), "bytes": meter.total_bytes,
+                              "by_kind": dict(meter.by_kind), "tx": read_tx(ifname)})  # fmt: skip
 
     seed_everything(spec["seed"], verbose=False)  # the same seed everywhere: a TP group draws the same dropout masks
     module, data = build_module_and_data(spec)
@@ -175,7 +176,7 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     kinds = {k: v - start["by_kind"].get(k, 0) for k, v in end["by_kind"].items() if v - start["by_kind"].get(k, 0)}
     result = {
         "rank": trainer.global_rank, "world_size": trainer.world_size, "spec": spec, "step_s": step_s[warmup:],
-        "window_s": end["t"] - start["t"], "meter_bytes": end["bytes"] - start["bytes"], "meter_by_kind": kinds,
+        "window_s": end["t"] - start["t"], "cpu_s": end["cpu"] - start["cpu"], "meter_bytes": end["bytes"] - start["bytes"], "meter_by_kind": kinds,
         "tx_bytes": None if tx is None else tx[0], "tx_packets": None if tx is None else tx[1],
         "params_full": params_full, "params_local": params_local, "losses": losses, "fit_s": fit_s,
     }  # fmt: skip

@@ -121,7 +121,7 @@ def test_step_bytes_of_every_configuration_by_hand():
 
 
 def _rank(rank, window=1.0, meter=24576, tx=None):
-    return {"rank": rank, "window_s": window, "step_s": [window / 2] * 2, "meter_bytes": meter, "meter_by_kind":
+    return {"rank": rank, "window_s": window, "cpu_s": window / 2, "step_s": [window / 2] * 2, "meter_bytes": meter, "meter_by_kind":
             {"tp_all_reduce": meter}, "tx_bytes": tx, "params_local": 600, "losses": [0.7, 0.6]}  # fmt: skip
 
 
@@ -129,6 +129,7 @@ def test_rows_ratios_and_kernel_check_come_from_the_ranks():
     """A row takes the slowest rank's window per step and the mean bytes; errors give no figure; ratios use DP's row."""
     ranks = [_rank(0, 1.0, tx=25000 * 2), _rank(1, 1.2, tx=26000 * 2)]
     tp = build_row({"model": "bert", "config": "tp", "world_size": 2, "tp_size": 2}, ranks, FACTS, 2, "emulated 100mbit", None)
+    assert tp["cpu_per_step_s"] == 0.3  # the busiest rank's CPU time over the 2 steps
     assert tp["step_s"] == 0.6 and tp["meter_bytes_per_step"] == 12288 == tp["model_bytes_per_step"] and tp["meter_over_model"] == 1.0
     assert tp["kernel_tx_bytes_per_step"] == 25500 and tp["kernel_over_model"] == round(25500 / 12288, 4) and tp["rate"] == "100mbit"
     dp = build_row({"model": "bert", "config": "dp", "world_size": 2, "tp_size": 1}, [_rank(0, 0.6, 8000), _rank(1, 0.6, 8000)],
@@ -156,6 +157,10 @@ def test_crossover_from_loopback_compute_and_modelled_bytes():
     nets = {"loopback": {}, "emulated 100mbit": {"measured_tcp_goodput_bytes_per_s": 12_000_000}}
     (c,) = crossover(rows, nets, config)
     assert c["bandwidth_bytes_per_s"] == pytest.approx(1e8) and c["tp_wins"] == "at bandwidth < 800.0 Mbit/s"
+    assert c["compute_source"] == "loopback step_s"  # no CPU time in these rows
+    rows[0]["cpu_per_step_s"], rows[1]["cpu_per_step_s"] = 0.05, 0.15  # where both have it, CPU time is the compute
+    (cpu,) = crossover(rows, nets, config)
+    assert cpu["compute_source"] == "loopback cpu_per_step_s" and cpu["bandwidth_bytes_per_s"] == pytest.approx(1e8)
     (rate,) = c["rates"]
     assert rate["predicted_dp_s"] == pytest.approx(0.1 + 20 / 12, abs=1e-4)
     assert rate["measured_ratio"] == round(1.1 / 1.7, 3)
