@@ -2,8 +2,9 @@
 
 Importing ``lightning_pdist`` registers the names with Fabric's ``STRATEGY_REGISTRY`` (a registry of its own, apart
 from the Trainer's): ``local_sgd``, ``simuparallel_sgd``, ``bmuf``, ``easgd``, ``signsgd_mv`` and ``it_signsgd``,
-each with ``_fork`` and ``_spawn`` variants and ``_find_unused_parameters_true`` forms. ``docs/fabric.md`` has a whole training loop, and
-says per strategy why the parameter server, the pipeline and tensor parallelism have no Fabric form.
+each with ``_fork`` and ``_spawn`` variants and ``_find_unused_parameters_true`` forms. ``docs/fabric.md`` has a
+whole training loop, and says per strategy why the parameter server, the pipeline and tensor parallelism have no
+Fabric form.
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY

@@ -1,4 +1,4 @@
-"""The base of lightning_pdist's Fabric strategies: Fabric's DDP with our comm hook, a byte meter and checkpointed state.
+"""The base of our Fabric strategies: Fabric's DDP with our comm hook, a byte meter and checkpointed state.
 
 Fabric has no training loop, so a strategy learns about training only from the calls the user's loop makes:
 
@@ -166,7 +166,8 @@ class PdistFabricStrategy(DDPStrategy):
         owner = type(self).__name__
         if self.module is None:
             raise RuntimeError(f"{owner}: fabric.load({path!r}, state) came before fabric.setup(model, optimizer); "
-                               "setup broadcasts rank 0's weights over every replica, so load after it to resume")  # fmt: skip
+                               "setup broadcasts rank 0's weights over every replica, so load after it to "
+                               "resume")  # fmt: skip
         saved = pdist.get("strategy")
         if saved != owner:
             raise ValueError(f"{owner}: {path} was saved by {saved}; its algorithm state does not carry over to "
