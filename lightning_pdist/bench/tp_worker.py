@@ -92,7 +92,10 @@ def build_strategy(spec: dict[str, Any]) -> Any:
     if spec["config"] == "dp":
         return PdistStrategy(process_group_backend="gloo")
     plan = "hybrid" if spec["config"] == "hybrid" else "auto"
-    return TensorParallelStrategy(tensor_parallel_size=spec["tp_size"], plan=plan, process_group_backend="gloo")
+    # nonfinite='propagate': the byte model is the algorithm's traffic; the default's 4·world_size-byte agreement on
+    # non-finite gradients per step (kind nonfinite_flag) would sit beside it, unmodelled.
+    return TensorParallelStrategy(tensor_parallel_size=spec["tp_size"], plan=plan, process_group_backend="gloo",
+                                  nonfinite="propagate")
 
 
 def build_module_and_data(spec: dict[str, Any]) -> tuple[Any, Any]:

@@ -20,6 +20,14 @@ and supplies the rest:
    (:class:`~lightning_pdist.comm.dtensor_meter.DTensorCommMeter`), the data-parallel all-reduce by the comm
    layer, and ``pdist/comm_bytes`` is logged after each optimizer step like every other strategy.
 
+Non-finite gradients (``nonfinite=``, :mod:`lightning_pdist.algorithms.nonfinite`): after the backward and *before*
+the data-parallel average, every rank checks its own (local, for sharded weights) gradients per tensor, and one
+all-reduce of ``world_size`` flags over all ranks (counted as ``nonfinite_flag``) tells every rank whether, and on
+which ranks, one was not finite; then ``"raise"`` stops every rank before the average and the optimizer step,
+``"skip_step"`` skips both on every rank (nothing is zeroed; float buffers restored; ``pdist/skipped_steps``), and
+``"propagate"`` checks nothing. A NaN that arises in a sharded layer's forward reaches the other ranks of its
+tensor-parallel group through the activation all-reduce, so all of them are named.
+
 Checkpoints are full by default (``save_distributed_checkpoint=False``): rank 0 writes one file that
 ``load_from_checkpoint`` reads in a plain process and that resumes exactly here.
 """
@@ -51,15 +59,17 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_pdist.algorithms.nonfinite import all_finite, culprit_ranks, one_hot_flag
 from lightning_pdist.algorithms.tensor_parallel_plan import COLWISE, ELEMENTWISE, ROWWISE, TPPlan, check_plan, plan_for
 from lightning_pdist.comm.accounting import CommMeter
-from lightning_pdist.comm.collectives import all_reduce_mean_
+from lightning_pdist.comm.collectives import all_reduce_mean_, all_reduce_sum_
 from lightning_pdist.comm.dtensor_meter import DTensorCommMeter
 from lightning_pdist.strategies.base import register_variants
 from lightning_pdist.strategies.multinode import check_gloo_interface
 from lightning_pdist.strategies.run_logging import CommLogState, install_progress_bar_format, log_comm_bytes
 from lightning_pdist.strategies.run_logging import log_final_total, log_run_settings, resolved_settings
 from lightning_pdist.strategies import tensor_parallel_clip
+from lightning_pdist.strategies.nonfinite import NonFiniteGuard, SkipStep, optimizer_grads
 from lightning_pdist.strategies.safe_io import SafeCheckpointIO
 
 __all__ = ["TensorParallelStrategy"]
@@ -90,6 +100,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
         process_group_backend: ``None`` picks gloo on CPU, NCCL on GPUs.
         timeout: for collectives.
         start_method: ``"popen"`` (Lightning's default: the script runs again per rank), ``"fork"`` or ``"spawn"``.
+        nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what every rank does when a step's
+            gradients hold NaN/Inf (see the module docstring).
 
     Example::
 
@@ -109,8 +121,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        nonfinite: str = "raise",
     ) -> None:
         owner = type(self).__name__
+        self.nonfinite_guard = NonFiniteGuard(nonfinite, owner)
         for arg, value in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise TypeError(f"{owner}({arg}={value!r}): {arg} must be an int >= 1 or None")
@@ -294,6 +308,13 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        guard = self.nonfinite_guard
+        if guard.consulted(self.precision_plugin):  # checked before the average, which would spread a NaN
+            module = model if model is not None else self.lightning_module
+            closure = guard.wrap(closure, lambda: self._nonfinite_ranks(optimizer), module,
+                                 before="the data-parallel gradient average and the optimizer step",
+                                 skipped="that gradient average and optimizer step")  # fmt: skip
+
         def closure_then_sync() -> Any:
             output = closure()
             self._sync_gradients(optimizer)
@@ -301,9 +322,31 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
         # Not counted here: hooks that run between backward and the step (on_before_optimizer_step) are not the
         # algorithm's traffic; training_step and backward are counted where they run.
-        output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        try:
+            output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        except SkipStep:
+            output = None  # every rank skipped this step (nothing averaged, nothing stepped)
+        guard.step_done()
         log_comm_bytes(self.lightning_module, self.comm_meter, self._comm_log)
+        guard.log(self.lightning_module)
         return output
+
+    @property
+    def nonfinite(self) -> str:
+        """The non-finite policy: ``"raise"``, ``"skip_step"`` or ``"propagate"``."""
+        return self.nonfinite_guard.policy
+
+    def _nonfinite_ranks(self, optimizer: Optimizer) -> list[int] | None:
+        """The ranks whose own (local) gradients are not finite, agreed by one all-reduce of ``world_size`` flags."""
+        bad = not all_finite([_local(g) for g in optimizer_grads(optimizer)])
+        flags = one_hot_flag(bad, self.global_rank, self.world_size, device=self.root_device)
+        all_reduce_sum_(flags, meter=self.comm_meter, kind="nonfinite_flag")
+        return culprit_ranks(flags) or None
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.nonfinite_guard.snapshot(self.lightning_module, self.precision_plugin)
 
     def _sync_gradients(self, optimizer: Optimizer) -> None:
         """Average the local gradients of ``optimizer``'s parameters across the data-parallel dimension."""
@@ -325,6 +368,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         checkpoint["pdist"] = {
             "strategy": type(self).__name__, "comm_meter": self.comm_meter.state_dict(),
+            "skipped_steps": self.nonfinite_guard.skipped.state_dict(),
             "plan": self.plan.as_dict() if self.plan is not None else None,
             "tensor_parallel_size": self._tensor_parallel_size, "data_parallel_size": self._data_parallel_size,
         }  # fmt: skip
@@ -351,6 +395,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         state = checkpoint.get("pdist") or {}
         if state.get("strategy") == type(self).__name__:
             self.comm_meter.load_state_dict(state.get("comm_meter", {}))
+            self.nonfinite_guard.skipped.load_state_dict(state.get("skipped_steps", {}))
         return checkpoint
 
     @classmethod

@@ -14,11 +14,12 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pdist import (BMUFStrategy, EASGDStrategy, LocalSGDStrategy, ParameterServerStrategy, PdistStrategy,
-                             SignSGDStrategy, SimuParallelSGDStrategy)  # fmt: skip
+                             SignSGDStrategy, SimuParallelSGDStrategy, TensorParallelStrategy)  # fmt: skip
 from lightning_pdist.algorithms.nonfinite import (
     NONFINITE_POLICIES,
     BufferSnapshot,
@@ -29,7 +30,7 @@ from lightning_pdist.algorithms.nonfinite import (
     nonfinite_error,
     one_hot_flag,
 )
-from tests._helpers import TinyRegression, fit, no_orphaned_servers, regression_data  # noqa: F401 (fixture)
+from tests._helpers import TinyRegression, fit, make_net, no_orphaned_servers, regression_data  # noqa: F401 (fixture)
 
 NAN_RANK, NAN_BATCH = 1, 2  # rank 1's third batch (global step 2)
 
@@ -47,7 +48,7 @@ def test_policy_values_are_checked_naming_argument_value_and_rule():
 
 
 @pytest.mark.parametrize("make", [LocalSGDStrategy, BMUFStrategy, EASGDStrategy, SimuParallelSGDStrategy, PdistStrategy,
-                                  SignSGDStrategy, ParameterServerStrategy])  # fmt: skip
+                                  SignSGDStrategy, ParameterServerStrategy, TensorParallelStrategy])  # fmt: skip
 def test_every_strategy_refuses_a_bad_policy_at_construction(make):
     """The same refusal from every constructor, before any process starts."""
     with pytest.raises(ValueError, match=rf"{make.__name__}\(nonfinite='Raise'\): nonfinite must be one of"):
@@ -129,7 +130,9 @@ def run(strategy, module, **kwargs):
 
 
 def flat_module(module) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).clone() for t in module.state_dict().values() if t.is_floating_point()])
+    """Parameters and float buffers as one vector (each rank's own shards of sharded tensors)."""
+    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in module.state_dict().values()]
+    return torch.cat([t.detach().reshape(-1).clone() for t in tensors if t.is_floating_point()])
 
 
 def averaging_state(trainer) -> dict:
@@ -431,3 +434,73 @@ def test_ps_a_diverged_server_step_stops_every_worker_even_under_skip_step():
                                                      r"global step 0; every worker stops here, before they reach a "
                                                      r"checkpoint\. Every gradient pushed was checked finite"):
         run(ps(nonfinite="skip_step"), _DivergingServerStep(), max_steps=3)
+
+
+# ---------------------------------------------------------------------------------------------- tensor parallelism
+class ShardedRegression(NormedRegression):
+    """TinyRegression's Linear stack (sharded colwise/rowwise on 2 ranks; no BatchNorm); every rank reads every row.
+
+    Rank ``nan_rank`` writes NaN into its own shard of the first layer's gradient at ``nan_batch`` (a rank-local
+    fault: a NaN input would reach both ranks through the activation all-reduce).
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.net = make_net()
+
+    def training_step(self, batch, batch_idx):
+        loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        self.log("train/loss", loss)
+        return loss
+
+    def on_after_backward(self):
+        if self.global_rank == self.nan_rank and self.trainer.global_step == self.nan_batch:
+            grad = self.net[0].weight.grad
+            (grad.to_local() if isinstance(grad, DTensor) else grad)[0, 0] = float("nan")
+
+    def train_dataloader(self):
+        x, y = regression_data(self.n).tensors
+        if self.drop_batch is not None:
+            keep = torch.ones(len(x), dtype=torch.bool)
+            keep[self.drop_batch * self.batch_size : (self.drop_batch + 1) * self.batch_size] = False
+            x, y = x[keep], y[keep]
+        return DataLoader(TensorDataset(x, y), batch_size=self.batch_size, shuffle=False)
+
+
+def tp_state(trainer) -> dict:
+    return {"module": flat_module(trainer.lightning_module)}
+
+
+def tp(**kw):
+    return TensorParallelStrategy(start_method="fork", **kw)
+
+
+def test_tp_raise_stops_both_ranks_before_the_average_and_the_step(tmp_path):
+    """nonfinite='raise' under tensor parallelism: one flag all-reduce; both ranks raise at global step 2 naming
+    rank 1 (its own shard's gradient), before the data-parallel average and the optimizer step."""
+    with pytest.raises(ProcessRaisedException, match=r"TensorParallelStrategy\(nonfinite='raise'\): non-finite gradients "
+                                                     r"\(NaN/Inf\) on rank\(s\) \[1\] at global step 2; every rank stops "
+                                                     r"here, before the data-parallel gradient average"):
+        run(tp(), ShardedRegression(), max_steps=5, callbacks=[Record(tmp_path, tp_state)])
+    for record in records(tmp_path):
+        assert_same_state(record["before"], record["at"])
+
+
+def test_tp_skip_step_equals_a_run_without_that_batch(tmp_path):
+    """nonfinite='skip_step': both ranks skip global step 2 (optimizer.step only; nothing zeroed) and end where a run
+    without that batch ends."""
+    run(tp(nonfinite="skip_step"), ShardedRegression(), max_steps=6, callbacks=[FinalModule(tmp_path)])
+    skipped = finals(tmp_path)
+    assert_warned_once(skipped, "TensorParallelStrategy(nonfinite='skip_step'): non-finite gradients (NaN/Inf) on "
+                                "rank(s) [1] at global step 2; every rank skipped that gradient average and optimizer step")
+    run(tp(), ShardedRegression(nan_rank=None, drop_batch=NAN_BATCH), max_steps=5, callbacks=[FinalModule(tmp_path)])
+    reference = finals(tmp_path)
+    for rank in range(2):
+        assert skipped[rank]["skipped"] == 1.0
+        torch.testing.assert_close(skipped[rank]["module"], reference[rank]["module"], atol=1e-6, rtol=0)
+
+
+def test_tp_propagate_writes_the_nan_into_the_weights(tmp_path):
+    """nonfinite='propagate': rank 1's NaN gradient shard reaches its weights."""
+    run(tp(nonfinite="propagate"), ShardedRegression(), max_steps=4, callbacks=[FinalModule(tmp_path)])
+    assert torch.isnan(finals(tmp_path)[1]["module"]).any()

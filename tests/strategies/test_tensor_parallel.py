@@ -143,9 +143,10 @@ def test_encoder_gradients_losses_and_weights_equal_the_unsharded_model(tmp_path
     # Each step: per layer, 2 forward all-reduces (attention output, FFN output) and 4 backward ones (the input
     # gradients of q, k, v and the first FFN linear), each of a (B, L, H) float activation.
     per_step = LAYERS * 6 * all_reduce_bytes(BATCH * SEQ * HIDDEN * 4, 2)
-    assert trainer.callback_metrics["pdist/comm_bytes"].item() == per_step
-    assert got["kinds"] == {"tp_all_reduce": 3 * per_step}
-    assert trainer.callback_metrics["pdist/comm_bytes_total"].item() == 3 * per_step
+    flag = all_reduce_bytes(2 * 4, 2)  # nonfinite='raise': the ranks agree on 2 float flags before every step
+    assert trainer.callback_metrics["pdist/comm_bytes"].item() == per_step + flag
+    assert got["kinds"] == {"tp_all_reduce": 3 * per_step, "nonfinite_flag": 3 * flag}
+    assert trainer.callback_metrics["pdist/comm_bytes_total"].item() == 3 * (per_step + flag)
 
 
 def test_mlp_stack_equals_the_unsharded_model(tmp_path):
@@ -187,7 +188,7 @@ def test_dp_by_tp_on_four_ranks_equals_the_unsharded_model_on_the_global_batch(t
     for g, w in zip(got["grads"], want["grads"]):
         _assert_close(g, w)
     _assert_close(dict(trainer.lightning_module.named_parameters()), want["weights"])
-    assert set(got["kinds"]) == {"tp_all_reduce", "dp_all_reduce"}
+    assert set(got["kinds"]) == {"tp_all_reduce", "dp_all_reduce", "nonfinite_flag"}
 
 
 def test_hybrid_vgg_equals_the_unsharded_model_on_the_global_batch(tmp_path):
