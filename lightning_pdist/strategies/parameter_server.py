@@ -168,12 +168,17 @@ class ParameterServerStrategy(PdistStrategy):
             unauthenticated (warned). Servers the strategy starts always authenticate, with a fresh secret.
         allowed_networks: comma-separated address ranges servers accept connections from. Nothing is
             encrypted: run inside a trusted network (see the method card).
-        server_timeout: seconds a worker waits for a server's reply before failing (sync steps wait for
-            the slowest worker, so keep it generous). A server that dies fails its workers at once.
+        server_timeout: seconds a worker waits for a server's reply (default 300). A sync step (or SSP pull) waits
+            for the slowest worker: when other workers keep it waiting this long, the live server answers naming them
+            (``WorkerStalled: ... worker 1 (pid 4242 on host node3, ...) has not pushed step 17 for 300 s: it is
+            stopped, hung or dead; parameter server 0 is alive``); a server that has not answered 10 s later is
+            blamed itself. A server that dies fails its workers at once. Worker ``m`` is global rank ``m``.
         nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what the workers do when a gradient
             holds NaN/Inf before its push (see "Non-finite gradients" above).
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (``start_method``,
-            ``timeout`` of the workers' gloo group, ...). Nothing is wrapped in ``DistributedDataParallel``.
+            ``timeout`` of the workers' gloo group: the rendezvous, barriers and broadcasts, default 30 min, ...).
+            Nothing is wrapped in ``DistributedDataParallel``. The method card's "Timeouts and hung workers" has
+            values for long runs.
     """
 
     strategy_name = "parameter_server"
