@@ -14,6 +14,7 @@ Never imports Lightning.
 
 from __future__ import annotations
 
+import os
 import pickle
 from datetime import timedelta
 
@@ -34,6 +35,8 @@ class WorkerGroup:
     * torch's default group already exists in this process (another strategy ran here before, in
       processes launched once for several Trainers): a new gloo group of the default group's ranks
       (``dist.new_group``, on the default group's store; no second store is bound on its port);
+    * under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``): the agent's store at ``host:port``, keys under a
+      prefix of this group's own;
     * otherwise: a ``TCPStore`` hosted by rank 0 at ``host:port`` (the job's ``MASTER_PORT``) and a
       ``ProcessGroupGloo`` over it. Every rank, rank 0 included, talks to the store through a client
       of its own, so rank 0 can stop the store while the group lives on. :meth:`close` stops it and
@@ -43,6 +46,8 @@ class WorkerGroup:
 
     With ``world_size == 1`` there is no group; every collective returns its input.
     """
+
+    _agent_groups = 0  # groups made on torchrun's agent store by this process (every worker makes them in step)
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout: timedelta = timedelta(minutes=30)):
         self.rank, self.world_size = rank, world_size
@@ -61,10 +66,17 @@ class WorkerGroup:
                 )
             self.pg = dist.new_group(backend="gloo", timeout=timeout)
             return
-        if rank == 0:
+        prefix = "pdist/workers/"
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent already serves a store at MASTER_ADDR:MASTER_PORT: use it (binding a second store on
+            # that port fails loudly). Keys get a prefix per group, so a later group never reads this one's keys.
+            WorkerGroup._agent_groups += 1
+            run, restart = os.environ.get("TORCHELASTIC_RUN_ID", "run"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            prefix += f"{run}/{restart}/{WorkerGroup._agent_groups}/"
+        elif rank == 0:
             self._server = dist.TCPStore(host, port, None, True, timeout=timeout, wait_for_workers=False)
         self._client = dist.TCPStore(host, port, None, False, timeout=timeout, wait_for_workers=False)
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("pdist/workers/", self._client), rank, world_size, timeout)
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._client), rank, world_size, timeout)
 
     # ------------------------------------------------------------------ collectives
     def barrier(self) -> None:

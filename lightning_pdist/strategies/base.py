@@ -58,6 +58,7 @@ from lightning_pdist.comm.accounting import CommMeter
 from lightning_pdist.comm.collectives import all_reduce_sum_
 from lightning_pdist.comm.hooks import AllReduceState, allreduce_hook
 from lightning_pdist.strategies import lifetime, rank_files
+from lightning_pdist.strategies.multinode import check_gloo_interface
 from lightning_pdist.strategies.nonfinite import NonFiniteGuard, SkipStep, optimizer_grads
 from lightning_pdist.strategies.run_logging import CommLogState, install_progress_bar_format, log_comm_bytes
 from lightning_pdist.strategies.run_logging import log_final_total, log_run_settings, resolved_settings
@@ -103,8 +104,8 @@ class PdistStrategy(DDPStrategy):
                 " bytes sent by a hook from outside lightning_pdist are not counted in pdist/comm_bytes."
             )
         self.comm_meter = CommMeter()
-        self._hook_state: AllReduceState | None = None  # our gradient hook's (it notes non-finite buckets)
         self._comm_log = CommLogState()
+        self._hook_state: AllReduceState | None = None  # our gradient hook's (it notes non-finite buckets)
         self._loaded_pdist_state: dict | None = None
         self._loaded_rank_state: tuple[dict | None, str] = (None, "")
 
@@ -119,6 +120,8 @@ class PdistStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         # A rank that Lightning's launcher started dies with it (SIGKILL, even if stopped): no rank outlives the job.
         lifetime.die_with_launcher(getattr(self, "_launcher_pid", None))
+        check_gloo_interface(type(self).__name__, self.num_nodes,
+                             self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo"))
         super().setup_environment()
 
     @override

@@ -20,8 +20,9 @@ group is never initialized; the workers' Lightning collectives go through a priv
 (:mod:`lightning_pdist.comm.ps_wire`), which ``tc`` shapes and whose failures name the peer.
 
 Several nodes: with torchrun/SLURM every node runs the same script; global rank 0's node hosts the
-servers. Set ``server_host`` to an address of that node the others can reach (or ``"0.0.0.0"``; workers
-then connect to ``MASTER_ADDR``) and ``allowed_networks`` to the cluster's range. Or start servers
+servers. Left unset, ``server_host`` becomes rank 0's address on the route to ``MASTER_ADDR`` and
+``allowed_networks`` that interface's network (docs/multinode.md); a loopback ``server_host`` is refused.
+Or set ``server_host`` (``"0.0.0.0"``: workers connect to ``MASTER_ADDR``) and ``allowed_networks``, or start servers
 yourself (``python -m lightning_pdist.comm.ps_server --host H --port P --secret-file F``) and pass
 ``server_addresses`` and ``server_secret_file=F``.
 
@@ -57,6 +58,7 @@ from lightning_pdist.comm.ps_workers import WorkerGroup
 from lightning_pdist.plugins.ps_precision import ParameterServerMixedPrecision
 from lightning_pdist.strategies.base import PdistStrategy
 from lightning_pdist.strategies.config import refuse_owned_ddp_args
+from lightning_pdist.strategies.multinode import is_loopback, server_network
 from lightning_pdist.strategies.nonfinite import SkipStep, global_step
 from lightning_pdist.strategies.ps_config import ParameterServerConfig
 
@@ -161,13 +163,17 @@ class ParameterServerStrategy(PdistStrategy):
         pull_every: async: steps between pulls.
         delay_compensation: DC-ASGD ``λ >= 0`` (async/ssp).
         partition_bytes: ``memory`` sharding in fixed-size partitions dealt round-robin (BytePS style).
-        server_host: address the servers bind to (on global rank 0's node).
+        server_host: address the servers bind to (on global rank 0's node). ``None``: ``127.0.0.1`` on one node;
+            across nodes, rank 0's address on the route to ``MASTER_ADDR`` (the others must reach it). A loopback
+            address in a job that spans nodes is refused when the Trainer is built.
         server_addresses: ``["host:port", ...]`` of servers started elsewhere; none are started then.
         server_secret_file: with ``server_addresses``: the file (mode 600, at least 32 bytes) the servers were
             started with (``--secret-file``); every worker authenticates with it. ``None``: those servers are
             unauthenticated (warned). Servers the strategy starts always authenticate, with a fresh secret.
-        allowed_networks: comma-separated address ranges servers accept connections from. Nothing is
-            encrypted: run inside a trusted network (see the method card).
+        allowed_networks: comma-separated address ranges servers accept connections from. ``None``:
+            ``127.0.0.0/8`` on one node; across nodes, also the network of the servers' interface (the job's
+            nodes share it; set it for workers routed in from elsewhere). Nothing is encrypted: run inside a
+            trusted network (see the method card).
         server_timeout: seconds a worker waits for a server's reply (default 300). A sync step (or SSP pull) waits
             for the slowest worker: when other workers keep it waiting this long, the live server answers naming them
             (``WorkerStalled: ... worker 1 (pid 4242 on host node3, ...) has not pushed step 17 for 300 s: it is
@@ -196,10 +202,10 @@ class ParameterServerStrategy(PdistStrategy):
         pull_every: int = 1,
         delay_compensation: float = 0.0,
         partition_bytes: int | None = None,
-        server_host: str = "127.0.0.1",
+        server_host: str | None = None,
         server_addresses: list[str] | None = None,
         server_secret_file: str | None = None,
-        allowed_networks: str = "127.0.0.0/8",
+        allowed_networks: str | None = None,
         server_timeout: float = 300.0,
         nonfinite: str = "raise",
         **kwargs: Any,
@@ -288,19 +294,41 @@ class ParameterServerStrategy(PdistStrategy):
         module = self.lightning_module
         return module.trainer.state.fn if module is not None and module._trainer is not None else None
 
+    @override
+    def _configure_launcher(self) -> None:
+        # Runs when the Trainer is built, before any process or server starts.
+        super()._configure_launcher()
+        if self.num_nodes <= 1:
+            return
+        owner = type(self).__name__
+        loopback = [a for a in self.config.server_addresses or () if is_loopback(a.rpartition(":")[0])]
+        if loopback:
+            raise ValueError(f"{owner}(server_addresses={list(self.config.server_addresses)!r}): the job spans "
+                             f"num_nodes={self.num_nodes} nodes and {loopback[0]!r} is a loopback address that the "
+                             "other nodes cannot reach; give each server's address on the cluster network")  # fmt: skip
+        host = self.config.server_host
+        if self.config.server_addresses is None and host is not None and is_loopback(host):
+            raise ValueError(f"{owner}(server_host={host!r}): the job spans num_nodes={self.num_nodes} nodes and the "
+                             "workers on the other nodes cannot reach a loopback address; leave server_host unset "
+                             "(rank 0's address on the route to MASTER_ADDR), or set it to that node's cluster address, "
+                             "or '0.0.0.0' with allowed_networks covering the nodes (docs/multinode.md)")  # fmt: skip
+
     def _start_servers(self, main_address: str) -> None:
         count = self.config.servers_for(self.world_size)
         self._secret = new_secret()
+        host, networks = server_network(self.num_nodes, main_address)
+        host = self.config.server_host or host
+        networks = self.config.allowed_networks or networks
         try:
             for index in range(count):
                 self.servers.append(start_server(
-                    index, host=self.config.server_host, allowed_networks=self.config.allowed_networks,
+                    index, host=host, allowed_networks=networks,
                     io_timeout=self.config.server_timeout, secret=self._secret,
                 ))  # fmt: skip
         except BaseException:
             self._stop_servers()
             raise
-        wildcard = self.config.server_host in ("0.0.0.0", "::", "")
+        wildcard = host in ("0.0.0.0", "::", "")
         self.server_addresses = [f"{main_address if wildcard else s.host}:{s.port}" for s in self.servers]
 
     # ------------------------------------------------------------------ Lightning collectives (private group)

@@ -27,10 +27,10 @@ class ParameterServerConfig(ConfigErrors):
     pull_every: int = 1
     delay_compensation: float = 0.0
     partition_bytes: int | None = None
-    server_host: str = "127.0.0.1"
+    server_host: str | None = None
     server_addresses: tuple[str, ...] | None = None
     server_secret_file: str | None = None
-    allowed_networks: str = "127.0.0.0/8"
+    allowed_networks: str | None = None
     server_timeout: float = 300.0
     owner: str = "ParameterServerStrategy"
 
@@ -80,12 +80,13 @@ class ParameterServerConfig(ConfigErrors):
             self._fail("server_timeout", "server_timeout must be a finite number of seconds > 0")
         if not (dc < math.inf):
             self._fail("delay_compensation", "delay_compensation must be finite (DC-ASGD's lambda; about 0.04 to start)")
-        if not isinstance(self.server_host, str) or not self.server_host:
-            self._fail("server_host", "server_host must be an address string such as '127.0.0.1' or '0.0.0.0'",
-                       TypeError)  # fmt: skip
-        if not isinstance(self.allowed_networks, str):
+        if self.server_host is not None and (not isinstance(self.server_host, str) or not self.server_host):
+            self._fail("server_host", "server_host must be an address string such as '127.0.0.1' or '0.0.0.0', "
+                                      "or None (derived from the job)", TypeError)  # fmt: skip
+        if self.allowed_networks is not None and not isinstance(self.allowed_networks, str):
             self._fail("allowed_networks", "allowed_networks must be a comma-separated string of address ranges "
-                                           "such as '127.0.0.0/8,10.0.0.0/8'", TypeError)  # fmt: skip
+                                           "such as '127.0.0.0/8,10.0.0.0/8', or None (derived from the job)",
+                       TypeError)  # fmt: skip
         if self.partition_bytes is not None and (not is_int(self.partition_bytes) or self.partition_bytes < 1):
             self._fail("partition_bytes", "partition_bytes must be an int >= 1 (bytes per partition) or None")
         if self.server_addresses is not None:
@@ -108,7 +109,7 @@ class ParameterServerConfig(ConfigErrors):
             except ValueError as err:
                 self._fail("server_secret_file", str(err).partition(": ")[2])
         try:
-            parse_networks(self.allowed_networks)
+            parse_networks(self.allowed_networks) if self.allowed_networks is not None else None
         except ValueError as err:  # "allowed_networks='...': rule" -> "Owner(allowed_networks='...'): rule"
             argument, _, rule = str(err).partition(": ")
             raise ValueError(f"{self.owner}({argument}): {rule}") from None

@@ -47,3 +47,32 @@ def test_strategy_checks_before_the_process_group(loopback_host):
     strategy.parallel_devices = [__import__("torch").device("cpu")]
     with pytest.raises(RuntimeError, match=r"GLOO_SOCKET_IFNAME is not set"):
         strategy.setup_environment()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"server_host": "127.0.0.1"}, r"ParameterServerStrategy\(server_host='127.0.0.1'\): the job spans num_nodes=2 "
+                                    r"nodes and the workers on the other nodes cannot reach a loopback address"),
+     ({"server_host": "localhost"}, r"server_host='localhost'\): the job spans num_nodes=2"),
+     ({"server_addresses": ["10.0.0.5:7000", "127.0.0.1:7001"]},
+      r"server_addresses=.*'127.0.0.1:7001' is a loopback address that the other nodes cannot reach")],
+)
+def test_parameter_server_refuses_loopback_across_nodes_when_the_trainer_is_built(kwargs, message):
+    """A loopback server address in a job that spans nodes is refused before any process or server starts."""
+    from lightning.pytorch import Trainer
+
+    from lightning_pdist import ParameterServerStrategy
+
+    with pytest.raises(ValueError, match=message):
+        Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=ParameterServerStrategy(**kwargs), logger=False)
+    Trainer(accelerator="cpu", devices=1, num_nodes=1, strategy=ParameterServerStrategy(**kwargs), logger=False)
+
+
+def test_server_network_is_derived_from_the_route_to_the_main_address(monkeypatch):
+    """Across nodes the servers bind to this node's address towards MASTER_ADDR and admit that interface's network."""
+    monkeypatch.setattr(multinode, "local_address_towards", lambda address: "10.0.3.7")
+    monkeypatch.setattr(multinode, "interfaces", lambda: ["eth1 192.168.1.2/24", "eth0 10.0.3.7/16"])
+    assert multinode.server_network(2, "10.0.0.1") == ("10.0.3.7", "127.0.0.0/8,10.0.0.0/16")
+    assert multinode.server_network(1, "10.0.0.1") == ("127.0.0.1", "127.0.0.0/8")
+    monkeypatch.setattr(multinode, "interfaces", lambda: [])
+    assert multinode.server_network(2, "10.0.0.1") == ("10.0.3.7", "127.0.0.0/8,10.0.3.7/32")

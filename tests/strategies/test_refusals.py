@@ -69,11 +69,11 @@ def test_a_nan_on_one_rank_stops_every_rank_at_that_step(make):
 @pytest.mark.parametrize(("make", "error", "match"), [
     (lambda: ParameterServerStrategy(server_timeout=True), TypeError, r"server_timeout=True\): .*a bool is not"),
     (lambda: ParameterServerStrategy(server_timeout=float("inf")), ValueError, r"server_timeout must be a finite number"),
-    (lambda: ParameterServerStrategy(server_host=None), TypeError, r"server_host=None\): server_host must be an address"),
+    (lambda: ParameterServerStrategy(server_host=5), TypeError, r"server_host=5\): server_host must be an address"),
     (lambda: ParameterServerStrategy(server_addresses=[]), ValueError, r"server_addresses must list at least one"),
     (lambda: ParameterServerStrategy(server_addresses="127.0.0.1:5000"), TypeError, r"must be a list of 'host:port'"),
     (lambda: ParameterServerStrategy(server_addresses=["h:99999"]), ValueError, r"'h:99999' is not 'host:port' with a port in 1..65535"),
-    (lambda: ParameterServerStrategy(allowed_networks=None), TypeError, r"allowed_networks=None\): allowed_networks must be"),
+    (lambda: ParameterServerStrategy(allowed_networks=["10.0.0.0/8"]), TypeError, r"allowed_networks=\['10.0.0.0/8'\]\): allowed_networks must be"),
     (lambda: ParameterServerStrategy(mode="async", delay_compensation=float("inf")), ValueError, r"delay_compensation must be finite"),
     (lambda: ParameterServerStrategy(partition_bytes=0), ValueError, r"partition_bytes=0\): partition_bytes must be an int >= 1"),
     (lambda: SignSGDStrategy(max_weight=True), TypeError, r"max_weight=True\): max_weight must be a number"),
