@@ -40,6 +40,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pdist.algorithms.flat import flatten, unflatten_into_
+from lightning_pdist.algorithms.nonfinite import all_finite, check_nonfinite_policy, culprit_ranks, one_hot_flag
 from lightning_pdist.algorithms.pipeline_partition import BALANCES, Partition
 from lightning_pdist.algorithms.pipeline_schedule import SCHEDULES
 from lightning_pdist.comm.accounting import all_reduce_bytes
@@ -49,10 +50,14 @@ from lightning_pdist.comm.pipeline_p2p import P2P
 from lightning_pdist.plugins.pipeline_precision import PipelineMixedPrecision
 from lightning_pdist.strategies.base import PdistStrategy, register_variants
 from lightning_pdist.strategies.config import ConfigErrors, is_int, refuse_owned_ddp_args
+from lightning_pdist.strategies.nonfinite import SkipStep
 from lightning_pdist.strategies.pipeline_logging import LogRecorder, aggregate, replay
 from lightning_pdist.strategies.pipeline_module import NetworkInput, StageSplit, batch_size_of, split_batch
 
 __all__ = ["PipelineConfig", "PipelineStrategy"]
+
+#: The schedules that update once per batch, in the same window on every rank.
+FLUSHED = ("gpipe", "1f1b")
 
 @dataclass(frozen=True)
 class PipelineConfig(ConfigErrors):
@@ -67,6 +72,7 @@ class PipelineConfig(ConfigErrors):
     vertical_sync: bool = False
     weight_stashing: bool = True
     max_message_bytes: int = 1 << 31
+    nonfinite: str = "raise"
     owner: str = "PipelineStrategy"
 
     def __post_init__(self) -> None:
@@ -97,6 +103,11 @@ class PipelineConfig(ConfigErrors):
                                           "either never updates mid-flight (flushed) or needs its two versions (2bw)")  # fmt: skip
         if not is_int(self.max_message_bytes) or self.max_message_bytes < 1:
             self._fail("max_message_bytes", "max_message_bytes must be a positive int")
+        check_nonfinite_policy(self.nonfinite, self.owner)
+        if self.nonfinite == "skip_step" and self.schedule not in FLUSHED:
+            self._fail("nonfinite", f"skip_step needs every rank to agree before an update, which schedule="
+                                    f"{self.schedule!r} never waits for (its stages update at different moments); use "
+                                    "schedule='gpipe' or '1f1b', or nonfinite='raise'")  # fmt: skip
 
     def stages_for(self, world_size: int) -> int:
         return self.num_stages if self.num_stages is not None else world_size
@@ -156,6 +167,15 @@ class PipelineStrategy(PdistStrategy):
     the result before the earlier stages have run the same micro-batch's backward; the method card explains);
     ``bf16-mixed`` works with every schedule.
 
+    Non-finite gradients (``nonfinite=``, :mod:`lightning_pdist.algorithms.nonfinite`; without a GradScaler): at each
+    update every stage checks its own gradients per tensor, before the replicas' average. ``gpipe``/``1f1b``: one
+    all-reduce of ``world_size`` flags over the world (counted as ``nonfinite_flag``; every rank is at the same
+    update) tells every rank whether, and on which ranks, one was not finite; ``"raise"`` stops every rank there,
+    ``"skip_step"`` skips that batch's update on every rank (no average, no optimizer step; float buffers restored).
+    ``pipedream``/``2bw``: the stages update at different moments, so nothing is agreed: ``"raise"`` stops the rank
+    whose gradients are not finite before its update (the others stop when their next exchange with it fails, or
+    when the launcher ends the job), and ``"skip_step"`` is refused at construction. ``"propagate"`` checks nothing.
+
     Args:
         num_stages: pipeline depth ``K``; ``None``: the world size (no replicas). ``world_size`` must be a
             multiple of it.
@@ -172,6 +192,8 @@ class PipelineStrategy(PdistStrategy):
         weight_stashing: ``pipedream`` only; ``False`` is the ablation in which a backward uses the newest
             weights (PipeDream paper, Fig. 13): warned, never a default.
         max_message_bytes: a received header announcing a larger tensor is refused before allocating.
+        nonfinite: ``"raise"`` (default), ``"skip_step"`` (``gpipe``/``1f1b`` only) or ``"propagate"``: see
+            "Non-finite gradients" above.
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (``start_method``,
             ``process_group_backend``, ``timeout``). Nothing is wrapped in ``DistributedDataParallel``.
     """
@@ -190,6 +212,7 @@ class PipelineStrategy(PdistStrategy):
         vertical_sync: bool = False,
         weight_stashing: bool = True,
         max_message_bytes: int = 1 << 31,
+        nonfinite: str = "raise",
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
@@ -200,13 +223,14 @@ class PipelineStrategy(PdistStrategy):
         self.config = PipelineConfig(
             num_stages=num_stages, schedule=schedule, num_microbatches=num_microbatches, balance=balance,
             split_points=tuple(split_points) if split_points is not None else None, network=network,
-            vertical_sync=vertical_sync, weight_stashing=weight_stashing, max_message_bytes=max_message_bytes, owner=owner,
+            vertical_sync=vertical_sync, weight_stashing=weight_stashing, max_message_bytes=max_message_bytes,
+            nonfinite=nonfinite, owner=owner,
         )  # fmt: skip
         if not weight_stashing:
             rank_zero_warn(f"{owner}(weight_stashing=False): backwards will use newer weights than their forwards "
                            "(PipeDream's no-stashing ablation); gradients are not those of any one weight version")  # fmt: skip
-        super().__init__(ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None, model_averaging_period=None,
-                         **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
+        super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
+                         model_averaging_period=None, **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
         self.num_stages, self.schedule, self.num_microbatches = num_stages, schedule, num_microbatches
         self.split: StageSplit | None = None
         self.executor: StageExecutor | None = None
@@ -436,6 +460,8 @@ class PipelineStrategy(PdistStrategy):
         scaled = isinstance(plugin, PipelineMixedPrecision)
         overflowed = plugin.unscale_(optimizer) if scaled else False
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if self.nonfinite_guard.consulted(plugin) and self._skips_nonfinite(grads):
+            return  # skip_step: every rank skips this batch's update
         if self.replicas > 1 and grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
             all_reduce_mean_(flat, self._dp_group, meter=self.comm_meter, kind="replica_all_reduce")
@@ -458,6 +484,29 @@ class PipelineStrategy(PdistStrategy):
             all_reduce_sum_(flag, meter=self.comm_meter, kind="overflow_flag")
             plugin.overflowed = bool(flag.item() > 0)
         self.precision_plugin.optimizer_step(optimizer, model=self.lightning_module, closure=_no_closure)
+
+    def _skips_nonfinite(self, grads: list[Tensor]) -> bool:
+        """Whether this update is skipped for non-finite gradients (``"raise"`` raises instead); before the average.
+
+        Flushed schedules agree over the world (one all-reduce of ``world_size`` flags); the others cannot (see the
+        class docstring): the rank acts alone, and only ``"raise"`` is allowed there.
+        """
+        bad = not all_finite(grads)
+        if self.config.schedule in FLUSHED:
+            flags = one_hot_flag(bad, self.global_rank, self.world_size, device=self.root_device)
+            all_reduce_sum_(flags, meter=self.comm_meter, kind="nonfinite_flag")
+            ranks, scope = culprit_ranks(flags), "every rank"
+        else:
+            ranks, scope = ([self.global_rank] if bad else []), f"rank {self.global_rank}"
+        if not ranks:
+            return False
+        try:
+            self.nonfinite_guard.act("gradients", ranks, self.lightning_module, scope=scope,
+                                     before="this update (the replicas' gradient average and the optimizer step)",
+                                     skipped="that batch's update")  # fmt: skip
+        except SkipStep:
+            return True
+        return False
 
     def _settle(self) -> None:
         """Apply the deferred 2bw steps, in order: wait for each agreed flag, then every rank steps or skips.
@@ -545,6 +594,7 @@ class PipelineStrategy(PdistStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         # closure() runs training_step, i.e. this stage's window, whose U actions step the optimizer.
         output = closure()
+        self.nonfinite_guard.step_done()
         self._log_comm_bytes()
         return output
 

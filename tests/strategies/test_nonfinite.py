@@ -19,7 +19,7 @@ from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pdist import (BMUFStrategy, EASGDStrategy, LocalSGDStrategy, ParameterServerStrategy, PdistStrategy,
-                             SignSGDStrategy, SimuParallelSGDStrategy, TensorParallelStrategy)  # fmt: skip
+                             PipelineStrategy, SignSGDStrategy, SimuParallelSGDStrategy, TensorParallelStrategy)  # fmt: skip
 from lightning_pdist.algorithms.nonfinite import (
     NONFINITE_POLICIES,
     BufferSnapshot,
@@ -48,7 +48,7 @@ def test_policy_values_are_checked_naming_argument_value_and_rule():
 
 
 @pytest.mark.parametrize("make", [LocalSGDStrategy, BMUFStrategy, EASGDStrategy, SimuParallelSGDStrategy, PdistStrategy,
-                                  SignSGDStrategy, ParameterServerStrategy, TensorParallelStrategy])  # fmt: skip
+                                  SignSGDStrategy, ParameterServerStrategy, TensorParallelStrategy, PipelineStrategy])  # fmt: skip
 def test_every_strategy_refuses_a_bad_policy_at_construction(make):
     """The same refusal from every constructor, before any process starts."""
     with pytest.raises(ValueError, match=rf"{make.__name__}\(nonfinite='Raise'\): nonfinite must be one of"):
@@ -504,3 +504,77 @@ def test_tp_propagate_writes_the_nan_into_the_weights(tmp_path):
     """nonfinite='propagate': rank 1's NaN gradient shard reaches its weights."""
     run(tp(nonfinite="propagate"), ShardedRegression(), max_steps=4, callbacks=[FinalModule(tmp_path)])
     assert torch.isnan(finals(tmp_path)[1]["module"]).any()
+
+
+# ---------------------------------------------------------------------------------------------- pipelines
+class StagedRegression(ShardedRegression):
+    """A 4-layer Linear stack cut into 2 stages; every rank reads every row; rank ``nan_rank`` (stage 0) feeds NaN at
+    ``nan_batch``, which the forward carries to stage 1: both stages' gradients are NaN."""
+
+    def __init__(self, nan_rank: int | None = 0, **kwargs):
+        super().__init__(nan_rank=nan_rank, **kwargs)
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                                 nn.Linear(8, 2))  # fmt: skip
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_rank == self.nan_rank and batch_idx == self.nan_batch:
+            x = x * float("nan")
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def on_after_backward(self):
+        pass
+
+
+def pipeline(**kw):
+    return PipelineStrategy(num_stages=2, num_microbatches=2, start_method="fork", **kw)
+
+
+def test_pipeline_1f1b_raise_stops_both_stages_at_the_update(tmp_path):
+    """1f1b, nonfinite='raise': one flag all-reduce at the batch's update; both stages raise at global step 2 naming
+    both ranks (stage 0's NaN input reaches stage 1 in the forward), before the update."""
+    with pytest.raises(ProcessRaisedException, match=r"PipelineStrategy\(nonfinite='raise'\): non-finite gradients "
+                                                     r"\(NaN/Inf\) on rank\(s\) \[0, 1\] at global step 2; every rank "
+                                                     r"stops here, before this update"):
+        run(pipeline(), StagedRegression(), max_steps=5, callbacks=[Record(tmp_path, tp_state)])
+    for record in records(tmp_path):
+        assert_same_state(record["before"], record["at"])
+
+
+def test_pipeline_1f1b_skip_step_equals_a_run_without_that_batch(tmp_path):
+    """1f1b, nonfinite='skip_step': both stages skip global step 2's update and end where a run without that batch
+    ends."""
+    run(pipeline(nonfinite="skip_step"), StagedRegression(), max_steps=6, callbacks=[FinalModule(tmp_path)])
+    skipped = finals(tmp_path)
+    assert_warned_once(skipped, "PipelineStrategy(nonfinite='skip_step'): non-finite gradients (NaN/Inf) on rank(s) "
+                                "[0, 1] at global step 2; every rank skipped that batch's update")
+    run(pipeline(), StagedRegression(nan_rank=None, drop_batch=NAN_BATCH), max_steps=5, callbacks=[FinalModule(tmp_path)])
+    reference = finals(tmp_path)
+    for rank in range(2):
+        assert skipped[rank]["skipped"] == 1.0
+        torch.testing.assert_close(skipped[rank]["module"], reference[rank]["module"], atol=1e-6, rtol=0)
+
+
+def test_pipeline_pipedream_raise_stops_the_stage_that_found_it(tmp_path):
+    """pipedream, nonfinite='raise': the stages update at different moments, so the first stage to find NaN gradients
+    stops alone before its update, naming itself (the launcher ends the other); skip_step is refused for this
+    schedule at construction."""
+    with pytest.raises(ProcessRaisedException, match=r"on rank\(s\) \[(\d)\] at global step 2; rank \1 stops here, "
+                                                     r"before this update"):
+        run(pipeline(schedule="pipedream"), StagedRegression(), max_steps=5,
+            callbacks=[Record(tmp_path, tp_state, barrier=False)])  # fmt: skip
+    stopped = [torch.load(path, weights_only=False) for path in sorted(tmp_path.glob("rank*.pt"))]
+    assert stopped and all(all_finite([record["at"]["module"]]) for record in stopped)
+    for schedule in ("pipedream", "2bw"):
+        with pytest.raises(ValueError, match=rf"PipelineStrategy\(nonfinite='skip_step'\): skip_step needs every rank to "
+                                             rf"agree before an update, which schedule='{schedule}' never waits for"):
+            PipelineStrategy(schedule=schedule, nonfinite="skip_step")
+
+
+def test_pipeline_propagate_writes_the_nan_into_the_weights(tmp_path):
+    """nonfinite='propagate': the NaN batch's gradients reach both stages' weights."""
+    run(pipeline(nonfinite="propagate"), StagedRegression(), max_steps=4, callbacks=[FinalModule(tmp_path)])
+    assert all(torch.isnan(final["module"]).any() for final in finals(tmp_path))

@@ -373,16 +373,19 @@ def test_logged_stash_depth_and_bytes_per_stage(schedule, depths):
     metrics = trainer.callback_metrics
     assert tuple(int(metrics[f"pdist/pipeline/stage{s}/stash_depth"]) for s in range(2)) == depths
     per_message = 16 * 8 + 2 * 8 * 4  # header + one (2, 8) fp32 activation or gradient
-    assert float(metrics["pdist/comm_bytes"]) == 2 * per_message  # stage 0: two activations per step
-    assert float(metrics["pdist/pipeline/stage1/comm_bytes"]) == 2 * per_message  # stage 1: two gradients
+    # flushed schedules agree on non-finite gradients before the update (nonfinite='raise'): 2 float flags, 2 ranks
+    flag = 8 if schedule == "gpipe" else 0
+    assert float(metrics["pdist/comm_bytes"]) == 2 * per_message + flag  # stage 0: two activations per step
+    assert float(metrics["pdist/pipeline/stage1/comm_bytes"]) == 2 * per_message + flag  # stage 1: two gradients
     assert 0.0 <= float(metrics["pdist/pipeline/bubble"]) < 1.0
 
 
 def test_replicas_count_their_all_reduce():
-    """With 2 replicas a stage also sends 2(R-1)/R of its gradient bytes per update."""
+    """With 2 replicas a stage also sends 2(R-1)/R of its gradient bytes per update (and, with nonfinite='raise', its
+    share of the world's all-reduce of 4 float flags: 2·3/4·16 = 24 bytes)."""
     trainer = fit(pipeline(num_stages=2, num_microbatches=2), DeepRegression(lr=LR), devices=4, max_steps=2)
     stage0_params = (4 * 8 + 8) + (8 * 8 + 8)  # net.0 and net.2
-    assert float(trainer.callback_metrics["pdist/comm_bytes"]) == 2 * (16 * 8 + 2 * 8 * 4) + stage0_params * 4
+    assert float(trainer.callback_metrics["pdist/comm_bytes"]) == 2 * (16 * 8 + 2 * 8 * 4) + stage0_params * 4 + 24
 
 
 def bn_net():
