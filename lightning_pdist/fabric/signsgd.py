@@ -50,7 +50,8 @@ class SignSGDFabricStrategy(PdistFabricStrategy):
             :class:`~lightning_pdist.strategies.signsgd.SignSGDStrategy`); a non-default one under ``"majority"`` warns.
         momentum: Signum's ``β`` in ``[0, 1)``, applied on each worker before the sign (0).
         error_feedback: EF-signSGD (scaled signs plus a local residual).
-        nonfinite: ``"raise"`` (default) or ``"propagate"``.
+        nonfinite: ``"raise"`` (default: every rank raises in the backward that met a non-finite gradient) or
+            ``"propagate"``; ``"skip_step"`` is refused: your loop calls ``optimizer.step()``, not the strategy.
         scale: ``"unit"`` (the optimizer's ``lr`` is the sign step ``δ``) or ``"l1"`` (the per-tensor scaled vote).
         **kwargs: passed to Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`.
 
@@ -85,6 +86,10 @@ class SignSGDFabricStrategy(PdistFabricStrategy):
             find_unused_parameters=bool(kwargs.get("find_unused_parameters")) or bool(kwargs.get("static_graph")),
             owner=owner,
         )  # fmt: skip
+        if nonfinite == "skip_step":
+            raise ValueError(f"{owner}(nonfinite='skip_step'): under Fabric your loop calls optimizer.step(), so the "
+                             "strategy cannot skip it; use 'raise' (every rank raises in that backward) or 'propagate' "
+                             "and skip the step in your loop when a gradient is not finite")  # fmt: skip
         ignored = self.config.ignored_llr_options()
         if ignored:
             rank_zero_warn(f"{owner}(aggregation='majority', {', '.join(ignored)}): these options belong to the LLR "

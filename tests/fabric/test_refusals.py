@@ -28,6 +28,7 @@ from lightning_pdist.fabric import BMUFFabricStrategy, EASGDFabricStrategy, Loca
         (lambda: SignSGDFabricStrategy("mean"), ValueError, r"SignSGDFabricStrategy\(aggregation='mean'\): aggregation must be one of"),
         (lambda: SignSGDFabricStrategy(momentum=1.0), ValueError, r"SignSGDFabricStrategy\(momentum=1.0\): momentum"),
         (lambda: SignSGDFabricStrategy(scale="l2"), ValueError, r"SignSGDFabricStrategy\(scale='l2'\): scale must be one of"),
+        (lambda: SignSGDFabricStrategy(nonfinite="skip_step"), ValueError, r"SignSGDFabricStrategy\(nonfinite='skip_step'\): under Fabric your loop calls optimizer.step\(\)"),
         (lambda: BMUFFabricStrategy(perod=4), TypeError, r"BMUFFabricStrategy\(perod=4\): unknown argument; did you mean 'period'\?"),
         (lambda: LocalSGDFabricStrategy(ddp_comm_hook=print), TypeError, r"LocalSGDFabricStrategy\(ddp_comm_hook=.*\): unknown argument"),
     ],
