@@ -227,7 +227,7 @@ class PdistStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
-            log_final_total(self.lightning_module._trainer, self.comm_meter)
+            log_final_total(self.lightning_module._trainer, self.comm_meter, self._comm_log)
 
     # ------------------------------------------------------------------ checkpoints
     def pdist_state_dict(self) -> dict:

@@ -8,8 +8,9 @@ its ``schedule``, in that order, so a property that resolves a default wins over
 
 **Comm bytes.** Loggers receive a step's metrics only every ``log_every_n_steps`` steps. ``pdist/comm_bytes`` is
 therefore the bytes sent *since the previous logged step* (the sum, never a sample), and ``pdist/comm_bytes_total``
-the running total; at the end of ``fit`` the total is written once more at the last step, so the last point of
-the series is the run's total whatever ``log_every_n_steps`` is.
+the running total; at the end of ``fit`` the bytes since the last logged step and the total are written once more,
+so the logged ``pdist/comm_bytes`` add up to the last point of the total's series, the run's total, whatever
+``log_every_n_steps`` is.
 
 **Progress bar.** Raw byte counts read badly (``76712.0``) and crowd out ``val/acc``: the bar shows one short,
 unit-carrying entry, ``comm=11.6MB`` (the total), instead of the ``pdist/*`` keys, plus at most one strategy key a
@@ -105,10 +106,21 @@ def log_comm_bytes(module: Any, meter: CommMeter, state: CommLogState | None = N
     module.log("pdist/comm_bytes_total", float(meter.total_bytes), on_step=True, on_epoch=False, prog_bar=True)
 
 
-def log_final_total(trainer: Any, meter: CommMeter) -> None:
-    """Write the run's total bytes at the last step to every logger (the end of ``fit``)."""
+def log_final_total(trainer: Any, meter: CommMeter, state: CommLogState | None = None) -> None:
+    """At the end of ``fit``: the bytes since the last logged step (if any) and the run's total, to every logger.
+
+    With ``state``, the logged ``pdist/comm_bytes`` then add up to the logged total exactly.
+    """
+    metrics = {"pdist/comm_bytes_total": float(meter.total_bytes)}
+    if state is not None:
+        if state.batch_logged:
+            state.logged_total = state.total_at_call
+        tail = meter.total_bytes - state.logged_total
+        if tail:
+            metrics["pdist/comm_bytes"] = float(tail)
+        state.logged_total = meter.total_bytes
     for logger in getattr(trainer, "loggers", None) or []:
-        logger.log_metrics({"pdist/comm_bytes_total": float(meter.total_bytes)}, step=trainer.global_step)
+        logger.log_metrics(metrics, step=trainer.global_step)
 
 
 def human_bytes(n: float) -> str:

@@ -60,6 +60,8 @@ def test_recipe_trains_with_two_popen_ranks_and_logs_comm_bytes(recipe, tmp_path
     assert {"pdist/comm_bytes", "pdist/comm_bytes_total", "train/loss", "val/acc"} <= logged
     totals = [float(r["pdist/comm_bytes_total"]) for r in rows if r.get("pdist/comm_bytes_total")]
     assert totals == sorted(totals)
+    # never sampled: the logged per-interval bytes add up to the run's total (the last point of the series)
+    assert sum(float(r["pdist/comm_bytes"]) for r in rows if r.get("pdist/comm_bytes")) == totals[-1] > 0
 
 
 @pytest.mark.standalone
