@@ -204,8 +204,9 @@ def _measured(tmp_path, model, x, batch_size, devices=2, **strategy_kwargs):
     y = torch.randint(0, 2, (len(x),))
     module = ClassifierModule(model=model, num_classes=2, optimizer="sgd", lr=0.01)
     module.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=batch_size)
-    fit(TensorParallelStrategy(start_method="fork", **strategy_kwargs), module, devices=devices, max_steps=1,
-        callbacks=[DumpMeter(tmp_path)])  # fmt: skip
+    # nonfinite="propagate": no finiteness flag, so the meter holds the algorithm's traffic alone
+    strategy = TensorParallelStrategy(start_method="fork", nonfinite="propagate", **strategy_kwargs)
+    fit(strategy, module, devices=devices, max_steps=1, callbacks=[DumpMeter(tmp_path)])
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(devices)]
 
 
