@@ -123,6 +123,13 @@ class WorkerGroup:
         self.pg.broadcast(data, src).wait()
         return obj if self.rank == src else pickle.loads(data.numpy().tobytes())
 
+    def all_gather_object(self, obj: object) -> list[object]:
+        """``obj`` of every worker, in rank order (pickled: only ever between the job's own workers)."""
+        if self.pg is None:
+            return [obj]
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        return [pickle.loads(t.numpy().tobytes()) for t in self.all_gather_varying(data)]
+
     def close(self, timeout: timedelta = timedelta(seconds=30)) -> None:
         """Leave the group. Rank 0 stops its store first; the others return once it has (a barrier).
 
