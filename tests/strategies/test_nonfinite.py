@@ -56,6 +56,22 @@ def test_every_strategy_refuses_a_bad_policy_at_construction(make):
     assert make().nonfinite == "raise" and make(nonfinite="propagate").nonfinite == "propagate"
 
 
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda: BMUFStrategy(block_lr=float("inf")), r"BMUFStrategy\(block_lr=inf\): block_lr must be a finite number > 0"),
+    (lambda: BMUFStrategy(block_lr=float("nan")), r"BMUFStrategy\(block_lr=nan\): block_lr must be a finite number > 0"),
+    (lambda: BMUFStrategy(block_momentum=float("nan")), r"BMUFStrategy\(block_momentum=nan\): block_momentum must be in"),
+    (lambda: EASGDStrategy(alpha=float("nan")), r"EASGDStrategy\(alpha=nan\): alpha must be in \(0, 1\]"),
+    (lambda: SignSGDStrategy(momentum=float("nan")), r"SignSGDStrategy\(momentum=nan\): momentum \(Signum's beta\)"),
+    (lambda: SignSGDStrategy("llr", max_weight=float("inf")), r"SignSGDStrategy\(max_weight=inf\): max_weight must be finite"),
+    (lambda: ParameterServerStrategy(mode="async", delay_compensation=float("nan")), r"delay_compensation=nan\)"),
+    (lambda: ParameterServerStrategy(server_timeout=float("nan")), r"server_timeout=nan\): server_timeout must be a finite"),
+])  # fmt: skip
+def test_infinite_and_nan_hyperparameters_are_refused_at_construction(make, match):
+    """The strategies' float hyperparameters refuse inf and NaN before any process starts, naming the argument."""
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
 def test_agreement_vector_messages_and_state():
     """The one-hot flags name the culprits; the error names ranks and step; skip count and buffer copy round-trip."""
     flags = one_hot_flag(True, 2, 4) + one_hot_flag(False, 0, 4) + one_hot_flag(True, 3, 4)
@@ -244,6 +260,31 @@ def test_raise_during_warmup_names_the_rank_despite_the_gradient_average(tmp_pat
     for record in records(tmp_path):
         assert "on rank(s) [1] at global step 2" in record["message"]
         assert_same_state(record["before"], record["at"])
+
+
+def module_state(trainer) -> dict:
+    return {"module": flat_module(trainer.lightning_module)}
+
+
+def test_ddp_raise_names_the_rank_from_the_comm_hooks_notes(tmp_path):
+    """pdist_ddp: the averaged gradients are NaN on both ranks; the hook's notes (gathered on this path only) name
+    rank 1, and both ranks stop before the optimizer step."""
+    with pytest.raises(ProcessRaisedException, match=r"PdistStrategy\(nonfinite='raise'\): non-finite gradients "
+                                                     r"\(NaN/Inf\) on rank\(s\) \[1\] at global step 2"):
+        run(PdistStrategy(start_method="fork"), NormedRegression(), max_steps=4, callbacks=[Record(tmp_path, module_state)])
+    for record in records(tmp_path):
+        assert_same_state(record["before"], record["at"])
+
+
+def test_ddp_with_a_foreign_comm_hook_cannot_tell_which_rank():
+    """A ddp_comm_hook from outside lightning_pdist notes nothing: every rank still stops, saying some rank."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    with pytest.warns(UserWarning, match="not counted in pdist/comm_bytes"):
+        strategy = PdistStrategy(ddp_comm_hook=allreduce_hook, start_method="fork")
+    with pytest.raises(ProcessRaisedException, match=r"non-finite gradients \(NaN/Inf\) on some rank \(which one could "
+                                                     r"not be told\) at global step 2"):
+        run(strategy, NormedRegression(), max_steps=4)
 
 
 @pytest.mark.parametrize("name", ["local_sgd", "bmuf", "easgd"])
