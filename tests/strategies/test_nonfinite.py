@@ -76,8 +76,13 @@ def test_agreement_vector_messages_and_state():
     """The one-hot flags name the culprits; the error names ranks and step; skip count and buffer copy round-trip."""
     flags = one_hot_flag(True, 2, 4) + one_hot_flag(False, 0, 4) + one_hot_flag(True, 3, 4)
     assert culprit_ranks(flags) == [2, 3]
-    assert all_finite([torch.ones(3), torch.zeros(2, 2)]) and not all_finite([torch.ones(3), torch.tensor([float("inf")])])
+    assert all_finite([torch.ones(3), torch.zeros(2, 2), torch.zeros(0), torch.ones(2, dtype=torch.bfloat16)])
     assert all_finite([])
+    for value in (float("nan"), float("inf"), float("-inf")):  # min/max propagate NaN and hold any infinity
+        for dtype in (torch.float32, torch.float16):
+            bad = torch.ones(5, dtype=dtype)
+            bad[2] = value
+            assert not all_finite([torch.ones(3), bad]), (value, dtype)
     error = nonfinite_error("S", "gradients", [1], 7, "the optimizer step")
     assert isinstance(error, FloatingPointError)
     assert "S(nonfinite='raise'): non-finite gradients (NaN/Inf) on rank(s) [1] at global step 7" in str(error)
