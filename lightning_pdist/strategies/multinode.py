@@ -13,7 +13,8 @@ import os
 import socket
 import subprocess
 
-__all__ = ["check_gloo_interface", "interfaces", "is_loopback", "local_address_towards", "server_network"]
+__all__ = ["check_gloo_interface", "interfaces", "is_loopback", "is_wildcard", "join_networks", "local_address_towards",
+           "server_network", "server_nodes"]
 
 
 def interfaces() -> list[str]:
@@ -60,6 +61,11 @@ def is_loopback(host: str) -> bool:
         return host in ("localhost",)
 
 
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` binds every interface (``0.0.0.0``, ``::``): workers connect to the node's own address."""
+    return host in ("0.0.0.0", "::", "")
+
+
 def local_address_towards(address: str) -> str:
     """This host's address on the route to ``address`` (a UDP connect sends nothing)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
@@ -85,3 +91,22 @@ def server_network(num_nodes: int, main_address: str) -> tuple[str, str]:
     if len(networks) == 1:
         networks.append(f"{host}/32")
     return host, ",".join(networks)
+
+
+def server_nodes(num_servers: int, num_nodes: int) -> list[int]:
+    """The node of each server the strategy starts: server ``i`` on node ``i mod num_nodes``.
+
+    Round-robin, so that every node's link carries about ``1 / num_nodes`` of the server traffic once
+    ``num_servers >= num_nodes`` (each server holds about ``1 / num_servers`` of the parameters).
+    """
+    return [index % num_nodes for index in range(num_servers)]
+
+
+def join_networks(*networks: str) -> str:
+    """Comma-separated address ranges, each once, in first-seen order (``allowed_networks`` of several nodes)."""
+    seen: dict[str, None] = {}
+    for entry in networks:
+        for item in entry.split(","):
+            if item.strip():
+                seen.setdefault(item.strip(), None)
+    return ",".join(seen)

@@ -1,14 +1,15 @@
 """Parameter-server training (sync, backup workers, Downpour async, SSP, DC-ASGD) as a Lightning strategy.
 
-Process layout (one node)::
+Process layout (one node; on several, server ``i`` runs on node ``i mod num_nodes``)::
 
-    rank 0 ──fork──> server 0 … server S-1        (dedicated processes, one shard of the flat vector each)
-    worker 0 … worker N-1  ──TCP──>  every server  (push gradient shards, pull parameter shards)
-    worker 0 … worker N-1  ──private gloo group──  (Lightning's barrier/broadcast/reduce, buffer averaging)
+    local rank 0 of each node ──fork──> its servers  (dedicated processes, one shard of the flat vector each)
+    worker 0 … worker N-1  ──TCP──>  every server     (push gradient shards, pull parameter shards)
+    worker 0 … worker N-1  ──private gloo group──     (Lightning's barrier/broadcast/reduce, buffer averaging)
 
-The Lightning ranks are the workers. Global rank 0 starts the servers (``os.fork``, bound to
-``server_host``) before it opens any other socket, sends each its shard and the optimizer, and the
-workers pull the initial parameters (so they all start from rank 0's weights, as with DDP). Each
+The Lightning ranks are the workers. The local rank 0 of each node starts the servers placed on its node
+(``os.fork``, bound to ``server_host``; one node: all of them, forked by global rank 0); global rank 0 sends
+each server its shard and the optimizer, and the workers pull the initial parameters (so they all start from
+rank 0's weights, as with DDP). Each
 training step a worker runs forward/backward (``closure``), pushes its gradient's shards and pulls
 parameter shards back; the user's optimizer object never steps on the worker, it only carries the
 hyperparameters (learning-rate schedulers keep working: every push carries the current ones).
@@ -19,17 +20,19 @@ group is never initialized; the workers' Lightning collectives go through a priv
 (:class:`~lightning_pdist.comm.ps_workers.WorkerGroup`) and the servers speak framed TCP
 (:mod:`lightning_pdist.comm.ps_wire`), which ``tc`` shapes and whose failures name the peer.
 
-Several nodes: with torchrun/SLURM every node runs the same script; global rank 0's node hosts the
-servers. Left unset, ``server_host`` becomes rank 0's address on the route to ``MASTER_ADDR`` and
-``allowed_networks`` that interface's network (docs/multinode.md); a loopback ``server_host`` is refused.
-Or set ``server_host`` (``"0.0.0.0"``: workers connect to ``MASTER_ADDR``) and ``allowed_networks``, or start servers
-yourself (``python -m lightning_pdist.comm.ps_server --host H --port P --secret-file F``) and pass
-``server_addresses`` and ``server_secret_file=F``.
+Several nodes: with torchrun/SLURM every node runs the same script; server ``i`` runs on node ``i mod N``
+(``num_servers`` adds link capacity). Left unset, ``server_host`` becomes each node's address on the route to
+``MASTER_ADDR`` and ``allowed_networks`` the networks of those interfaces (docs/multinode.md); a loopback
+``server_host`` is refused; ``server_port`` fixes the ports (a node's ``k``-th server binds ``server_port + k``).
+Or set ``server_host`` (``"0.0.0.0"``: every node binds all interfaces; an address of one node: all servers on
+global rank 0's node) and ``allowed_networks``, or start servers yourself
+(``python -m lightning_pdist.comm.ps_server --host H --port P --secret-file F``) and pass ``server_addresses`` and
+``server_secret_file=F``.
 
-Authentication: servers the strategy starts get a fresh 32-byte secret from global rank 0 (in memory, through
-the fork; never on a command line or in a file), which sends it to the other workers with the servers'
-addresses over the workers' private group; every connection proves it holds it before its first request
-(:mod:`~lightning_pdist.comm.ps_auth`).
+Authentication: servers the strategy starts get a fresh 32-byte secret from global rank 0, which sends it over
+the workers' private group to every worker, and so to each node's starter before it forks its servers (in memory,
+through the fork; never on a command line, in the store or in a file); every connection proves it holds it before
+its first request (:mod:`~lightning_pdist.comm.ps_auth`).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -58,7 +61,7 @@ from lightning_pdist.comm.ps_workers import WorkerGroup
 from lightning_pdist.plugins.ps_precision import ParameterServerMixedPrecision
 from lightning_pdist.strategies.base import PdistStrategy
 from lightning_pdist.strategies.config import refuse_owned_ddp_args
-from lightning_pdist.strategies.multinode import is_loopback, server_network
+from lightning_pdist.strategies.multinode import is_loopback, is_wildcard, join_networks, server_network, server_nodes
 from lightning_pdist.strategies.nonfinite import SkipStep, global_step
 from lightning_pdist.strategies.ps_config import ParameterServerConfig
 
@@ -163,17 +166,23 @@ class ParameterServerStrategy(PdistStrategy):
         pull_every: async: steps between pulls.
         delay_compensation: DC-ASGD ``λ >= 0`` (async/ssp).
         partition_bytes: ``memory`` sharding in fixed-size partitions dealt round-robin (BytePS style).
-        server_host: address the servers bind to (on global rank 0's node). ``None``: ``127.0.0.1`` on one node;
-            across nodes, rank 0's address on the route to ``MASTER_ADDR`` (the others must reach it). A loopback
-            address in a job that spans nodes is refused when the Trainer is built.
+        server_host: address the servers bind to. ``None``: ``127.0.0.1`` on one node; across nodes, each node's
+            address on the route to ``MASTER_ADDR`` (the others must reach it), server ``i`` on node ``i mod N``.
+            ``"0.0.0.0"``: every node's servers bind all interfaces. Any other address is one node's: every server
+            then runs on global rank 0's node (warned when that puts several servers of a multi-node job there). A
+            loopback address in a job that spans nodes is refused when the Trainer is built.
+        server_port: first port of the servers' range: a node's ``k``-th server binds ``server_port + k`` (one node:
+            server ``i`` on ``server_port + i``; ``N`` nodes: ``ceil(num_servers / N)`` ports from ``server_port``
+            on each), so a firewall can open exactly those. ``None``: any free port. A port taken on any node
+            stops the run on every worker, naming the node and the port.
         server_addresses: ``["host:port", ...]`` of servers started elsewhere; none are started then.
         server_secret_file: with ``server_addresses``: the file (mode 600, at least 32 bytes) the servers were
             started with (``--secret-file``); every worker authenticates with it. ``None``: those servers are
             unauthenticated (warned). Servers the strategy starts always authenticate, with a fresh secret.
         allowed_networks: comma-separated address ranges servers accept connections from. ``None``:
-            ``127.0.0.0/8`` on one node; across nodes, also the network of the servers' interface (the job's
-            nodes share it; set it for workers routed in from elsewhere). Nothing is encrypted: run inside a
-            trusted network (see the method card).
+            ``127.0.0.0/8`` on one node; across nodes, also the networks of the servers' interfaces on every node
+            that starts servers (the job's nodes share them; set it for workers routed in from elsewhere). Nothing
+            is encrypted: run inside a trusted network (see the method card).
         server_timeout: seconds a worker waits for a server's reply (default 300). A sync step (or SSP pull) waits
             for the slowest worker: when other workers keep it waiting this long, the live server answers naming them
             (``WorkerStalled: ... worker 1 (pid 4242 on host node3, ...) has not pushed step 17 for 300 s: it is
@@ -203,6 +212,7 @@ class ParameterServerStrategy(PdistStrategy):
         delay_compensation: float = 0.0,
         partition_bytes: int | None = None,
         server_host: str | None = None,
+        server_port: int | None = None,
         server_addresses: list[str] | None = None,
         server_secret_file: str | None = None,
         allowed_networks: str | None = None,
@@ -215,7 +225,7 @@ class ParameterServerStrategy(PdistStrategy):
         self.config = ParameterServerConfig(
             num_servers=num_servers, sharding=sharding, mode=mode, staleness=staleness, backup_workers=backup_workers,
             push_every=push_every, pull_every=pull_every, delay_compensation=delay_compensation,
-            partition_bytes=partition_bytes, server_host=server_host,
+            partition_bytes=partition_bytes, server_host=server_host, server_port=server_port,
             server_addresses=_addresses(server_addresses, owner), server_secret_file=server_secret_file,
             allowed_networks=allowed_networks, server_timeout=server_timeout, owner=owner,
         )  # fmt: skip
@@ -228,7 +238,7 @@ class ParameterServerStrategy(PdistStrategy):
         self.num_servers, self.sharding, self.mode = num_servers, sharding, mode
         self.staleness, self.backup_workers, self.delay_compensation = staleness, backup_workers, delay_compensation
         self.push_every, self.pull_every = push_every, pull_every
-        self.servers: list[ServerProcess] = []
+        self.servers: list[ServerProcess] = []  # the servers this process started (a node's local rank 0)
         self.server_addresses: list[str] = []
         self._secret: bytes | None = None  # the servers' shared secret for this fit (never logged or checkpointed)
         self.plan: ShardingPlan | None = None
@@ -250,10 +260,18 @@ class ParameterServerStrategy(PdistStrategy):
     def set_world_ranks(self) -> None:
         super().set_world_ranks()
         self.config.check_world_size(self.world_size)
+        if self.config.server_addresses is None:
+            nodes = self._server_nodes(self.config.servers_for(self.world_size))
+            self.config.check_port_range(max(nodes.count(node) for node in set(nodes)))
+
+    def _server_nodes(self, num_servers: int) -> list[int]:
+        """The node each started server runs on; an address as ``server_host`` is one node's: all on node 0."""
+        host = self.config.server_host
+        return server_nodes(num_servers, 1 if host is not None and not is_wildcard(host) else self.num_nodes)
 
     @property
     def server_pids(self) -> list[int]:
-        """Process ids of the servers this process started (global rank 0 only)."""
+        """Process ids of the servers this process started (each node's local rank 0; one node: global rank 0)."""
         return [abs(s.pid) for s in self.servers]
 
     @override
@@ -265,22 +283,18 @@ class ParameterServerStrategy(PdistStrategy):
         fitting = self._trainer_fn() in (None, TrainerFn.FITTING)  # validate/test/predict need no servers
         if fitting and self.lightning_module is not None:
             self._plan(self.config.servers_for(self.world_size))  # every rank refuses a bad plan before any server starts
-        if fitting and self.global_rank == 0 and self.config.server_addresses is None:
-            # Fork the servers before this process opens any other socket (they close inherited ones anyway).
-            self._start_servers(host)
         timeout = self._timeout if isinstance(self._timeout, timedelta) else timedelta(minutes=30)
-        try:
-            self.workers = WorkerGroup(host, port, self.global_rank, self.world_size, timeout=timeout)
-        except BaseException:
-            self._stop_servers()
-            raise
+        self.workers = WorkerGroup(host, port, self.global_rank, self.world_size, timeout=timeout)
         if self.config.server_addresses is not None:
             self.server_addresses = list(self.config.server_addresses)
             if self.config.server_secret_file is not None:
                 self._secret = read_secret_file(self.config.server_secret_file)
         elif fitting:
-            # The secret goes only to the job's own workers, on their private group (never a file or the store).
-            self.server_addresses, self._secret = self.workers.broadcast_object((self.server_addresses, self._secret))
+            # The workers' group comes first: every node's starter needs rank 0's secret before it forks. Forking
+            # after the gloo group exists is safe here, as for DataLoader workers forked after init_process_group:
+            # the server child closes every inherited descriptor (gloo's sockets and epoll, the store), runs one
+            # thread (torch.set_num_threads(1)), never touches the group's objects and leaves with os._exit.
+            self._start_servers(host)
 
     def _plan(self, num_servers: int) -> ShardingPlan:
         """The sharding plan; an impossible one (more servers than elements, ...) is refused naming the rule."""
@@ -312,24 +326,66 @@ class ParameterServerStrategy(PdistStrategy):
                              "workers on the other nodes cannot reach a loopback address; leave server_host unset "
                              "(rank 0's address on the route to MASTER_ADDR), or set it to that node's cluster address, "
                              "or '0.0.0.0' with allowed_networks covering the nodes (docs/multinode.md)")  # fmt: skip
+        count = self.config.servers_for(self.world_size)
+        if self.config.server_addresses is None and host is not None and not is_wildcard(host) and count > 1:
+            rank_zero_warn(f"{owner}(server_host={host!r}): an address of one node, so all {count} servers run on "
+                           "global rank 0's node and its link carries all their traffic; leave server_host unset (or "
+                           "'0.0.0.0') to run server i on node i mod num_nodes")  # fmt: skip
 
     def _start_servers(self, main_address: str) -> None:
-        count = self.config.servers_for(self.world_size)
-        self._secret = new_secret()
-        host, networks = server_network(self.num_nodes, main_address)
-        host = self.config.server_host or host
-        networks = self.config.allowed_networks or networks
+        """Each node's local rank 0 starts the servers placed on its node; every worker gets all their addresses.
+
+        Two rounds on the workers' group (never the store or a file): rank 0's fresh secret and each starter's
+        derived address and network go to every worker; the starters fork their servers (a node's ``k``-th on
+        ``server_port + k``); their addresses, or what stopped them, go to every worker in server order. A server
+        that cannot start on any node stops every starter's servers and raises on every worker.
+        """
+        owner = type(self).__name__
+        nodes = self._server_nodes(self.config.servers_for(self.world_size))
+        mine = [i for i, node in enumerate(nodes) if node == self.node_rank] if self.local_rank == 0 else []
+        derived = server_network(self.num_nodes, main_address) if mine else None
+        offers = self.workers.all_gather_object((new_secret() if self.global_rank == 0 else None, derived))
+        self._secret = offers[0][0]
+        # every server admits the networks of all starting nodes: a worker may reach it from any of them
+        networks = self.config.allowed_networks or join_networks(*(d[1] for _, d in offers if d is not None))
+        found: dict[int, str] = {}
+        error = None
+        port = self.config.server_port
         try:
-            for index in range(count):
-                self.servers.append(start_server(
-                    index, host=host, allowed_networks=networks,
-                    io_timeout=self.config.server_timeout, secret=self._secret,
-                ))  # fmt: skip
+            if mine:
+                host = self.config.server_host or derived[0]
+                # workers reach a wildcard-bound server at MASTER_ADDR on node 0, elsewhere at the node's own address
+                published = (main_address if self.node_rank == 0 else derived[0]) if is_wildcard(host) else None
+            for k, index in enumerate(mine):
+                try:
+                    server = start_server(index, host=host, port=port + k if port is not None else 0,
+                                          allowed_networks=networks, io_timeout=self.config.server_timeout,
+                                          secret=self._secret)  # fmt: skip
+                except Exception as err:  # noqa: BLE001  (reported to every worker below, then raised on each)
+                    where = f"{host}:{port + k}" if port is not None else host
+                    error = (f"node {self.node_rank} cannot start parameter server {index} on {where} "
+                             f"({type(err).__name__}: {err})")
+                    break
+                self.servers.append(server)
+                found[index] = f"{published or server.host}:{server.port}"
+            reports = self.workers.all_gather_object((found, error))
         except BaseException:
             self._stop_servers()
             raise
-        wildcard = host in ("0.0.0.0", "::", "")
-        self.server_addresses = [f"{main_address if wildcard else s.host}:{s.port}" for s in self.servers]
+        errors = [e for _, e in reports if e is not None]
+        if errors:
+            self._stop_servers()
+            setting, rule = "", ""
+            if port is not None:
+                setting, rule = f"(server_port={port})", "; a node's k-th server binds server_port + k: choose free ports"
+            raise RuntimeError(f"{owner}{setting}: {'; '.join(errors)}{rule}")
+        for addresses, _ in reports:
+            found.update(addresses)
+        assert sorted(found) == list(range(len(nodes))), (sorted(found), len(nodes))
+        self.server_addresses = [found[i] for i in range(len(nodes))]
+        if self.num_nodes > 1:
+            rank_zero_info(f"{owner}: {len(nodes)} parameter servers: " + ", ".join(
+                f"{i} at {a} (node {nodes[i]})" for i, a in enumerate(self.server_addresses)))  # fmt: skip
 
     # ------------------------------------------------------------------ Lightning collectives (private group)
     @override
@@ -725,7 +781,7 @@ class ParameterServerStrategy(PdistStrategy):
         self.barrier()  # every worker has pushed its last gradient
         self._set_flat_params(self._servers_params())
         self._average_buffers(meeting=True)
-        self.barrier()  # every worker has pulled: rank 0 may shut the servers down in teardown
+        self.barrier()  # every worker has pulled: each node's starter may shut its servers down in teardown
         self._finalized = True
 
     # ------------------------------------------------------------------ checkpoints
@@ -775,9 +831,9 @@ class ParameterServerStrategy(PdistStrategy):
     def teardown(self) -> None:
         client, self.client = self.client, None
         if client is not None:
-            if self.global_rank == 0 and self.servers:
+            for server in self.servers:  # each node's starter shuts down the servers it started
                 try:
-                    client.map(Kind.SHUTDOWN, [{}] * client.num_servers)
+                    client.connections[server.index].request(Kind.SHUTDOWN, {})
                 except Exception:  # a server already gone: _stop_servers still reaps it
                     pass
             client.close()

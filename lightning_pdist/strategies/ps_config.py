@@ -28,6 +28,7 @@ class ParameterServerConfig(ConfigErrors):
     delay_compensation: float = 0.0
     partition_bytes: int | None = None
     server_host: str | None = None
+    server_port: int | None = None
     server_addresses: tuple[str, ...] | None = None
     server_secret_file: str | None = None
     allowed_networks: str | None = None
@@ -83,6 +84,15 @@ class ParameterServerConfig(ConfigErrors):
         if self.server_host is not None and (not isinstance(self.server_host, str) or not self.server_host):
             self._fail("server_host", "server_host must be an address string such as '127.0.0.1' or '0.0.0.0', "
                                       "or None (derived from the job)", TypeError)  # fmt: skip
+        if self.server_port is not None:
+            if not is_int(self.server_port):
+                self._fail("server_port", "server_port must be an int (the first port of the servers' range) or None "
+                                          "(any free port)", TypeError)  # fmt: skip
+            if not 1 <= self.server_port <= 65535:
+                self._fail("server_port", "server_port must be in 1..65535 (a node's k-th server binds server_port + k)")
+            if self.server_addresses is not None:
+                self._fail("server_port", "server_port sets the ports of the servers the strategy starts; servers "
+                                          "started elsewhere (server_addresses) have their ports in their addresses")  # fmt: skip
         if self.allowed_networks is not None and not isinstance(self.allowed_networks, str):
             self._fail("allowed_networks", "allowed_networks must be a comma-separated string of address ranges "
                                            "such as '127.0.0.0/8,10.0.0.0/8', or None (derived from the job)",
@@ -119,6 +129,12 @@ class ParameterServerConfig(ConfigErrors):
         if self.server_addresses is not None:
             return len(self.server_addresses)
         return self.num_servers if self.num_servers is not None else max(1, math.ceil(world_size / 2))
+
+    def check_port_range(self, servers_per_node: int) -> None:
+        """``server_port + servers_per_node - 1`` (the last port a node's servers bind) must be a port."""
+        if self.server_port is not None and self.server_port + servers_per_node - 1 > 65535:
+            self._fail("server_port", f"{servers_per_node} servers on a node bind ports {self.server_port}.."
+                                      f"{self.server_port + servers_per_node - 1}; the last must be <= 65535")  # fmt: skip
 
     def check_world_size(self, world_size: int) -> None:
         if self.backup_workers >= world_size:

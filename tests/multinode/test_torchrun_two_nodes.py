@@ -28,14 +28,17 @@ def torchrun_command(node_rank: int, master_addr: str, script: list[str]) -> lis
             f"--node-rank={node_rank}", f"--master-addr={master_addr}", "--master-port=29500", *script]  # fmt: skip
 
 
-def run_two_nodes(strategy: str, tmp_path: Path, timeout: float = 180) -> list[dict]:
+def run_two_nodes(strategy: str, tmp_path: Path, kwargs: dict | None = None,
+                  timeout: float = 180) -> tuple[list[dict], list[str], list[str]]:
+    """Each node's result (``two_node_job.py``), the hosts' addresses and each node's output."""
     out = tmp_path / "result.json"
+    script = [str(HERE / "two_node_job.py"), strategy, str(out)] + ([json.dumps(kwargs)] if kwargs else [])
     with EmulatedNetwork(num_hosts=2, rate="1gbit") as net:
+        ips = [net.host_ip(node) for node in range(2)]
         procs = []
         for node in range(2):
             env = dict(os.environ, GLOO_SOCKET_IFNAME=net.ifname(node), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-            cmd = net.exec_prefix(node) + torchrun_command(node, net.host_ip(0),
-                                                             [str(HERE / "two_node_job.py"), strategy, str(out)])
+            cmd = net.exec_prefix(node) + torchrun_command(node, ips[0], script)
             procs.append(subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True, start_new_session=True))  # fmt: skip
         try:
@@ -48,7 +51,7 @@ def run_two_nodes(strategy: str, tmp_path: Path, timeout: float = 180) -> list[d
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
         assert "failed to bind" not in log.lower() and "address already in use" not in log.lower(), log[-4000:]
-    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)], ips, logs
 
 
 @pytest.mark.parametrize("strategy", ["bmuf", "signsgd_mv", "parameter_server"])
@@ -56,9 +59,24 @@ def test_two_node_job_trains_and_agrees(strategy, tmp_path):
     """BMUF, signSGD with majority vote and the parameter server on 2 nodes, nothing set but GLOO_SOCKET_IFNAME:
     world size 2 on both, one node each, finite metrics, equal weights at the end (the parameter server derives its
     address and allowed networks from the job; its workers use torchrun's store instead of binding a second one)."""
-    results = run_two_nodes(strategy, tmp_path)
+    results, _, _ = run_two_nodes(strategy, tmp_path)
+    assert_trained_and_agree(results)
+
+
+def assert_trained_and_agree(results: list[dict]) -> None:
     assert [r["world_size"] for r in results] == [2, 2] and [r["node_rank"] for r in results] == [0, 1]
     for r in results:
         assert r["metrics"] and all(v == v for v in r["metrics"].values())
     # BMUF ends fit on the consensus model; the sign vote and the servers keep the replicas identical
     assert results[0]["param_sum"] == results[1]["param_sum"] and results[0]["param_norm"] == results[1]["param_norm"]
+
+
+def test_parameter_servers_spread_over_the_nodes_on_fixed_ports(tmp_path):
+    """num_servers=2, server_port=29600 on 2 nodes: server 0 runs on node 0 and server 1 on node 1, each on port 29600
+    of its own node (each node's local rank 0 started its own, with the job's secret); both workers hold these
+    addresses, the job logs them, and training agrees as with all servers on node 0."""
+    results, ips, logs = run_two_nodes("parameter_server", tmp_path, {"num_servers": 2, "server_port": 29600})
+    expected = [f"{ips[0]}:29600", f"{ips[1]}:29600"]
+    assert [r["server_addresses"] for r in results] == [expected, expected]
+    assert f"2 parameter servers: 0 at {expected[0]} (node 0), 1 at {expected[1]} (node 1)" in logs[0], logs[0][-4000:]
+    assert_trained_and_agree(results)

@@ -1,29 +1,47 @@
-"""One node's process of a 2-node job, started by torchrun on each node: ``two_node_job.py <strategy> <out.json>``.
+"""One node's process of a 2-node job, started by torchrun on each node: ``two_node_job.py <strategy> <out.json> [kwargs]``.
 
-The same commands as docs/multinode.md (``Trainer(num_nodes=2, devices=1)`` under ``torchrun --nnodes=2``).
+The same commands as docs/multinode.md (``Trainer(num_nodes=2, devices=1)`` under ``torchrun --nnodes=2``). ``kwargs``
+(JSON, optional): arguments for the registered strategy, e.g. ``{"num_servers": 2, "server_port": 29600}``.
 """
 
 import json
 import sys
 
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_pdist  # noqa: F401  (registers the strategy names)
 from lightning_pdist.data import DigitsDataModule
 from lightning_pdist.models import ClassifierModule
 
+
+class ServerAddresses(Callback):
+    """The parameter servers' resolved addresses, as every worker holds them during fit."""
+
+    addresses: list[str] | None = None
+
+    def on_train_start(self, trainer, pl_module):
+        self.addresses = list(getattr(trainer.strategy, "server_addresses", None) or []) or None
+
+
 if __name__ == "__main__":
-    strategy, out = sys.argv[1], sys.argv[2]
+    name, out = sys.argv[1], sys.argv[2]
+    kwargs = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    strategy = name
+    if kwargs:
+        entry = StrategyRegistry[name]
+        strategy = entry["strategy"](**{**entry["init_params"], **kwargs})
     torch.manual_seed(0)
+    servers = ServerAddresses()
     trainer = Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=strategy, max_steps=6, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      limit_val_batches=2, num_sanity_val_steps=0)  # fmt: skip
+                      limit_val_batches=2, num_sanity_val_steps=0, callbacks=[servers])  # fmt: skip
     model = ClassifierModule()
     trainer.fit(model, DigitsDataModule(batch_size=16))
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     result = {"rank": trainer.global_rank, "world_size": trainer.world_size, "node_rank": trainer.node_rank,
               "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-              "param_sum": float(flat.sum()), "param_norm": float(flat.norm())}  # fmt: skip
+              "param_sum": float(flat.sum()), "param_norm": float(flat.norm()), "server_addresses": servers.addresses}  # fmt: skip
     with open(f"{out}.rank{trainer.global_rank}", "w") as f:
         json.dump(result, f)

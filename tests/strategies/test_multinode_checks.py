@@ -76,3 +76,34 @@ def test_server_network_is_derived_from_the_route_to_the_main_address(monkeypatc
     assert multinode.server_network(1, "10.0.0.1") == ("127.0.0.1", "127.0.0.0/8")
     monkeypatch.setattr(multinode, "interfaces", lambda: [])
     assert multinode.server_network(2, "10.0.0.1") == ("10.0.3.7", "127.0.0.0/8,10.0.3.7/32")
+
+
+def test_servers_are_dealt_round_robin_over_the_nodes():
+    """Server i runs on node i mod num_nodes; one node holds them all."""
+    assert multinode.server_nodes(5, 2) == [0, 1, 0, 1, 0]
+    assert multinode.server_nodes(2, 3) == [0, 1]
+    assert multinode.server_nodes(3, 1) == [0, 0, 0]
+
+
+def test_the_nodes_networks_are_joined_once_each():
+    """allowed_networks of several starting nodes: every range once, in first-seen order."""
+    assert multinode.join_networks("127.0.0.0/8,10.0.0.0/24", "127.0.0.0/8,10.0.1.0/24", "127.0.0.0/8,10.0.0.0/24") \
+        == "127.0.0.0/8,10.0.0.0/24,10.0.1.0/24"
+
+
+def test_parameter_servers_spread_over_the_nodes_unless_server_host_names_one_node():
+    """Unset or wildcard server_host: server i on node i mod 2; an address of one node puts every server on node 0
+    and warns that its link carries all their traffic."""
+    from lightning.pytorch import Trainer
+
+    from lightning_pdist import ParameterServerStrategy
+
+    for host in (None, "0.0.0.0"):
+        trainer = Trainer(accelerator="cpu", devices=1, num_nodes=2, logger=False,
+                          strategy=ParameterServerStrategy(num_servers=3, server_host=host))  # fmt: skip
+        assert trainer.strategy._server_nodes(3) == [0, 1, 0]
+    with pytest.warns(UserWarning, match=r"ParameterServerStrategy\(server_host='10.0.0.5'\): an address of one node, "
+                                         r"so all 3 servers run on global rank 0's node"):  # fmt: skip
+        trainer = Trainer(accelerator="cpu", devices=1, num_nodes=2, logger=False,
+                          strategy=ParameterServerStrategy(num_servers=3, server_host="10.0.0.5"))  # fmt: skip
+    assert trainer.strategy._server_nodes(3) == [0, 0, 0]
