@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["averaged_tensors", "flatten", "unflatten_into_"]
+__all__ = ["averaged_tensors", "flatten", "relative_distance", "unflatten_into_"]
 
 
 def averaged_tensors(module: nn.Module) -> list[Tensor]:
@@ -38,3 +38,27 @@ def unflatten_into_(vector: Tensor, tensors: list[Tensor]) -> None:
         n = t.numel()
         t.copy_(vector[offset : offset + n].view_as(t))
         offset += n
+
+
+@torch.no_grad()
+def relative_distance(tensors: list[Tensor], reference: Tensor) -> float:
+    """``‖w − r‖ / ‖r‖`` with ``w`` the concatenation of ``tensors`` and ``r`` a flat vector of as many elements.
+
+    The replica divergence of the averaging family: ``w`` a rank's parameters and float buffers, ``r`` the mean of
+    the replicas. Computed tensor by tensor against slices of ``reference`` (no flat copy of ``w``), in fp64 sums.
+    ``inf`` when ``r`` is zero and ``w`` is not; 0 when both are.
+    """
+    total = sum(t.numel() for t in tensors)
+    assert reference.numel() == total, f"reference has {reference.numel()} elements, tensors hold {total}"
+    squares = []  # ‖w_j − r_j‖² per tensor; one host sync at the end
+    offset = 0
+    for t in tensors:
+        part = reference[offset : offset + t.numel()]
+        offset += t.numel()
+        gap = t.detach().reshape(-1).to(part.dtype) - part
+        squares.append(torch.linalg.vector_norm(gap, dtype=torch.float64) ** 2)
+    diff = float(torch.stack(squares).sum()) if squares else 0.0
+    ref = float(torch.linalg.vector_norm(reference, dtype=torch.float64) ** 2)
+    if ref == 0.0:
+        return 0.0 if diff == 0.0 else float("inf")
+    return (diff / ref) ** 0.5

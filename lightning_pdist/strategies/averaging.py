@@ -43,6 +43,13 @@ Decisions a user meets:
   collective unless it is not finite. A replica that became non-finite from finite gradients (a diverging learning
   rate) stops every rank there under ``"skip_step"`` too: skipping a synchronization cannot bring it back.
   ``"propagate"`` checks neither and sends no flag (the local steps then meet at synchronizations only).
+* **Replica divergence** is logged as ``pdist/avg/divergence``: before each synchronization, this rank's
+  relative distance to the mean of the replicas, ``‖w_r − mean(w)‖ / ‖mean(w)‖`` (parameters and float buffers),
+  computed from the vector the synchronization all-reduces anyway (no extra collective; one pass over the
+  model). Logged at the next logged step as the mean over the synchronizations since the previous one (loggers
+  show rank 0's); absent from intervals without a synchronization. It says how far apart local steps take the
+  replicas: it grows with ``period`` and the learning rate; BMUF's block momentum and EASGD's ``alpha`` act on
+  top of it.
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pdist.algorithms.flat import averaged_tensors, flatten, unflatten_into_
+from lightning_pdist.algorithms.flat import averaged_tensors, flatten, relative_distance, unflatten_into_
 from lightning_pdist.algorithms.nonfinite import all_finite, culprit_ranks, nonfinite_error, one_hot_flag
 from lightning_pdist.algorithms.periodic import PeriodicSchedule
 from lightning_pdist.comm.collectives import all_reduce_mean_, all_reduce_sum_
@@ -117,7 +124,14 @@ class ModelAveragingStrategy(PdistStrategy):
         """
         combined = self.reduce_replicas()
         self.refuse_nonfinite(combined, before=self.sync_changes)
+        # The module still holds this rank's replica: its distance to the mean costs no collective.
+        divergence = relative_distance(self.averaged_tensors, self.replica_mean(combined))
+        self._diagnostics.note("pdist/avg/divergence", divergence)
         self.apply_sync(combined)
+
+    def replica_mean(self, combined: Tensor) -> Tensor:
+        """``mean_i w_i`` from :meth:`reduce_replicas`' result (which is that mean, unless a subclass sums)."""
+        return combined
 
     @abstractmethod
     def reduce_replicas(self) -> Tensor:

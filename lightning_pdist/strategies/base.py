@@ -8,11 +8,12 @@ things every algorithm here needs:
    hook given, the counted :func:`~lightning_pdist.comm.hooks.allreduce_hook` is registered: the
    same arithmetic as DDP's own reduction, plus byte accounting.
 2. **Byte accounting.** A :class:`~lightning_pdist.comm.accounting.CommMeter` counts the bytes this
-   rank sends through our comm layer; after every optimizer step the strategy logs
-   ``pdist/comm_bytes`` (that step) and ``pdist/comm_bytes_total`` (cumulative) with
-   ``LightningModule.log``, so they reach the progress bar and every logger. Figures are this
-   rank's own (loggers write rank 0's). Traffic for evaluation and checkpoints is not training
-   traffic and is not counted.
+   rank sends through our comm layer; on every step the loggers receive, the strategy logs
+   ``pdist/comm_bytes`` (the bytes since the previous such step) and ``pdist/comm_bytes_total``
+   (cumulative) with ``LightningModule.log``, so they reach the progress bar and every logger, with
+   the algorithm's diagnostics (:meth:`PdistStrategy.diagnostics`;
+   :mod:`~lightning_pdist.strategies.run_logging`). Figures are this rank's own (loggers write rank
+   0's). Traffic for evaluation and checkpoints is not training traffic and is not counted.
 3. **Algorithm state in checkpoints.** Lightning has no strategy ``state_dict`` hook, so
    :meth:`save_checkpoint` adds ``checkpoint["pdist"]`` and :meth:`load_checkpoint` reads it back;
    subclasses fill it through :meth:`pdist_state_dict` / :meth:`load_pdist_state_dict`. State that
@@ -60,8 +61,9 @@ from lightning_pdist.comm.hooks import AllReduceState, allreduce_hook
 from lightning_pdist.strategies import lifetime, rank_files
 from lightning_pdist.strategies.multinode import check_gloo_interface
 from lightning_pdist.strategies.nonfinite import NonFiniteGuard, SkipStep, optimizer_grads
-from lightning_pdist.strategies.run_logging import CommLogState, install_progress_bar_format, log_comm_bytes
-from lightning_pdist.strategies.run_logging import log_final_total, log_run_settings, resolved_settings
+from lightning_pdist.strategies.run_logging import CommLogState, IntervalMeans, forget_step_metrics
+from lightning_pdist.strategies.run_logging import install_progress_bar_format, log_comm_bytes, log_final_total
+from lightning_pdist.strategies.run_logging import log_run_settings, log_step_metrics, resolved_settings
 from lightning_pdist.strategies.safe_io import SafeCheckpointIO
 
 __all__ = ["PdistStrategy", "check_keywords", "register_variants"]
@@ -105,6 +107,8 @@ class PdistStrategy(DDPStrategy):
             )
         self.comm_meter = CommMeter()
         self._comm_log = CommLogState()
+        self._diagnostics = IntervalMeans()  # what the algorithm noted since the last logged step
+        self._logged_diagnostics: set[str] = set()  # diagnostics logged at the last logged step
         self._hook_state: AllReduceState | None = None  # our gradient hook's (it notes non-finite buckets)
         self._loaded_pdist_state: dict | None = None
         self._loaded_rank_state: tuple[dict | None, str] = (None, "")
@@ -181,8 +185,18 @@ class PdistStrategy(DDPStrategy):
         """Run the algorithm's per-step work (averaging, elastic steps); nothing for plain DDP."""
 
     def _log_comm_bytes(self) -> None:
-        log_comm_bytes(self.lightning_module, self.comm_meter, self._comm_log)
-        self.nonfinite_guard.log(self.lightning_module)
+        module = self.lightning_module
+        if log_comm_bytes(module, self.comm_meter, self._comm_log):  # only steps the loggers see pay for logging
+            self.nonfinite_guard.log(module)
+            log_step_metrics(module, self.diagnostics(), self._logged_diagnostics)
+
+    def diagnostics(self) -> dict[str, float]:
+        """The algorithm's diagnostics since the last logged step (``pdist/...`` keys), logged now.
+
+        Called on every rank at the same points (logged steps, the end of ``fit``), so a subclass may use a tiny
+        collective here. The base returns the means of what the algorithm noted in ``self._diagnostics``.
+        """
+        return self._diagnostics.take()
 
     # ------------------------------------------------------------------ non-finite policy
     @property
@@ -212,6 +226,8 @@ class PdistStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         self.nonfinite_guard.snapshot(self.lightning_module, self.precision_plugin)
+        if self._logged_diagnostics:
+            forget_step_metrics(self.lightning_module, self._logged_diagnostics)
 
     def announce(self, trainer: Any) -> None:
         """At setup: the readable progress bar, and (when fitting) the resolved settings to every logger."""
@@ -227,7 +243,7 @@ class PdistStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
-            log_final_total(self.lightning_module._trainer, self.comm_meter, self._comm_log)
+            log_final_total(self.lightning_module._trainer, self.comm_meter, self._comm_log, self.diagnostics())
 
     # ------------------------------------------------------------------ checkpoints
     def pdist_state_dict(self) -> dict:

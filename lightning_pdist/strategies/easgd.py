@@ -76,6 +76,10 @@ class EASGDStrategy(ModelAveragingStrategy):
         return all_reduce_sum_(self.local_vector(), meter=self.comm_meter, kind="param_all_reduce")  # Σ_i x_i
 
     @override
+    def replica_mean(self, combined: Tensor) -> Tensor:
+        return combined / self.rank_world[1]  # combined is Σ_i x_i
+
+    @override
     def apply_sync(self, combined: Tensor) -> None:
         local = self.local_vector()
         easgd_update_(local, self.easgd_state.center, combined, self.rank_world[1], self.alpha)

@@ -12,6 +12,17 @@ the running total; at the end of ``fit`` the bytes since the last logged step an
 so the logged ``pdist/comm_bytes`` add up to the last point of the total's series, the run's total, whatever
 ``log_every_n_steps`` is.
 
+**Only logged steps pay for logging.** ``LightningModule.log`` costs about as much as a small model's optimizer step
+in Python, so the ``pdist/*`` keys are logged only on the steps whose metrics reach the loggers
+(``should_update_logs``); between them the strategies only count. ``callback_metrics`` and the progress bar
+therefore show the figures of the last logged step (every step with ``log_every_n_steps=1``).
+
+**Diagnostics.** Algorithm diagnostics (vote statistics, replica divergence, staleness) follow the same rule: what
+happens between logged steps is summed or averaged (:class:`IntervalMeans`) and logged once at the next logged
+step; a key with nothing new in an interval is not logged then, and is kept from reaching the loggers again with
+its old value (:func:`forget_step_metrics`); what is left after the last logged step goes to the loggers at the
+end of ``fit`` with the final total.
+
 **Progress bar.** Raw byte counts read badly (``76712.0``) and crowd out ``val/acc``: the bar shows one short,
 unit-carrying entry, ``comm=11.6MB`` (the total), instead of the ``pdist/*`` keys, plus at most one strategy key a
 strategy names in ``progress_bar_keys`` (e.g. the parameter server's wait, ``wait=0.12s``).
@@ -25,8 +36,8 @@ from typing import Any
 
 from lightning_pdist.comm.accounting import CommMeter
 
-__all__ = ["CommLogState", "human_bytes", "install_progress_bar_format", "log_comm_bytes", "log_run_settings",
-           "resolved_settings"]  # fmt: skip
+__all__ = ["CommLogState", "IntervalMeans", "forget_step_metrics", "human_bytes", "install_progress_bar_format",
+           "log_comm_bytes", "log_final_total", "log_run_settings", "log_step_metrics", "resolved_settings"]  # fmt: skip
 
 _SIMPLE = (bool, int, float, str, type(None))
 
@@ -79,16 +90,18 @@ class CommLogState:
         self.total_at_call = 0
 
 
-def log_comm_bytes(module: Any, meter: CommMeter, state: CommLogState | None = None) -> None:
-    """Close the meter's step; log ``pdist/comm_bytes`` (bytes since the last logged step) and the total.
+def log_comm_bytes(module: Any, meter: CommMeter, state: CommLogState | None = None) -> bool:
+    """Close the meter's step; on a logged step, log ``pdist/comm_bytes`` (bytes since the last logged step) and
+    the total.
 
-    Without ``state`` the step's own bytes are logged (sampled by the loggers; kept for callers that log every
-    step themselves).
+    Returns whether this step's metrics reach the loggers (the strategy then logs its other ``pdist/*`` keys too);
+    the same on every rank. Without ``state`` the step's own bytes are logged on every step (kept for callers that
+    want every step's figure).
     """
     step_bytes = meter.end_step()
     # `log` is legal only inside a hook the Trainer is running (optimizer_step/training_step).
     if module is None or module._trainer is None or module._current_fx_name is None:
-        return
+        return False
     value = step_bytes
     if state is not None:
         trainer = module._trainer
@@ -101,17 +114,72 @@ def log_comm_bytes(module: Any, meter: CommMeter, state: CommLogState | None = N
         connector = getattr(trainer, "_logger_connector", None)
         state.batch_logged = bool(getattr(connector, "should_update_logs", True))
         state.total_at_call = meter.total_bytes
+        if not state.batch_logged:
+            return False  # the loggers would not see it: LightningModule.log is the costly part of a small step
         value = meter.total_bytes - state.logged_total
     module.log("pdist/comm_bytes", float(value), on_step=True, on_epoch=False, prog_bar=True)
     module.log("pdist/comm_bytes_total", float(meter.total_bytes), on_step=True, on_epoch=False, prog_bar=True)
+    return True
 
 
-def log_final_total(trainer: Any, meter: CommMeter, state: CommLogState | None = None) -> None:
+class IntervalMeans:
+    """Diagnostics noted between logged steps, logged once at the next logged step as their (weighted) mean.
+
+    ``note(key, value, weight)`` adds ``value`` with ``weight``; :meth:`take` returns ``{key: Σ w·v / Σ w}`` of the
+    keys noted since the last call and starts over. A sum is a mean with its count as the weight's inverse: note
+    ``(total, 1)`` instead. Keys with nothing noted are absent from :meth:`take`.
+    """
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = {}
+        self._weights: dict[str, float] = {}
+
+    def note(self, key: str, value: float, weight: float = 1.0) -> None:
+        self._sums[key] = self._sums.get(key, 0.0) + float(value) * weight
+        self._weights[key] = self._weights.get(key, 0.0) + weight
+
+    def __bool__(self) -> bool:
+        return bool(self._sums)
+
+    def take(self) -> dict[str, float]:
+        out = {k: self._sums[k] / self._weights[k] for k in self._sums if self._weights[k]}
+        self._sums, self._weights = {}, {}
+        return out
+
+
+def log_step_metrics(module: Any, metrics: dict[str, float], logged: set[str] | None = None) -> None:
+    """``module.log`` each of ``metrics`` for this step only (no epoch mean, not on the bar); note the names in
+    ``logged`` so that :func:`forget_step_metrics` can keep them from being sent again."""
+    for name, value in metrics.items():
+        module.log(name, float(value), on_step=True, on_epoch=False)
+    if logged is not None:
+        logged.update(metrics)
+
+
+def forget_step_metrics(module: Any, names: set[str]) -> None:
+    """Keep step metrics logged on an earlier step from reaching the loggers again (call at the next batch's start).
+
+    Lightning sends every step metric logged so far in the epoch at each logged step, with its last value; a
+    diagnostic with nothing new in an interval (no synchronization, no push) must not reappear with an old value.
+    ``callback_metrics`` keeps the last value.
+    """
+    trainer = getattr(module, "_trainer", None) if module is not None else None
+    results = getattr(trainer, "_results", None)
+    if results is not None:
+        for key, metric in results.items():
+            if key.split(".", 1)[-1] in names:
+                metric.has_reset = True  # Lightning's own mark for "not logged since the last reset": skipped
+    names.clear()
+
+
+def log_final_total(trainer: Any, meter: CommMeter, state: CommLogState | None = None,
+                    extra: dict[str, float] | None = None) -> None:  # fmt: skip
     """At the end of ``fit``: the bytes since the last logged step (if any) and the run's total, to every logger.
 
-    With ``state``, the logged ``pdist/comm_bytes`` then add up to the logged total exactly.
+    With ``state``, the logged ``pdist/comm_bytes`` then add up to the logged total exactly. ``extra``: the
+    diagnostics noted since the last logged step, sent with them.
     """
-    metrics = {"pdist/comm_bytes_total": float(meter.total_bytes)}
+    metrics = {"pdist/comm_bytes_total": float(meter.total_bytes), **(extra or {})}
     if state is not None:
         if state.batch_logged:
             state.logged_total = state.total_at_call
