@@ -43,7 +43,7 @@ and it adds a compiled dependency for what about 300 lines of standard library d
 well, but the optimizer steps are synchronous compute in the loop either way, so it would add a framework
 and nothing else.
 
-Lifetime: the server exits when rank 0 sends ``SHUTDOWN``; when no connection is left and at least one
+Lifetime: the server exits when the worker that started it (a node's local rank 0) sends ``SHUTDOWN``; when no connection is left and at least one
 worker had said ``HELLO`` (all workers gone); when its lifeline pipe to the process that started it reaches EOF (that process died,
 however); or after ``idle_timeout`` seconds without any connection and no worker yet. It ignores ``SIGINT`` (Ctrl-C reaches
 the whole process group; the workers' teardown or the lifeline ends the server in order).
