@@ -71,12 +71,16 @@ def assert_trained_and_agree(results: list[dict]) -> None:
     assert results[0]["param_sum"] == results[1]["param_sum"] and results[0]["param_norm"] == results[1]["param_norm"]
 
 
-def test_parameter_servers_spread_over_the_nodes_on_fixed_ports(tmp_path):
-    """num_servers=2, server_port=29600 on 2 nodes: server 0 runs on node 0 and server 1 on node 1, each on port 29600
-    of its own node (each node's local rank 0 started its own, with the job's secret); both workers hold these
-    addresses, the job logs them, and training agrees as with all servers on node 0."""
-    results, ips, logs = run_two_nodes("parameter_server", tmp_path, {"num_servers": 2, "server_port": 29600})
-    expected = [f"{ips[0]}:29600", f"{ips[1]}:29600"]
+@pytest.mark.parametrize(("kwargs", "placement"), [({"num_servers": 2}, [(0, 29600), (1, 29600)]),
+                                                  ({"num_servers": 3, "server_host": "0.0.0.0"},
+                                                   [(0, 29600), (1, 29600), (0, 29601)])])  # fmt: skip
+def test_parameter_servers_spread_over_the_nodes_on_fixed_ports(tmp_path, kwargs, placement):
+    """server_port=29600 on 2 nodes: server i runs on node i mod 2, a node's k-th server on port 29600 + k (each node's
+    local rank 0 started its own, with the job's secret; with server_host='0.0.0.0' too, published at each node's
+    address); both workers hold these addresses, the job logs them, and training agrees."""
+    results, ips, logs = run_two_nodes("parameter_server", tmp_path, {**kwargs, "server_port": 29600})
+    expected = [f"{ips[node]}:{port}" for node, port in placement]
     assert [r["server_addresses"] for r in results] == [expected, expected]
-    assert f"2 parameter servers: 0 at {expected[0]} (node 0), 1 at {expected[1]} (node 1)" in logs[0], logs[0][-4000:]
+    listed = ", ".join(f"{i} at {a} (node {node})" for i, (a, (node, _)) in enumerate(zip(expected, placement)))
+    assert f"{len(expected)} parameter servers: {listed}" in logs[0], logs[0][-4000:]
     assert_trained_and_agree(results)
