@@ -16,15 +16,20 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["WorkerGroup"]
+__all__ = ["WorkerGroup", "WorkerSilent"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
+
+
+class WorkerSilent(RuntimeError):
+    """Workers (named) did not report to :meth:`WorkerGroup.exchange_flags` within its deadline."""
 
 
 class WorkerGroup:
@@ -48,6 +53,7 @@ class WorkerGroup:
     """
 
     _agent_groups = 0  # groups made on torchrun's agent store by this process (every worker makes them in step)
+    _subgroups = 0  # groups made as subgroups of torch's default group by this process
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout: timedelta = timedelta(minutes=30)):
         self.rank, self.world_size = rank, world_size
@@ -65,6 +71,10 @@ class WorkerGroup:
                     "the same ranks (run the same number of workers as the earlier strategy, or destroy that group)"
                 )
             self.pg = dist.new_group(backend="gloo", timeout=timeout)
+            WorkerGroup._subgroups += 1
+            default_store = dist.distributed_c10d._get_default_store()
+            self._flags = dist.PrefixStore(f"pdist/flags/{WorkerGroup._subgroups}/", default_store)
+            self._introduce()
             return
         prefix = "pdist/workers/"
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -77,6 +87,43 @@ class WorkerGroup:
             self._server = dist.TCPStore(host, port, None, True, timeout=timeout, wait_for_workers=False)
         self._client = dist.TCPStore(host, port, None, False, timeout=timeout, wait_for_workers=False)
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._client), rank, world_size, timeout)
+        self._flags = dist.PrefixStore(prefix + "flags/", self._client)
+        self._introduce()
+
+    def _introduce(self) -> None:
+        self._flags.set(f"who/{self.rank}", f"pid {os.getpid()} on host {socket.gethostname()}")
+        self._last_flag: str | None = None
+
+    # ------------------------------------------------------------------ named agreement
+    def exchange_flags(self, tag: str, value: int, timeout: timedelta, what: str = "its flag") -> list[int]:
+        """Every worker's small int ``value`` for ``tag`` (unique per call), through the group's store.
+
+        A gloo collective that a stopped worker never joins fails after the group's timeout (30 minutes by default)
+        without saying who is missing. Here every worker sets its key and waits at most ``timeout`` for the others';
+        :class:`WorkerSilent` then names the workers whose key is missing (rank, pid, host). A few bytes per worker.
+        """
+        if self.pg is None or self.world_size == 1:
+            return [int(value)]
+        keys = [f"{tag}/{r}" for r in range(self.world_size)]
+        self._flags.set(keys[self.rank], str(int(value)))
+        try:
+            self._flags.wait(keys, timeout)
+        except (RuntimeError, dist.DistError):  # the store's timeout
+            missing = [r for r in range(self.world_size) if not self._flags.check([keys[r]])]
+            who = ", ".join(f"worker {r} ({self._who(r)})" for r in missing)
+            raise WorkerSilent(f"worker {self.rank}: {who} did not report {what} within {timeout.total_seconds():g} s: "
+                               "stopped, hung or dead; every other worker is waiting for it") from None  # fmt: skip
+        values = [int(v) for v in self._flags.multi_get(keys)]
+        if self._last_flag is not None:  # every worker has read it: each set this tag's key after reading that one
+            self._flags.delete_key(self._last_flag)
+        self._last_flag = keys[self.rank]
+        return values
+
+    def _who(self, rank: int) -> str:
+        try:
+            return self._flags.get(f"who/{rank}").decode()
+        except (RuntimeError, dist.DistError):
+            return "pid and host unknown"
 
     # ------------------------------------------------------------------ collectives
     def barrier(self) -> None:

@@ -49,7 +49,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pdist.algorithms.nonfinite import all_finite, culprit_ranks, nonfinite_error, one_hot_flag
+from lightning_pdist.algorithms.nonfinite import all_finite, nonfinite_error
 from lightning_pdist.algorithms.sharding import ShardingPlan, param_specs, plan_sharding
 from lightning_pdist.comm.accounting import all_reduce_bytes
 from lightning_pdist.comm.ps_auth import new_secret, read_secret_file
@@ -137,11 +137,12 @@ class ParameterServerStrategy(PdistStrategy):
 
     Non-finite gradients (``nonfinite=``, :mod:`lightning_pdist.algorithms.nonfinite`; without a GradScaler): each
     worker checks its own gradient, per tensor, after the backward and *before* the push, so no server shard, server
-    optimizer state or version ever takes a NaN. ``sync`` (with or without backup workers): one all-reduce of
-    ``world_size`` flags on the workers' group every step (``4·N`` bytes, counted as ``ps_nonfinite``; it waits for
-    every worker's backward, also with backup workers) tells every worker whether, and on which workers, a
-    gradient was not finite; then ``"raise"`` stops every worker at that step with a ``FloatingPointError``
-    naming the workers and the global step, and ``"skip_step"`` skips that step's push on every worker (no server
+    optimizer state or version ever takes a NaN. ``sync`` (with or without backup workers): every worker puts its
+    flag in the workers' store every step and waits at most ``server_timeout`` for the others' (a few bytes, not
+    training traffic; it waits for every worker's backward, also with backup workers; a worker that never reports
+    is named, ``WorkerSilent``, as the servers name a worker that never pushes), so every worker learns whether,
+    and on which workers, a gradient was not finite; then ``"raise"`` stops every worker at that step with a
+    ``FloatingPointError`` naming the workers and the global step, and ``"skip_step"`` skips that step's push on every worker (no server
     steps, as for an fp16 overflow). ``async``/``ssp``: the workers do not meet per step, so the check is the
     worker's own: ``"raise"`` stops that worker before its push (the others go on until they next meet it, at
     validation, a checkpoint or the end of ``fit``, or until the launcher ends the job; Lightning's fork/spawn
@@ -596,10 +597,13 @@ class ParameterServerStrategy(PdistStrategy):
         # One 4-byte all-reduce before the push, every step (sync workers meet at every step anyway). The push
         # cannot carry the flag without a server-side change: each server would have to hold its step back until
         # every worker's flag arrived, and the workers would still have to learn the outcome to back off.
-        flag = torch.tensor([float(overflowed)])
-        self.workers.all_reduce_(flag, "max")
-        self.comm_meter.add("ps_overflow", all_reduce_bytes(flag.numel() * flag.element_size(), self.world_size))
-        return bool(flag.item())
+        flags = self.workers.exchange_flags(f"overflow/{self.step}", int(overflowed), self._agreement_timeout,
+                                            what=f"whether its step {self.step + 1} overflowed")  # fmt: skip
+        return any(flags)
+
+    @property
+    def _agreement_timeout(self) -> timedelta:
+        return timedelta(seconds=self.config.server_timeout)
 
     def _check_nonfinite(self, k: int) -> bool:
         """Whether this step's push is skipped for non-finite gradients (``"raise"`` raises instead); before any push.
@@ -610,10 +614,11 @@ class ParameterServerStrategy(PdistStrategy):
         bad = not all_finite([g for g in self.layout.grads_of(k).values() if g is not None])
         agreed = self.config.mode == "sync" and self.workers is not None and self.world_size > 1
         if agreed:
-            flags = one_hot_flag(bad, self.global_rank, self.world_size)
-            self.workers.all_reduce_(flags, "sum")
-            self.comm_meter.add("ps_nonfinite", all_reduce_bytes(flags.numel() * flags.element_size(), self.world_size))
-            ranks = culprit_ranks(flags)
+            # Through the store with the server's deadline, not a gloo all-reduce: a stopped worker is then named
+            # after server_timeout (WorkerSilent), as the servers name it, instead of gloo failing unnamed much later.
+            flags = self.workers.exchange_flags(f"nonfinite/{self.step}/{k}", int(bad), self._agreement_timeout,
+                                                what=f"its gradient check before step {self.step + 1}'s push")  # fmt: skip
+            ranks = [r for r, flag in enumerate(flags) if flag]
         else:
             ranks = [self.global_rank] if bad else []
         if not ranks:

@@ -1,6 +1,7 @@
 """A 2-rank fit that tests/strategies/test_hung_ranks.py stops or kills: ``python _hung_job.py OUT ALGO ACTION LAUNCH TIMEOUT``.
 
-ALGO: ``ps`` (ParameterServerStrategy, server_timeout=TIMEOUT) or ``bmuf`` (BMUFStrategy, timeout=TIMEOUT s).
+ALGO: ``ps`` / ``ps_propagate`` (ParameterServerStrategy, server_timeout=TIMEOUT, nonfinite "raise" / "propagate") or
+``bmuf`` (BMUFStrategy, timeout=TIMEOUT s).
 ACTION: ``stop1`` (rank 1 SIGSTOPs itself after step 3) or ``run`` (both keep training). LAUNCH: ``popen`` or
 ``fork`` (Lightning launches the ranks), or ``external`` (the test starts each rank with LOCAL_RANK set, as torchrun
 does). Every rank writes ``rank{r}.json`` (its pid, the servers' pids) at the start of training and ``step3_rank{r}``
@@ -42,8 +43,9 @@ class Act(Callback):
 def main() -> None:
     out, algo, action, launch, timeout = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5])
     start_method = {"external": "popen"}.get(launch, launch)
-    if algo == "ps":
-        strategy = ParameterServerStrategy(server_timeout=timeout, start_method=start_method)
+    if algo in ("ps", "ps_propagate"):  # ps_propagate: no per-step agreement, so the server names the stalled worker
+        nonfinite = "propagate" if algo == "ps_propagate" else "raise"
+        strategy = ParameterServerStrategy(server_timeout=timeout, nonfinite=nonfinite, start_method=start_method)
     else:
         strategy = BMUFStrategy(period=2, timeout=timedelta(seconds=timeout), start_method=start_method)
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=10_000, logger=False,

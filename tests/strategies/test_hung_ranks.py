@@ -78,16 +78,23 @@ def assert_all_gone(pids: list[int]) -> None:
     wait_for(lambda: all(state(p) is None for p in pids), 30, f"processes {[p for p in pids if state(p)]} still alive")
 
 
-def test_a_stopped_ps_worker_is_named_and_the_job_ends(tmp_path, jobs):
-    """SIGSTOP worker 1 (popen): worker 0's error names it (pid, host), says the server is alive; no process is left."""
-    launcher = start(jobs, tmp_path, "ps", "stop1", "popen", "5")
+@pytest.mark.parametrize("algo", ["ps", "ps_propagate"])
+def test_a_stopped_ps_worker_is_named_and_the_job_ends(tmp_path, jobs, algo):
+    """SIGSTOP worker 1 (popen): worker 0's error names it (pid, host) after server_timeout, without blaming the server,
+    and no process is left. With the default nonfinite="raise" the workers meet before each push (through their
+    store) and the silent worker is named there; with "propagate" the server names it (it says it is alive)."""
+    launcher = start(jobs, tmp_path, algo, "stop1", "popen", "5")
     code = launcher.wait(timeout=STARTUP + 60)
     log = (tmp_path / "log.txt").read_text()
     rank0, rank1, servers = job_pids(tmp_path)
     assert code != 0
-    assert re.search(rf"WorkerStalled: PUSHPULL to parameter server 0 at 127\.0\.0\.1:\d+: worker 1 \(pid {rank1} on "
-                     rf"host \S+, connected from 127\.0\.0\.1:\d+; last heard from [\d.]+ s ago\) has not pushed step \d+ "
-                     r"for [\d.]+ s: it is stopped, hung or dead; parameter server 0 is alive", log), log[-3000:]  # fmt: skip
+    if algo == "ps":
+        assert re.search(rf"WorkerSilent: worker 0: worker 1 \(pid {rank1} on host \S+\) did not report its gradient "
+                         r"check before step \d+'s push within 5 s: stopped, hung or dead", log), log[-3000:]  # fmt: skip
+    else:
+        assert re.search(rf"WorkerStalled: PUSHPULL to parameter server 0 at 127\.0\.0\.1:\d+: worker 1 \(pid {rank1} "
+                         rf"on host \S+, connected from 127\.0\.0\.1:\d+; last heard from [\d.]+ s ago\) has not pushed "
+                         r"step \d+ for [\d.]+ s: it is stopped, hung or dead; parameter server 0 is alive", log), log[-3000:]  # fmt: skip
     assert "did not answer" not in log  # the server is not blamed
     assert_all_gone([rank0, rank1, *servers])
 
