@@ -54,7 +54,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pdist.algorithms.nonfinite import all_finite, culprit_ranks, one_hot_flag
+from lightning_pdist.algorithms.nonfinite import culprit_ranks, grads_finite, one_hot_flag
 from lightning_pdist.comm.accounting import CommMeter
 from lightning_pdist.comm.collectives import all_reduce_sum_
 from lightning_pdist.comm.hooks import AllReduceState, allreduce_hook
@@ -211,7 +211,7 @@ class PdistStrategy(DDPStrategy):
         collective runs while they are finite; the ranks come from the comm hook's notes, gathered on the failure
         path only (an empty list where a ``ddp_comm_hook`` from outside lightning_pdist noted nothing).
         """
-        if all_finite(optimizer_grads(optimizer)):
+        if grads_finite(optimizer_grads(optimizer)):  # one fused pass: this runs every step
             return None
         state = self._hook_state
         noted = state is not None and state.track_nonfinite
@@ -225,7 +225,9 @@ class PdistStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        self.nonfinite_guard.snapshot(self.lightning_module, self.precision_plugin)
+        # The float buffers are looked for again at each epoch's first batch (a walk of the module; a small model's
+        # step feels it), and reused in between.
+        self.nonfinite_guard.snapshot(self.lightning_module, self.precision_plugin, refresh=batch_idx == 0)
         if self._logged_diagnostics:
             forget_step_metrics(self.lightning_module, self._logged_diagnostics)
 
