@@ -7,7 +7,11 @@
 * ``DIR/averaging.json``: one row per run, ``{"strategy", "world_size", "period", "val_acc",
   "comm_bytes_per_rank", "wall_s", "network", ...}`` plus, for emulated links, the kernel's
   ``tx_bytes`` of every rank's veth and the check of the logged byte count against it;
-* ``DIR/averaging.png``: validation accuracy against bytes sent per rank, and training time per run.
+* ``DIR/averaging.png``: validation accuracy against bytes sent per rank, and training time per run;
+* ``doc["overhead"]`` in the JSON (``--overhead yes``, the default, or ``only``): ``pdist_ddp`` against Lightning's
+  own ``ddp`` on the same module, loopback, per-step time at the CNN's default width and at width 64, both in the
+  same processes, interleaved, several repeats (:mod:`lightning_pdist.bench.overhead`); the target is a ratio
+  within 1.05. ``--overhead only`` runs just that row (about a minute and a half on 2 busy cores).
 
 Networks: ``loopback`` runs the ranks on 127.0.0.1 (unshaped; bandwidth is effectively free);
 ``emulated`` runs each rank in its own network namespace behind a veth shaped by ``tc tbf`` at
@@ -41,10 +45,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from lightning_pdist.bench import overhead as overhead_bench
 from lightning_pdist.bench.launch import busy_cpu_s, free_port, launch_loopback, own_cpu_s, read_results, worker_env
 from lightning_pdist.bench.netns import EmulatedNetwork, launch_ranks, measure_link_rate, parse_rate
 from lightning_pdist.bench.report import (
@@ -62,6 +67,7 @@ from lightning_pdist.bench.worker import PERIODIC, STRATEGIES
 SUITE = "averaging"
 ROW_KEYS = ("strategy", "world_size", "period", "val_acc", "comm_bytes_per_rank", "wall_s", "network")
 NETWORKS = ("loopback", "emulated")
+OVERHEAD_CHOICES = ("yes", "no", "only")  # the pdist_ddp-vs-ddp row: with the runs, not at all, or alone
 # Defaults in one place. Quick: one world size, one period, five runs per network.
 QUICK = {"world_sizes": (2,), "periods": (8,)}
 FULL = {"world_sizes": (2, 4), "periods": (2, 8, 32)}
@@ -101,10 +107,14 @@ class SuiteConfig:
     timeout: float = DEFAULTS["timeout"]
     repeats: int = 1
     quick: bool = True
+    overhead: str = "yes"
 
     def __post_init__(self) -> None:
         def bad(option: str, value: Any, rule: str) -> ValueError:
             return ValueError(f"averaging({option}={value!r}): {rule}")
+
+        if self.overhead not in OVERHEAD_CHOICES:
+            raise bad("--overhead", self.overhead, f"must be one of {OVERHEAD_CHOICES}")
 
         if not self.networks or any(n not in NETWORKS for n in self.networks):
             raise bad("--network", self.networks, f"each network must be one of {NETWORKS}")
@@ -433,6 +443,34 @@ class _Networks:
         return build_row(spec, ranks, network, detail, timing, rate=config.rate, kernel_tx=kernel)
 
 
+def run_overhead(config: SuiteConfig, out_dir: Path, log: Callable[[str], None] = print,
+                 steps: int | None = None, repeats: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """The overhead row (:mod:`lightning_pdist.bench.overhead`): one loopback launch of the smallest world size.
+
+    Returns ``{"spec", "rows", "wall_s", "other_load_cores"}``; ``steps`` and ``repeats`` override the steps per fit
+    and the repeats (tests).
+    """
+    spec = overhead_bench.overhead_spec(world_size=min(config.world_sizes), seed=config.seed,
+                                        repeats=repeats or overhead_bench.OVERHEAD["repeats"])  # fmt: skip
+    if steps is not None:
+        spec["steps"] = {k: steps for k in spec["steps"]}
+
+    def launch(argv: list[str], ws: int) -> list[subprocess.CompletedProcess]:
+        return launch_loopback(argv, ws, free_port(), env=worker_env(), timeout=config.timeout)
+
+    busy0, ours0, t0 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
+    launch(overhead_bench.worker_argv(spec, out_dir), spec["world_size"])
+    wall, ours, busy1 = time.perf_counter() - t0, own_cpu_s() - ours0, busy_cpu_s()
+    other = None if busy0 is None or busy1 is None else max(0.0, busy1 - busy0 - ours)
+    rows = overhead_bench.overhead_rows(read_results(out_dir, "overhead", spec["world_size"], SUITE))
+    for row in rows:
+        log(f"overhead, width {row['width']}: ddp {row['ddp_ms_per_step']:.3f} ms/step, pdist_ddp "
+            f"{row['pdist_ddp_ms_per_step']:.3f} ms/step, ratio {row['ratio']:.3f} (20th percentiles "
+            f"{row['ratio_p20']:.3f}, CPU time {row['ratio_cpu']:.3f}; by repeat {row['ratio_by_repeat']})")
+    return {"spec": spec, "rows": rows, "wall_s": round(wall, 1),
+            "other_load_cores": None if other is None else round(other / wall, 2)}  # fmt: skip
+
+
 def merge_repeats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One row for repeated runs of a spec on a network: the fastest run's row, plus every run's times.
 
@@ -463,9 +501,16 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
     doc = new_document(SUITE, command, asdict(config))
     t_suite = time.perf_counter()
     scratch = Path(tempfile.mkdtemp(prefix="pdist-bench-"))
-    networks = _Networks(config, doc, log)
+    if config.overhead != "no":
+        try:
+            doc["overhead"] = run_overhead(config, scratch / "overhead", log)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+    only = config.overhead == "only"
+    networks = _Networks(replace(config, networks=("loopback",)) if only else config, doc, log)
     try:
-        specs = plan_runs(config)
+        specs = plan_runs(config) if not only else []
         total, done = len(specs) * len(networks.names) * config.repeats, 0
         for spec in specs:
             for network in networks.names:
@@ -519,6 +564,23 @@ CHECK_COLUMNS = (
     ("loop net ratio", "loop_net_ratio", ".3f"),
     ("overhead B/packet", "loop_overhead_bytes_per_packet", ".1f"),
 )
+
+
+OVERHEAD_COLUMNS = (
+    ("model", "width", lambda w: f"SmallCNN(width={w})"),
+    ("params", "model_params", ",d"),
+    ("ddp ms/step", "ddp_ms_per_step", ".3f"),
+    ("pdist_ddp ms/step", "pdist_ddp_ms_per_step", ".3f"),
+    ("pdist_ddp / ddp (median of repeats)", "ratio", ".3f"),
+    ("ratios by repeat (min–max)", "ratio_by_repeat", lambda rs: f"{min(rs):.3f}–{max(rs):.3f}"),
+    ("same, 20th percentiles", "ratio_p20", ".3f"),
+    ("same, CPU time", "ratio_cpu", ".3f"),
+)
+
+
+def overhead_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The overhead rows as a markdown table (per width: each strategy's median step time and the ratio)."""
+    return markdown_table(rows, OVERHEAD_COLUMNS)
 
 
 def results_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -592,6 +654,12 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         "",
         results_table(doc["rows"]),
     ]
+    if doc.get("overhead"):
+        over = doc["overhead"]
+        load = "" if over["other_load_cores"] is None else f"; other processes used {over['other_load_cores']} cores"
+        lines += ["", f"Overhead, `pdist_ddp` against Lightning's `ddp` (loopback, {over['spec']['world_size']} ranks, "
+                  f"median step time, {over['spec']['repeats']} interleaved repeats in the same processes; "
+                  f"{over['wall_s']} s{load}):", "", overhead_table(over["rows"])]  # fmt: skip
     if doc.get("comm_check"):
         lines += ["", "Kernel `tx_bytes` against logged bytes (emulated links, per rank, mean over ranks):", "",
                   check_table(doc["comm_check"])]  # fmt: skip
@@ -730,6 +798,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="seed of weights and data (default %(default)s)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per strategy and network; rows keep the fastest (default %(default)s)")  # fmt: skip
+    parser.add_argument("--overhead", choices=OVERHEAD_CHOICES, default="yes",
+                        help="the pdist_ddp-vs-ddp step-time row on loopback: yes (default), no, or only "
+                        "(just that row, about a minute and a half)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=DEFAULTS["timeout"],
                         help="seconds per run (default %(default)s)")  # fmt: skip
 
@@ -752,6 +823,7 @@ def config_from_args(args: argparse.Namespace) -> SuiteConfig:
         timeout=args.timeout,
         repeats=args.repeats,
         quick=args.quick,
+        overhead=args.overhead,
     )
 
 
@@ -762,14 +834,19 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return 2
     doc = run_suite(config, args.out, command_line(SUITE, argv))
     print()
-    print(results_table(doc["rows"]))
+    if doc["rows"]:
+        print(results_table(doc["rows"]))
+    if doc.get("overhead"):
+        print()
+        print("pdist_ddp against Lightning's ddp, loopback:")
+        print(overhead_table(doc["overhead"]["rows"]))
     if doc["comm_check"]:
         print()
         print("kernel tx_bytes vs logged bytes (emulated links):")
         print(check_table(doc["comm_check"]))
     print(f"\nwrote {Path(args.out) / 'averaging.json'} and {Path(args.out) / 'averaging.png'}", end="")
     print(f" in {doc['suite_wall_s']} s")
-    if not doc["rows"]:
+    if not doc["rows"] and not doc.get("overhead"):
         print("averaging: no run was possible on the requested network(s)", file=sys.stderr)
         return 1
     return 0

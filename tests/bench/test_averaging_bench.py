@@ -62,6 +62,7 @@ def test_plan_runs_gives_every_strategy_the_same_samples():
         ({"samples": 10}, r"--samples=10\): must be an int >= world_size \* batch_size = 64"),
         ({"momentum": 1.0}, r"--momentum=1.0\): must be in \[0, 1\)"),
         ({"repeats": 0}, r"--repeats=0\): must be an int >= 1"),
+        ({"overhead": "maybe"}, r"--overhead='maybe'\): must be one of \('yes', 'no', 'only'\)"),
     ],
 )
 def test_config_rejects_bad_values_naming_option_value_and_rule(kwargs, match):
@@ -163,7 +164,7 @@ def test_real_loopback_run_writes_rows_and_local_sgd_sends_period_times_less(tmp
     """Two real 2-rank runs on loopback: JSON rows exist, local SGD (period 4) logs 1/4 of DDP's bytes, plus its
     non-finite flag (nonfinite='raise': 2 floats all-reduced on 2 ranks, 8 bytes, per local step)."""
     config = SuiteConfig(networks=("loopback",), strategies=("pdist_ddp", "local_sgd"), periods=(4,),
-                         samples=8 * 2 * 32, width=16)  # fmt: skip
+                         samples=8 * 2 * 32, width=16, overhead="no")  # fmt: skip
     run_suite(config, tmp_path, "test", log=lambda line: None)
     doc = json.loads((tmp_path / "averaging.json").read_text())
     check_rows(doc["rows"], ROW_KEYS, "test")
@@ -176,3 +177,39 @@ def test_real_loopback_run_writes_rows_and_local_sgd_sends_period_times_less(tmp
     assert ddp["comm_bytes_per_rank"] == 4 * (local["comm_bytes_per_rank"] - flag)
     assert ddp["replicas_agree"] and local["replicas_agree"]
     assert (tmp_path / "averaging.png").stat().st_size > 0
+
+
+def _overhead_rank(rank, ddp_ms, ours_ms, repeats=2, width=16):
+    fits = [{"strategy": name, "width": width, "repeat": r, "model_params": 100, "cpu_ms_per_step": ms,
+             "step_ms": [ms, ms, ms * 3]} for r in range(repeats) for name, ms in (("ddp", ddp_ms), ("pdist_ddp", ours_ms))]
+    return {"rank": rank, "fits": fits}
+
+
+def test_overhead_rows_pair_each_repeat_and_take_medians():
+    """One row per width: per-fit medians (an outlier step does not count), averaged over ranks; ratio = median of
+    the repeats' paired ratios."""
+    from lightning_pdist.bench.overhead import ROW_KEYS as OVERHEAD_KEYS, overhead_rows
+
+    (row,) = overhead_rows([_overhead_rank(0, 2.0, 2.1), _overhead_rank(1, 2.0, 2.1)])
+    check_rows([row], OVERHEAD_KEYS, "test")
+    assert row["ddp_ms_per_step"] == 2.0 and row["pdist_ddp_ms_per_step"] == 2.1
+    assert row["ratio"] == pytest.approx(1.05) and row["ratio_by_repeat"] == [1.05, 1.05] and row["repeats"] == 2
+    assert row["ratio_cpu"] == pytest.approx(1.05)
+    with pytest.raises(ValueError, match=r"ranks=\[\]"):
+        overhead_rows([])
+    empty = _overhead_rank(0, 2.0, 2.1)
+    empty["fits"][0]["step_ms"] = []
+    with pytest.raises(ValueError, match="timed no step"):
+        overhead_rows([empty])
+
+
+@pytest.mark.standalone
+def test_real_overhead_row_times_ddp_and_pdist_ddp_in_the_same_processes(tmp_path):
+    """--overhead only: one 2-rank loopback launch trains both strategies in turn and writes one row per width."""
+    config = SuiteConfig(networks=("loopback",), overhead="only")
+    from lightning_pdist.bench.averaging import run_overhead
+
+    result = run_overhead(config, tmp_path / "overhead", log=lambda line: None, steps=16, repeats=2)
+    assert [r["width"] for r in result["rows"]] == [16, 64]
+    for row in result["rows"]:
+        assert row["ddp_ms_per_step"] > 0 and row["pdist_ddp_ms_per_step"] > 0 and len(row["ratio_by_repeat"]) == 2
