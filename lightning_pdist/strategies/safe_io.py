@@ -13,7 +13,9 @@ Lightning's write.
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +50,32 @@ def safe_save(obj: Any, path: Any) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, target)
-    except BaseException:
+    except BaseException as err:
+        written = temporary.stat().st_size if temporary.exists() else 0
         temporary.unlink(missing_ok=True)
+        full = _full_disk(err, target.parent, written)
+        if full is not None:
+            raise full from err
         raise
+
+
+def _full_disk(err: BaseException, folder: Path, written: int) -> OSError | None:
+    """An ``OSError(ENOSPC)`` that says so when the save failed for lack of space, else None.
+
+    On a full disk torch's zip writer fails with an opaque ``RuntimeError`` ("enforce fail at inline_container.cc
+    ... unexpected pos"): the free space after removing the partial file tells what happened.
+    """
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        free = shutil.disk_usage(folder).free
+    elif isinstance(err, (OSError, RuntimeError)):
+        free = shutil.disk_usage(folder).free
+        if free > max(written, 1 << 20):  # room enough for what was written: not a full disk
+            return None
+    else:
+        return None
+    return OSError(errno.ENOSPC, f"No space left on device: the checkpoint could not be written to {folder} "
+                                 f"({written:,} bytes written before it failed, {free:,} free now); the previous "
+                                 "checkpoint there, if any, is intact")  # fmt: skip
 
 
 class SafeCheckpointIO(TorchCheckpointIO):

@@ -41,3 +41,27 @@ def test_every_pdist_strategy_saves_through_it_unless_the_user_gives_a_plugin():
 
     mine = TorchCheckpointIO()
     assert LocalSGDStrategy(checkpoint_io=mine).checkpoint_io is mine
+
+
+def test_a_real_full_filesystem_keeps_the_previous_checkpoint(tmp_path):
+    """On a 1 MiB tmpfs: a 400 kB checkpoint fits, a second save of 800 kB hits ENOSPC; the first file is intact and
+    no temporary is left (the temporary is written beside the target, on the same filesystem)."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.strip()}")
+    try:
+        path = mount / "last.ckpt"
+        SafeCheckpointIO().save_checkpoint({"w": torch.ones(100_000)}, path)
+        # torch's zip writer fails with an opaque RuntimeError on a full disk; the user gets ENOSPC, said plainly
+        with pytest.raises(OSError, match=r"No space left on device: the checkpoint could not be written to .*the "
+                                          r"previous checkpoint there, if any, is intact") as failure:  # fmt: skip
+            SafeCheckpointIO().save_checkpoint({"w": torch.ones(200_000)}, path)
+        assert failure.value.errno == errno.ENOSPC
+        assert torch.load(path)["w"].numel() == 100_000
+        assert sorted(p.name for p in mount.iterdir()) == ["last.ckpt"]
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
