@@ -94,6 +94,7 @@ __all__ = [
     "observations_per_round",
     "pooled_vote_tables",
     "vote_weights",
+    "weight_sums",
     "weighted_vote",
 ]
 
@@ -309,6 +310,21 @@ def _state_weights(state: LLRState, config: LLRConfig) -> Tensor:
         max_weight=config.max_weight,
         negative_weights=config.negative_weights,
     ).to(torch.float32)
+
+
+def weight_sums(state: LLRState, config: LLRConfig) -> tuple[Tensor, Tensor]:
+    """The pieces of each worker's observation-weighted mean weight: ``(Σ_c w_{m,c}·t_c, Σ_c t_c)``.
+
+    ``w`` as the vote would use it after the warm-up, ``t`` the observations behind each column (coordinates ×
+    rounds for the pooled estimators, rounds for ``coordinate``). Sums of several states (buckets, a sharded
+    vote's slices) divided give one weight per worker: for the ``worker`` estimator on one bucket, its weight.
+
+    Returns:
+        ``(M,)`` and 0-d fp64 tensors.
+    """
+    w = _state_weights(state, config).to(torch.float64)  # (M, n) or (M, G)
+    t = state.observations.to(torch.float64).expand(w.shape[1])  # (n,) or (G,)
+    return (w * t).sum(1), t.sum()
 
 
 def vote_weights(state: LLRState, config: LLRConfig, columns: Tensor | None = None) -> Tensor:

@@ -51,6 +51,7 @@ __all__ = [
     "segment_l1_mean",
     "sign_patterns",
     "signum_momentum",
+    "tie_table",
     "vote_table",
     "worker_vote",
 ]
@@ -111,6 +112,17 @@ def vote_table(num_workers: int, vote=majority_vote) -> Tensor:
         ``(2^M,)`` bool, indexed as :func:`sign_patterns`.
     """
     return vote(sign_patterns(num_workers)) > 0
+
+
+def tie_table(num_workers: int) -> Tensor:
+    """Entry ``p`` is True iff sign pattern ``p`` splits evenly, ``Σ_m Y_m = 0`` (a tie; never for odd ``M``).
+
+    The vote statistics' tie count, as a truth table for :func:`~lightning_pdist.comm.bits.truth_table_bits`.
+
+    Returns:
+        ``(2^M,)`` bool, indexed as :func:`sign_patterns`.
+    """
+    return sign_patterns(num_workers).sum(0, dtype=torch.int32) == 0
 
 
 def signum_momentum(momentum: Tensor, grad: Tensor, beta: float) -> Tensor:

@@ -125,6 +125,7 @@ from lightning_pdist.comm.sign_participation import (
     unpack_flags,
     used_runs,
 )
+from lightning_pdist.comm.sign_stats import VoteStats, count_disagreements, count_ties
 
 __all__ = [
     "NONFINITE_POLICIES",
@@ -264,6 +265,8 @@ class SignSGDState:
             backward: only the tensors that received a gradient on some rank take part
             (:mod:`~lightning_pdist.comm.sign_participation`; ``ceil(T/32)`` header words).
         buckets: per-bucket state, keyed by ``bucket.index()``.
+        stats: vote statistics since they were last taken (:mod:`~lightning_pdist.comm.sign_stats`): this rank's
+            disagreements with the vote, ties in its slices. Never saved.
         loss_scaling: ``None`` (default), or the :class:`~lightning_pdist.comm.sign_overflow.LossScaledRound`
             of an fp16 ``GradScaler`` run: then a non-finite gradient on any rank is an overflow that every
             rank skips (``nonfinite`` is not consulted), and the state changes of a backward pass wait for
@@ -281,6 +284,7 @@ class SignSGDState:
     rank: int | None = field(default=None, init=False)
     world_size: int | None = field(default=None, init=False)
     tracker: ParticipationTracker = field(default_factory=ParticipationTracker, init=False, repr=False)
+    stats: VoteStats = field(default_factory=VoteStats, init=False, repr=False)
     loss_scaling: LossScaledRound | None = field(default=None, init=False, repr=False)
     _warned_partial: bool = field(default=False, init=False, repr=False)
 
@@ -741,6 +745,11 @@ def _sign_hook(state: SignSGDState, bucket: dist.GradBucket, hook: str) -> torch
         if state.meter is not None:
             state.meter.add("sign_all_gather", all_gather_bytes(payload.numel(), world_size))
     gathered = gathered.view(world_size, -1)  # (M, C + G)
+    if world_size > 1:
+        # Vote statistics from what this vote already holds: a few byte operations (comm/sign_stats.py).
+        disagreed = count_disagreements(send[:, header_size:], gathered[:, :chunk], numel, keep)
+        tied = count_ties(recv[:, header_size:], stop - start, None if keep is None else keep[start:stop])
+        _commit(state, lambda: state.stats.add(*disagreed, *tied))
     voted = unpack_signs(gathered[:, :chunk], 8 * chunk).reshape(-1)[:numel]  # (d,) int8 ±1: U
     if llr is not None and llr.estimator != "coordinate":
         counts = _reinterpret(gathered[:, chunk:], torch.int32).view(world_size, world_size, -1)  # (M slices, M, G)

@@ -35,6 +35,7 @@ from lightning_pdist.comm.sign_hooks import (
     signsgd_mv_hook,
 )
 from lightning_pdist.comm.sign_overflow import LossScaledRound
+from lightning_pdist.comm.sign_stats import take_vote_diagnostics
 from lightning_pdist.plugins.sign_precision import SignMixedPrecision
 from lightning_pdist.strategies.base import PdistStrategy, register_variants
 from lightning_pdist.strategies.config import refuse_owned_ddp_args
@@ -215,6 +216,13 @@ class SignSGDStrategy(PdistStrategy):
       that optimizer step on every rank (float buffers restored, ``pdist/skipped_steps``);
       ``"propagate"`` gives every rank a NaN gradient for that step and steps, so your code must
       skip it (plain SGD would write NaN into the parameters).
+    * **Vote statistics** reach the loggers on every logged step, counted over the votes since the previous
+      one from what the votes already hold (:mod:`~lightning_pdist.comm.sign_stats`; one all-reduce of a few
+      numbers per logged step, for the tie count): ``pdist/sign/disagreement``, the share of coordinates where
+      this rank's sign differed from ``U`` (rank 0's in the loggers); ``pdist/sign/tie_rate`` (even world sizes),
+      the share whose signs split evenly and so voted ``+1`` by the tie rule; and for IT-signSGD the learned
+      weight of each worker, ``pdist/sign/llr_weight/rank{r}`` (``_min``/``_max`` above 8 workers; the vote
+      uses them once ``warmup_rounds`` are over).
     * **Checkpoints**: each rank writes its own hook state (LLR statistics, EF residual, Signum
       momentum, round counters) to its own file next to the checkpoint
       (:mod:`~lightning_pdist.strategies.rank_files`); a resumed run with the same world size
@@ -324,6 +332,14 @@ class SignSGDStrategy(PdistStrategy):
         if self.config.find_unused_parameters and self.model is not None:
             self.hook_state.watch(self.model.parameters())  # before the first backward: which tensors take part
         return self.hook_state, hook
+
+    @override
+    def diagnostics(self) -> dict[str, float]:
+        """The vote statistics since the last logged step (:mod:`~lightning_pdist.comm.sign_stats`)."""
+        out = super().diagnostics()
+        if self.hook_state is not None:
+            out.update(take_vote_diagnostics(self.hook_state, self.hook_state.process_group, self.root_device))
+        return out
 
     # ------------------------------------------------------------------ lifecycle
     @override

@@ -249,3 +249,18 @@ def test_pooled_vote_tables_equal_the_vote_on_every_pattern(estimator):
         assert torch.equal(tables[j], weighted_vote(patterns, w) > 0)
     with pytest.raises(ValueError, match="coordinate"):
         pooled_vote_tables(LLRState.zeros("coordinate", 2, 3), LLRConfig(estimator="coordinate"))
+
+
+def test_weight_sums_give_observation_weighted_mean_weights():
+    """weight_sums: Σ_c w·t and Σ_c t with w = clamp(log((t+1-k)/(k+1)), 0, max); one pooled column gives w itself."""
+    from lightning_pdist.algorithms.llr_vote import LLRConfig, LLRState, weight_sums
+
+    config = LLRConfig()
+    state = LLRState("tensor", torch.tensor([[1.0, 30.0], [10.0, 2.0]], dtype=torch.float64),
+                     torch.tensor([40.0, 60.0], dtype=torch.float64))  # fmt: skip
+    w = torch.log((state.observations + 1 - state.disagreements) / (state.disagreements + 1)).clamp(0, config.max_weight)
+    weighted, mass = weight_sums(state, config)
+    torch.testing.assert_close(weighted / mass, (w * state.observations).sum(1) / 100.0)
+    worker = LLRState("worker", torch.tensor([[3.0], [9.0]], dtype=torch.float64), torch.tensor([50.0], dtype=torch.float64))
+    weighted, mass = weight_sums(worker, config)
+    torch.testing.assert_close(weighted / mass, torch.log(torch.tensor([48.0 / 4.0, 42.0 / 10.0], dtype=torch.float64)))

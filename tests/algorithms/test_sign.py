@@ -199,3 +199,15 @@ def test_simulator_rejects_wrong_shape_nan_and_layout_change():
     sim.aggregate(torch.zeros(2, 4), [2, 2])
     with pytest.raises(ValueError, match=r"bucket 0 was made of tensors \[2, 2\] in earlier rounds"):
         sim.aggregate(torch.zeros(2, 4), [1, 3])
+
+
+def test_tie_table_marks_the_even_splits():
+    """tie_table(M)[p] iff pattern p has as many +1 as -1: C(M, M/2) patterns for even M, none for odd M."""
+    from math import comb
+
+    from lightning_pdist.algorithms.sign import sign_patterns, tie_table
+
+    for m in (1, 2, 3, 4, 6):
+        table = tie_table(m)
+        assert int(table.sum()) == (comb(m, m // 2) if m % 2 == 0 else 0)
+        assert torch.equal(table, sign_patterns(m).sum(0) == 0)

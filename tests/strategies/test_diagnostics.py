@@ -6,6 +6,7 @@ Real 2-rank fork runs with a CSVLogger; what the CSV holds is what every logger 
 from __future__ import annotations
 
 import csv
+import math
 
 import pytest
 import torch
@@ -85,3 +86,75 @@ def test_interval_means_weights_and_forgets():
     means.note("b", 5.0)
     assert means and means.take() == {"a": 3.0, "b": 5.0}
     assert means.take() == {}
+
+
+# ---------------------------------------------------------------------------------------------------- sign votes
+def _sign_reference(steps: int, lr: float, aggregation: str, estimator: str, warmup: int) -> list[dict]:
+    """Plain-torch signSGD-MV / IT-signSGD on 2 ranks (TinyRegression's data and net): per step, rank 0's share of
+    coordinates whose sign differs from the vote, the share of ties, and each worker's weight after the step."""
+    from _helpers import rank_batches, regression_data
+
+    data, net = regression_data(64), make_net()
+    per_epoch = len(rank_batches(data, 0, 2, 4))
+    d = sum(p.numel() for p in net.parameters())
+    columns = d if estimator == "coordinate" else 1
+    k, t = torch.zeros(2, columns, dtype=torch.float64), torch.zeros(columns, dtype=torch.float64)
+    out = []
+    for step in range(steps):
+        signs = []
+        for r in range(2):
+            x, y = rank_batches(data, r, 2, 4, step // per_epoch)[step % per_epoch]
+            net.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            g = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+            signs.append(torch.where(g >= 0, 1, -1))
+        y_ = torch.stack(signs)  # (2, d)
+        majority = torch.where(y_.sum(0) >= 0, 1, -1)
+        w = torch.log((t + 1 - k) / (k + 1)).clamp(0, math.log(99)).float()  # (2, columns)
+        if aggregation == "majority" or step < warmup:
+            vote = majority
+        else:
+            total = torch.zeros(d) + w[0] * y_[0]
+            total = total + w[1] * y_[1]
+            tie = total.abs() <= 2 * torch.finfo(torch.float32).eps * (w[0].abs() + w[1].abs())
+            vote = torch.where(tie, majority, torch.where(total >= 0, 1, -1))
+        differs = (y_ != vote).to(torch.float64)  # (2, d)
+        k += differs if estimator == "coordinate" else differs.sum(1, keepdim=True)
+        t += 1.0 if estimator == "coordinate" else float(d)
+        weights = torch.log((t + 1 - k) / (k + 1)).clamp(0, math.log(99)).mean(1)  # equal observations per column
+        out.append({"disagreement": float(differs[0].mean()), "tie": float((y_.sum(0) == 0).double().mean()),
+                    "weights": weights.tolist()})  # fmt: skip
+        with torch.no_grad():
+            flat = torch.nn.utils.parameters_to_vector(net.parameters()) - lr * vote
+            torch.nn.utils.vector_to_parameters(flat, net.parameters())
+    return out
+
+
+@pytest.mark.parametrize(("aggregation", "estimator"), [("majority", "worker"), ("llr", "worker"),
+                                                       ("llr", "coordinate")])  # fmt: skip
+def test_vote_statistics_match_a_plain_torch_vote(tmp_path, aggregation, estimator):
+    """pdist/sign/disagreement (rank 0's sign against U) and pdist/sign/tie_rate are the means over the votes since
+    the previous logged step; IT-signSGD's pdist/sign/llr_weight/rank{r} are the weights its counts give after the
+    logged step (per coordinate: their mean, from every rank's slice); all against plain-torch votes."""
+    from lightning_pdist import SignSGDStrategy
+
+    steps, every, lr, warmup = 6, 3, 0.005, 2
+    llr = {"warmup_rounds": warmup, "estimator": estimator} if aggregation == "llr" else {}
+    strategy = SignSGDStrategy(aggregation, **llr, start_method="fork")
+    fit(strategy, TinyRegression(lr=lr), max_steps=steps, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=every)
+    ref = _sign_reference(steps, lr, aggregation, estimator, warmup)
+    assert 0 < max(r["disagreement"] for r in ref) and 0 < max(r["tie"] for r in ref) < 1
+    for key, field in (("pdist/sign/disagreement", "disagreement"), ("pdist/sign/tie_rate", "tie")):
+        got = _series(tmp_path, key)
+        assert sorted(got) == [2, 5], key
+        for step in (2, 5):
+            want = sum(r[field] for r in ref[step - 2 : step + 1]) / 3
+            assert got[step] == pytest.approx(want, abs=1e-6), (key, step)
+    for rank in range(2):
+        got = _series(tmp_path, f"pdist/sign/llr_weight/rank{rank}")
+        if aggregation == "majority":
+            assert not got
+            continue
+        assert sorted(got) == [2, 5]
+        for step in (2, 5):
+            assert got[step] == pytest.approx(ref[step]["weights"][rank], rel=1e-5), (rank, step)
