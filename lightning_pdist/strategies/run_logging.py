@@ -34,10 +34,13 @@ import inspect
 from types import MethodType
 from typing import Any
 
+import torch
+
 from lightning_pdist.comm.accounting import CommMeter
 
 __all__ = ["CommLogState", "IntervalMeans", "forget_step_metrics", "human_bytes", "install_progress_bar_format",
-           "log_comm_bytes", "log_final_total", "log_run_settings", "log_step_metrics", "resolved_settings"]  # fmt: skip
+           "log_comm_bytes", "log_final_total", "log_histogram", "log_run_settings", "log_step_metrics",
+           "resolved_settings"]  # fmt: skip
 
 _SIMPLE = (bool, int, float, str, type(None))
 
@@ -147,13 +150,46 @@ class IntervalMeans:
         return out
 
 
-def log_step_metrics(module: Any, metrics: dict[str, float], logged: set[str] | None = None) -> None:
-    """``module.log`` each of ``metrics`` for this step only (no epoch mean, not on the bar); note the names in
-    ``logged`` so that :func:`forget_step_metrics` can keep them from being sent again."""
+def log_step_metrics(module: Any, metrics: dict[str, float], logged: set[str] | None = None,
+                     prog_bar: dict[str, Any] | set[str] = frozenset()) -> None:  # fmt: skip
+    """``module.log`` each of ``metrics`` for this step only (no epoch mean; on the bar if named in ``prog_bar``);
+    note the names in ``logged`` so that :func:`forget_step_metrics` can keep them from being sent again."""
     for name, value in metrics.items():
-        module.log(name, float(value), on_step=True, on_epoch=False)
+        module.log(name, float(value), on_step=True, on_epoch=False, prog_bar=name in prog_bar)
     if logged is not None:
         logged.update(metrics)
+
+
+def log_histogram(trainer: Any, key: str, counts: list[int] | list[float]) -> None:
+    """Counts of the integer bins ``0 … len(counts) − 1`` to every logger of ``trainer``, on global rank 0.
+
+    As a histogram where the logger has one (W&B: ``wandb.Histogram``; TensorBoard: ``add_histogram_raw``), as the
+    scalars ``key/{bin}`` (bins with a count) elsewhere (CSV and the rest). Called at most once per logged step.
+    """
+    if not getattr(trainer, "is_global_zero", True):
+        return
+    from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+
+    step = getattr(trainer, "global_step", 0)
+    for logger in getattr(trainer, "loggers", None) or []:
+        if isinstance(logger, WandbLogger):
+            import wandb
+
+            edges = [b - 0.5 for b in range(len(counts) + 1)]  # bin b is [b - 0.5, b + 0.5)
+            logger.log_metrics({key: wandb.Histogram(np_histogram=(list(counts), edges))}, step=step)
+        elif isinstance(logger, TensorBoardLogger):
+            used = [b for b, c in enumerate(counts) if c]
+            if used:
+                total = float(sum(counts))
+                logger.experiment.add_histogram_raw(
+                    key, min=float(used[0]), max=float(used[-1]), num=total,
+                    sum=float(sum(b * c for b, c in enumerate(counts))),
+                    sum_squares=float(sum(b * b * c for b, c in enumerate(counts))),
+                    bucket_limits=[b + 0.5 for b in range(len(counts))], bucket_counts=[float(c) for c in counts],
+                    global_step=step,
+                )  # fmt: skip
+        else:
+            logger.log_metrics({f"{key}/{b}": float(c) for b, c in enumerate(counts) if c}, step=step)
 
 
 def forget_step_metrics(module: Any, names: set[str]) -> None:
@@ -189,6 +225,11 @@ def log_final_total(trainer: Any, meter: CommMeter, state: CommLogState | None =
         state.logged_total = meter.total_bytes
     for logger in getattr(trainer, "loggers", None) or []:
         logger.log_metrics(metrics, step=trainer.global_step)
+    # trainer.callback_metrics["pdist/comm_bytes_total"] is the run's total after fit, on every rank, even when no
+    # step was a logged one (a short run under log_every_n_steps)
+    callback_metrics = getattr(trainer, "callback_metrics", None)
+    if isinstance(callback_metrics, dict):
+        callback_metrics["pdist/comm_bytes_total"] = torch.tensor(float(meter.total_bytes))
 
 
 def human_bytes(n: float) -> str:
