@@ -144,6 +144,7 @@ def run_worker(spec: dict[str, Any], worker: int, hosts: list[str], out_dir: Pat
         accelerator="cpu", devices=1, num_nodes=workers, strategy=strategy, max_steps=total, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         num_sanity_val_steps=0, callbacks=[timer],
+        log_every_n_steps=1,  # pdist/ps/* are the figures since the last logged step: every step, each step's own
     )  # fmt: skip
     trainer.fit(model, DataLoader(data, batch_size=spec["batch_size"]))
     loop_s = timer.t1 - timer.t0

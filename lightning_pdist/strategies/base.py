@@ -188,7 +188,7 @@ class PdistStrategy(DDPStrategy):
         module = self.lightning_module
         if log_comm_bytes(module, self.comm_meter, self._comm_log):  # only steps the loggers see pay for logging
             self.nonfinite_guard.log(module)
-            log_step_metrics(module, self.diagnostics(), self._logged_diagnostics)
+            log_step_metrics(module, self.diagnostics(), self._logged_diagnostics, self.progress_bar_keys)
 
     def diagnostics(self) -> dict[str, float]:
         """The algorithm's diagnostics since the last logged step (``pdist/...`` keys), logged now.

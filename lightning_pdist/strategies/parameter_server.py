@@ -64,6 +64,7 @@ from lightning_pdist.strategies.config import refuse_owned_ddp_args
 from lightning_pdist.strategies.multinode import is_loopback, is_wildcard, join_networks, server_network, server_nodes
 from lightning_pdist.strategies.nonfinite import SkipStep, global_step
 from lightning_pdist.strategies.ps_config import ParameterServerConfig
+from lightning_pdist.strategies.run_logging import log_histogram
 
 __all__ = ["ParameterServerConfig", "ParameterServerStrategy"]
 
@@ -152,10 +153,13 @@ class ParameterServerStrategy(PdistStrategy):
     non-finite parameter pulled from the servers after checked-finite pushes (the servers' step diverged) stops
     that worker (every worker in ``sync``): no skip can undo a server step. ``"propagate"`` checks nothing.
 
-    Logged every step (this worker's view): ``pdist/comm_bytes`` (bytes it sent), ``pdist/ps/wait_s``
-    (time in push/pull, including waiting for other workers), ``pdist/ps/server{s}_bytes_in``/``_out``
-    (server ``s``'s traffic since this worker's previous exchange), ``pdist/ps/server_bytes_max``/``_mean``,
-    and for async/ssp ``pdist/ps/staleness`` plus the staleness histogram ``pdist/ps/staleness_hist/{τ}``.
+    Logged on every logged step, over the steps since the previous one (this worker's view): ``pdist/comm_bytes``
+    (bytes it sent), ``pdist/ps/wait_s`` (mean time per step in push/pull, including waiting for other workers),
+    ``pdist/ps/server{s}_bytes_in``/``_out`` (server ``s``'s traffic, from every worker, in that interval, as the
+    servers report it; the load balance), ``pdist/ps/server_bytes_max``/``_mean`` (over the servers), and for
+    async/ssp ``pdist/ps/staleness`` (mean over this worker's pushes) and the staleness histogram of the pushes
+    the servers applied in the interval (summed over the servers): a histogram for W&B and TensorBoard, the scalars
+    ``pdist/ps/staleness_hist/{τ}`` for other loggers (τ ≥ 15 in the last bin).
 
     Args:
         num_servers: servers ``S >= 1``; ``None``: ``ceil(N / 2)``, one per two workers (paper 000).
@@ -252,7 +256,10 @@ class ParameterServerStrategy(PdistStrategy):
         self.dropped_pushes = 0
         self._versions: list[int] = []
         self._accumulated: dict[int, dict[str, Tensor | None]] = {}  # async: optimizer -> summed grads
-        self._server_seen: list[tuple[int, int]] = []
+        self._server_seen: list[tuple[int, int]] = []  # each server's (bytes in, out) at the last logged step
+        self._server_now: list[tuple[int, int]] = []  # ... at this worker's latest exchange
+        self._histogram_logged = [0] * STALENESS_BUCKETS  # staleness_histogram at the last logged step
+        self._exchanged = False  # whether this worker met the servers since the last logged step
         self._eval_backup: Tensor | None = None
         self._finalized = False
 
@@ -478,6 +485,10 @@ class ParameterServerStrategy(PdistStrategy):
         shards, metas = self.client.pull(record=True)
         self._load_shards(shards, metas)
         self._server_seen = [(m["bytes_in"], m["bytes_out"]) for m in metas]
+        self._server_now = list(self._server_seen)
+        if metas and all("histogram" in m for m in metas):
+            self.staleness_histogram = [sum(h) for h in zip(*(m["histogram"] for m in metas))]
+        self._histogram_logged = list(self.staleness_histogram)
         self._accumulated = {}
         self._finalized = False
 
@@ -711,39 +722,43 @@ class ParameterServerStrategy(PdistStrategy):
             self.comm_meter.add("ps_buffers", all_reduce_bytes(flat.numel() * flat.element_size(), self.world_size))
 
     def _log_ps_metrics(self, metas: list[dict]) -> None:
-        module = self.lightning_module
-        can_log = module is not None and module._trainer is not None and module._current_fx_name is not None
-        values: dict[str, float] = {"pdist/ps/wait_s": self.client.last_wait_s if metas else 0.0}
-        loads = []
+        """Note this step's exchange; :meth:`diagnostics` logs the interval's figures on the next logged step."""
+        self._diagnostics.note("pdist/ps/wait_s", self.client.last_wait_s if metas else 0.0)
+        self._exchanged = self._exchanged or bool(metas)
         for server, meta in enumerate(metas):
-            seen_in, seen_out = self._server_seen[server]
             # Sync servers report their counters at the close of each step (exact per-step load); the live
             # counters of async/ssp servers depend on when this worker's reply went out.
-            now_in, now_out = meta.get("step_bytes_in", meta["bytes_in"]), meta.get("step_bytes_out", meta["bytes_out"])
-            d_in, d_out = now_in - seen_in, now_out - seen_out
-            self._server_seen[server] = (now_in, now_out)
-            values[f"pdist/ps/server{server}_bytes_in"] = float(d_in)
-            values[f"pdist/ps/server{server}_bytes_out"] = float(d_out)
-            loads.append(d_in + d_out)
-        if loads:
-            values["pdist/ps/server_bytes_max"] = float(max(loads))
-            values["pdist/ps/server_bytes_mean"] = float(sum(loads) / len(loads))
-        taus = [m["staleness"] for m in metas if "staleness" in m]
+            self._server_now[server] = (meta.get("step_bytes_in", meta["bytes_in"]),
+                                        meta.get("step_bytes_out", meta["bytes_out"]))  # fmt: skip
+        for tau in (m["staleness"] for m in metas if "staleness" in m):
+            self._diagnostics.note("pdist/ps/staleness", tau)
         if self.config.mode == "sync":
             self.dropped_pushes += sum(1 for m in metas if m.get("accepted") is False)
-            if self.config.backup_workers:
-                values["pdist/ps/dropped_pushes"] = float(self.dropped_pushes)
-        elif metas:
-            if taus:
-                values["pdist/ps/staleness"] = float(sum(taus) / len(taus))
-            if all("histogram" in m for m in metas):
-                self.staleness_histogram = [sum(h) for h in zip(*(m["histogram"] for m in metas))]
-                for tau, count in enumerate(self.staleness_histogram):
-                    if count:
-                        values[f"pdist/ps/staleness_hist/{tau}"] = float(count)
-        if can_log:
-            for name, value in values.items():
-                module.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "pdist/ps/wait_s")
+        elif metas and all("histogram" in m for m in metas):
+            self.staleness_histogram = [sum(h) for h in zip(*(m["histogram"] for m in metas))]
+
+    @override
+    def diagnostics(self) -> dict[str, float]:
+        """The interval's wait, per-server load, staleness (and histogram, to the loggers directly)."""
+        out = super().diagnostics()
+        loads = []
+        pairs = zip(self._server_now, self._server_seen) if self._exchanged else ()  # no exchange: nothing to say
+        self._exchanged = False
+        for server, ((now_in, now_out), (seen_in, seen_out)) in enumerate(pairs):
+            out[f"pdist/ps/server{server}_bytes_in"] = float(now_in - seen_in)
+            out[f"pdist/ps/server{server}_bytes_out"] = float(now_out - seen_out)
+            loads.append(now_in - seen_in + now_out - seen_out)
+        self._server_seen = list(self._server_now)
+        if loads:
+            out["pdist/ps/server_bytes_max"] = float(max(loads))
+            out["pdist/ps/server_bytes_mean"] = float(sum(loads) / len(loads))
+        if self.config.mode == "sync" and self.config.backup_workers:
+            out["pdist/ps/dropped_pushes"] = float(self.dropped_pushes)
+        interval = [now - then for now, then in zip(self.staleness_histogram, self._histogram_logged)]
+        if any(interval) and self.lightning_module is not None and self.lightning_module._trainer is not None:
+            log_histogram(self.lightning_module._trainer, "pdist/ps/staleness_hist", interval)
+        self._histogram_logged = list(self.staleness_histogram)
+        return out
 
     # ------------------------------------------------------------------ evaluation and end of fit
     def _fitting(self) -> bool:

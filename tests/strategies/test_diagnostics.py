@@ -158,3 +158,77 @@ def test_vote_statistics_match_a_plain_torch_vote(tmp_path, aggregation, estimat
         assert sorted(got) == [2, 5]
         for step in (2, 5):
             assert got[step] == pytest.approx(ref[step]["weights"][rank], rel=1e-5), (rank, step)
+
+
+# ---------------------------------------------------------------------------------------------------- parameter server
+def _ps(**kwargs):
+    from lightning_pdist import ParameterServerStrategy
+
+    return ParameterServerStrategy(start_method="fork", **kwargs)
+
+
+def test_server_load_is_summed_between_logged_steps(tmp_path):
+    """Sync, 2 servers: each server's logged bytes in/out at a logged step are the sum of its per-step figures (the
+    same run logged every step) over the interval, never a sample; the steps after the last logged one come at the
+    end of fit."""
+    keys = [f"pdist/ps/server{s}_bytes_{d}" for s in range(2) for d in ("in", "out")]
+    fit(_ps(num_servers=2), TinyRegression(), max_steps=7, logger=CSVLogger(tmp_path / "each", name="run"))
+    each = {key: _series(tmp_path / "each", key) for key in keys}
+    assert all(sorted(each[key]) == list(range(7)) and min(each[key].values()) > 0 for key in keys)
+    fit(_ps(num_servers=2), TinyRegression(), max_steps=7, logger=CSVLogger(tmp_path / "every3", name="run"),
+        log_every_n_steps=3)  # fmt: skip
+    for key in keys:
+        got = _series(tmp_path / "every3", key)
+        assert sorted(got) == [2, 5, 7]
+        assert (got[5], got[7]) == (sum(each[key][s] for s in range(3, 6)), each[key][6]), key
+        # the first interval also holds the other worker's set-up requests, which may come before or after this
+        # worker's first reading of the counters
+        assert abs(got[2] - sum(each[key][s] for s in range(3))) < 256, key
+
+
+def test_staleness_histogram_of_one_async_worker_is_all_fresh(tmp_path):
+    """One async worker is never stale: each interval's histogram is its pushes, once per server, at staleness 0."""
+    fit(_ps(mode="async", num_servers=2), TinyRegression(), devices=1, max_steps=6,
+        logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=3)  # fmt: skip
+    assert _series(tmp_path, "pdist/ps/staleness_hist/0") == {2: 6.0, 5: 6.0}
+    assert not [k for k in csv.DictReader(open(next(tmp_path.glob("**/metrics.csv")))).fieldnames
+                if k.startswith("pdist/ps/staleness_hist/") and k != "pdist/ps/staleness_hist/0"]  # fmt: skip
+
+
+def test_histogram_goes_to_wandb_and_tensorboard_as_a_histogram(tmp_path):
+    """log_histogram: an offline W&B run holds a histogram under the key; TensorBoard gets add_histogram_raw with
+    the bins' counts; a CSV logger gets the non-zero bins as scalars."""
+    from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+
+    from lightning_pdist.strategies.run_logging import log_histogram
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def add_histogram_raw(self, tag, **kwargs):
+            self.calls.append((tag, kwargs))
+
+    class FakeTensorBoard(TensorBoardLogger):  # tensorboard is not installed here: only what log_histogram uses
+        experiment = Recorder()
+
+    tb = object.__new__(FakeTensorBoard)
+    wandb_logger = WandbLogger(offline=True, save_dir=str(tmp_path), project="pdist-test")
+    csv_logger = CSVLogger(tmp_path, name="csv")
+
+    class Trainer:
+        is_global_zero, global_step, loggers = True, 7, [wandb_logger, tb, csv_logger]
+
+    log_histogram(Trainer(), "pdist/ps/staleness_hist", [4, 0, 2])
+    wandb_logger.experiment.finish()
+    csv_logger.save()
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    records = run_file.read_bytes()
+    assert b"pdist/ps/staleness_hist" in records and b"histogram" in records
+    ((tag, raw),) = FakeTensorBoard.experiment.calls
+    assert tag == "pdist/ps/staleness_hist" and raw["bucket_counts"] == [4.0, 0.0, 2.0] and raw["global_step"] == 7
+    assert raw["num"] == 6.0 and raw["sum"] == 4.0 and raw["sum_squares"] == 8.0 and (raw["min"], raw["max"]) == (0.0, 2.0)
+    rows = list(csv.DictReader(open(next((tmp_path / "csv").glob("**/metrics.csv")))))
+    assert [(r["step"], r.get("pdist/ps/staleness_hist/0"), r.get("pdist/ps/staleness_hist/2")) for r in rows] == [
+        ("7", "4.0", "2.0")]
+    assert "pdist/ps/staleness_hist/1" not in rows[0]
