@@ -443,6 +443,12 @@ class _Networks:
         return build_row(spec, ranks, network, detail, timing, rate=config.rate, kernel_tx=kernel)
 
 
+def result_name(config: SuiteConfig) -> str:
+    """The JSON's file name: ``averaging.json``, or ``averaging_overhead.json`` for ``--overhead only`` (so that the
+    overhead row alone never overwrites a whole suite's figures)."""
+    return f"{SUITE}_overhead.json" if config.overhead == "only" else f"{SUITE}.json"
+
+
 def run_overhead(config: SuiteConfig, out_dir: Path, log: Callable[[str], None] = print,
                  steps: int | None = None, repeats: int | None = None) -> dict[str, Any]:  # fmt: skip
     """The overhead row (:mod:`lightning_pdist.bench.overhead`): one loopback launch of the smallest world size.
@@ -527,7 +533,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
     doc["comm_check"] = comm_check(doc["rows"])
     doc["suite_wall_s"] = round(time.perf_counter() - t_suite, 1)
     check_rows(doc["rows"], ROW_KEYS, "averaging")
-    write_json(doc, out / f"{SUITE}.json")
+    write_json(doc, out / result_name(config))
     if doc["rows"]:
         plot(doc["rows"], out / f"{SUITE}.png", title=_plot_title(doc))
     return doc
@@ -576,6 +582,17 @@ OVERHEAD_COLUMNS = (
     ("same, 20th percentiles", "ratio_p20", ".3f"),
     ("same, CPU time", "ratio_cpu", ".3f"),
 )
+
+
+def overhead_lines(over: dict[str, Any]) -> list[str]:
+    """The overhead row as markdown: what ran, then :func:`overhead_table` (``over`` is ``doc["overhead"]``)."""
+    load = "" if over["other_load_cores"] is None else f"; other processes used {over['other_load_cores']} cores"
+    spec = over["spec"]
+    steps = ", ".join(f"{s} steps at width {w}" for w, s in spec["steps"].items())
+    return [f"Overhead, `pdist_ddp` against Lightning's `ddp` (loopback, {spec['world_size']} ranks, both at their "
+            f"defaults, digits CNN, {spec['batch_size']} per rank per step; {spec['repeats']} repeats of {steps}, "
+            f"interleaved in the same processes, the first {spec['warmup_steps']} steps untimed; {over['wall_s']} s"
+            f"{load}):", "", overhead_table(over["rows"])]  # fmt: skip
 
 
 def overhead_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -655,11 +672,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         results_table(doc["rows"]),
     ]
     if doc.get("overhead"):
-        over = doc["overhead"]
-        load = "" if over["other_load_cores"] is None else f"; other processes used {over['other_load_cores']} cores"
-        lines += ["", f"Overhead, `pdist_ddp` against Lightning's `ddp` (loopback, {over['spec']['world_size']} ranks, "
-                  f"median step time, {over['spec']['repeats']} interleaved repeats in the same processes; "
-                  f"{over['wall_s']} s{load}):", "", overhead_table(over["rows"])]  # fmt: skip
+        lines += ["", *overhead_lines(doc["overhead"])]
     if doc.get("comm_check"):
         lines += ["", "Kernel `tx_bytes` against logged bytes (emulated links, per rank, mean over ranks):", "",
                   check_table(doc["comm_check"])]  # fmt: skip
@@ -775,7 +788,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help=f"the small plan (world sizes {QUICK['world_sizes']}, periods {QUICK['periods']}); "
                         "under 5 minutes with both networks on 2 cores. Without it: "
                         f"world sizes {FULL['world_sizes']}, periods {FULL['periods']}")  # fmt: skip
-    parser.add_argument("--out", required=True, type=Path, help="directory for averaging.json and averaging.png")
+    parser.add_argument("--out", required=True, type=Path,
+                        help="directory for averaging.json and averaging.png (averaging_overhead.json with "
+                        "--overhead only)")  # fmt: skip
     parser.add_argument("--network", choices=("loopback", "emulated", "both"), default="both",
                         help="loopback (127.0.0.1), emulated (netns + tbf links, needs root) "
                         "or both (default)")  # fmt: skip
@@ -844,7 +859,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print()
         print("kernel tx_bytes vs logged bytes (emulated links):")
         print(check_table(doc["comm_check"]))
-    print(f"\nwrote {Path(args.out) / 'averaging.json'} and {Path(args.out) / 'averaging.png'}", end="")
+    written = [Path(args.out) / result_name(config)] + ([Path(args.out) / f"{SUITE}.png"] if doc["rows"] else [])
+    print(f"\nwrote {' and '.join(str(w) for w in written)}", end="")
     print(f" in {doc['suite_wall_s']} s")
     if not doc["rows"] and not doc.get("overhead"):
         print("averaging: no run was possible on the requested network(s)", file=sys.stderr)
