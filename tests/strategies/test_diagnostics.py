@@ -13,7 +13,7 @@ import torch
 from _helpers import TinyRegression, fit, make_net, reference_replicas
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_pdist import EASGDStrategy, LocalSGDStrategy
+from lightning_pdist import BMUFStrategy, EASGDStrategy, LocalSGDStrategy
 
 
 def _series(tmp_path, key: str) -> dict[int, float]:
@@ -57,16 +57,19 @@ def _easgd(alpha):
         # syncs after 2, 4, 6, 8, 10; logged at 5 and 10: the mean of the syncs in each interval
         ("local_sgd", 2, 5, 10, {4: [0, 1], 9: [2, 3, 4]}),
         ("easgd", 2, 5, 10, {4: [0, 1], 9: [2, 3, 4]}),  # its all-reduce is Σ_i x_i: the mean is that / N
+        ("bmuf", 2, 5, 10, {4: [0, 1], 9: [2, 3, 4]}),  # block_momentum=0, block_lr=1: local SGD's trajectory
     ],
 )
 def test_replica_divergence_before_each_sync_is_averaged_between_logged_steps(tmp_path, name, period, every, steps,
                                                                               logged):  # fmt: skip
-    """pdist/avg/divergence = rank 0's ‖w_0 − mean(w)‖ / ‖mean(w)‖ before each sync (plain-torch local SGD/EASGD),
+    """pdist/avg/divergence = rank 0's ‖w_0 − mean(w)‖ / ‖mean(w)‖ before each sync (plain-torch local SGD/EASGD;
+    BMUF without block momentum is local SGD),
     logged as the mean over the syncs since the previous logged step; absent where no sync happened."""
     make = {"local_sgd": lambda: LocalSGDStrategy(period=period, start_method="fork"),
+            "bmuf": lambda: BMUFStrategy(period=period, block_momentum=0.0, start_method="fork"),
             "easgd": lambda: EASGDStrategy(period=period, alpha=0.3, start_method="fork")}[name]  # fmt: skip
     fit(make(), TinyRegression(), max_steps=steps, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=every)
-    sync, seen = _divergence_at_syncs(_average if name == "local_sgd" else _easgd(0.3))
+    sync, seen = _divergence_at_syncs(_easgd(0.3) if name == "easgd" else _average)
     reference_replicas(2, steps, sync, period)
     assert len(seen) == steps // period and min(seen) > 0
     got = _series(tmp_path, "pdist/avg/divergence")
