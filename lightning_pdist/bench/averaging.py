@@ -472,7 +472,8 @@ def run_overhead(config: SuiteConfig, out_dir: Path, log: Callable[[str], None] 
     for row in rows:
         log(f"overhead, width {row['width']}: ddp {row['ddp_ms_per_step']:.3f} ms/step, pdist_ddp "
             f"{row['pdist_ddp_ms_per_step']:.3f} ms/step, ratio {row['ratio']:.3f} (20th percentiles "
-            f"{row['ratio_p20']:.3f}, CPU time {row['ratio_cpu']:.3f}; by repeat {row['ratio_by_repeat']})")
+            f"{row['ratio_p20']:.3f}, CPU time {row['ratio_cpu']:.3f}; ddp against itself {row['control_ratio']:.3f}; "
+            f"by repeat {row['ratio_by_repeat']})")
     return {"spec": spec, "rows": rows, "wall_s": round(wall, 1),
             "other_load_cores": None if other is None else round(other / wall, 2)}  # fmt: skip
 
@@ -581,18 +582,18 @@ OVERHEAD_COLUMNS = (
     ("ratios by repeat (min–max)", "ratio_by_repeat", lambda rs: f"{min(rs):.3f}–{max(rs):.3f}"),
     ("same, 20th percentiles", "ratio_p20", ".3f"),
     ("same, CPU time", "ratio_cpu", ".3f"),
+    ("control: ddp / ddp", "control_ratio", ".3f"),
 )
 
 
 def overhead_lines(over: dict[str, Any]) -> list[str]:
     """The overhead row as markdown: what ran, then :func:`overhead_table` (``over`` is ``doc["overhead"]``)."""
-    load = "" if over["other_load_cores"] is None else f"; other processes used {over['other_load_cores']} cores"
     spec = over["spec"]
     steps = ", ".join(f"{s} steps at width {w}" for w, s in spec["steps"].items())
     return [f"Overhead, `pdist_ddp` against Lightning's `ddp` (loopback, {spec['world_size']} ranks, both at their "
             f"defaults, digits CNN, {spec['batch_size']} per rank per step; {spec['repeats']} repeats of {steps}, "
-            f"interleaved in the same processes, the first {spec['warmup_steps']} steps untimed; {over['wall_s']} s"
-            f"{load}):", "", overhead_table(over["rows"])]  # fmt: skip
+            f"interleaved in the same processes, the first {spec['warmup_steps']} steps untimed; {over['wall_s']} s):",
+            "", overhead_table(over["rows"])]  # fmt: skip
 
 
 def overhead_table(rows: Sequence[dict[str, Any]]) -> str:

@@ -5,9 +5,10 @@ non-finite check, ``pdist/*`` logging); on a small model those are Python work t
 feels. The target: within 5% per step of ``ddp`` on the same module.
 
 One launch of ``world_size`` loopback ranks (``python -m lightning_pdist.bench.overhead --spec JSON --out-dir
-DIR``); each rank trains ``ClassifierModule(model="cnn", width=w)`` on the digits with ``ddp`` and ``pdist_ddp``
-in turn, in the same process, ``repeats`` times per width, alternating which goes first, so slow drifts of the
-machine's background load fall on both alike. Per fit it records the wall time of every step after
+DIR``); each rank trains ``ClassifierModule(model="cnn", width=w)`` on the digits with ``ddp``, ``pdist_ddp`` and
+``ddp`` once more (a control: two identical strategies' ratio is the measurement's own noise) in turn, in the same
+process, ``repeats`` times per width, rotating which goes first, so slow drifts of the machine's background load
+fall on all alike. Per fit it records the wall time of every step after
 ``warmup_steps`` (from one ``on_train_batch_end`` to the next: the whole Lightning step, data loading, logging
 and the hook included) and writes ``DIR/overhead<r>.json``: ``{"rank", "fits": [{"strategy", "width",
 "repeat", "step_ms": [...]}]}``.
@@ -35,9 +36,10 @@ from typing import Any
 
 from lightning_pdist.bench.report import check_spec_keys
 
-STRATEGIES = ("ddp", "pdist_ddp")
+#: ``ddp_again`` is Lightning's ``ddp`` once more: its ratio to ``ddp`` is the noise of the measurement itself.
+STRATEGIES = ("ddp", "pdist_ddp", "ddp_again")
 #: Defaults in one place: SmallCNN's default width and the suite's width; steps per fit scale with the step time.
-OVERHEAD = {"widths": (16, 64), "steps": {16: 120, 64: 36}, "warmup_steps": 12, "repeats": 20, "batch_size": 32}
+OVERHEAD = {"widths": (16, 64), "steps": {16: 120, 64: 36}, "warmup_steps": 12, "repeats": 14, "batch_size": 32}
 SPEC_KEYS = ("world_size", "widths", "steps", "warmup_steps", "repeats", "batch_size", "seed")
 ROW_KEYS = ("width", "model_params", "ddp_ms_per_step", "pdist_ddp_ms_per_step", "ratio", "ratio_by_repeat")
 
@@ -60,8 +62,10 @@ def _strategy(name: str) -> Any:
 
     from lightning_pdist import PdistStrategy
 
-    # Both at their defaults, as a user gets them by name; gloo on CPU.
-    return DDPStrategy(process_group_backend="gloo") if name == "ddp" else PdistStrategy(process_group_backend="gloo")
+    # At their defaults, as a user gets them by name; gloo on CPU.
+    if name == "pdist_ddp":
+        return PdistStrategy(process_group_backend="gloo")
+    return DDPStrategy(process_group_backend="gloo")
 
 
 def run_rank(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
@@ -88,7 +92,8 @@ def run_rank(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     fits, rank = [], int(env["RANK"])
     for repeat in range(spec["repeats"]):
         for width in spec["widths"]:
-            order = STRATEGIES if repeat % 2 == 0 else STRATEGIES[::-1]
+            shift = repeat % len(STRATEGIES)  # each strategy takes each place in the order equally often
+            order = STRATEGIES[shift:] + STRATEGIES[:shift]
             for name in order:
                 os.environ.clear()
                 os.environ.update(env)
@@ -138,11 +143,14 @@ def overhead_rows(ranks: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
               for name in STRATEGIES for q in (0, 1, 2)}  # q: the fit's median, its 20th percentile, CPU per step
         ddp, ours = statistics.median(by["ddp", 0]), statistics.median(by["pdist_ddp", 0])
         paired = {q: [b / a for a, b in zip(by["ddp", q], by["pdist_ddp", q])] for q in (0, 1, 2)}
+        control = [b / a for a, b in zip(by["ddp", 0], by["ddp_again", 0])]
         rows.append({
             "width": width, "model_params": params[width], "repeats": len(repeats),
             "ddp_ms_per_step": round(ddp, 3), "pdist_ddp_ms_per_step": round(ours, 3),
             "ratio": round(statistics.median(paired[0]), 4), "ratio_by_repeat": [round(r, 4) for r in paired[0]],
             "ratio_p20": round(statistics.median(paired[1]), 4), "ratio_cpu": round(statistics.median(paired[2]), 4),
+            "control_ratio": round(statistics.median(control), 4),
+            "control_ratio_by_repeat": [round(r, 4) for r in control],
             "ddp_cpu_ms_per_step": round(statistics.median(by["ddp", 2]), 3),
             "pdist_ddp_cpu_ms_per_step": round(statistics.median(by["pdist_ddp", 2]), 3),
             "ddp_ms_by_repeat": [round(x, 3) for x in by["ddp", 0]],

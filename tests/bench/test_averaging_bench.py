@@ -181,7 +181,8 @@ def test_real_loopback_run_writes_rows_and_local_sgd_sends_period_times_less(tmp
 
 def _overhead_rank(rank, ddp_ms, ours_ms, repeats=2, width=16):
     fits = [{"strategy": name, "width": width, "repeat": r, "model_params": 100, "cpu_ms_per_step": ms,
-             "step_ms": [ms, ms, ms * 3]} for r in range(repeats) for name, ms in (("ddp", ddp_ms), ("pdist_ddp", ours_ms))]
+             "step_ms": [ms, ms, ms * 3]} for r in range(repeats)
+            for name, ms in (("ddp", ddp_ms), ("pdist_ddp", ours_ms), ("ddp_again", ddp_ms))]
     return {"rank": rank, "fits": fits}
 
 
@@ -194,7 +195,7 @@ def test_overhead_rows_pair_each_repeat_and_take_medians():
     check_rows([row], OVERHEAD_KEYS, "test")
     assert row["ddp_ms_per_step"] == 2.0 and row["pdist_ddp_ms_per_step"] == 2.1
     assert row["ratio"] == pytest.approx(1.05) and row["ratio_by_repeat"] == [1.05, 1.05] and row["repeats"] == 2
-    assert row["ratio_cpu"] == pytest.approx(1.05)
+    assert row["ratio_cpu"] == pytest.approx(1.05) and row["control_ratio"] == 1.0
     with pytest.raises(ValueError, match=r"ranks=\[\]"):
         overhead_rows([])
     empty = _overhead_rank(0, 2.0, 2.1)
