@@ -627,7 +627,9 @@ class ParameterServerStrategy(PdistStrategy):
         if agreed:
             # Through the store with the server's deadline, not a gloo all-reduce: a stopped worker is then named
             # after server_timeout (WorkerSilent), as the servers name it, instead of gloo failing unnamed much later.
-            flags = self.workers.exchange_flags(f"nonfinite/{self.step}/{k}", int(bad), self._agreement_timeout,
+            # Tagged by the step count only (not the optimizer): workers that step different optimizers still meet,
+            # and the servers refuse that mismatch by name, as they did with the all-reduce.
+            flags = self.workers.exchange_flags(f"nonfinite/{self.step}", int(bad), self._agreement_timeout,
                                                 what=f"its gradient check before step {self.step + 1}'s push")  # fmt: skip
             ranks = [r for r, flag in enumerate(flags) if flag]
         else:

@@ -84,5 +84,8 @@ def test_refused_naming_the_argument_or_trains_finitely(cls, arg, value):
     except ValueError as err:  # what depends on the model (e.g. a sharding plan) is refused at setup, named
         assert arg in str(err), f"{cls.__name__}({arg}={value!r}) refused at setup without naming {arg}: {err}"
         return
+    finally:
+        # The fit ran in this (pytest's) process: leave no process group for later tests' forked ranks to inherit.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     assert math.isfinite(loss), f"{cls.__name__}({arg}={value!r}) trained to loss {loss}"
-    torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
