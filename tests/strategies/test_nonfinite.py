@@ -292,20 +292,30 @@ def test_ddp_with_a_foreign_comm_hook_cannot_tell_which_rank():
         run(strategy, NormedRegression(), max_steps=4)
 
 
+def assert_skip_step_equals_dropped_batch(tmp_path, make, module, warning, steps, **module_kwargs):
+    """Run ``make(nonfinite="skip_step")`` for ``steps`` steps and ``make()`` on the same data without the NaN batch
+    for ``steps - 1``; every rank warned once (``warning``), skipped one step, and ended with the reference weights.
+    Returns the skipping run's finals."""
+    run(make(nonfinite="skip_step"), module(**module_kwargs), max_steps=steps, callbacks=[FinalModule(tmp_path)])
+    skipped = finals(tmp_path)
+    assert_warned_once(skipped, warning)
+    run(make(), module(nan_rank=None, drop_batch=NAN_BATCH, **module_kwargs), max_steps=steps - 1,
+        callbacks=[FinalModule(tmp_path)])  # fmt: skip
+    reference = finals(tmp_path)
+    for rank in range(2):
+        assert skipped[rank]["skipped"] == 1.0
+        torch.testing.assert_close(skipped[rank]["module"], reference[rank]["module"], atol=1e-6, rtol=0)
+    return skipped
+
+
 @pytest.mark.parametrize("name", ["local_sgd", "bmuf", "easgd"])
 def test_skip_step_equals_a_run_without_that_batch(tmp_path, name):
     """nonfinite='skip_step': both ranks skip global step 2 (BatchNorm statistics restored, the step not counted
     towards the period), warn once, log pdist/skipped_steps = 1, and end exactly where a run without that batch does."""
-    run(AVERAGING[name](nonfinite="skip_step"), NormedRegression(), max_steps=7, callbacks=[FinalModule(tmp_path)])
-    skipped = finals(tmp_path)
-    assert_warned_once(skipped, "non-finite gradients (NaN/Inf) on rank(s) [1] at global step 2; every rank skipped "
-                                "that optimizer step")
-    run(AVERAGING[name](), NormedRegression(nan_rank=None, drop_batch=NAN_BATCH), max_steps=6, callbacks=[FinalModule(tmp_path)])
-    reference = finals(tmp_path)
-    for rank in range(2):
-        assert skipped[rank]["skipped"] == 1.0
-        assert all_finite([skipped[rank]["module"]])
-        torch.testing.assert_close(skipped[rank]["module"], reference[rank]["module"], atol=1e-6, rtol=0)
+    skipped = assert_skip_step_equals_dropped_batch(
+        tmp_path, AVERAGING[name], NormedRegression, "non-finite gradients (NaN/Inf) on rank(s) [1] at global step 2; "
+        "every rank skipped that optimizer step", steps=7)  # fmt: skip
+    assert all(all_finite([skipped[rank]["module"]]) for rank in range(2))
 
 
 def test_propagate_lets_the_nan_reach_every_replica(tmp_path):
@@ -373,16 +383,9 @@ def test_sign_raise_stops_both_ranks_before_the_step_and_keeps_the_vote_state(tm
 def test_sign_skip_step_equals_a_run_without_that_batch(tmp_path):
     """nonfinite='skip_step': both ranks skip global step 2; momentum, rounds, weights and BatchNorm statistics end
     exactly where a run without that batch ends."""
-    run(signum(nonfinite="skip_step"), NormedRegression(lr=0.01), max_steps=6, callbacks=[FinalModule(tmp_path)])
-    skipped = finals(tmp_path)
-    assert_warned_once(skipped, "SignSGDStrategy(nonfinite='skip_step'): non-finite gradients (NaN/Inf) on rank(s) "
-                                "[1] at global step 2; every rank skipped that optimizer step")
-    run(signum(), NormedRegression(lr=0.01, nan_rank=None, drop_batch=NAN_BATCH), max_steps=5,
-        callbacks=[FinalModule(tmp_path)])  # fmt: skip
-    reference = finals(tmp_path)
-    for rank in range(2):
-        assert skipped[rank]["skipped"] == 1.0
-        torch.testing.assert_close(skipped[rank]["module"], reference[rank]["module"], atol=1e-6, rtol=0)
+    assert_skip_step_equals_dropped_batch(
+        tmp_path, signum, NormedRegression, "SignSGDStrategy(nonfinite='skip_step'): non-finite gradients (NaN/Inf) "
+        "on rank(s) [1] at global step 2; every rank skipped that optimizer step", steps=6, lr=0.01)  # fmt: skip
 
 
 def test_sign_propagate_hands_the_optimizer_a_nan_gradient(tmp_path):
@@ -418,15 +421,9 @@ def test_ps_sync_raise_stops_every_worker_before_the_push(tmp_path):
 def test_ps_sync_skip_step_equals_a_run_without_that_batch(tmp_path):
     """sync, nonfinite='skip_step': every worker skips global step 2's push (no server steps) and the run ends where
     one without that batch ends (weights and averaged BatchNorm statistics)."""
-    run(ps(nonfinite="skip_step"), NormedRegression(), max_steps=6, callbacks=[FinalModule(tmp_path)])
-    skipped = finals(tmp_path)
-    assert_warned_once(skipped, "ParameterServerStrategy(nonfinite='skip_step'): non-finite gradients (NaN/Inf) on "
-                                "rank(s) [1] at global step 2; every worker skipped that step's push (no server stepped)")
-    run(ps(), NormedRegression(nan_rank=None, drop_batch=NAN_BATCH), max_steps=5, callbacks=[FinalModule(tmp_path)])
-    reference = finals(tmp_path)
-    for rank in range(2):
-        assert skipped[rank]["skipped"] == 1.0
-        torch.testing.assert_close(skipped[rank]["module"], reference[rank]["module"], atol=1e-6, rtol=0)
+    assert_skip_step_equals_dropped_batch(
+        tmp_path, ps, NormedRegression, "ParameterServerStrategy(nonfinite='skip_step'): non-finite gradients (NaN/Inf) "
+        "on rank(s) [1] at global step 2; every worker skipped that step's push (no server stepped)", steps=6)  # fmt: skip
 
 
 def test_ps_async_raise_stops_that_worker_before_its_push(tmp_path):
@@ -535,15 +532,9 @@ def test_tp_raise_stops_both_ranks_before_the_average_and_the_step(tmp_path):
 def test_tp_skip_step_equals_a_run_without_that_batch(tmp_path):
     """nonfinite='skip_step': both ranks skip global step 2 (optimizer.step only; nothing zeroed) and end where a run
     without that batch ends."""
-    run(tp(nonfinite="skip_step"), ShardedRegression(), max_steps=6, callbacks=[FinalModule(tmp_path)])
-    skipped = finals(tmp_path)
-    assert_warned_once(skipped, "TensorParallelStrategy(nonfinite='skip_step'): non-finite gradients (NaN/Inf) on "
-                                "rank(s) [1] at global step 2; every rank skipped that gradient average and optimizer step")
-    run(tp(), ShardedRegression(nan_rank=None, drop_batch=NAN_BATCH), max_steps=5, callbacks=[FinalModule(tmp_path)])
-    reference = finals(tmp_path)
-    for rank in range(2):
-        assert skipped[rank]["skipped"] == 1.0
-        torch.testing.assert_close(skipped[rank]["module"], reference[rank]["module"], atol=1e-6, rtol=0)
+    assert_skip_step_equals_dropped_batch(
+        tmp_path, tp, ShardedRegression, "TensorParallelStrategy(nonfinite='skip_step'): non-finite gradients (NaN/Inf) "
+        "on rank(s) [1] at global step 2; every rank skipped that gradient average and optimizer step", steps=6)  # fmt: skip
 
 
 def test_tp_propagate_writes_the_nan_into_the_weights(tmp_path):
@@ -593,15 +584,9 @@ def test_pipeline_1f1b_raise_stops_both_stages_at_the_update(tmp_path):
 def test_pipeline_1f1b_skip_step_equals_a_run_without_that_batch(tmp_path):
     """1f1b, nonfinite='skip_step': both stages skip global step 2's update and end where a run without that batch
     ends."""
-    run(pipeline(nonfinite="skip_step"), StagedRegression(), max_steps=6, callbacks=[FinalModule(tmp_path)])
-    skipped = finals(tmp_path)
-    assert_warned_once(skipped, "PipelineStrategy(nonfinite='skip_step'): non-finite gradients (NaN/Inf) on rank(s) "
-                                "[0, 1] at global step 2; every rank skipped that batch's update")
-    run(pipeline(), StagedRegression(nan_rank=None, drop_batch=NAN_BATCH), max_steps=5, callbacks=[FinalModule(tmp_path)])
-    reference = finals(tmp_path)
-    for rank in range(2):
-        assert skipped[rank]["skipped"] == 1.0
-        torch.testing.assert_close(skipped[rank]["module"], reference[rank]["module"], atol=1e-6, rtol=0)
+    assert_skip_step_equals_dropped_batch(
+        tmp_path, pipeline, StagedRegression, "PipelineStrategy(nonfinite='skip_step'): non-finite gradients (NaN/Inf) "
+        "on rank(s) [0, 1] at global step 2; every rank skipped that batch's update", steps=6)  # fmt: skip
 
 
 def test_pipeline_pipedream_raise_stops_the_stage_that_found_it(tmp_path):
