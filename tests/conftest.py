@@ -1,7 +1,11 @@
-"""Shared fixtures: a clean environment per test and the tests/ folder on sys.path for _helpers."""
+"""Shared fixtures: a clean environment per test, no process outliving its test, tests/ on sys.path for _helpers."""
 
+import ctypes
+import gc
 import os
+import signal
 import sys
+import time
 
 import pytest
 import torch
@@ -37,3 +41,71 @@ def _teardown_process_group():
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()  # a finished DDP wrap's Reducer holds its gloo group in cycles: free it here, never in a forked child
+
+
+# Orphaned grandchildren (a parameter server whose worker died, a rank whose launcher died) are reparented to this
+# process instead of init, so the check below sees every process a test started, however deep.
+_PR_SET_CHILD_SUBREAPER = 36
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+except (OSError, AttributeError):
+    pass
+
+
+def _descendants() -> dict[int, tuple[str, str]]:
+    """{pid: (state, command line)} of every live descendant of this process (zombies included, state 'Z')."""
+    parent_of, info = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        parent_of[int(entry)] = int(fields[1])
+        info[int(entry)] = (fields[0], cmdline or stat[stat.index("(") + 1 : stat.rindex(")")])
+    mine, grew = {os.getpid()}, True
+    while grew:
+        new = {pid for pid, ppid in parent_of.items() if ppid in mine and pid not in mine}
+        mine |= new
+        grew = bool(new)
+    mine.discard(os.getpid())
+    return {pid: info[pid] for pid in mine}
+
+
+def _reap(pids) -> None:
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+
+@pytest.fixture(autouse=True)
+def _no_process_outlives_its_test():
+    """Fails the test if a process it started (at any depth) is still running 15 s after it ends; kills those."""
+    before = set(_descendants())
+    yield
+    deadline = time.monotonic() + 15
+    while True:
+        left = {pid: v for pid, v in _descendants().items() if pid not in before}
+        _reap(pid for pid, (state, _) in left.items() if state == "Z")
+        alive = {pid: v for pid, v in left.items() if v[0] != "Z"}
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if alive:
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+        _reap(alive)
+        described = "; ".join(f"pid {pid} ({state}): {cmd[:160]}" for pid, (state, cmd) in sorted(alive.items()))
+        pytest.fail(f"{len(alive)} process(es) outlived the test and were killed: {described}", pytrace=False)

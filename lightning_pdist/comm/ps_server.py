@@ -74,6 +74,7 @@ from lightning_pdist.algorithms.ps_rules import (
     SSPClock,
     StalenessTracker,
 )
+from lightning_pdist.comm.forking import fork_process
 from lightning_pdist.comm.ps_auth import (
     CLIENT_LABEL,
     NONCE_BYTES,
@@ -1071,7 +1072,7 @@ def start_server(
     read_end, write_end = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    pid = fork_process()  # garbage gloo groups collected here; the child never collects what it inherits
     if pid == 0:  # child
         code = 1
         try:

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_pdist.comm.accounting import CommMeter
-from lightning_pdist.strategies import rank_files
+from lightning_pdist.strategies import lifetime, rank_files
 from lightning_pdist.strategies.base import register_variants
 from lightning_pdist.strategies.safe_io import SafeCheckpointIO
 
@@ -64,6 +64,11 @@ class PdistFabricStrategy(DDPStrategy):
         self.comm_meter = CommMeter()
         self.module: Module | None = None  # the user's module (inside ddp_module)
         self.ddp_module: DistributedDataParallel | None = None
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        self._launcher = lifetime.own_launcher(self._launcher)  # fork: no process group copied into the ranks
 
     @property
     def rank_world(self) -> tuple[int, int]:

@@ -18,6 +18,13 @@ for recv operation`` or ``Connection closed by peer``) names the missing ranks: 
 job's store (:class:`~lightning_pdist.comm.liveness.Heartbeat`, from ``setup_distributed`` to ``teardown``), and
 on such a failure :func:`name_lost_ranks` adds to the error which ranks stopped beating.
 
+A ``fork`` launch never copies a process group into the ranks (:class:`ForkSafeLaunch`): a gloo group's threads do
+not exist in a forked child, so the child's first collective on an inherited group, or the garbage collector freeing
+one (``ProcessGroupGloo::~ProcessGroupGloo`` joins its threads), waits forever. A live group in the launching process
+is refused before any rank starts (a Trainer whose rank 0 ran in this process keeps its group until exit); garbage
+(a finished DDP wrap's Reducer and group, freed in cycles) is collected in the launching process, where the threads
+exist, and whatever the ranks inherit is frozen, never collected there (:func:`~lightning_pdist.comm.forking.collect_before_fork`).
+
 Caveats: the kernel signals the child when the *thread* that started it exits, which for Lightning's launchers is
 the launching process's main thread (``Trainer.fit`` called from another thread that exits early would end the
 ranks). A child that finds its launcher already gone when it gets here (it died while the child was importing)
@@ -35,14 +42,16 @@ import threading
 import time
 from typing import Any
 
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.fabric.strategies.launchers import _MultiProcessingLauncher as _FabricMultiProcessingLauncher
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_pdist.comm.forking import collect_before_fork, refuse_live_process_group
 from lightning_pdist.comm.liveness import Heartbeat, default_store_address, describe_silent_ranks, looks_like_a_lost_peer
 
-__all__ = ["LAUNCHER_PID_ENV", "PopenLauncher", "die_with_launcher", "launcher_pid", "name_lost_ranks",
-           "own_launcher", "start_heartbeat"]
+__all__ = ["LAUNCHER_PID_ENV", "FabricForkSafeLauncher", "ForkSafeLaunch", "ForkSafeLauncher", "PopenLauncher",
+           "die_with_launcher", "launcher_pid", "name_lost_ranks", "own_launcher", "start_heartbeat"]
 
 #: Set by the ``popen`` launcher in the environment of the ranks it starts: its own pid.
 LAUNCHER_PID_ENV = "PDIST_LAUNCHER_PID"
@@ -65,10 +74,37 @@ class PopenLauncher(_SubprocessScriptLauncher):
                 os.environ[LAUNCHER_PID_ENV] = before
 
 
+class ForkSafeLaunch:
+    """Mixin for Lightning's multiprocessing launchers: a ``fork`` launch refuses a live process group and starts
+    its ranks with nothing for their garbage collector to free (:func:`~lightning_pdist.comm.forking.collect_before_fork`)."""
+
+    _start_method: str
+
+    def launch(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._start_method != "fork":
+            return super().launch(function, *args, **kwargs)  # type: ignore[misc]
+        refuse_live_process_group(type(self._strategy).__name__)  # type: ignore[attr-defined]
+        with collect_before_fork():
+            return super().launch(function, *args, **kwargs)  # type: ignore[misc]
+
+
+class ForkSafeLauncher(ForkSafeLaunch, _MultiProcessingLauncher):
+    """Lightning's (Trainer) fork/spawn launcher with :class:`ForkSafeLaunch`."""
+
+
+class FabricForkSafeLauncher(ForkSafeLaunch, _FabricMultiProcessingLauncher):
+    """Fabric's fork/spawn launcher with :class:`ForkSafeLaunch`."""
+
+
 def own_launcher(launcher: Any) -> Any:
-    """``launcher``, with Lightning's ``popen`` launcher replaced by :class:`PopenLauncher` (same settings)."""
+    """``launcher``, with Lightning's ``popen`` launcher replaced by :class:`PopenLauncher` and its fork/spawn
+    launchers by their :class:`ForkSafeLaunch` twins (same settings)."""
     if type(launcher) is _SubprocessScriptLauncher:
         return PopenLauncher(launcher.cluster_environment, launcher.num_processes, launcher.num_nodes)
+    if type(launcher) is _MultiProcessingLauncher:
+        return ForkSafeLauncher(launcher._strategy, start_method=launcher._start_method)
+    if type(launcher) is _FabricMultiProcessingLauncher:
+        return FabricForkSafeLauncher(launcher._strategy, start_method=launcher._start_method)
     return launcher
 
 

@@ -68,7 +68,7 @@ from lightning_pdist.strategies.base import register_variants
 from lightning_pdist.strategies.multinode import check_gloo_interface
 from lightning_pdist.strategies.run_logging import CommLogState, install_progress_bar_format, log_comm_bytes
 from lightning_pdist.strategies.run_logging import log_final_total, log_run_settings, resolved_settings
-from lightning_pdist.strategies import tensor_parallel_clip
+from lightning_pdist.strategies import lifetime, tensor_parallel_clip
 from lightning_pdist.strategies.nonfinite import NonFiniteGuard, SkipStep, optimizer_grads
 from lightning_pdist.strategies.safe_io import SafeCheckpointIO
 
@@ -405,7 +405,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         register_variants(strategy_registry, cls, cls.strategy_name, description, find_unused=False)
 
 
-class _FullWeightsLauncher(_MultiProcessingLauncher):
+class _FullWeightsLauncher(lifetime.ForkSafeLaunch, _MultiProcessingLauncher):
     """Lightning's fork/spawn launcher, handing the main process full weights instead of DTensor shards.
 
     Lightning saves rank 0's ``state_dict()`` for the main process, which loads it with a ``map_location``
