@@ -3,19 +3,19 @@
 Importing the package registers every strategy name with Lightning's ``StrategyRegistry``, so
 ``Trainer(strategy="bmuf")`` works after ``import lightning_pdist``; the Lightning Fabric strategies
 (:mod:`lightning_pdist.fabric`) register with Fabric's own registry, so ``Fabric(strategy="bmuf")`` works too.
+
+One folder per family (averaging, sign, parameter_server, pipeline, tensor_parallel) over :mod:`lightning_pdist.core`;
+``docs/architecture.md`` draws the house.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_pdist.strategies import (
-    BMUFStrategy,
-    EASGDStrategy,
-    LocalSGDStrategy,
-    PdistStrategy,
-    SignSGDStrategy,
-    SimuParallelSGDStrategy,
-)
-from lightning_pdist.strategies import ParameterServerStrategy, PipelineStrategy, TensorParallelStrategy
+from lightning_pdist.averaging import BMUFStrategy, EASGDStrategy, LocalSGDStrategy, SimuParallelSGDStrategy
+from lightning_pdist.core.strategy import PdistStrategy
+from lightning_pdist.parameter_server import ParameterServerStrategy
+from lightning_pdist.pipeline import PipelineStrategy
+from lightning_pdist.sign import SignSGDStrategy
+from lightning_pdist.tensor_parallel import TensorParallelStrategy
 
 __all__ = ["BMUFStrategy", "EASGDStrategy", "LocalSGDStrategy", "PdistStrategy", "SignSGDStrategy", "SimuParallelSGDStrategy"]
 __all__ += ["ParameterServerStrategy", "PipelineStrategy", "TensorParallelStrategy"]

@@ -45,7 +45,7 @@ class LoggedConfig(SaveConfigCallback):
     """Lightning's config file in the log dir, and the whole resolved config in every logger (``{"config": ...}``).
 
     W&B, CSV (``hparams.yaml``) and TensorBoard then hold the run's configuration; the strategy adds its resolved
-    settings under ``"pdist"`` (:mod:`lightning_pdist.strategies.run_logging`). Runs on rank 0 only.
+    settings under ``"pdist"`` (:mod:`lightning_pdist.core.run_logging`). Runs on rank 0 only.
     """
 
     def save_config(self, trainer, pl_module, stage) -> None:  # noqa: ANN001 - Lightning's signature

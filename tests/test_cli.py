@@ -13,7 +13,7 @@ import yaml
 
 import lightning_pdist
 from lightning_pdist.cli import RECIPES_DIR, main, resolve_recipe_args, shipped_recipes
-from lightning_pdist.strategies.config import OWNED_DDP_ARGS
+from lightning_pdist.core.config import OWNED_DDP_ARGS
 
 # Strategies that own gradient communication and refuse DDP's hook arguments.
 OWNERS = ["BMUFStrategy", "EASGDStrategy", "LocalSGDStrategy", "SimuParallelSGDStrategy", "SignSGDStrategy",

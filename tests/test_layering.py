@@ -1,4 +1,11 @@
-"""Imports flow one way: algorithms (torch only) <- comm (torch.distributed, no lightning) <- strategies."""
+"""The house rules, checked on the source with ``ast`` (never ``sys.modules``).
+
+1. A family (averaging, sign, parameter_server, pipeline, tensor_parallel, and every family added later: any folder
+   of the package that is not ``core``, ``data``, ``models`` or ``bench``) imports only ``core/`` and itself.
+2. ``core/`` imports only ``core/``; nothing outside ``bench/`` (and ``demo.py``, its client) imports ``bench/``.
+3. Inside a family (and ``core/``) files have roles: **math** imports torch only (no ``torch.distributed``, no
+   Lightning, no transport); **transport** imports no Lightning and no wiring; **wiring** (the rest) may use both.
+"""
 
 import ast
 import sys
@@ -8,6 +15,25 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_pdist"
 STDLIB = set(sys.stdlib_module_names)
+SHARED = ("core", "data", "models", "bench")
+FAMILIES = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists() and p.name not in SHARED)
+
+#: Files by role (stem), per folder; whatever is not listed is wiring.
+MATH = {
+    "core": {"flat", "nonfinite", "accounting"},
+    "averaging": {"schedule", "bmuf", "easgd"},
+    "sign": {"vote", "llr", "simulator"},
+    "parameter_server": {"sharding", "rules"},
+    "pipeline": {"schedule", "partition"},
+    "tensor_parallel": {"plan", "cost"},
+}
+TRANSPORT = {
+    "core": {"collectives", "hooks", "liveness", "forking"},
+    "sign": {"bits", "stats", "participation", "overflow", "hooks"},
+    "parameter_server": {"wire", "auth", "shard", "layout", "server", "client", "workers"},
+    "pipeline": {"p2p", "executor"},
+    "tensor_parallel": {"meter"},
+}
 
 
 def _imports(path: Path) -> list[str]:
@@ -20,46 +46,103 @@ def _imports(path: Path) -> list[str]:
             # `from torch import distributed` imports torch.distributed: check module.name too
             names += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level > 0:
-            names.append("lightning_pdist." + path.parent.name)  # relative: stays in its own layer
+            names.append(f"lightning_pdist.{path.parent.name}.{node.module or ''}")  # relative: its own folder
     return names
 
 
-def _allowed_in_algorithms(name: str) -> bool:
+def role(folder: str, stem: str) -> str:
+    if stem in MATH.get(folder, ()):
+        return "math"
+    if stem in TRANSPORT.get(folder, ()):
+        return "transport"
+    return "wiring"
+
+
+def _own(name: str) -> tuple[str, str] | None:
+    """(folder, stem) of a lightning_pdist module name; None for anything else."""
+    parts = name.split(".")
+    if parts[0] != "lightning_pdist":
+        return None
+    return (parts[1] if len(parts) > 1 else "", parts[2] if len(parts) > 2 else "")
+
+
+def violation(folder: str, stem: str, name: str) -> str | None:
+    """Why importing ``name`` from ``lightning_pdist/<folder>/<stem>.py`` breaks a rule (None: allowed)."""
     top = name.split(".")[0]
-    if name.startswith("torch.distributed") or top in ("lightning", "pytorch_lightning"):
-        return False
-    if top == "lightning_pdist":
-        return name.startswith("lightning_pdist.algorithms")
-    return top in STDLIB or top in ("torch", "numpy", "typing_extensions", "__future__")
+    mine = role(folder, stem)
+    own = _own(name)
+    if own is not None:
+        target_folder, target_stem = own
+        if target_folder == "bench" and folder != "bench":
+            return "imports the benchmark harness (a guest: nothing in the library imports it)"
+        if folder in ("core", *FAMILIES) and target_folder not in ("core", folder):
+            return f"{folder}/ may import only core/ and itself, not {target_folder or 'the package root'}"
+        if target_folder in (folder, "core") and target_stem:
+            theirs = role(target_folder, target_stem)
+            if mine == "math" and theirs != "math":
+                return f"math imports {theirs}"
+            if mine == "transport" and theirs == "wiring":
+                return "transport imports wiring"
+        return None
+    if mine in ("math", "transport") and top in ("lightning", "pytorch_lightning"):
+        return f"{mine} imports Lightning"
+    if mine == "math" and name.startswith("torch.distributed"):
+        return "math imports torch.distributed"
+    if mine == "math" and not (top in STDLIB or top in ("torch", "numpy", "typing_extensions", "__future__")):
+        return f"math imports {top}"
+    return None
 
 
-def _allowed_in_comm(name: str) -> bool:
-    top = name.split(".")[0]
-    if top in ("lightning", "pytorch_lightning"):
-        return False
-    if top == "lightning_pdist":
-        return name.startswith(("lightning_pdist.algorithms", "lightning_pdist.comm"))
-    return True
+def _package_files():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        folder = rel.parts[0] if len(rel.parts) > 1 else ""
+        yield folder, path.stem, path
 
 
-@pytest.mark.parametrize(
-    "layer, allowed", [("algorithms", _allowed_in_algorithms), ("comm", _allowed_in_comm)], ids=["algorithms", "comm"]
-)
-def test_layer_imports_only_what_it_may(layer, allowed):
-    """No module of the layer imports across a forbidden edge (parsed with ast, not sys.modules)."""
-    files = sorted((PACKAGE / layer).glob("*.py"))
-    assert files
-    bad = [f"{f.name}: {name}" for f in files for name in _imports(f) if not allowed(name)]
-    assert not bad, f"forbidden imports in {layer}/: {bad}"
+def test_the_families_are_the_folders():
+    assert FAMILIES == ["averaging", "parameter_server", "pipeline", "sign", "tensor_parallel"]
+    for folder in (*FAMILIES, "core"):
+        stems = {p.stem for p in (PACKAGE / folder).glob("*.py")}
+        listed = MATH.get(folder, set()) | TRANSPORT.get(folder, set())
+        assert listed <= stems, f"{folder}/: roles list files that do not exist: {sorted(listed - stems)}"
 
 
-def test_checker_catches_forbidden_edges(tmp_path):
-    """The checker itself flags lightning in comm and torch.distributed in algorithms."""
+def test_every_import_keeps_the_rules():
+    """No module imports across a forbidden edge (families, core, bench, roles)."""
+    bad = []
+    for folder, stem, path in _package_files():
+        for name in _imports(path):
+            if folder in ("core", *FAMILIES):
+                why = violation(folder, stem, name)
+            elif folder == "bench" or (folder == "" and stem == "demo"):  # the harness, and the demo: its client
+                why = None
+            else:  # the package root (cli, fabric, __init__: they curate the families), data/, models/
+                why = "imports the benchmark harness" if name.startswith("lightning_pdist.bench") else None
+            if why:
+                bad.append(f"{path.relative_to(PACKAGE)}: {name}: {why}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("folder, stem, name, expected", [
+    ("sign", "hooks", "lightning_pdist.parameter_server.wire", "sign/ may import only core/ and itself, not parameter_server"),
+    ("core", "strategy", "lightning_pdist.sign.hooks", "core/ may import only core/ and itself, not sign"),
+    ("pipeline", "schedule", "torch.distributed", "math imports torch.distributed"),
+    ("pipeline", "schedule", "lightning_pdist.pipeline.p2p", "math imports transport"),
+    ("pipeline", "p2p", "lightning.pytorch", "transport imports Lightning"),
+    ("parameter_server", "server", "lightning_pdist.parameter_server.strategy", "transport imports wiring"),
+    ("averaging", "strategy", "lightning_pdist.bench.report", "imports the benchmark harness (a guest: nothing in the library imports it)"),
+    ("averaging", "bmuf", "lightning_pdist.core.flat", None),
+    ("sign", "strategy", "lightning.pytorch", None),
+    ("sign", "hooks", "lightning_pdist.core.accounting", None),
+])
+def test_checker_catches_forbidden_edges(folder, stem, name, expected):
+    """The checker itself names each kind of forbidden edge, and lets the allowed ones through."""
+    assert violation(folder, stem, name) == expected
+
+
+def test_import_parser_sees_from_imports_of_submodules(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("import torch.distributed as dist\nfrom lightning.pytorch import Trainer\nimport torch\n"
-                 "from torch import distributed\n")
-    names = _imports(f)
-    assert [n for n in names if not _allowed_in_algorithms(n)] == [
-        "torch.distributed", "lightning.pytorch", "lightning.pytorch.Trainer", "torch.distributed"
-    ]
-    assert [n for n in names if not _allowed_in_comm(n)] == ["lightning.pytorch", "lightning.pytorch.Trainer"]
+    f.write_text("import torch.distributed as dist\nfrom lightning.pytorch import Trainer\nfrom torch import distributed\n")
+    assert _imports(f) == ["torch.distributed", "lightning.pytorch", "lightning.pytorch.Trainer", "torch",
+                           "torch.distributed"]

@@ -23,7 +23,7 @@ Measured quantities:
 * ``val_acc``: accuracy on the whole validation split (359 digits) of the model each rank holds
   after ``fit`` (the strategy's output), evaluated in-process; ``replicas_agree`` says whether
   every rank holds bit-identical weights then.
-* ``comm_bytes_per_rank``: the strategy's own :class:`~lightning_pdist.comm.accounting.CommMeter`
+* ``comm_bytes_per_rank``: the strategy's own :class:`~lightning_pdist.core.accounting.CommMeter`
   total (what ``pdist/comm_bytes_total`` logs, plus one-shot averaging's final average), mean over
   ranks.
 * ``wall_s``: the training loop, ``on_train_start`` to ``on_train_end``, slowest rank. Process

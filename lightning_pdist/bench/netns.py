@@ -19,7 +19,7 @@ loss emulation: only rate.
 
 IPv6 is disabled in every namespace so that the only traffic on a link is what its host sends
 (no router solicitations or MLD reports), which keeps the kernel byte counters comparable with the
-byte model in :mod:`lightning_pdist.comm.accounting`.
+byte model in :mod:`lightning_pdist.core.accounting`.
 
 Everything needs root (``CAP_NET_ADMIN``) and the ``ip`` and ``tc`` tools of iproute2;
 :meth:`EmulatedNetwork.available` says whether this machine can do it. This module uses only the

@@ -13,7 +13,7 @@
    model on every rank and splits the batch. With 4 stages, 4 processes share 2 cores (``oversubscribed``).
    ``ratios``: ours 1F1B over torch's ``Schedule1F1B`` from the same launch.
 2. **bubble** (``bubble.rows``): mean over stages of (seconds blocked in ``recv``) / (step wall time), ours only,
-   loopback, against ``(K-1)/(m+K-1)`` and :func:`~lightning_pdist.algorithms.pipeline_schedule.validate`'s
+   loopback, against ``(K-1)/(m+K-1)`` and :func:`~lightning_pdist.pipeline.schedule.validate`'s
    simulation (forward 1, backward 2): the whole program of ``steps`` batches, and its steady state (the makespan
    one more batch adds), which is what the timed steps see (the fill falls in the warm-up).
 3. **stash** (``stash.rows``): per stage with ``stash_width``-wide layers (tens of MB): ``executor.max_versions``,
@@ -190,7 +190,7 @@ def engine_cases(config: SuiteConfig) -> list[dict[str, Any]]:
 
 def steady_bubble(schedule: str, stages: int, microbatches: int, batches: int) -> tuple[float, float]:
     """(whole-program, steady-state) bubble of ``validate``'s simulation of ``batches`` batches."""
-    from lightning_pdist.algorithms.pipeline_schedule import build_schedule, validate
+    from lightning_pdist.pipeline.schedule import build_schedule, validate
 
     now = validate(build_schedule(schedule, stages, microbatches, batches), BACKWARD_COST)
     more = validate(build_schedule(schedule, stages, microbatches, batches + 1), BACKWARD_COST)
@@ -213,7 +213,7 @@ def pipeline_bytes(samples: int, microbatches: int, activation_numel: Sequence[i
 
 def ddp_bytes(steps: int, params: int, ranks: int) -> int:
     """Bytes all ranks send in ``steps`` fp32 all-reduces of ``params``: ``R · 2(R-1)/R · 4P`` per step."""
-    from lightning_pdist.comm.accounting import all_reduce_bytes
+    from lightning_pdist.core.accounting import all_reduce_bytes
 
     return ranks * steps * all_reduce_bytes(4 * params, ranks)
 
@@ -321,7 +321,7 @@ def ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_bubble(runner: Runner, config: SuiteConfig) -> list[dict[str, Any]]:
     """Part 2: ours' measured bubble at each K:m point, on loopback, against the formula and the simulation."""
-    from lightning_pdist.algorithms.pipeline_schedule import bubble_formula
+    from lightning_pdist.pipeline.schedule import bubble_formula
 
     rows = []
     for k in dict.fromkeys(p[0] for p in config.bubble_points):
@@ -344,7 +344,7 @@ def run_bubble(runner: Runner, config: SuiteConfig) -> list[dict[str, Any]]:
 
 def run_stash(runner: Runner, config: SuiteConfig) -> list[dict[str, Any]]:
     """Part 3: weight versions, their bytes and RSS growth per stage, each variant against its baseline."""
-    from lightning_pdist.algorithms.pipeline_schedule import build_schedule, validate
+    from lightning_pdist.pipeline.schedule import build_schedule, validate
     from lightning_pdist.bench.pipeline_worker import check_spec
 
     rows = []

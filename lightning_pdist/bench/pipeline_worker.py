@@ -5,7 +5,7 @@ Launched once per rank by :func:`~lightning_pdist.bench.launch.launch_loopback` 
 what the rank runs, and each rank writes ``DIR/rank<r>.json``:
 
 * ``engines``: every case of ``spec["cases"]`` in turn on the same MLP (:func:`mlp_layers`), the same batches
-  and the same stage cut: ours (:class:`~lightning_pdist.comm.pipeline_executor.StageExecutor` driven directly,
+  and the same stage cut: ours (:class:`~lightning_pdist.pipeline.executor.StageExecutor` driven directly,
   one ``admit(m); run()`` per batch), ``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe`` /
   ``Schedule1F1B``) and DDP (the whole model per rank, the batch split over the ranks). Per case and rank:
   each timed step's seconds, seconds blocked in ``recv`` (ours) and bytes sent.
@@ -14,7 +14,7 @@ what the rank runs, and each rank writes ``DIR/rank<r>.json``:
 * ``fairscale``: fairscale's ``Pipe`` over ``num_stages`` ``'cpu'`` devices in **one process** (world size 1).
 * ``lightning``: ``Trainer(strategy=PipelineStrategy(...))`` on the same model and batches (Lightning's overhead).
 * ``stash``: one schedule on a stage with large weights; weight versions alive (``executor.max_versions``), the
-  bytes :meth:`~lightning_pdist.comm.pipeline_executor.StageExecutor.weight_versions` counts at the same instants,
+  bytes :meth:`~lightning_pdist.pipeline.executor.StageExecutor.weight_versions` counts at the same instants,
   and the process's resident-memory growth (``/proc/self/status`` VmRSS before, VmHWM after).
 * ``converge``: ``Trainer`` with ``PipelineStrategy`` (or ``PdistStrategy``, Lightning's DDP with byte accounting)
   on :class:`~lightning_pdist.data.DigitsDataModule` and ``ClassifierModule(model="cnn")``; validation accuracy
@@ -47,7 +47,7 @@ SPEC_KEYS = {
               "weight_stashing"),
     "converge": ("job", "num_stages", "seed", "strategy", "weight_stashing", "num_microbatches", "batch_size", "lr", "epochs"),
 }
-HEADER_BYTES = 16 * 8  # lightning_pdist.comm.pipeline_p2p.HEADER_BYTES (not imported: this module imports torch lazily)
+HEADER_BYTES = 16 * 8  # lightning_pdist.pipeline.p2p.HEADER_BYTES (not imported: this module imports torch lazily)
 
 
 def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
@@ -155,9 +155,9 @@ def run_ours(spec: dict[str, Any], case: dict[str, Any], rank: int) -> dict[str,
     from torch import nn
     from torch.nn import functional as F
 
-    from lightning_pdist.comm.accounting import CommMeter
-    from lightning_pdist.comm.pipeline_executor import StageExecutor
-    from lightning_pdist.comm.pipeline_p2p import P2P
+    from lightning_pdist.core.accounting import CommMeter
+    from lightning_pdist.pipeline.executor import StageExecutor
+    from lightning_pdist.pipeline.p2p import P2P
 
     K, m = spec["num_stages"], case["num_microbatches"]
     a, b = stage_bounds(spec["depth"], K, rank)
@@ -226,7 +226,7 @@ def run_ddp(spec: dict[str, Any], case: dict[str, Any], rank: int) -> dict[str, 
     from torch.nn import functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from lightning_pdist.comm.accounting import all_reduce_bytes
+    from lightning_pdist.core.accounting import all_reduce_bytes
 
     K = spec["num_stages"]
     model = DDP(nn.Sequential(*mlp_layers(spec["width"], spec["depth"], spec["seed"])))
@@ -337,7 +337,7 @@ def job_lightning(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_pdist.models.classifier import ClassifierModule
-    from lightning_pdist.strategies.pipeline import PipelineStrategy
+    from lightning_pdist.pipeline.strategy import PipelineStrategy
 
     data = batches(spec)
     total = spec["warmup_steps"] + spec["steps"]
@@ -386,8 +386,8 @@ def job_stash(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     from torch import nn
     from torch.nn import functional as F
 
-    from lightning_pdist.comm.pipeline_executor import StageExecutor
-    from lightning_pdist.comm.pipeline_p2p import P2P
+    from lightning_pdist.pipeline.executor import StageExecutor
+    from lightning_pdist.pipeline.p2p import P2P
 
     class MeteredExecutor(StageExecutor):
         """Also keeps the most bytes :meth:`weight_versions` reports, at the instants ``max_versions`` is taken."""
@@ -441,8 +441,8 @@ def job_converge(spec: dict[str, Any], rank: int) -> dict[str, Any]:
 
     from lightning_pdist.data import DigitsDataModule
     from lightning_pdist.models.classifier import ClassifierModule
-    from lightning_pdist.strategies.base import PdistStrategy
-    from lightning_pdist.strategies.pipeline import PipelineStrategy
+    from lightning_pdist.core.strategy import PdistStrategy
+    from lightning_pdist.pipeline.strategy import PipelineStrategy
 
     K, B, m = spec["num_stages"], spec["batch_size"], spec["num_microbatches"]
     seed_everything(spec["seed"], verbose=False)
@@ -488,7 +488,7 @@ def job_converge(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     _close_group()
     activation_numel = []
     if log["bounds"]:  # per-sample numel of what crosses each cut
-        from lightning_pdist.algorithms.pipeline_partition import list_layers
+        from lightning_pdist.pipeline.partition import list_layers
 
         layers = [layer for _, layer in list_layers(module.model, "")]
         with torch.no_grad():

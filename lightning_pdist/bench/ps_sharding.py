@@ -139,7 +139,7 @@ def worker_spec(config: SuiteConfig, workers: int, sharding: str, mode: str = "s
 
 def plan_shares(width: float, servers: int) -> dict[str, dict[str, float]]:
     """Busiest server's share of the bytes under each plan, for ``vgg16_scaled(width)`` on ``servers`` servers."""
-    from lightning_pdist.algorithms.sharding import param_specs, plan_sharding
+    from lightning_pdist.parameter_server.sharding import param_specs, plan_sharding
     from lightning_pdist.models.vgg import vgg16_scaled
 
     specs = param_specs(vgg16_scaled(width=width, device="meta"))

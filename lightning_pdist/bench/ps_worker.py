@@ -4,7 +4,7 @@
 :func:`~lightning_pdist.bench.netns.launch_ranks` starts ``servers + workers`` copies of this module, one
 per emulated host, and numbers them by ``RANK``. The role follows from it:
 
-* ``RANK < servers``: a parameter server (:class:`~lightning_pdist.comm.ps_server.ShardServer`, the same
+* ``RANK < servers``: a parameter server (:class:`~lightning_pdist.parameter_server.server.ShardServer`, the same
   request loop the strategy forks) bound to its own host's address at ``spec["server_port"]``, accepting
   the emulated subnet only. It exits when every worker has gone and writes ``server<i>.json``
   (``bytes_in``, ``bytes_out``: every framed message it received and sent).
@@ -73,7 +73,7 @@ def run_server(spec: dict[str, Any], index: int, host: str, out_dir: Path) -> di
 
     import torch
 
-    from lightning_pdist.comm.ps_server import ShardServer
+    from lightning_pdist.parameter_server.server import ShardServer
 
     torch.set_num_threads(1)
     listener = socket.create_server((host, spec["server_port"]), backlog=128)
@@ -94,7 +94,7 @@ def run_worker(spec: dict[str, Any], worker: int, hosts: list[str], out_dir: Pat
 
     from lightning_pdist.models.classifier import ClassifierModule
     from lightning_pdist.models.vgg import vgg16_scaled
-    from lightning_pdist.strategies.parameter_server import ParameterServerStrategy
+    from lightning_pdist.parameter_server.strategy import ParameterServerStrategy
 
     servers, workers = spec["servers"], spec["workers"]
     os.environ.update(RANK=str(worker), NODE_RANK=str(worker), WORLD_SIZE=str(workers), MASTER_ADDR=hosts[servers])

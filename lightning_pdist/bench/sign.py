@@ -303,7 +303,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
             f"batch {cfg['batch_size']} per rank of synthetic data, {cfg['steps']} timed steps after "
             f"{cfg['warmup_steps']} untimed; PowerSGD rank {cfg['powersgd_rank']} (compressing from step 2); "
             f"IT-signSGD warm-up 2 rounds. Logged bytes: our hooks' meter; for fp32/fp16/PowerSGD the byte model "
-            f"of `comm/accounting.py`. Kernel tx: the rank's veth counter over the timed steps (emulated links only). "
+            f"of `core/accounting.py`. Kernel tx: the rank's veth counter over the timed steps (emulated links only). "
             f"Part B took {doc.get('comm_wall_s')} s.", "", "Networks:", "", nets, "",
             markdown_table(doc["rows"], COMM_COLUMNS),
         ]  # fmt: skip

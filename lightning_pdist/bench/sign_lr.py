@@ -23,7 +23,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.demos.transformer import LightningTransformer
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pdist.strategies.signsgd import SUGGESTED_SIGN_STEP, SignSGDStrategy
+from lightning_pdist.sign.strategy import SUGGESTED_SIGN_STEP, SignSGDStrategy
 
 
 class _Transformer(LightningTransformer):

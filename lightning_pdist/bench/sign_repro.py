@@ -2,7 +2,7 @@
 
 ``M = 15`` logical workers train one shared model with 1-bit votes: each worker draws a batch
 from its own shard of the training split, computes its gradient and votes with its sign; the
-:class:`~lightning_pdist.algorithms.sign_simulator.SignSGDSimulator` aggregates the votes with the
+:class:`~lightning_pdist.sign.simulator.SignSGDSimulator` aggregates the votes with the
 same functions as the DDP comm hooks (``signsgd_mv_hook`` / ``it_signsgd_hook``), and every worker
 applies ``x ← x − δ·U`` (paper eq. 5) through ``torch.optim.SGD(lr=δ)``. Since every worker
 applies the same update, one model stands for all of them.
@@ -177,7 +177,7 @@ def train_run(
     """
     import torch
 
-    from lightning_pdist.algorithms.sign_simulator import SignSGDSimulator
+    from lightning_pdist.sign.simulator import SignSGDSimulator
 
     if method not in METHODS:
         raise ValueError(f"train_run(method={method!r}): method must be one of {METHODS}")
@@ -227,7 +227,7 @@ def reliability_diagnosis(
     import torch
     from torch.nn import functional as F
 
-    from lightning_pdist.algorithms.sign import binary_sign, majority_vote
+    from lightning_pdist.sign.vote import binary_sign, majority_vote
 
     params = [p for p in model.parameters() if p.requires_grad]
 

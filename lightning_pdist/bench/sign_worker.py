@@ -16,8 +16,8 @@ warm-up all fall in the untimed part). Around the timed steps it reads its veth'
      "tx_bytes", "tx_packets"}
 
 ``logged_bytes`` are the timed steps' bytes: our hooks count theirs in a
-:class:`~lightning_pdist.comm.accounting.CommMeter`; for PyTorch's hooks a wrapper applies the
-byte model of :mod:`~lightning_pdist.comm.accounting` to every bucket they send, and DDP's own
+:class:`~lightning_pdist.core.accounting.CommMeter`; for PyTorch's hooks a wrapper applies the
+byte model of :mod:`~lightning_pdist.core.accounting` to every bucket they send, and DDP's own
 fp32 all-reduce (no hook) is modelled from the parameter count.
 """
 
@@ -67,7 +67,7 @@ def powersgd_bytes(shapes: list, world_size: int, rank: int, min_compression_rat
     ``(n + m)·r·min_compression_rate < n·m`` and all-reduces the rest uncompressed, in fp32:
     three all-reduces (uncompressed, Ps, Qs).
     """
-    from lightning_pdist.comm.accounting import all_reduce_bytes
+    from lightning_pdist.core.accounting import all_reduce_bytes
 
     uncompressed = ps = qs = 0
     for shape in shapes:
@@ -91,7 +91,7 @@ def metered_hook(hook, kind: str, meter):
     """Wrap one of PyTorch's hooks so that ``meter`` counts each bucket by the accounting byte model."""
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-    from lightning_pdist.comm.accounting import all_reduce_bytes
+    from lightning_pdist.core.accounting import all_reduce_bytes
 
     def wrapped(state, bucket):  # the parameter must be named ``bucket``: DDP checks it
         world_size = state.process_group.size() if hasattr(state, "process_group") and state.process_group else None
@@ -115,7 +115,7 @@ def build_hook(spec: dict[str, Any], model: Any, meter: Any) -> str:
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    from lightning_pdist.comm.sign_hooks import ITSignSGDState, SignSGDState, it_signsgd_hook, signsgd_mv_hook
+    from lightning_pdist.sign.hooks import ITSignSGDState, SignSGDState, it_signsgd_hook, signsgd_mv_hook
 
     name = spec["hook"]
     if name == "fp32_allreduce":
@@ -144,7 +144,7 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lightning_pdist.bench.worker import read_tx
-    from lightning_pdist.comm.accounting import CommMeter, all_reduce_bytes
+    from lightning_pdist.core.accounting import CommMeter, all_reduce_bytes
     from lightning_pdist.models.mlp import MLP
 
     check_spec(spec)
@@ -195,7 +195,7 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         dist.barrier()
         loop_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
         tx1 = read_tx(ifname)
-        dist.barrier()  # see comm/sign_hooks.py: a barrier before teardown avoids a gloo hang
+        dist.barrier()  # see sign/hooks.py: a barrier before teardown avoids a gloo hang
     finally:
         dist.destroy_process_group()
     result = {

@@ -7,7 +7,7 @@
 Paper 003 trains BERT-base and ALBERT-base on IMDB with data parallelism (6 pods) and DeepSpeed tensor parallelism
 (degree 6) and reports training time only: BERT 556 s DP vs 392 s TP (0.705), ALBERT 264 s vs 200 s (0.758). It did
 not analyse communication; this suite measures it and sets it against a written byte model
-(:mod:`lightning_pdist.algorithms.tensor_parallel_cost`).
+(:mod:`lightning_pdist.tensor_parallel.cost`).
 
 Runs, each rank a real process (:mod:`~lightning_pdist.bench.tp_worker`, Lightning on gloo), the same **global batch**
 in every configuration:
@@ -36,7 +36,7 @@ Crossover (``crossover``): the time model ``t = compute + bytes / bandwidth`` wi
 measured on loopback (its busiest rank's CPU time per step, which other sessions' load hardly moves; wall time per
 step for DeepSpeed, which reports no CPU time) and its bytes from the model: the bandwidth below which TP beats DP, the model's prediction at every emulated rate
 against the measurement, and at each rate the global batch and the hidden size at which the winner changes
-(compute scaled by :func:`~lightning_pdist.algorithms.tensor_parallel_cost.encoder_flops`).
+(compute scaled by :func:`~lightning_pdist.tensor_parallel.cost.encoder_flops`).
 
 Networks: ``loopback`` (127.0.0.1, unshaped) and emulated links (:class:`~lightning_pdist.bench.netns.EmulatedNetwork`,
 ``tc tbf`` at each of ``--rates`` both ways); without root/iproute2 the emulated part is skipped with the reason.
@@ -223,8 +223,8 @@ def model_facts(config: SuiteConfig) -> dict[str, dict[str, Any]]:
     """Per model, what the byte model needs, from meta-device builds (no memory): parameters, shards, VGG shapes."""
     import torch
 
-    from lightning_pdist.algorithms.tensor_parallel_cost import tp_local_numel
-    from lightning_pdist.algorithms.tensor_parallel_plan import plan_for
+    from lightning_pdist.tensor_parallel.cost import tp_local_numel
+    from lightning_pdist.tensor_parallel.plan import plan_for
 
     facts = {}
     with torch.device("meta"):
@@ -249,8 +249,8 @@ def model_facts(config: SuiteConfig) -> dict[str, dict[str, Any]]:
 
 
 def step_bytes(run: dict[str, Any], facts: dict[str, Any]) -> Any:
-    """The byte model's :class:`~lightning_pdist.algorithms.tensor_parallel_cost.StepBytes` of one rank of ``run``."""
-    from lightning_pdist.algorithms.tensor_parallel_cost import dp_bytes, dp_tp_bytes, hybrid_vgg_bytes, tp_encoder_bytes
+    """The byte model's :class:`~lightning_pdist.tensor_parallel.cost.StepBytes` of one rank of ``run``."""
+    from lightning_pdist.tensor_parallel.cost import dp_bytes, dp_tp_bytes, hybrid_vgg_bytes, tp_encoder_bytes
 
     ws, tp, name = run["world_size"], run["tp_size"], run["config"]
     if name == "dp":
@@ -417,7 +417,7 @@ def crossover(rows: Sequence[dict[str, Any]], networks: dict[str, Any], config: 
     which does not report CPU time, and for DP beside it); bandwidths are the emulated links' measured TCP goodput.
     For the encoders, at each rate also the global batch and the hidden size at which the winner changes.
     """
-    from lightning_pdist.algorithms.tensor_parallel_cost import crossover_bandwidth, step_time
+    from lightning_pdist.tensor_parallel.cost import crossover_bandwidth, step_time
 
     out = []
     for model in config.models:
@@ -458,12 +458,12 @@ def crossover(rows: Sequence[dict[str, Any]], networks: dict[str, Any], config: 
 def scaling_crossovers(model: str, config: SuiteConfig, c_dp: float, c_tp: float, b_dp: int, bw: float) -> dict[str, Any]:
     """At bandwidth ``bw``: the global batch and the hidden size where TP (2 ranks) and DP (2 ranks) swap places.
 
-    Compute scales linearly with the batch and as :func:`~lightning_pdist.algorithms.tensor_parallel_cost.encoder_flops`
+    Compute scales linearly with the batch and as :func:`~lightning_pdist.tensor_parallel.cost.encoder_flops`
     with the width (FFN kept at the same multiple of it, heads fixed); DP's bytes follow the parameter count, TP's
     the activations.
     """
-    from lightning_pdist.algorithms.tensor_parallel_cost import dp_bytes, encoder_flops, find_crossovers, step_time
-    from lightning_pdist.algorithms.tensor_parallel_cost import tp_encoder_bytes
+    from lightning_pdist.tensor_parallel.cost import dp_bytes, encoder_flops, find_crossovers, step_time
+    from lightning_pdist.tensor_parallel.cost import tp_encoder_bytes
 
     G, L, H, layers, heads = config.global_batch, config.seq_len, config.hidden_size, config.num_layers, config.num_heads
     ffn = config.intermediate_size / H  # the FFN stays this multiple of the width
@@ -486,8 +486,8 @@ def scaling_crossovers(model: str, config: SuiteConfig, c_dp: float, c_tp: float
 
 
 def where_wins(crossings: Sequence[Any], name: str, what: str) -> str:
-    """Where ``name`` is faster, in words, from :func:`~lightning_pdist.algorithms.tensor_parallel_cost.find_crossovers`
-    (or one :func:`~lightning_pdist.algorithms.tensor_parallel_cost.crossover_bandwidth`): ``"everywhere"``,
+    """Where ``name`` is faster, in words, from :func:`~lightning_pdist.tensor_parallel.cost.find_crossovers`
+    (or one :func:`~lightning_pdist.tensor_parallel.cost.crossover_bandwidth`): ``"everywhere"``,
     ``"nowhere"``, ``"at bandwidth < 376.6 Mbit/s"``, ``"at hidden size < 44 or >= 948"``."""
     if crossings[0].value is None:
         return "everywhere" if crossings[0].below == name else "nowhere"
@@ -521,7 +521,7 @@ def paper_scale() -> dict[str, Any]:
     """
     import torch
 
-    from lightning_pdist.algorithms.tensor_parallel_cost import dp_bytes, tp_encoder_bytes
+    from lightning_pdist.tensor_parallel.cost import dp_bytes, tp_encoder_bytes
     from lightning_pdist.models.encoder import EncoderClassifier
 
     out = {}
@@ -619,7 +619,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
              f"Time: {cfg['steps']} timed optimizer steps after {cfg['warmup_steps']} untimed, between barriers on every rank; "
              f"`ms/step` is that window over the steps, the fastest of {cfg.get('repeats', 1)} runs of the plan "
              "(`other load`: cores other sessions kept busy during the kept run); `CPU ms/step` the busiest rank's CPU time over the same steps (not reported by DeepSpeed). Bytes per step and rank: `measured` by the strategy's CommMeter, "
-             "`model` from `algorithms/tensor_parallel_cost.py`, `kernel` the veth's tx_bytes over the same window.", "",
+             "`model` from `tensor_parallel/cost.py`, `kernel` the veth's tx_bytes over the same window.", "",
              markdown_table(doc["rows"], ROW_COLUMNS), "", "Step time against DP (same model, network, ranks and global batch):",
              "", markdown_table(doc["ratios"], RATIO_COLUMNS), ""]  # fmt: skip
     if kc["rows"]:

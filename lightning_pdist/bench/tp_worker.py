@@ -5,7 +5,7 @@ Started once per rank by :func:`~lightning_pdist.bench.launch.launch_loopback` o
 num_nodes=world_size)``). ``spec["config"]`` picks the strategy:
 
 * ``dp``: ``PdistStrategy`` (Lightning's DDP plus byte accounting), every rank ``global_batch / world_size`` samples;
-* ``tp``: :class:`~lightning_pdist.strategies.tensor_parallel.TensorParallelStrategy` over all ranks (plan
+* ``tp``: :class:`~lightning_pdist.tensor_parallel.strategy.TensorParallelStrategy` over all ranks (plan
   ``"auto"``), the TP group on the whole ``global_batch``;
 * ``dp_tp``: the same with ``tensor_parallel_size=tp_size``: ``world_size / tp_size`` replicas of
   ``global_batch · tp_size / world_size`` samples each;
@@ -17,7 +17,7 @@ the IMDB-format folder ``spec["data_dir"]`` (:class:`~lightning_pdist.data.IMDBD
 ``vgg16_scaled(spec["vgg_width"])`` on random 32×32 images. SGD, no validation during ``fit``.
 
 The rank runs ``warmup_steps`` untimed optimizer steps, then ``steps`` timed ones; at both edges of the timed
-window every rank waits at a barrier and reads the clock, its :class:`~lightning_pdist.comm.accounting.CommMeter`
+window every rank waits at a barrier and reads the clock, its :class:`~lightning_pdist.core.accounting.CommMeter`
 and its veth's kernel ``tx_bytes`` / ``tx_packets`` (emulated links). ``DIR/rank<r>.json``::
 
     {"rank", "world_size", "spec", "step_s", "window_s", "cpu_s", "meter_bytes", "meter_by_kind", "tx_bytes",
@@ -86,8 +86,8 @@ def loader_batch(spec: dict[str, Any]) -> int:
 
 def build_strategy(spec: dict[str, Any]) -> Any:
     """The strategy of ``spec["config"]``, on gloo."""
-    from lightning_pdist.strategies.base import PdistStrategy
-    from lightning_pdist.strategies.tensor_parallel import TensorParallelStrategy
+    from lightning_pdist.core.strategy import PdistStrategy
+    from lightning_pdist.tensor_parallel.strategy import TensorParallelStrategy
 
     if spec["config"] == "dp":
         return PdistStrategy(process_group_backend="gloo")

@@ -20,7 +20,7 @@ from lightning_pdist.bench.netns import (
     parse_burst,
     parse_rate,
 )
-from lightning_pdist.comm.accounting import all_reduce_bytes
+from lightning_pdist.core.accounting import all_reduce_bytes
 
 _OK, _REASON = EmulatedNetwork.available()
 needs_netns = pytest.mark.skipif(not _OK, reason=_REASON)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from lightning_pdist.algorithms.pipeline_schedule import build_schedule, bubble_formula, validate
+from lightning_pdist.pipeline.schedule import build_schedule, bubble_formula, validate
 from lightning_pdist.bench import SUITES
 from lightning_pdist.bench.__main__ import main as bench_main
 from lightning_pdist.bench.netns import EmulatedNetwork
@@ -21,7 +21,7 @@ from lightning_pdist.bench.pipeline import (
 )
 from lightning_pdist.bench.pipeline_worker import HEADER_BYTES, check_spec
 from lightning_pdist.bench.report import check_rows
-from lightning_pdist.comm.accounting import all_reduce_bytes
+from lightning_pdist.core.accounting import all_reduce_bytes
 
 _OK, _REASON = EmulatedNetwork.available()
 TINY = ["--width", "32", "--depth", "4", "--batch-size", "8", "--microbatches", "2", "--warmup-steps", "1", "--steps", "2"]
@@ -94,7 +94,7 @@ def test_steady_bubble_is_the_formula_when_flushed_and_zero_without_flushes(K, m
 
 def test_header_size_matches_the_transport():
     """The suite's header constant is the transport's."""
-    from lightning_pdist.comm.pipeline_p2p import HEADER_BYTES as transport
+    from lightning_pdist.pipeline.p2p import HEADER_BYTES as transport
 
     assert HEADER_BYTES == transport
 

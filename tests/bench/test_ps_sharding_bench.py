@@ -58,7 +58,7 @@ def test_worker_spec_is_checked():
 
 def test_plan_shares_of_the_scaled_model_are_the_real_vgg16s():
     """vgg16_scaled keeps the full VGG-16's plan shares: fc6 (74%) and a few convs on one server under layer."""
-    from lightning_pdist.algorithms.sharding import param_specs, plan_sharding
+    from lightning_pdist.parameter_server.sharding import param_specs, plan_sharding
     from lightning_pdist.models.vgg import vgg16
 
     full = param_specs(vgg16(device="meta"))

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from _helpers import free_port
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_pdist.algorithms.sign_simulator import SignSGDSimulator
+from lightning_pdist.sign.simulator import SignSGDSimulator
 from lightning_pdist.bench import SUITES
 from lightning_pdist.bench.__main__ import main
 from lightning_pdist.bench.sign import COMM_ROW_KEYS, REPRO_ROW_KEYS, SuiteConfig, docs_section, verdict_lines
@@ -28,8 +28,8 @@ from lightning_pdist.bench.sign_repro import (
     worker_batch_sizes,
 )
 from lightning_pdist.bench.sign_worker import check_spec, powersgd_bytes
-from lightning_pdist.comm.accounting import all_reduce_bytes
-from lightning_pdist.comm.sign_hooks import (
+from lightning_pdist.core.accounting import all_reduce_bytes
+from lightning_pdist.sign.hooks import (
     ITSignSGDState,
     SignSGDState,
     it_signsgd_hook,

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from lightning_pdist.algorithms.tensor_parallel_cost import Crossover, StepBytes
+from lightning_pdist.tensor_parallel.cost import Crossover, StepBytes
 from lightning_pdist.bench import SUITES
 from lightning_pdist.bench.__main__ import main as bench_main
 from lightning_pdist.bench.netns import EmulatedNetwork

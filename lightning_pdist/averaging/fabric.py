@@ -1,0 +1,198 @@
+"""Shared Fabric wiring of the periodic model-averaging family (local SGD, BMUF, EASGD).
+
+The same schedule and rules as the Trainer strategies (:mod:`lightning_pdist.averaging.strategy`), driven by
+the calls of a Fabric loop:
+
+* ``fabric.setup(model, optimizer)``: DDP broadcasts rank 0's weights, the counted
+  :func:`~lightning_pdist.core.hooks.periodic_allreduce_hook` is registered, and the algorithm's state is created
+  from the synchronized weights.
+* ``fabric.backward(loss)``: during warm-up the hook all-reduces the gradients (exactly DDP); afterwards it hands
+  each rank its own gradient back and nothing is sent.
+* ``optimizer.step()`` (optimizer step ``t``, 1-based): the step, then the synchronization when the schedule says
+  so (:class:`~lightning_pdist.averaging.schedule.PeriodicSchedule`). The period counts ``optimizer.step()``
+  calls: with several optimizers each call counts. ``fabric.no_backward_sync(model)`` (gradient accumulation)
+  works unchanged: DDP skips the hook on accumulating backward passes.
+* **The algorithm's output** (the average of the replicas, BMUF's global model, EASGD's center) is not what any
+  rank holds between synchronizations. Evaluate it inside ``with fabric.strategy.consensus_weights(): ...``
+  (the module holds it inside the block, its own replica again after), and call
+  ``fabric.strategy.load_consensus()`` once training is over so that every rank holds it. Both are collectives.
+* ``fabric.save(path, {"model": model, "optimizer": optimizer, ...})``: the ``"model"`` entry holds the consensus
+  (what to load for inference), each rank's own replica and optimizer state go to its own file next to the
+  checkpoint, and ``"pdist"`` holds the step and the algorithm state; ``fabric.load(path, same dict)`` after
+  ``fabric.setup`` resumes every rank exactly, mid-period included.
+* Floating-point buffers (BatchNorm statistics) are averaged with the parameters; DDP's ``broadcast_buffers``
+  applies during warm-up only. Non-finite values are not checked (the Trainer strategies' ``nonfinite=`` is not
+  available here): check your loss if a run can diverge.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_pdist.core.flat import averaged_tensors, flatten, unflatten_into_
+from lightning_pdist.averaging.schedule import PeriodicSchedule
+from lightning_pdist.core.collectives import all_reduce_mean_
+from lightning_pdist.core.hooks import AllReduceState, periodic_allreduce_hook
+from lightning_pdist.core.fabric import PdistFabricStrategy
+
+__all__ = ["ModelAveragingFabricStrategy"]
+
+
+class ModelAveragingFabricStrategy(PdistFabricStrategy):
+    """Base of the Fabric strategies whose ranks step locally and synchronize their models periodically.
+
+    Subclasses implement :meth:`reduce_replicas` and :meth:`apply_sync` (and :meth:`consensus` where it is not the
+    average of the replicas) by calling the pure rules in :mod:`lightning_pdist.averaging.bmuf` and :mod:`lightning_pdist.averaging.easgd`.
+
+    Args:
+        schedule: when gradients are averaged (warm-up) and when the replicas synchronize.
+        **kwargs: passed to Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`.
+    """
+
+    def __init__(self, schedule: PeriodicSchedule, **kwargs: Any) -> None:
+        self._user_broadcast_buffers = bool(kwargs.get("broadcast_buffers", True))
+        super().__init__(**kwargs)
+        self.schedule = schedule
+        self.step = 0  # optimizer steps taken (1-based count of the last finished step)
+        self._hook_state = AllReduceState(meter=self.comm_meter)
+        self._backup: Tensor | None = None  # this rank's replica while the consensus is swapped in
+
+    # ------------------------------------------------------------------ algorithm hooks
+    def reduce_replicas(self) -> Tensor:
+        """The synchronization's collective: what every rank combines (the same flat vector on every rank)."""
+        raise NotImplementedError
+
+    def apply_sync(self, combined: Tensor) -> None:
+        """Apply the synchronization rule to ``combined`` (:meth:`reduce_replicas`' result); no collective."""
+        raise NotImplementedError
+
+    def after_warmup_step(self) -> None:
+        """Called after each warm-up step, when all replicas are identical."""
+
+    def consensus(self) -> Tensor:
+        """The flat consensus model: what the algorithm outputs if stopped now (collective)."""
+        return self.average_of_replicas()
+
+    def algorithm_state_dict(self) -> dict:
+        return {}
+
+    def load_algorithm_state_dict(self, state: dict) -> None:
+        pass
+
+    # ------------------------------------------------------------------ flat views
+    def local_vector(self) -> Tensor:
+        """This rank's parameters and float buffers as one flat fp32 vector (a copy)."""
+        return flatten(averaged_tensors(self._set_up_module()))
+
+    def load_vector(self, vector: Tensor) -> None:
+        unflatten_into_(vector, averaged_tensors(self._set_up_module()))
+
+    def average_of_replicas(self, count: bool = False) -> Tensor:
+        """``mean_i w_i`` over the ranks; counted in :attr:`comm_meter` when ``count`` is set."""
+        return all_reduce_mean_(self.local_vector(), meter=self.comm_meter if count else None, kind="param_all_reduce")
+
+    def _set_up_module(self) -> Module:
+        if self.module is None:
+            raise RuntimeError(f"{type(self).__name__}: no module is set up yet; call fabric.setup(model, optimizer) "
+                               "first")  # fmt: skip
+        return self.module
+
+    # ------------------------------------------------------------------ the user's calls
+    @contextmanager
+    def consensus_weights(self) -> Iterator[None]:
+        """Inside the block the module holds the consensus model; on exit, this rank's replica again.
+
+        Collective on entry (every rank must enter). Training steps inside the block would be lost on exit.
+        """
+        if self._backup is not None:  # nested: the consensus is in already
+            yield
+            return
+        consensus = self.consensus()
+        self._backup = self.local_vector()
+        self.load_vector(consensus)
+        try:
+            yield
+        finally:
+            self.load_vector(self._backup)
+            self._backup = None
+
+    def load_consensus(self) -> None:
+        """Every rank loads the consensus model: call once training is over (collective)."""
+        self.load_vector(self.consensus())
+
+    # ------------------------------------------------------------------ lifecycle
+    @override
+    def comm_hook(self) -> tuple[object, Callable]:
+        return self._hook_state, periodic_allreduce_hook
+
+    @override
+    def setup_algorithm(self) -> None:
+        self.step = 0
+        self._set_phase()
+
+    @override
+    def after_optimizer_step(self) -> None:
+        self.step += 1
+        if self.schedule.averages_gradients(self.step):
+            self.after_warmup_step()
+        elif self.schedule.syncs_after(self.step):
+            self.apply_sync(self.reduce_replicas())
+        self._set_phase()
+
+    def _set_phase(self) -> None:
+        """Configure gradient all-reduce and buffer broadcast for the *next* optimizer step."""
+        every_step = self.schedule.averages_gradients(self.step + 1)
+        self._hook_state.allreduce = every_step
+        if self.ddp_module is not None:
+            self.ddp_module.broadcast_buffers = self._user_broadcast_buffers and every_step
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def checkpoint_weights(self) -> Any:
+        return super().checkpoint_weights() if self.module is None else self.consensus_weights()
+
+    @override
+    def pdist_state_dict(self) -> dict:
+        state = super().pdist_state_dict()
+        state.update(step=self.step, algorithm=self.algorithm_state_dict())
+        return state
+
+    @override
+    def load_pdist_state_dict(self, state: dict) -> None:
+        super().load_pdist_state_dict(state)
+        self.step = int(state.get("step", 0))
+        self.load_algorithm_state_dict(state.get("algorithm", {}))
+        self._set_phase()
+
+    @override
+    def rank_state(self, objects: dict[str, Any]) -> dict | None:
+        # Written at once (before the consensus is swapped in for the main file), so no copies are needed.
+        if self.module is None:
+            return None
+        own = {}
+        for key, obj in objects.items():
+            if isinstance(obj, Module):
+                own[key] = self.get_module_state_dict(obj)
+            elif isinstance(obj, Optimizer):
+                own[key] = obj.state_dict()
+        return {"objects": own}
+
+    @override
+    def load_rank_state(self, state: dict | None, objects: dict[str, Any], reason: str) -> None:
+        if state is None:
+            rank_zero_warn(f"{type(self).__name__}: {reason}; every rank resumes from the consensus model and rank 0's "
+                           "optimizer state")  # fmt: skip
+            return
+        for key, saved in state["objects"].items():
+            obj = objects.get(key)
+            if isinstance(obj, Module):
+                self.load_module_state_dict(obj, saved)
+            elif isinstance(obj, Optimizer):
+                obj.load_state_dict(saved)

@@ -1,0 +1,47 @@
+"""Local SGD (periodic model averaging, post-local SGD) as a Lightning Fabric strategy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_pdist.averaging.schedule import PeriodicSchedule
+from lightning_pdist.averaging.fabric import ModelAveragingFabricStrategy
+
+__all__ = ["LocalSGDFabricStrategy"]
+
+
+class LocalSGDFabricStrategy(ModelAveragingFabricStrategy):
+    """Local SGD: each rank steps on its own gradients; parameters are averaged every ``period`` steps.
+
+    The rule of :class:`~lightning_pdist.averaging.local_sgd_strategy.LocalSGDStrategy` (Stich 2019; Lin et al. 2020):
+    optimizer steps ``1..warmup_steps`` average gradients (exactly DDP); afterwards, after step ``t`` with
+    ``(t - warmup_steps) % period == 0``, every rank loads ``mean_i w_i`` (parameters and floating-point buffers).
+
+    Args:
+        period: local steps between averages (8).
+        warmup_steps: leading steps that run as plain DDP (0).
+        **kwargs: passed to Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`.
+
+    Example::
+
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=LocalSGDFabricStrategy(period=4))
+    """
+
+    strategy_name = "local_sgd"
+
+    def __init__(self, period: int = 8, warmup_steps: int = 0, **kwargs: Any) -> None:
+        schedule = PeriodicSchedule(period=period, warmup_steps=warmup_steps, owner=type(self).__name__)
+        super().__init__(schedule=schedule, **kwargs)
+        self.period = period
+        self.warmup_steps = warmup_steps
+
+    @override
+    def reduce_replicas(self) -> Tensor:
+        return self.average_of_replicas(count=True)
+
+    @override
+    def apply_sync(self, combined: Tensor) -> None:
+        self.load_vector(combined)

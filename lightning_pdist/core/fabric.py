@@ -1,0 +1,221 @@
+"""The base of our Fabric strategies: Fabric's DDP with our comm hook, a byte meter and checkpointed state.
+
+Fabric has no training loop, so a strategy learns about training only from the calls the user's loop makes:
+
+* ``fabric.setup(model, optimizer)`` → :meth:`setup_module`: wrap the module in DDP (which broadcasts rank 0's
+  weights, so every replica starts equal), register the algorithm's comm hook (Fabric's DDP has no comm-hook
+  argument; DDP runs hooks on gloo too), and create the algorithm's state from the synchronized weights.
+* ``optimizer.step()`` → :meth:`optimizer_step` (Fabric's ``_FabricOptimizer`` routes it here): the step, then the
+  algorithm's per-step work (:meth:`after_optimizer_step`).
+* ``fabric.save(path, state)`` / ``fabric.load(path, state)`` → :meth:`save_checkpoint` / :meth:`load_checkpoint`
+  (called on every rank). The saved dict gets a ``"pdist"`` entry (the algorithm state, the same on every rank);
+  what differs per rank (a replica and its optimizer state, a sign vote's residuals) goes to one file per rank next
+  to the checkpoint, in the Trainer strategies' format (:mod:`lightning_pdist.core.rank_files`), so a resumed
+  run continues exactly. Load after ``fabric.setup``: setup broadcasts rank 0's weights over every replica.
+
+Bytes sent through our comm layer are counted in :attr:`comm_meter` (``total_bytes``; ``end_step()`` returns the
+bytes since its last call): Fabric logs nothing by itself, so log them with ``fabric.log`` if you want them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from contextlib import nullcontext
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_pdist.core.accounting import CommMeter
+from lightning_pdist.core import lifetime, rank_files
+from lightning_pdist.core.strategy import register_variants
+from lightning_pdist.core.safe_io import SafeCheckpointIO
+
+__all__ = ["PDIST_KEY", "PdistFabricStrategy"]
+
+#: The key of the algorithm state in the dict ``fabric.save`` writes (the Trainer strategies use the same).
+PDIST_KEY = "pdist"
+
+
+class PdistFabricStrategy(DDPStrategy):
+    """Fabric's :class:`~lightning.fabric.strategies.DDPStrategy` running one of our algorithms on one module.
+
+    Subclasses give the comm hook (:meth:`comm_hook`) and fill in :meth:`setup_algorithm`,
+    :meth:`after_optimizer_step` and the checkpoint methods. Keyword arguments go to Fabric's ``DDPStrategy``
+    (``start_method``, ``process_group_backend``, ``timeout``, ...) and from there to ``DistributedDataParallel``;
+    an unknown one is refused at construction.
+    """
+
+    #: The name registered with Fabric's ``STRATEGY_REGISTRY`` (with ``_fork``/``_spawn`` variants).
+    strategy_name = ""
+    #: What the rule does with one rank, for the one-rank warning.
+    one_rank_behaviour = "the result is plain single-process training"
+
+    def __init__(self, **kwargs: Any) -> None:
+        check_fabric_keywords(type(self), kwargs)
+        kwargs.setdefault("checkpoint_io", SafeCheckpointIO())  # a failed save never destroys the previous file
+        super().__init__(**kwargs)
+        self.comm_meter = CommMeter()
+        self.module: Module | None = None  # the user's module (inside ddp_module)
+        self.ddp_module: DistributedDataParallel | None = None
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        self._launcher = lifetime.own_launcher(self._launcher)  # fork: no process group copied into the ranks
+
+    @property
+    def rank_world(self) -> tuple[int, int]:
+        """(global rank, world size) of the default process group."""
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    # ------------------------------------------------------------------ algorithm hooks
+    def comm_hook(self) -> tuple[object, Callable]:
+        """(state, hook) registered on the DDP module; ``self.ddp_module`` is set when this is called."""
+        raise NotImplementedError
+
+    def check_setup(self, module: Module) -> None:
+        """Refuse a setting the algorithm cannot run with, before anything is wrapped."""
+
+    def setup_algorithm(self) -> None:
+        """Create the algorithm's run-time state from the synchronized weights."""
+
+    def after_optimizer_step(self) -> None:
+        """The algorithm's work after each ``optimizer.step()`` (collective where it synchronizes)."""
+
+    # ------------------------------------------------------------------ lifecycle
+    @override
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        owner = type(self).__name__
+        if self.module is not None:
+            raise RuntimeError(
+                f"{owner}: fabric.setup was called for a second module ({type(module).__name__}) after "
+                f"{type(self.module).__name__}; {owner} runs its algorithm on one module. Put the modules in one "
+                "nn.Module (an nn.ModuleDict, for instance) and set that up once."
+            )
+        self.check_setup(module)
+        ddp = super().setup_module(module)  # DDP broadcasts rank 0's parameters and buffers: replicas start equal
+        self.module, self.ddp_module = module, ddp
+        state, hook = self.comm_hook()
+        ddp.register_comm_hook(state=state, hook=hook)
+        if self.rank_world[1] == 1:
+            rank_zero_warn(f"{owner}: world_size == 1, so there is nothing to communicate; {self.one_rank_behaviour}.")
+        self.setup_algorithm()
+        return ddp
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, **kwargs)
+        self.after_optimizer_step()
+        return output
+
+    # ------------------------------------------------------------------ checkpoints
+    def pdist_state_dict(self) -> dict:
+        """The algorithm state saved under ``"pdist"`` (the same on every rank; called on every rank)."""
+        return {"strategy": type(self).__name__, "comm_meter": self.comm_meter.state_dict()}
+
+    def load_pdist_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`pdist_state_dict` saved."""
+        self.comm_meter.load_state_dict(state.get("comm_meter", {}))
+
+    def rank_state(self, objects: dict[str, Any]) -> dict | None:
+        """This rank's own state for its own file (``objects``: what the user saves), or None (nothing per rank).
+
+        Must be None on every rank or on none.
+        """
+        return None
+
+    def load_rank_state(self, state: dict | None, objects: dict[str, Any], reason: str) -> None:
+        """Restore :meth:`rank_state`'s output into ``objects``; ``state`` is None (``reason`` says why) without one."""
+
+    def checkpoint_weights(self) -> Any:
+        """Context in which the module holds the weights ``fabric.save`` writes as the model (a collective)."""
+        return nullcontext()
+
+    @override
+    def save_checkpoint(
+        self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: dict | None = None
+    ) -> None:
+        owner = type(self).__name__
+        if PDIST_KEY in state:
+            raise ValueError(f"{owner}: fabric.save(state) has a key {PDIST_KEY!r}, where {owner} keeps its algorithm "
+                             "state; rename that entry")  # fmt: skip
+        pdist = self.pdist_state_dict()
+        own = self.rank_state(state)
+        if own is not None:
+            rank, world_size = self.rank_world
+            rank_files.save(own, path, rank, world_size)
+            pdist["rank_files"] = rank_files.manifest(path, world_size)
+            self.barrier()  # every rank's file exists before the main file names them
+        with self.checkpoint_weights():
+            super().save_checkpoint(path, {**state, PDIST_KEY: pdist}, storage_options=storage_options, filter=filter)
+
+    @override
+    def load_checkpoint(
+        self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        remainder = super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
+        if not isinstance(state, dict) or not state:
+            return remainder  # a raw module/optimizer, or the whole checkpoint returned: Fabric's own behaviour
+        pdist = remainder.pop(PDIST_KEY, None)
+        if pdist is None:
+            return remainder  # not saved by one of our strategies: the weights are all there is
+        owner = type(self).__name__
+        if self.module is None:
+            raise RuntimeError(f"{owner}: fabric.load({path!r}, state) came before fabric.setup(model, optimizer); "
+                               "setup broadcasts rank 0's weights over every replica, so load after it to "
+                               "resume")  # fmt: skip
+        saved = pdist.get("strategy")
+        if saved != owner:
+            raise ValueError(f"{owner}: {path} was saved by {saved}; its algorithm state does not carry over to "
+                             f"{owner}. Resume it with {saved}, or load the model alone: fabric.load(path, "
+                             "{'model': model}, strict=False) with a plain Fabric strategy")  # fmt: skip
+        self.load_pdist_state_dict(pdist)
+        own, reason = self._agreed(*rank_files.load_own(path, pdist, *self.rank_world))
+        self.load_rank_state(own, state, reason)
+        return remainder
+
+    def _agreed(self, own: dict | None, reason: str) -> tuple[dict | None, str]:
+        """This rank's loaded state, or None on every rank when any rank lacks its file (one collective)."""
+        rank, world_size = self.rank_world
+        if world_size == 1:
+            return own, reason
+        missing = torch.tensor([0 if own is not None else 1 + rank], dtype=torch.int64, device=self.root_device)
+        dist.all_reduce(missing, op=dist.ReduceOp.MAX)
+        if own is not None and missing.item():
+            return None, f"rank {missing.item() - 1} has no part of this checkpoint, so no rank resumes its own"
+        return own, reason
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name:
+            description = f"{cls.__doc__.splitlines()[0]} (Lightning Fabric)" if cls.__doc__ else ""
+            register_variants(strategy_registry, cls, cls.strategy_name, description)
+
+
+def check_fabric_keywords(cls: type, kwargs: dict[str, Any]) -> None:
+    """``TypeError`` at construction for a keyword neither the strategy, Fabric's DDPStrategy nor DDP takes.
+
+    Fabric hands unknown keywords to ``DistributedDataParallel`` only inside ``fabric.setup``, after the processes
+    have started; refusing them here names the mistake before anything runs.
+    """
+    own = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "kwargs")]
+    strategy = [n for n in inspect.signature(DDPStrategy.__init__).parameters if n not in ("self", "kwargs")]
+    ddp = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters if n not in ("self", "module")]
+    owner = cls.__name__
+    for name, value in kwargs.items():
+        if name in strategy or name in ddp:
+            continue
+        close = difflib.get_close_matches(name, own + strategy + ddp, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise TypeError(f"{owner}({name}={value!r}): unknown argument{hint} {owner} takes {', '.join(own) or 'no'} "
+                        "arguments of its own, Fabric DDPStrategy's and DistributedDataParallel's")  # fmt: skip

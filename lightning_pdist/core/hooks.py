@@ -1,0 +1,89 @@
+"""DDP communication hooks for gradient averaging, in PyTorch's ``hook(state, bucket) -> Future`` form.
+
+They can be registered on any ``DistributedDataParallel`` model with
+``model.register_comm_hook(state, hook)``, CPU/gloo included.
+
+* :func:`allreduce_hook` averages each gradient bucket with a counted ring all-reduce: the same
+  arithmetic as DDP's built-in reduction (divide by ``N``, then sum), plus byte accounting.
+* :func:`periodic_allreduce_hook` does that only while ``state.allreduce`` is True and
+  otherwise hands the local gradient back untouched: the gradient side of local SGD, BMUF and
+  EASGD, whose strategies flip the flag after warm-up (like PyTorch's ``post_localSGD_hook``).
+
+No ``from __future__ import annotations`` here: DDP checks the hook's annotations at run time.
+"""
+
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from lightning_pdist.core.accounting import CommMeter, all_reduce_bytes
+
+__all__ = ["AllReduceState", "allreduce_hook", "periodic_allreduce_hook"]
+
+
+@dataclass
+class AllReduceState:
+    """State of the gradient-averaging hooks.
+
+    Attributes:
+        process_group: group to average over (``None``: the default group).
+        meter: where the bytes this rank sends are counted (``None``: not counted).
+        allreduce: whether :func:`periodic_allreduce_hook` communicates on this step.
+        track_nonfinite: note whether this rank's own bucket held NaN/Inf before the average (its
+            minimum and maximum, one pass per bucket, no host sync), so that a non-finite average can be
+            blamed on its ranks; read and cleared by :meth:`take_nonfinite`.
+    """
+
+    process_group: dist.ProcessGroup | None = None
+    meter: CommMeter | None = None
+    allreduce: bool = True
+    track_nonfinite: bool = False
+    nonfinite: torch.Tensor | None = field(default=None, init=False, repr=False)  # bool scalar: some bucket was
+    # (min, max) of the buckets noted since the last fold: read only on the failure path, so the hook's note is one
+    # reduction and nothing else (each further tiny op costs microseconds that a small model's step feels).
+    _extremes: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
+
+    def note_bucket(self, buffer: torch.Tensor) -> None:
+        """Note whether ``buffer`` (this rank's own gradients, before the average) holds NaN/Inf."""
+        if self.track_nonfinite and buffer.numel():
+            self._extremes.extend(torch.aminmax(buffer))  # NaN propagates; far cheaper than isfinite(buffer).all()
+            if len(self._extremes) > 128:  # bounded memory: fold into the flag now and then
+                self._fold()
+
+    def _fold(self) -> None:
+        if self._extremes:
+            bad = ~torch.isfinite(torch.stack([e.float() for e in self._extremes])).all()
+            self.nonfinite = bad if self.nonfinite is None else self.nonfinite | bad
+            self._extremes = []
+
+    def take_nonfinite(self) -> bool:
+        """Whether a bucket noted since the last call held NaN/Inf on this rank; clears the note."""
+        self._fold()
+        noted, self.nonfinite = self.nonfinite, None
+        return noted is not None and bool(noted)
+
+
+def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket over ``state.process_group`` and count the bytes sent."""
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    world_size = group.size()
+    buffer = bucket.buffer()
+    state.note_bucket(buffer)  # this rank's own gradients, before the average (a NaN average is blamed on them)
+    buffer.div_(world_size)
+    if state.meter is not None:
+        state.meter.add("grad_all_reduce", all_reduce_bytes(buffer.numel() * buffer.element_size(), world_size))
+    # The process group's own call (DDP's built-in reduction makes the same one): dist.all_reduce's Python checks
+    # and logging wrapper cost more than the rest of this hook on a small model.
+    fut = group.allreduce([buffer]).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def periodic_allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket while ``state.allreduce`` is set; otherwise return the local gradient."""
+    if state.allreduce:
+        return allreduce_hook(state, bucket)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut

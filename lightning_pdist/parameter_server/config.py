@@ -1,0 +1,144 @@
+"""The validated settings of :class:`~lightning_pdist.parameter_server.strategy.ParameterServerStrategy`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lightning_pdist.parameter_server.sharding import SHARDINGS
+from lightning_pdist.parameter_server.auth import read_secret_file
+from lightning_pdist.parameter_server.server import MODES
+from lightning_pdist.parameter_server.wire import parse_networks
+from lightning_pdist.core.config import ConfigErrors, is_int
+
+__all__ = ["ParameterServerConfig"]
+
+
+@dataclass(frozen=True)
+class ParameterServerConfig(ConfigErrors):
+    """The validated settings of a :class:`ParameterServerStrategy` (see its docstring)."""
+
+    num_servers: int | None = None
+    sharding: str = "memory"
+    mode: str = "sync"
+    staleness: int = 0
+    backup_workers: int = 0
+    push_every: int = 1
+    pull_every: int = 1
+    delay_compensation: float = 0.0
+    partition_bytes: int | None = None
+    server_host: str | None = None
+    server_port: int | None = None
+    server_addresses: tuple[str, ...] | None = None
+    server_secret_file: str | None = None
+    allowed_networks: str | None = None
+    server_timeout: float = 300.0
+    owner: str = "ParameterServerStrategy"
+
+    def __post_init__(self) -> None:
+        if self.num_servers is not None:
+            if not is_int(self.num_servers):
+                self._fail("num_servers", "num_servers must be an int or None", TypeError)
+            if self.num_servers < 1:
+                self._fail("num_servers", "num_servers must be >= 1 (None: one server per two workers)")
+        for arg, choices in (("sharding", SHARDINGS), ("mode", MODES)):
+            value = getattr(self, arg)
+            if not isinstance(value, str):
+                self._fail(arg, f"{arg} must be a str", TypeError)
+            if value not in choices:
+                self._fail(arg, f"{arg} must be one of {', '.join(map(repr, choices))}")
+        for arg in ("staleness", "backup_workers", "push_every", "pull_every"):
+            if not is_int(getattr(self, arg)):
+                self._fail(arg, f"{arg} must be an int", TypeError)
+        if self.staleness < 0:
+            self._fail("staleness", "staleness must be >= 0 (0 is bulk-synchronous)")
+        if self.staleness > 0 and self.mode != "ssp":
+            self._fail("staleness", f"staleness bounds mode='ssp' only; mode is {self.mode!r}")
+        if self.backup_workers < 0:
+            self._fail("backup_workers", "backup_workers must be >= 0")
+        if self.backup_workers > 0 and self.mode != "sync":
+            self._fail("backup_workers", f"backup workers are a mode='sync' technique; mode is {self.mode!r}")
+        for arg in ("push_every", "pull_every"):
+            if getattr(self, arg) < 1:
+                self._fail(arg, f"{arg} must be >= 1")
+            if getattr(self, arg) != 1 and self.mode != "async":
+                self._fail(arg, f"{arg} applies to mode='async' (Downpour); mode is {self.mode!r} "
+                                "(for sync, accumulate_grad_batches accumulates gradients)")  # fmt: skip
+        dc = self.delay_compensation
+        if not isinstance(dc, (int, float)) or isinstance(dc, bool):
+            self._fail("delay_compensation", "delay_compensation must be a float", TypeError)
+        if not dc >= 0:
+            self._fail("delay_compensation", "delay_compensation (DC-ASGD's lambda) must be >= 0")
+        if dc > 0 and self.mode == "sync":
+            self._fail("delay_compensation", "delay compensation corrects stale gradients of mode='async' or 'ssp'; "
+                                             "sync gradients are never stale")  # fmt: skip
+        if self.partition_bytes is not None and self.sharding != "memory":
+            self._fail("partition_bytes", "partition_bytes applies to sharding='memory'")
+        timeout = self.server_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            self._fail("server_timeout", "server_timeout must be a number of seconds (a bool is not)", TypeError)
+        if not (timeout > 0 and math.isfinite(timeout)):
+            self._fail("server_timeout", "server_timeout must be a finite number of seconds > 0")
+        if not (dc < math.inf):
+            self._fail("delay_compensation", "delay_compensation must be finite (DC-ASGD's lambda; about 0.04 to start)")
+        if self.server_host is not None and (not isinstance(self.server_host, str) or not self.server_host):
+            self._fail("server_host", "server_host must be an address string such as '127.0.0.1' or '0.0.0.0', "
+                                      "or None (derived from the job)", TypeError)  # fmt: skip
+        if self.server_port is not None:
+            if not is_int(self.server_port):
+                self._fail("server_port", "server_port must be an int (the first port of the servers' range) or None "
+                                          "(any free port)", TypeError)  # fmt: skip
+            if not 1 <= self.server_port <= 65535:
+                self._fail("server_port", "server_port must be in 1..65535 (a node's k-th server binds server_port + k)")
+            if self.server_addresses is not None:
+                self._fail("server_port", "server_port sets the ports of the servers the strategy starts; servers "
+                                          "started elsewhere (server_addresses) have their ports in their addresses")  # fmt: skip
+        if self.allowed_networks is not None and not isinstance(self.allowed_networks, str):
+            self._fail("allowed_networks", "allowed_networks must be a comma-separated string of address ranges "
+                                           "such as '127.0.0.0/8,10.0.0.0/8', or None (derived from the job)",
+                       TypeError)  # fmt: skip
+        if self.partition_bytes is not None and (not is_int(self.partition_bytes) or self.partition_bytes < 1):
+            self._fail("partition_bytes", "partition_bytes must be an int >= 1 (bytes per partition) or None")
+        if self.server_addresses is not None:
+            if not self.server_addresses:
+                self._fail("server_addresses", "server_addresses must list at least one 'host:port' (or be None)")
+            for address in self.server_addresses:
+                host, _, port = str(address).rpartition(":")
+                if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                    self._fail("server_addresses", f"{address!r} is not 'host:port' with a port in 1..65535")
+            if self.num_servers is not None and self.num_servers != len(self.server_addresses):
+                self._fail("num_servers", f"server_addresses lists {len(self.server_addresses)} servers")
+        if self.server_secret_file is not None:
+            if not isinstance(self.server_secret_file, str):
+                self._fail("server_secret_file", "server_secret_file must be a path string (or None)", TypeError)
+            if self.server_addresses is None:
+                self._fail("server_secret_file", "server_secret_file authenticates servers started by hand and needs "
+                                                 "server_addresses; servers the strategy starts get a fresh secret")  # fmt: skip
+            try:
+                read_secret_file(self.server_secret_file)
+            except ValueError as err:
+                self._fail("server_secret_file", str(err).partition(": ")[2])
+        try:
+            parse_networks(self.allowed_networks) if self.allowed_networks is not None else None
+        except ValueError as err:  # "allowed_networks='...': rule" -> "Owner(allowed_networks='...'): rule"
+            argument, _, rule = str(err).partition(": ")
+            raise ValueError(f"{self.owner}({argument}): {rule}") from None
+
+    def servers_for(self, world_size: int) -> int:
+        """``S``: the given number, the listed addresses, or one server per two workers (paper 000)."""
+        if self.server_addresses is not None:
+            return len(self.server_addresses)
+        return self.num_servers if self.num_servers is not None else max(1, math.ceil(world_size / 2))
+
+    def check_port_range(self, servers_per_node: int) -> None:
+        """``server_port + servers_per_node - 1`` (the last port a node's servers bind) must be a port."""
+        if self.server_port is not None and self.server_port + servers_per_node - 1 > 65535:
+            self._fail("server_port", f"{servers_per_node} servers on a node bind ports {self.server_port}.."
+                                      f"{self.server_port + servers_per_node - 1}; the last must be <= 65535")  # fmt: skip
+
+    def check_world_size(self, world_size: int) -> None:
+        if self.backup_workers >= world_size:
+            raise ValueError(
+                f"{self.owner}(backup_workers={self.backup_workers}): with {world_size} workers, backup_workers must be "
+                f"<= world_size - 1 = {world_size - 1} (a step needs at least one gradient)"
+            )

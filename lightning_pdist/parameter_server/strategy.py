@@ -1,0 +1,898 @@
+"""Parameter-server training (sync, backup workers, Downpour async, SSP, DC-ASGD) as a Lightning strategy.
+
+Process layout (one node; on several, server ``i`` runs on node ``i mod num_nodes``)::
+
+    local rank 0 of each node ──fork──> its servers  (dedicated processes, one shard of the flat vector each)
+    worker 0 … worker N-1  ──TCP──>  every server     (push gradient shards, pull parameter shards)
+    worker 0 … worker N-1  ──private gloo group──     (Lightning's barrier/broadcast/reduce, buffer averaging)
+
+The Lightning ranks are the workers. The local rank 0 of each node starts the servers placed on its node
+(``os.fork``, bound to ``server_host``; one node: all of them, forked by global rank 0); global rank 0 sends
+each server its shard and the optimizer, and the workers pull the initial parameters (so they all start from
+rank 0's weights, as with DDP). Each
+training step a worker runs forward/backward (``closure``), pushes its gradient's shards and pulls
+parameter shards back; the user's optimizer object never steps on the worker, it only carries the
+hyperparameters (learning-rate schedulers keep working: every push carries the current ones).
+
+Why not ``torch.distributed``'s default group (``lightning-integration.md`` §0.3, §3): Lightning
+broadcasts on it before every batch, which would keep asynchronous workers in lockstep. The default
+group is never initialized; the workers' Lightning collectives go through a private gloo group
+(:class:`~lightning_pdist.parameter_server.workers.WorkerGroup`) and the servers speak framed TCP
+(:mod:`lightning_pdist.parameter_server.wire`), which ``tc`` shapes and whose failures name the peer.
+
+Several nodes: with torchrun/SLURM every node runs the same script; server ``i`` runs on node ``i mod N``
+(``num_servers`` adds link capacity). Left unset, ``server_host`` becomes each node's address on the route to
+``MASTER_ADDR`` and ``allowed_networks`` the networks of those interfaces (docs/multinode.md); a loopback
+``server_host`` is refused; ``server_port`` fixes the ports (a node's ``k``-th server binds ``server_port + k``).
+Or set ``server_host`` (``"0.0.0.0"``: every node binds all interfaces; an address of one node: all servers on
+global rank 0's node) and ``allowed_networks``, or start servers yourself
+(``python -m lightning_pdist.parameter_server.server --host H --port P --secret-file F``) and pass ``server_addresses`` and
+``server_secret_file=F``.
+
+Authentication: servers the strategy starts get a fresh 32-byte secret from global rank 0, which sends it over
+the workers' private group to every worker, and so to each node's starter before it forks its servers (in memory,
+through the fork; never on a command line, in the store or in a file); every connection proves it holds it before
+its first request (:mod:`~lightning_pdist.parameter_server.auth`).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_pdist.core.nonfinite import all_finite, nonfinite_error
+from lightning_pdist.parameter_server.sharding import ShardingPlan, param_specs, plan_sharding
+from lightning_pdist.core.accounting import all_reduce_bytes
+from lightning_pdist.parameter_server.auth import new_secret, read_secret_file
+from lightning_pdist.parameter_server.client import ParameterServerClient
+from lightning_pdist.parameter_server.layout import OptimizerLayout, accumulate_grads, group_hparams, numeric_hparams
+from lightning_pdist.parameter_server.server import ELEMENTWISE_OPTIMIZERS, STALENESS_BUCKETS, ServerProcess, start_server
+from lightning_pdist.parameter_server.wire import Kind, dumps_state, loads_state
+from lightning_pdist.parameter_server.workers import WorkerGroup
+from lightning_pdist.parameter_server.precision import ParameterServerMixedPrecision
+from lightning_pdist.core.strategy import PdistStrategy
+from lightning_pdist.core.config import refuse_owned_ddp_args
+from lightning_pdist.core.multinode import is_loopback, is_wildcard, join_networks, server_network, server_nodes
+from lightning_pdist.core.guard import SkipStep, global_step
+from lightning_pdist.parameter_server.config import ParameterServerConfig
+from lightning_pdist.core.run_logging import log_histogram
+
+__all__ = ["ParameterServerConfig", "ParameterServerStrategy"]
+
+class ParameterServerStrategy(PdistStrategy):
+    """Data-parallel training through dedicated parameter-server processes.
+
+    Servers hold the parameters, sharded by :func:`~lightning_pdist.parameter_server.sharding.plan_sharding`,
+    and run the user's optimizer on their shard. Workers compute gradients and exchange shards with
+    every server. Modes (the server rules are in :mod:`lightning_pdist.parameter_server.rules`):
+
+    * ``sync``: each server averages the ``N`` workers' gradients of step ``t`` and steps once; workers
+      pull the result. With SGD this is DDP. ``backup_workers=b``: the first ``N - b`` gradients of the
+      step are averaged and late ones dropped by step id (Chen et al. 2016).
+    * ``async`` (Downpour, Dean et al. 2012): a worker pushes its accumulated gradient every
+      ``push_every`` steps and pulls every ``pull_every`` steps (its parameters change only by pulls);
+      each push is applied on arrival as one server step on ``g / N``. Shards are not mutually
+      consistent, and gradients are stale by about ``N - 1`` updates.
+    * ``ssp`` (Ho et al. 2013): as async with ``push_every = pull_every = 1``, but a worker waits before
+      its next step until no worker is more than ``staleness`` steps behind; ``staleness=0`` is BSP and,
+      with SGD, equals ``sync``.
+    * ``delay_compensation=λ > 0`` (async/ssp): DC-ASGD, ``g + λ·g⊙g⊙(w - w_bak(m))`` with ``w_bak(m)`` the
+      parameters worker ``m`` last pulled (Zheng et al. 2017; λ ≈ 0.04 to start).
+
+    Dividing async pushes by ``N`` keeps the learning rate's meaning per sample across modes. Asynchrony
+    acts like extra momentum of about ``1 - 1/N`` (Mitliagkas et al. 2016): lower the optimizer's
+    momentum when going async with many workers.
+
+    Several optimizers (manual optimization, e.g. a GAN with ``toggle_optimizer``): every server runs one
+    optimizer per user optimizer, over that optimizer's parameters. A user optimizer's ``step()`` pushes
+    the gradients of its own parameters only, steps only its server optimizer and pulls; the other
+    optimizers' parameters and state do not move. A parameter in two optimizers is refused, and in sync
+    mode all workers must step the same optimizers in the same order (a server refuses anything else).
+    The worker's ``.grad`` is left alone, as after a torch ``step()``.
+
+    Parameters without a gradient: a parameter whose ``.grad`` is ``None`` on a worker is not sent. A sync
+    step averages over all ``N`` workers with the missing gradients as zeros, and a parameter no worker had
+    a gradient for is left out of the step (``grad = None``: no momentum, no weight decay), which is what
+    DDP with ``find_unused_parameters=True`` and a torch optimizer do.
+
+    Buffers (BatchNorm running statistics) stay on the workers and are averaged over them (floating-point
+    buffers only; integer counters such as ``num_batches_tracked`` agree anyway): in ``sync`` mode after
+    every optimizer step (an all-reduce on the workers' group, counted in ``pdist/comm_bytes``; the running
+    mean then follows the global batch mean, and a checkpoint holds what every worker holds, so resuming is
+    exact); in ``async``/``ssp`` and with backup workers at validation, at checkpoints and at the end of
+    ``fit``, where the workers meet anyway, because a per-step all-reduce would hold them in lockstep.
+
+    Validation/test during ``fit`` use the servers' current parameters; after ``fit`` every worker holds
+    them. ``validate``/``test``/``predict`` outside ``fit`` start no servers: every worker evaluates rank
+    0's module. Each Trainer's setup builds the workers' group afresh (rank 0 hosts a store on
+    ``MASTER_PORT`` and stops it in teardown before any worker leaves), so several Trainers can run one
+    after another in the same processes; where torch's default group already exists there (another
+    strategy ran first), the workers' group is a gloo subgroup of it instead, and Lightning's per-batch
+    broadcast on that group then keeps async workers in step. Checkpoints store them as ``state_dict`` and every server's shard, optimizer state and rule
+    state under ``checkpoint["pdist"]["servers"]``; resuming (same ``num_servers`` and ``sharding``)
+    restores the servers exactly.
+
+    fp16 with a GradScaler (``precision="16-mixed"`` on GPU; on CPU ``plugins=[MixedPrecision("16-mixed", "cpu")]``):
+    setup swaps Lightning's ``MixedPrecision`` for
+    :class:`~lightning_pdist.parameter_server.precision.ParameterServerMixedPrecision`, keeping the user's scaler object
+    (settings, scale, growth tracker; checkpointed under the new plugin's name, and restored from a
+    ``MixedPrecision`` key too). The loss is scaled by ``S`` as usual; before the push the worker divides its
+    gradients by ``S`` (``scaler.unscale_``, so clipping and the servers see gradient units) and checks them for
+    Inf/NaN. ``sync`` (with or without backup workers): one 4-byte all-reduce on the workers' group (in
+    ``pdist/comm_bytes``) tells every worker whether any overflowed; then *every* worker skips that step's push,
+    no server steps (versions and the sync step id stay put), and every scale backs off identically, which is
+    DDP with a GradScaler. With backup workers this vote waits for every worker's backward each step.
+    ``async``: a worker that overflowed skips its own push (its accumulated earlier gradients still go out on
+    time; pulls go on); ``ssp``: it sends an empty push instead (no parameter moves) so its clock still counts
+    the iteration and the staleness bound keeps its meaning. In both, the other workers are unaffected and each
+    worker's scale is its own. ``plugin.skipped_steps`` counts a worker's skipped pushes.
+
+    Non-finite gradients (``nonfinite=``, :mod:`lightning_pdist.core.nonfinite`; without a GradScaler): each
+    worker checks its own gradient, per tensor, after the backward and *before* the push, so no server shard, server
+    optimizer state or version ever takes a NaN. ``sync`` (with or without backup workers): every worker puts its
+    flag in the workers' store every step and waits at most ``server_timeout`` for the others' (a few bytes, not
+    training traffic; it waits for every worker's backward, also with backup workers; a worker that never reports
+    is named, ``WorkerSilent``, as the servers name a worker that never pushes), so every worker learns whether,
+    and on which workers, a gradient was not finite; then ``"raise"`` stops every worker at that step with a
+    ``FloatingPointError`` naming the workers and the global step, and ``"skip_step"`` skips that step's push on every worker (no server
+    steps, as for an fp16 overflow). ``async``/``ssp``: the workers do not meet per step, so the check is the
+    worker's own: ``"raise"`` stops that worker before its push (the others go on until they next meet it, at
+    validation, a checkpoint or the end of ``fit``, or until the launcher ends the job; Lightning's fork/spawn
+    launchers end them at once); ``"skip_step"`` skips that worker's own push of that step as an fp16 overflow does
+    (its earlier accumulated gradients still go out; ``ssp`` sends an empty push so that its clock counts the
+    step), and the other workers are not affected. Both restore the worker's float buffers. Whatever the mode, a
+    non-finite parameter pulled from the servers after checked-finite pushes (the servers' step diverged) stops
+    that worker (every worker in ``sync``): no skip can undo a server step. ``"propagate"`` checks nothing.
+
+    Logged on every logged step, over the steps since the previous one (this worker's view): ``pdist/comm_bytes``
+    (bytes it sent), ``pdist/ps/wait_s`` (mean time per step in push/pull, including waiting for other workers),
+    ``pdist/ps/server{s}_bytes_in``/``_out`` (server ``s``'s traffic, from every worker, in that interval, as the
+    servers report it; the load balance), ``pdist/ps/server_bytes_max``/``_mean`` (over the servers), and for
+    async/ssp ``pdist/ps/staleness`` (mean over this worker's pushes) and the staleness histogram of the pushes
+    the servers applied in the interval (summed over the servers): a histogram for W&B and TensorBoard, the scalars
+    ``pdist/ps/staleness_hist/{τ}`` for other loggers (τ ≥ 15 in the last bin).
+
+    Args:
+        num_servers: servers ``S >= 1``; ``None``: ``ceil(N / 2)``, one per two workers (paper 000).
+        sharding: ``"memory"`` (equal-byte ranges; balanced) or ``"layer"`` (whole layers, greedy).
+        mode: ``"sync"``, ``"async"`` or ``"ssp"``.
+        staleness: SSP bound in steps (``mode="ssp"`` only).
+        backup_workers: ``b`` in ``[0, N - 1]`` (``mode="sync"`` only).
+        push_every: async: steps between pushes of the accumulated (summed) gradient.
+        pull_every: async: steps between pulls.
+        delay_compensation: DC-ASGD ``λ >= 0`` (async/ssp).
+        partition_bytes: ``memory`` sharding in fixed-size partitions dealt round-robin (BytePS style).
+        server_host: address the servers bind to. ``None``: ``127.0.0.1`` on one node; across nodes, each node's
+            address on the route to ``MASTER_ADDR`` (the others must reach it), server ``i`` on node ``i mod N``.
+            ``"0.0.0.0"``: every node's servers bind all interfaces. Any other address is one node's: every server
+            then runs on global rank 0's node (warned when that puts several servers of a multi-node job there). A
+            loopback address in a job that spans nodes is refused when the Trainer is built.
+        server_port: first port of the servers' range: a node's ``k``-th server binds ``server_port + k`` (one node:
+            server ``i`` on ``server_port + i``; ``N`` nodes: ``ceil(num_servers / N)`` ports from ``server_port``
+            on each), so a firewall can open exactly those. ``None``: any free port. A port taken on any node
+            stops the run on every worker, naming the node and the port.
+        server_addresses: ``["host:port", ...]`` of servers started elsewhere; none are started then.
+        server_secret_file: with ``server_addresses``: the file (mode 600, at least 32 bytes) the servers were
+            started with (``--secret-file``); every worker authenticates with it. ``None``: those servers are
+            unauthenticated (warned). Servers the strategy starts always authenticate, with a fresh secret.
+        allowed_networks: comma-separated address ranges servers accept connections from. ``None``:
+            ``127.0.0.0/8`` on one node; across nodes, also the networks of the servers' interfaces on every node
+            that starts servers (the job's nodes share them; set it for workers routed in from elsewhere). Nothing
+            is encrypted: run inside a trusted network (see the method card).
+        server_timeout: seconds a worker waits for a server's reply (default 300). A sync step (or SSP pull) waits
+            for the slowest worker: when other workers keep it waiting this long, the live server answers naming them
+            (``WorkerStalled: ... worker 1 (pid 4242 on host node3, ...) has not pushed step 17 for 300 s: it is
+            stopped, hung or dead; parameter server 0 is alive``); a server that has not answered 10 s later is
+            blamed itself. A server that dies fails its workers at once. Worker ``m`` is global rank ``m``.
+        nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what the workers do when a gradient
+            holds NaN/Inf before its push (see "Non-finite gradients" above).
+        **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (``start_method``,
+            ``timeout`` of the workers' gloo group: the rendezvous, barriers and broadcasts, default 30 min, ...).
+            Nothing is wrapped in ``DistributedDataParallel``. The method card's "Timeouts and hung workers" has
+            values for long runs.
+    """
+
+    strategy_name = "parameter_server"
+    progress_bar_keys = {"pdist/ps/wait_s": ("wait", "s")}  # time blocked on the servers, beside comm=
+    wraps_in_ddp = False  # gradients go to the servers, not through DDP: no find_unused_parameters variants
+
+    def __init__(
+        self,
+        num_servers: int | None = None,
+        sharding: str = "memory",
+        mode: str = "sync",
+        staleness: int = 0,
+        backup_workers: int = 0,
+        push_every: int = 1,
+        pull_every: int = 1,
+        delay_compensation: float = 0.0,
+        partition_bytes: int | None = None,
+        server_host: str | None = None,
+        server_port: int | None = None,
+        server_addresses: list[str] | None = None,
+        server_secret_file: str | None = None,
+        allowed_networks: str | None = None,
+        server_timeout: float = 300.0,
+        nonfinite: str = "raise",
+        **kwargs: Any,
+    ) -> None:
+        owner = type(self).__name__
+        refuse_owned_ddp_args(owner, kwargs, "gradients go to the parameter servers")
+        self.config = ParameterServerConfig(
+            num_servers=num_servers, sharding=sharding, mode=mode, staleness=staleness, backup_workers=backup_workers,
+            push_every=push_every, pull_every=pull_every, delay_compensation=delay_compensation,
+            partition_bytes=partition_bytes, server_host=server_host, server_port=server_port,
+            server_addresses=_addresses(server_addresses, owner), server_secret_file=server_secret_file,
+            allowed_networks=allowed_networks, server_timeout=server_timeout, owner=owner,
+        )  # fmt: skip
+        super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
+                         model_averaging_period=None, **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
+        if server_addresses is not None and server_secret_file is None:
+            rank_zero_warn(f"{owner}(server_addresses={list(server_addresses)!r}, server_secret_file=None): these servers "
+                           "are unauthenticated; any process that reaches them (on a shared node, any user's) can push "
+                           "gradients or read parameters. Start them with --secret-file and pass server_secret_file.")  # fmt: skip
+        self.num_servers, self.sharding, self.mode = num_servers, sharding, mode
+        self.staleness, self.backup_workers, self.delay_compensation = staleness, backup_workers, delay_compensation
+        self.push_every, self.pull_every = push_every, pull_every
+        self.servers: list[ServerProcess] = []  # the servers this process started (a node's local rank 0)
+        self.server_addresses: list[str] = []
+        self._secret: bytes | None = None  # the servers' shared secret for this fit (never logged or checkpointed)
+        self.plan: ShardingPlan | None = None
+        self.workers: WorkerGroup | None = None
+        self.client: ParameterServerClient | None = None
+        self.step = 0  # optimizer steps this worker took (all optimizers)
+        self.optimizer_steps: list[int] = []  # per optimizer (async push/pull periods count these)
+        self.layout: OptimizerLayout | None = None
+        self.staleness_histogram = [0] * STALENESS_BUCKETS
+        self.dropped_pushes = 0
+        self._versions: list[int] = []
+        self._accumulated: dict[int, dict[str, Tensor | None]] = {}  # async: optimizer -> summed grads
+        self._server_seen: list[tuple[int, int]] = []  # each server's (bytes in, out) at the last logged step
+        self._server_now: list[tuple[int, int]] = []  # ... at this worker's latest exchange
+        self._histogram_logged = [0] * STALENESS_BUCKETS  # staleness_histogram at the last logged step
+        self._exchanged = False  # whether this worker met the servers since the last logged step
+        self._eval_backup: Tensor | None = None
+        self._finalized = False
+
+    # ------------------------------------------------------------------ world
+    @override
+    def set_world_ranks(self) -> None:
+        super().set_world_ranks()
+        self.config.check_world_size(self.world_size)
+        if self.config.server_addresses is None:
+            nodes = self._server_nodes(self.config.servers_for(self.world_size))
+            self.config.check_port_range(max(nodes.count(node) for node in set(nodes)))
+
+    def _server_nodes(self, num_servers: int) -> list[int]:
+        """The node each started server runs on; an address as ``server_host`` is one node's: all on node 0."""
+        host = self.config.server_host
+        return server_nodes(num_servers, 1 if host is not None and not is_wildcard(host) else self.num_nodes)
+
+    @property
+    def server_pids(self) -> list[int]:
+        """Process ids of the servers this process started (each node's local rank 0; one node: global rank 0)."""
+        return [abs(s.pid) for s in self.servers]
+
+    @override
+    def setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        env = self.cluster_environment
+        host, port = env.main_address, env.main_port
+        fitting = self._trainer_fn() in (None, TrainerFn.FITTING)  # validate/test/predict need no servers
+        if fitting and self.lightning_module is not None:
+            self._plan(self.config.servers_for(self.world_size))  # every rank refuses a bad plan before any server starts
+        timeout = self._timeout if isinstance(self._timeout, timedelta) else timedelta(minutes=30)
+        self.workers = WorkerGroup(host, port, self.global_rank, self.world_size, timeout=timeout)
+        if self.config.server_addresses is not None:
+            self.server_addresses = list(self.config.server_addresses)
+            if self.config.server_secret_file is not None:
+                self._secret = read_secret_file(self.config.server_secret_file)
+        elif fitting:
+            # The workers' group comes first: every node's starter needs rank 0's secret before it forks. Forking
+            # after the gloo group exists is safe here, as for DataLoader workers forked after init_process_group:
+            # the server child closes every inherited descriptor (gloo's sockets and epoll, the store), runs one
+            # thread (torch.set_num_threads(1)), never touches the group's objects and leaves with os._exit.
+            self._start_servers(host)
+
+    def _plan(self, num_servers: int) -> ShardingPlan:
+        """The sharding plan; an impossible one (more servers than elements, ...) is refused naming the rule."""
+        try:
+            return plan_sharding(param_specs(self.lightning_module), num_servers, self.config.sharding,
+                                 self.config.partition_bytes)  # fmt: skip
+        except ValueError as err:
+            raise ValueError(f"{type(self).__name__}: {err}") from None
+
+    def _trainer_fn(self) -> TrainerFn | None:
+        module = self.lightning_module
+        return module.trainer.state.fn if module is not None and module._trainer is not None else None
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Runs when the Trainer is built, before any process or server starts.
+        super()._configure_launcher()
+        if self.num_nodes <= 1:
+            return
+        owner = type(self).__name__
+        loopback = [a for a in self.config.server_addresses or () if is_loopback(a.rpartition(":")[0])]
+        if loopback:
+            raise ValueError(f"{owner}(server_addresses={list(self.config.server_addresses)!r}): the job spans "
+                             f"num_nodes={self.num_nodes} nodes and {loopback[0]!r} is a loopback address that the "
+                             "other nodes cannot reach; give each server's address on the cluster network")  # fmt: skip
+        host = self.config.server_host
+        if self.config.server_addresses is None and host is not None and is_loopback(host):
+            raise ValueError(f"{owner}(server_host={host!r}): the job spans num_nodes={self.num_nodes} nodes and the "
+                             "workers on the other nodes cannot reach a loopback address; leave server_host unset "
+                             "(rank 0's address on the route to MASTER_ADDR), or set it to that node's cluster address, "
+                             "or '0.0.0.0' with allowed_networks covering the nodes (docs/multinode.md)")  # fmt: skip
+        count = self.config.servers_for(self.world_size)
+        if self.config.server_addresses is None and host is not None and not is_wildcard(host) and count > 1:
+            rank_zero_warn(f"{owner}(server_host={host!r}): an address of one node, so all {count} servers run on "
+                           "global rank 0's node and its link carries all their traffic; leave server_host unset (or "
+                           "'0.0.0.0') to run server i on node i mod num_nodes")  # fmt: skip
+
+    def _start_servers(self, main_address: str) -> None:
+        """Each node's local rank 0 starts the servers placed on its node; every worker gets all their addresses.
+
+        Two rounds on the workers' group (never the store or a file): rank 0's fresh secret and each starter's
+        derived address and network go to every worker; the starters fork their servers (a node's ``k``-th on
+        ``server_port + k``); their addresses, or what stopped them, go to every worker in server order. A server
+        that cannot start on any node stops every starter's servers and raises on every worker.
+        """
+        owner = type(self).__name__
+        nodes = self._server_nodes(self.config.servers_for(self.world_size))
+        mine = [i for i, node in enumerate(nodes) if node == self.node_rank] if self.local_rank == 0 else []
+        derived = server_network(self.num_nodes, main_address) if mine else None
+        offers = self.workers.all_gather_object((new_secret() if self.global_rank == 0 else None, derived))
+        self._secret = offers[0][0]
+        # every server admits the networks of all starting nodes: a worker may reach it from any of them
+        networks = self.config.allowed_networks or join_networks(*(d[1] for _, d in offers if d is not None))
+        found: dict[int, str] = {}
+        error = None
+        port = self.config.server_port
+        try:
+            if mine:
+                host = self.config.server_host or derived[0]
+                # workers reach a wildcard-bound server at MASTER_ADDR on node 0, elsewhere at the node's own address
+                published = (main_address if self.node_rank == 0 else derived[0]) if is_wildcard(host) else None
+            for k, index in enumerate(mine):
+                try:
+                    server = start_server(index, host=host, port=port + k if port is not None else 0,
+                                          allowed_networks=networks, io_timeout=self.config.server_timeout,
+                                          secret=self._secret)  # fmt: skip
+                except Exception as err:  # noqa: BLE001  (reported to every worker below, then raised on each)
+                    where = f"{host}:{port + k}" if port is not None else host
+                    error = (f"node {self.node_rank} cannot start parameter server {index} on {where} "
+                             f"({type(err).__name__}: {err})")
+                    break
+                self.servers.append(server)
+                found[index] = f"{published or server.host}:{server.port}"
+            reports = self.workers.all_gather_object((found, error))
+        except BaseException:
+            self._stop_servers()
+            raise
+        errors = [e for _, e in reports if e is not None]
+        if errors:
+            self._stop_servers()
+            setting, rule = "", ""
+            if port is not None:
+                setting, rule = f"(server_port={port})", "; a node's k-th server binds server_port + k: choose free ports"
+            raise RuntimeError(f"{owner}{setting}: {'; '.join(errors)}{rule}")
+        for addresses, _ in reports:
+            found.update(addresses)
+        assert sorted(found) == list(range(len(nodes))), (sorted(found), len(nodes))
+        self.server_addresses = [found[i] for i in range(len(nodes))]
+        if self.num_nodes > 1:
+            rank_zero_info(f"{owner}: {len(nodes)} parameter servers: " + ", ".join(
+                f"{i} at {a} (node {nodes[i]})" for i, a in enumerate(self.server_addresses)))  # fmt: skip
+
+    # ------------------------------------------------------------------ Lightning collectives (private group)
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self.workers is not None:
+            self.workers.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.workers.broadcast_object(obj, src) if self.workers is not None else obj
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if not isinstance(tensor, Tensor) or self.workers is None or self.world_size == 1:
+            return tensor
+        op = str(getattr(reduce_op, "name", reduce_op) if reduce_op is not None else "sum").lower()
+        mean = op in ("mean", "avg")
+        if mean and not tensor.is_floating_point():
+            tensor = tensor.float()
+        out = self.workers.all_reduce_(tensor.detach().clone(), "sum" if mean else op)
+        return out / self.world_size if mean else out
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        if self.workers is None or self.world_size == 1:
+            return tensor
+        return torch.stack(self.workers.all_gather(tensor.detach()))
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def configure_ddp(self) -> None:
+        """Nothing to wrap: gradients go to the servers, not through DDP."""
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self._route_metric_sync()
+        self.announce(trainer)
+        if not fitting:
+            self._loaded_pdist_state = None
+            self._broadcast_module_from_rank_zero()
+            return
+        self.setup_algorithm()
+        self._loaded_pdist_state = None
+
+    @override
+    def setup_algorithm(self) -> None:
+        owner = type(self).__name__
+        for k, optimizer in enumerate(self.optimizers):
+            name = type(optimizer).__name__
+            if name not in ELEMENTWISE_OPTIMIZERS or type(optimizer) is not getattr(torch.optim, name):
+                raise ValueError(
+                    f"{owner}: configure_optimizers returned {type(optimizer).__module__}.{type(optimizer).__qualname__}"
+                    f"{f' (optimizer {k})' if len(self.optimizers) > 1 else ''}; parameter servers rebuild the optimizer "
+                    "on each shard, which is exact only for element-wise optimizers: "
+                    f"torch.optim.{', torch.optim.'.join(ELEMENTWISE_OPTIMIZERS)}"
+                )
+        self._use_loss_scaling(owner)
+        params = self._params()
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"{owner}: the model's parameters have dtypes {sorted(map(str, dtypes))}; the servers need one")
+        world_size, rank = self.world_size, self.global_rank
+        if world_size == 1:
+            rank_zero_warn(f"{owner}: world_size == 1: one worker and its servers; this is the local optimizer, remotely.")
+        self.plan = self._plan(len(self.server_addresses) or self.config.servers_for(world_size))
+        self.layout = OptimizerLayout(list(self.lightning_module.named_parameters()), self.optimizers, self.plan, owner)
+        self.client = ParameterServerClient(self.server_addresses, rank, timeout=self.config.server_timeout,
+                                            secret=self._secret)  # fmt: skip
+        if rank == 0:
+            self.client.map(Kind.INIT, *self._init_requests())
+            if self._loaded_pdist_state is not None:
+                self._restore_servers(self._loaded_pdist_state)
+        self.optimizer_steps = [0] * len(self.optimizers)
+        if self._loaded_pdist_state is not None:
+            super().load_pdist_state_dict(self._loaded_pdist_state)
+            self.step = int(self._loaded_pdist_state.get("step", 0))
+            saved = self._loaded_pdist_state.get("optimizer_steps", [self.step])
+            self.optimizer_steps = [int(n) for n in saved] if len(saved) == len(self.optimizers) else self.optimizer_steps
+        self.barrier()
+        self.client.hello()
+        shards, metas = self.client.pull(record=True)
+        self._load_shards(shards, metas)
+        self._server_seen = [(m["bytes_in"], m["bytes_out"]) for m in metas]
+        self._server_now = list(self._server_seen)
+        if metas and all("histogram" in m for m in metas):
+            self.staleness_histogram = [sum(h) for h in zip(*(m["histogram"] for m in metas))]
+        self._histogram_logged = list(self.staleness_histogram)
+        self._accumulated = {}
+        self._finalized = False
+
+    def _use_loss_scaling(self, owner: str) -> None:
+        """Swap a ``MixedPrecision`` with a scaler for :class:`ParameterServerMixedPrecision` (the same scaler)."""
+        plugin = self.precision_plugin
+        if isinstance(plugin, ParameterServerMixedPrecision):
+            return  # a later fit with this strategy
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            self.precision_plugin = ParameterServerMixedPrecision.replacing(plugin)
+        elif getattr(plugin, "scaler", None) is not None:
+            raise ValueError(
+                f"{owner}: the precision plugin {type(plugin).__name__} has a gradient scaler; the workers push "
+                "unscaled gradients and skip overflowed steps only with Lightning's MixedPrecision('16-mixed') "
+                "(precision='16-mixed'), which setup swaps for ParameterServerMixedPrecision"
+            )
+
+    def _params(self) -> list[Tensor]:
+        return [p for _, p in self.lightning_module.named_parameters()]
+
+    def _flat_params(self) -> Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self._params()])
+
+    @torch.no_grad()
+    def _set_flat_params(self, flat: Tensor) -> None:
+        offset = 0
+        for p in self._params():
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def _init_requests(self) -> tuple[list[dict], list[Tensor]]:
+        optimizers = [
+            {"name": type(o).__name__,
+             "param_groups": [group_hparams(g, f"{type(self).__name__}: optimizer {k} param group {i}")
+                              for i, g in enumerate(o.param_groups)]}
+            for k, o in enumerate(self.optimizers)
+        ]  # fmt: skip
+        flat = self._flat_params()
+        metas = [{
+            "mode": self.config.mode, "num_workers": self.world_size, "dtype": str(flat.dtype),
+            "segments": self.layout.segments(server), "optimizers": optimizers,
+            "backup_workers": self.config.backup_workers, "staleness": self.config.staleness,
+            "delay_compensation": float(self.config.delay_compensation),
+        } for server in range(self.plan.num_servers)]  # fmt: skip
+        return metas, [self.plan.gather(flat, server) for server in range(self.plan.num_servers)]
+
+    def _load_shards(self, shards: list[Tensor], metas: list[dict]) -> None:
+        flat = self._flat_params()
+        for server, shard in enumerate(shards):
+            self.plan.scatter_(flat, server, shard)
+        self._set_flat_params(flat)
+        self._versions = [int(m["version"]) for m in metas]
+
+    def _broadcast_module_from_rank_zero(self) -> None:
+        # validate/test/predict outside fit: no servers; every worker evaluates rank 0's weights.
+        if self.workers is None or self.world_size == 1:
+            return
+        state = self.workers.broadcast_object({k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()})
+        self.lightning_module.load_state_dict(state)
+
+    def _route_metric_sync(self) -> None:
+        # torchmetrics syncs over the default group only if it is initialized, which it never is here: point
+        # every Metric at the workers' group instead, so epoch-level metrics cover all workers' data.
+        if self.workers is None or self.world_size == 1:
+            return
+        try:
+            from torchmetrics import Metric
+        except ImportError:
+            return
+        gather = lambda tensor, group=None: self.workers.all_gather_varying(tensor)  # noqa: E731
+        for module in self.lightning_module.modules():
+            if isinstance(module, Metric):
+                module.dist_sync_fn = gather
+                module.distributed_available_fn = lambda: True
+
+    # ------------------------------------------------------------------ training step
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self.client is None:
+            raise RuntimeError(f"{type(self).__name__}.optimizer_step: the servers are not set up (call within Trainer.fit)")
+        model = model if model is not None else self.lightning_module
+        plugin = self.precision_plugin
+        scaled = isinstance(plugin, ParameterServerMixedPrecision)
+        # forward + backward, then on_before_optimizer_step and gradient clipping; the step itself is the servers'
+        k = next((i for i, o in enumerate(self.optimizers) if o is optimizer), None)
+        if k is None:
+            raise RuntimeError(f"{type(self).__name__}.optimizer_step: {type(optimizer).__name__} is not one of the optimizers "
+                               "configure_optimizers returned; the servers run only those")  # fmt: skip
+        if scaled:  # fp16 with a GradScaler: the gradients come back unscaled, with this worker's overflow flag
+            closure_result, overflowed = plugin.backward_and_unscale(model, optimizer, closure)
+            skip = self._agree_overflow(bool(overflowed))
+        else:
+            closure_result, overflowed, skip = plugin._wrap_closure(model, optimizer, closure), None, False
+            if self.nonfinite_guard.consulted(plugin) and not (closure_result is None and model.automatic_optimization):
+                skip = self._check_nonfinite(k)
+        self._exchange(k, skip)
+        self.nonfinite_guard.step_done()
+        if scaled and (overflowed is not None or self.config.mode == "sync"):
+            # Without a backward Lightning leaves the scale alone; a sync worker still takes the agreed flag, so
+            # that every worker's scale stays the same.
+            plugin.end_step(skip)
+        optimizer._opt_called = True  # the servers stepped: keeps LR schedulers from warning about call order
+        self._log_comm_bytes()
+        return closure_result
+
+    def _push(self, k: int, grads: dict[str, Tensor | None], pull: bool) -> tuple[list[Tensor] | None, list[dict]]:
+        """Push optimizer ``k``'s gradients (only those present) to every server, with its current hyperparameters."""
+        packed = [self.layout.pack(s, k, grads) for s in range(self.plan.num_servers)]
+        extras = [{"optimizer": k, "present": present} for _, present in packed]
+        hparams = [numeric_hparams(group) for group in self.optimizers[k].param_groups]
+        return self.client.push([g for g, _ in packed], self._versions, hparams, pull=pull, extras=extras)
+
+    def _agree_overflow(self, overflowed: bool) -> bool:
+        """Whether this step's push is skipped: ``sync``, if any worker overflowed; ``async``/``ssp``, if this one did."""
+        if self.config.mode != "sync" or self.workers is None or self.world_size == 1:
+            return overflowed
+        # One 4-byte all-reduce before the push, every step (sync workers meet at every step anyway). The push
+        # cannot carry the flag without a server-side change: each server would have to hold its step back until
+        # every worker's flag arrived, and the workers would still have to learn the outcome to back off.
+        flags = self.workers.exchange_flags(f"overflow/{self.step}", int(overflowed), self._agreement_timeout,
+                                            what=f"whether its step {self.step + 1} overflowed")  # fmt: skip
+        return any(flags)
+
+    @property
+    def _agreement_timeout(self) -> timedelta:
+        return timedelta(seconds=self.config.server_timeout)
+
+    def _check_nonfinite(self, k: int) -> bool:
+        """Whether this step's push is skipped for non-finite gradients (``"raise"`` raises instead); before any push.
+
+        ``sync``: every worker learns which workers' gradients were not finite (one all-reduce of ``world_size``
+        flags), so every worker raises or skips at the same step. ``async``/``ssp``: this worker's own check.
+        """
+        bad = not all_finite([g for g in self.layout.grads_of(k).values() if g is not None])
+        agreed = self.config.mode == "sync" and self.workers is not None and self.world_size > 1
+        if agreed:
+            # Through the store with the server's deadline, not a gloo all-reduce: a stopped worker is then named
+            # after server_timeout (WorkerSilent), as the servers name it, instead of gloo failing unnamed much later.
+            # Tagged by the step count only (not the optimizer): workers that step different optimizers still meet,
+            # and the servers refuse that mismatch by name, as they did with the all-reduce.
+            flags = self.workers.exchange_flags(f"nonfinite/{self.step}", int(bad), self._agreement_timeout,
+                                                what=f"its gradient check before step {self.step + 1}'s push")  # fmt: skip
+            ranks = [r for r, flag in enumerate(flags) if flag]
+        else:
+            ranks = [self.global_rank] if bad else []
+        if not ranks:
+            return False
+        local = self.config.mode != "sync"
+        try:
+            self.nonfinite_guard.act(
+                "gradients", ranks, self.lightning_module, before="its push (no server has seen them)" if local else
+                "the push (no server has seen them)", skipped="its own push of that step" if local else
+                "that step's push (no server stepped)", scope=f"worker {self.global_rank}" if local else "every worker")  # fmt: skip
+        except SkipStep:
+            return True
+        return False
+
+    def _exchange(self, k: int, skip: bool = False) -> None:
+        # The worker's .grad is left as it is (a torch optimizer's step does not clear it either): the user's or
+        # Lightning's zero_grad does, and another optimizer may still need the gradients of its own parameters.
+        self.step += 1
+        self.optimizer_steps[k] += 1
+        grads = self.layout.grads_of(k)
+        if skip:  # an fp16 overflow or a non-finite skip: this step's gradient (Inf/NaN) goes nowhere
+            grads = dict.fromkeys(grads)
+        sent_before = sum(c.bytes_sent for c in self.client.connections)
+        metas: list[dict] = []
+        if self.config.mode == "async":
+            if not skip:
+                self._accumulated[k] = accumulate_grads(self._accumulated.get(k), grads)
+            # a skipped step still counts towards push_every: what earlier steps accumulated goes out on time
+            push = self.optimizer_steps[k] % self.config.push_every == 0 and k in self._accumulated
+            pull = self.optimizer_steps[k] % self.config.pull_every == 0
+            if push:
+                new, metas = self._push(k, self._accumulated.pop(k), pull)
+                if pull:
+                    self._load_shards(new, metas)
+            elif pull:
+                new, metas = self.client.pull(record=True)
+                self._load_shards(new, metas)
+        elif not (skip and self.config.mode == "sync"):
+            # ssp skip: an empty push (no gradient present: no parameter moves) still ends this worker's clock,
+            # so the staleness bound keeps counting iterations; its pull waits for the bound as usual.
+            new, metas = self._push(k, grads, pull=True)
+            self._load_shards(new, metas)
+        # sync skip: every worker skips (agreed), no server steps, versions stay where they are
+        if metas and self.nonfinite != "propagate":
+            self._refuse_nonfinite()
+        self.comm_meter.add("ps_push", sum(c.bytes_sent for c in self.client.connections) - sent_before)
+        self._average_buffers(meeting=False)
+        self._log_ps_metrics(metas)
+
+    def _refuse_nonfinite(self) -> None:
+        """Stop when the pulled parameters are not finite although every push was checked: a server step diverged.
+
+        In sync mode every worker pulls the same parameters, so every worker stops at the same step; in async/ssp
+        each stops at its first non-finite pull. Not consulted under ``nonfinite="propagate"``.
+        """
+        if all_finite(self._params()):  # every exchange: per tensor, no flat copy
+            return
+        note = ("Every gradient pushed was checked finite (under a GradScaler: unscaled and not overflowed), so the "
+                "servers' optimizer step made them, and no skip can undo a server step.")  # fmt: skip
+        sync = self.config.mode == "sync"
+        raise nonfinite_error(type(self).__name__, "parameters pulled from the servers", [],
+                              global_step(self.lightning_module), "they reach a checkpoint", self.nonfinite, note,
+                              skippable=False, scope="every worker" if sync else f"worker {self.global_rank}",
+                              who=f"worker {self.global_rank}")  # fmt: skip
+
+    def _buffers_every_step(self) -> bool:
+        # Only where the workers are in lockstep anyway: an all-reduce per step would hold async/SSP workers
+        # together and make sync wait for the stragglers that backup workers exist to leave behind.
+        return self.config.mode == "sync" and self.config.backup_workers == 0
+
+    @torch.no_grad()
+    def _average_buffers(self, meeting: bool) -> None:
+        """``b ← (1/N) Σ_m b_m`` for every floating-point buffer (BatchNorm running statistics) over the workers.
+
+        ``meeting=False``: after an optimizer step, sync mode only (counted in ``pdist/comm_bytes``);
+        ``meeting=True``: where every worker is anyway (validation, checkpoint, end of fit), the other modes.
+        """
+        if self.workers is None or self.world_size == 1 or meeting == self._buffers_every_step():
+            return
+        buffers = [b for b in self.lightning_module.buffers() if b.is_floating_point()]
+        if not buffers:
+            return
+        flat = torch.cat([b.detach().reshape(-1) for b in buffers])
+        self.workers.all_reduce_(flat, "sum").div_(self.world_size)
+        offset = 0
+        for b in buffers:
+            b.copy_(flat[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
+        if not meeting:
+            self.comm_meter.add("ps_buffers", all_reduce_bytes(flat.numel() * flat.element_size(), self.world_size))
+
+    def _log_ps_metrics(self, metas: list[dict]) -> None:
+        """Note this step's exchange; :meth:`diagnostics` logs the interval's figures on the next logged step."""
+        self._diagnostics.note("pdist/ps/wait_s", self.client.last_wait_s if metas else 0.0)
+        self._exchanged = self._exchanged or bool(metas)
+        for server, meta in enumerate(metas):
+            # Sync servers report their counters at the close of each step (exact per-step load); the live
+            # counters of async/ssp servers depend on when this worker's reply went out.
+            self._server_now[server] = (meta.get("step_bytes_in", meta["bytes_in"]),
+                                        meta.get("step_bytes_out", meta["bytes_out"]))  # fmt: skip
+        for tau in (m["staleness"] for m in metas if "staleness" in m):
+            self._diagnostics.note("pdist/ps/staleness", tau)
+        if self.config.mode == "sync":
+            self.dropped_pushes += sum(1 for m in metas if m.get("accepted") is False)
+        elif metas and all("histogram" in m for m in metas):
+            self.staleness_histogram = [sum(h) for h in zip(*(m["histogram"] for m in metas))]
+
+    @override
+    def diagnostics(self) -> dict[str, float]:
+        """The interval's wait, per-server load, staleness (and histogram, to the loggers directly)."""
+        out = super().diagnostics()
+        loads = []
+        pairs = zip(self._server_now, self._server_seen) if self._exchanged else ()  # no exchange: nothing to say
+        self._exchanged = False
+        for server, ((now_in, now_out), (seen_in, seen_out)) in enumerate(pairs):
+            out[f"pdist/ps/server{server}_bytes_in"] = float(now_in - seen_in)
+            out[f"pdist/ps/server{server}_bytes_out"] = float(now_out - seen_out)
+            loads.append(now_in - seen_in + now_out - seen_out)
+        self._server_seen = list(self._server_now)
+        if loads:
+            out["pdist/ps/server_bytes_max"] = float(max(loads))
+            out["pdist/ps/server_bytes_mean"] = float(sum(loads) / len(loads))
+        if self.config.mode == "sync" and self.config.backup_workers:
+            out["pdist/ps/dropped_pushes"] = float(self.dropped_pushes)
+        interval = [now - then for now, then in zip(self.staleness_histogram, self._histogram_logged)]
+        if any(interval) and self.lightning_module is not None and self.lightning_module._trainer is not None:
+            log_histogram(self.lightning_module._trainer, "pdist/ps/staleness_hist", interval)
+        self._histogram_logged = list(self.staleness_histogram)
+        return out
+
+    # ------------------------------------------------------------------ evaluation and end of fit
+    def _fitting(self) -> bool:
+        module = self.lightning_module
+        return (module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+                and self.client is not None and not self._finalized)  # fmt: skip
+
+    def _servers_params(self) -> Tensor:
+        """The servers' current parameters as a flat vector (a pull that does not count as the worker's)."""
+        shards, _ = self.client.pull(record=False)
+        flat = self._flat_params()
+        for server, shard in enumerate(shards):
+            self.plan.scatter_(flat, server, shard)
+        return flat
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self._fitting() and self._eval_backup is None:
+            self._average_buffers(meeting=True)  # every worker validates at the same step
+            servers = self._servers_params()
+            self._eval_backup = self._flat_params()
+            self._set_flat_params(servers)
+
+    @override
+    def on_validation_end(self) -> None:
+        if self._eval_backup is not None:
+            self._set_flat_params(self._eval_backup)
+            self._eval_backup = None
+        super().on_validation_end()
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if not self._fitting():
+            return
+        for k in sorted(self._accumulated):  # async: push what push_every left over
+            self._push(k, self._accumulated.pop(k), pull=False)
+        self.client.bye()  # this worker pushes no more: SSP stops waiting for it, backup workers stop counting on it
+        self.barrier()  # every worker has pushed its last gradient
+        self._set_flat_params(self._servers_params())
+        self._average_buffers(meeting=True)
+        self.barrier()  # every worker has pulled: each node's starter may shut its servers down in teardown
+        self._finalized = True
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._fitting() or self._eval_backup is not None:  # after fit / during validation: the module holds them
+            return super().lightning_module_state_dict()
+        self._average_buffers(meeting=True)  # Lightning saves a checkpoint on every rank: they all meet here
+        own = self._flat_params()
+        self._set_flat_params(self._servers_params())
+        state = {k: v.detach().clone() for k, v in super().lightning_module_state_dict().items()}
+        self._set_flat_params(own)
+        return state
+
+    @override
+    def pdist_state_dict(self) -> dict:
+        state = super().pdist_state_dict()
+        state.update(step=self.step, optimizer_steps=list(self.optimizer_steps), mode=self.config.mode,
+                     staleness_histogram=list(self.staleness_histogram))
+        if self.plan is not None:
+            state["plan"] = self.plan.summary()
+        if self.client is not None and self.global_rank == 0:
+            replies = self.client.map(Kind.GET_STATE, [{}] * self.client.num_servers)
+            state["servers"] = [loads_state(payload) for _, payload in replies]
+        return state
+
+    def _restore_servers(self, state: dict) -> None:
+        servers = state.get("servers")
+        owner = type(self).__name__
+        if servers is None:
+            rank_zero_warn(f"{owner}: the checkpoint holds no server state; the servers start from its weights with a fresh optimizer.")
+            return
+        if len(servers) != self.plan.num_servers:
+            raise ValueError(
+                f"{owner}(num_servers={self.plan.num_servers}): the checkpoint holds {len(servers)} servers' state; resume with "
+                "the same num_servers and sharding"
+            )
+        self.client.map(Kind.SET_STATE, [{}] * len(servers), [dumps_state(s) for s in servers])
+
+    @override
+    def load_pdist_state_dict(self, state: dict) -> None:
+        # Consumed in setup_algorithm, where the servers exist (see PdistStrategy.load_checkpoint).
+        self._loaded_pdist_state = state
+
+    # ------------------------------------------------------------------ teardown
+    @override
+    def teardown(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            for server in self.servers:  # each node's starter shuts down the servers it started
+                try:
+                    client.connections[server.index].request(Kind.SHUTDOWN, {})
+                except Exception:  # a server already gone: _stop_servers still reaps it
+                    pass
+            client.close()
+        self._stop_servers()
+        self.server_addresses = []
+        self._secret = None
+        workers, self.workers = self.workers, None
+        if workers is not None:
+            # rank 0's store on MASTER_PORT is gone before any worker returns from here; after a failure the others
+            # may be stopped or dead, so the closing barrier waits a second, not 30 s
+            module = self.lightning_module
+            failed = module is not None and module._trainer is not None and module.trainer.state.status == TrainerStatus.INTERRUPTED
+            workers.close(timeout=timedelta(seconds=1 if failed else 30))
+        super().teardown()
+
+    def _stop_servers(self) -> None:
+        servers, self.servers = self.servers, []
+        for server in servers:
+            server.close_lifeline()
+        for server in servers:
+            server.stop(timeout=10.0)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        super().register_strategies(strategy_registry)
+        for mode in ("async", "ssp"):
+            strategy_registry.register(
+                f"{cls.strategy_name}_{mode}", cls, description=f"parameter server, mode={mode!r}", mode=mode, override=True
+            )
+        strategy_registry.register("ps", cls, description="alias of parameter_server", override=True)
+
+
+def _addresses(value: Any, owner: str) -> tuple[str, ...] | None:
+    """``server_addresses`` as a tuple; a plain string (iterable, but not a list of addresses) is refused."""
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{owner}(server_addresses={value!r}): server_addresses must be a list of 'host:port' strings")
+    return tuple(value)

@@ -1,0 +1,167 @@
+"""1-bit sign voting (signSGD-MV, IT-signSGD, Signum and EF-signSGD options) as a Lightning Fabric strategy.
+
+``fabric.setup`` wraps the module in DDP and registers :func:`~lightning_pdist.sign.hooks.signsgd_mv_hook` or
+:func:`~lightning_pdist.sign.hooks.it_signsgd_hook` with a fresh hook state, exactly as
+:class:`~lightning_pdist.sign.strategy.SignSGDStrategy` does (the same :class:`SignSGDConfig`). Each
+``fabric.backward(loss)`` is one vote; every rank's gradient becomes the voted sign ``U`` and the optimizer applies
+it, so the replicas stay identical and nothing else is communicated.
+
+``fabric.save`` writes each rank's hook state (LLR statistics, EF residual, Signum momentum, round counters) to its
+own file next to the checkpoint; ``fabric.load`` after ``fabric.setup`` restores it, so a resumed run continues
+exactly. What the Trainer strategy's docstring says about the optimizer (``SGD(lr=δ)``: ``lr`` is the sign step),
+several optimizers, gradient accumulation (``fabric.no_backward_sync``) and ``find_unused_parameters`` holds here
+too. Not here: fp16 with a GradScaler (``precision="16-mixed"``), whose overflow skip the Trainer strategy wires
+into the vote through its precision plugin; it is refused at setup (``bf16-mixed`` and ``32-true`` work).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_pdist.sign.llr import DEFAULT_MAX_WEIGHT
+from lightning_pdist.sign.hooks import SignSGDState
+from lightning_pdist.core.fabric import PdistFabricStrategy
+from lightning_pdist.core.strategy import register_variants
+from lightning_pdist.sign.strategy import MAX_SIGN_STEP, SUGGESTED_SIGN_STEP, SignSGDConfig
+
+__all__ = ["SignSGDFabricStrategy"]
+
+
+class SignSGDFabricStrategy(PdistFabricStrategy):
+    """Sign voting: every rank sends one bit per coordinate and applies the voted sign ``U``.
+
+    The rule of :class:`~lightning_pdist.sign.strategy.SignSGDStrategy`::
+
+        signSGD-MV   U_n = sign(Σ_m Y_{m,n})                       (Bernstein et al., ICLR 2019)
+        IT-signSGD   U_n = sign(Σ_m w_{m,n} Y_{m,n}),  w = log((1 − p)/p)
+        every rank   x ← x − δ·U   with torch.optim.SGD(lr=δ)
+
+    Registered with Fabric as ``"signsgd_mv"`` (``aggregation="majority"``) and ``"it_signsgd"``
+    (``aggregation="llr"``), each with ``_fork`` and ``_spawn`` variants.
+
+    Args:
+        aggregation: ``"majority"`` (signSGD-MV, default) or ``"llr"`` (IT-signSGD).
+        warmup_rounds, estimator, decay, max_weight, negative_weights: the LLR vote's options (see
+            :class:`~lightning_pdist.sign.strategy.SignSGDStrategy`); a non-default one under ``"majority"`` warns.
+        momentum: Signum's ``β`` in ``[0, 1)``, applied on each worker before the sign (0).
+        error_feedback: EF-signSGD (scaled signs plus a local residual).
+        nonfinite: ``"raise"`` (default: every rank raises in the backward that met a non-finite gradient) or
+            ``"propagate"``; ``"skip_step"`` is refused: your loop calls ``optimizer.step()``, not the strategy.
+        scale: ``"unit"`` (the optimizer's ``lr`` is the sign step ``δ``) or ``"l1"`` (the per-tensor scaled vote).
+        **kwargs: passed to Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`.
+
+    Example::
+
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=SignSGDFabricStrategy("llr", warmup_rounds=5))
+    """
+
+    strategy_name = "signsgd_mv"
+    one_rank_behaviour = "each step applies lr * sign(grad) (signSGD) and sends nothing"
+
+    def __init__(
+        self,
+        aggregation: str = "majority",
+        warmup_rounds: int = 10,
+        estimator: str = "worker",
+        decay: float = 1.0,
+        max_weight: float = DEFAULT_MAX_WEIGHT,
+        negative_weights: bool = False,
+        momentum: float = 0.0,
+        error_feedback: bool = False,
+        nonfinite: str = "raise",
+        scale: str = "unit",
+        **kwargs: Any,
+    ) -> None:
+        owner = type(self).__name__
+        self.config = SignSGDConfig(
+            aggregation=aggregation, warmup_rounds=warmup_rounds, estimator=estimator, decay=decay,
+            max_weight=max_weight, negative_weights=negative_weights, momentum=momentum,
+            error_feedback=error_feedback, nonfinite=nonfinite, scale=scale,
+            # DDP leaves parameters out of a backward pass only with these set; the vote then tracks participation.
+            find_unused_parameters=bool(kwargs.get("find_unused_parameters")) or bool(kwargs.get("static_graph")),
+            owner=owner,
+        )  # fmt: skip
+        if nonfinite == "skip_step":
+            raise ValueError(f"{owner}(nonfinite='skip_step'): under Fabric your loop calls optimizer.step(), so the "
+                             "strategy cannot skip it; use 'raise' (every rank raises in that backward) or 'propagate' "
+                             "and skip the step in your loop when a gradient is not finite")  # fmt: skip
+        ignored = self.config.ignored_llr_options()
+        if ignored:
+            rank_zero_warn(f"{owner}(aggregation='majority', {', '.join(ignored)}): these options belong to the LLR "
+                           "vote (aggregation='llr') and are ignored by the majority vote.")  # fmt: skip
+        super().__init__(**kwargs)
+        self.hook_state: SignSGDState | None = None
+
+    @property
+    def aggregation(self) -> str:
+        return self.config.aggregation
+
+    @override
+    def check_setup(self, module: Module) -> None:
+        if getattr(self.precision, "scaler", None) is not None:
+            owner = type(self).__name__
+            raise ValueError(
+                f"{owner}(precision={getattr(self.precision, 'precision', '16-mixed')!r}): fp16 with a GradScaler is "
+                f"not supported by {owner}: an overflow on one rank must skip the step on every rank, which only the "
+                "Trainer's SignSGDStrategy wires into the vote. Use precision='bf16-mixed' or '32-true' with Fabric, "
+                "or the Trainer."
+            )
+
+    @override
+    def comm_hook(self) -> tuple[object, Callable]:
+        self.hook_state, hook = self.config.make_hook(self.comm_meter)
+        if self.config.find_unused_parameters:
+            self.hook_state.watch(self.ddp_module.parameters())  # before the first backward: which tensors take part
+        return self.hook_state, hook
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        self._warn_large_sign_step(optimizer)
+        return super().setup_optimizer(optimizer)
+
+    def _warn_large_sign_step(self, optimizer: Optimizer) -> None:
+        """Warn when an optimizer's lr, which the unit-scaled vote makes the sign step δ, is an SGD-sized lr."""
+        if self.config.scale != "unit" or self.config.error_feedback:
+            return  # the scaled vote is in gradient units: the lr keeps its SGD meaning
+        lr = max((float(g.get("lr", 0.0)) for g in optimizer.param_groups), default=0.0)
+        if lr > MAX_SIGN_STEP:
+            owner = type(self).__name__
+            rank_zero_warn(
+                f"{owner}(scale='unit'): {type(optimizer).__name__}(lr={lr:g}) is the sign step δ: every coordinate "
+                f"moves by ±{lr:g} per step whatever its gradient. Sign steps above {MAX_SIGN_STEP:g} rarely train; "
+                f"try lr={SUGGESTED_SIGN_STEP:g}, or keep lr={lr:g} with {owner}(scale='l1')."
+            )
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def pdist_state_dict(self) -> dict:
+        state = super().pdist_state_dict()
+        state["config"] = self.config.as_dict()
+        return state
+
+    @override
+    def rank_state(self, objects: dict[str, Any]) -> dict | None:
+        return None if self.hook_state is None else {"hook_state": self.hook_state.state_dict()}
+
+    @override
+    def load_rank_state(self, state: dict | None, objects: dict[str, Any], reason: str) -> None:
+        if self.hook_state is None:
+            return
+        if state is None:
+            rank_zero_warn(f"{type(self).__name__}: {reason}; the vote statistics, residuals and momentum start from "
+                           "zero.")  # fmt: skip
+            return
+        self.hook_state.load_state_dict(state["hook_state"])
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        names = {"signsgd_mv": ("majority", "signSGD with majority vote"), "it_signsgd": ("llr", "IT-signSGD")}
+        for name, (aggregation, description) in names.items():
+            description = f"{description} (Lightning Fabric): SignSGDFabricStrategy(aggregation={aggregation!r})"
+            register_variants(strategy_registry, cls, name, description, aggregation=aggregation)

@@ -1,0 +1,339 @@
+"""Bytes per optimizer step and a time model for data, tensor, DP×TP and hybrid conv-DP / FC-MP parallelism.
+
+Paper 003 (``seeds-digest.md``) finds DeepSpeed's tensor parallelism faster than data parallelism for BERT-base
+and ALBERT-base without analysing communication. This module is that analysis: what each rank *sends* per
+optimizer step under each scheme (the model of :mod:`lightning_pdist.core.accounting`: a ring all-reduce of
+``n`` bytes on ``N`` ranks sends ``2(N-1)/N · n``, a ring all-gather of ``n_local`` bytes per rank sends
+``(N-1) · n_local``), and when one scheme beats the other under ``t = compute / ways + bytes / bandwidth``.
+
+Notation: ``N`` ranks, ``P`` parameters, ``B`` samples the group computes on per step, ``L`` sequence length,
+``H`` hidden size, ``e`` bytes per element (4 for fp32), ``AR(n, N) = 2(N-1)/N · n`` (floored per collective,
+as the meter counts it), ``AG(n, N) = (N-1) · n``.
+
+Data parallelism (every rank the whole model, gradients all-reduced; DDP buckets add no bytes)::
+
+    dp_all_reduce = AR(e · P, N)
+
+Tensor parallelism of degree ``t`` on a Transformer encoder, Megatron's column/row pairs as torch's
+``ColwiseParallel`` / ``RowwiseParallel`` run them (query, key, value and the first FFN linear column-wise; the
+attention output and the second FFN linear row-wise; embeddings, LayerNorm, pooler and classifier
+replicated, so no traffic). Per *layer application* (ALBERT runs its one shared block ``num_layers`` times,
+and every run communicates)::
+
+    forward   2 · AR(e·B·L·H, t)   row-wise outputs (attention output, FFN output): partial sums -> replicated
+    backward  4 · AR(e·B·L·H, t)   the input gradient of every column-wise module (query, key, value, FFN in):
+                                   torch's ColwiseParallel all-reduces it once per module, so q, k, v cost
+                                   three all-reduces where a fused qkv (Megatron) costs one
+    tp_all_reduce = 6 · num_layers · AR(e·B·L·H, t)
+
+DP×TP on a ``d × t`` mesh: TP's traffic over each TP group (``B`` = the DP replica's batch) plus the all-reduce
+of each rank's parameter *shard* over its DP group (column-wise weights and biases and row-wise weights hold
+``1/t``; row-wise biases and everything replicated are whole: :func:`tp_local_numel`)::
+
+    dp_all_reduce = AR(e · P_local, d),   tp_all_reduce as above with degree t
+
+Hybrid conv-DP / FC-MP on VGG (Krizhevsky 2014, "one weird trick"): convolutions replicated on all ``N`` ranks
+with their gradients all-reduced; each rank's ``b`` feature vectors (``F`` = fc6's fan-in) all-gathered so every
+rank runs the FC part on all ``N·b`` samples; ``fc6`` column-wise, ``fc7`` row-wise, ``fc8`` replicated; in
+backward the logits' gradients (``C`` classes) are all-gathered so every rank back-propagates the whole batch
+through the FC part::
+
+    dp_all_reduce = AR(e · P_conv, N)
+    tp_all_gather = AG(e·b·F, N)              forward: the batch's features
+                  + AG(e·b·C, N)              backward: the logits' gradients
+    tp_all_reduce = AR(e·N·b·H, N)            forward: fc7's (row-wise) output
+                  + AR(e·N·b·F, N)            backward: fc6's (column-wise) input gradient
+
+Time model: ``t = compute / ways + bytes / bandwidth`` (:func:`step_time`). Links are full duplex and every rank
+sends its bytes on its own link at once, so ``bytes`` is one rank's. With equal compute shares (``ways`` = the
+ranks for both schemes) only the bytes decide; with measured compute per scheme (TP repeats the replicated
+layers on every rank and runs smaller matmuls) :func:`crossover_bandwidth` gives the bandwidth below which the
+scheme that sends less wins, and :func:`find_crossovers` the batch sizes or widths where the winner changes.
+
+Pure functions: ``torch`` only (for :func:`tp_local_numel`); no process group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from torch import nn
+
+__all__ = [
+    "KINDS",
+    "Crossover",
+    "StepBytes",
+    "crossover_bandwidth",
+    "dp_bytes",
+    "dp_tp_bytes",
+    "encoder_flops",
+    "find_crossovers",
+    "hybrid_vgg_bytes",
+    "ring_all_gather_bytes",
+    "ring_all_reduce_bytes",
+    "step_time",
+    "tp_encoder_bytes",
+    "tp_local_numel",
+]
+
+KINDS = ("dp_all_reduce", "tp_all_reduce", "tp_all_gather")  # the CommMeter labels the strategies use
+COLUMN_MODULES_PER_LAYER = 4  # query, key, value, FFN in: one backward all-reduce each
+ROW_MODULES_PER_LAYER = 2  # attention output, FFN out: one forward all-reduce each
+STYLES = ("colwise", "rowwise", "replicate")
+
+
+def ring_all_reduce_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``nbytes``: ``2(N-1)/N · n``, floored.
+
+    The same figure as :func:`lightning_pdist.core.accounting.all_reduce_bytes` (this layer may not import
+    ``comm``; a test checks that the two agree).
+    """
+    _check_int("world_size", world_size, 1)
+    return (2 * (world_size - 1) * nbytes) // world_size
+
+
+def ring_all_gather_bytes(local_nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-gather of ``local_nbytes`` per rank: ``(N-1) · n_local``."""
+    _check_int("world_size", world_size, 1)
+    return (world_size - 1) * local_nbytes
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"tensor_parallel_cost({name}={value!r}): {name} must be an int >= {low}")
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """Bytes one rank sends in one optimizer step, per :class:`~lightning_pdist.core.accounting.CommMeter` label."""
+
+    dp_all_reduce: int = 0
+    tp_all_reduce: int = 0
+    tp_all_gather: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.dp_all_reduce + self.tp_all_reduce + self.tp_all_gather
+
+    def by_kind(self) -> dict[str, int]:
+        """The non-zero kinds, as ``CommMeter.by_kind`` lists them."""
+        return {kind: getattr(self, kind) for kind in KINDS if getattr(self, kind)}
+
+    def __add__(self, other: StepBytes) -> StepBytes:
+        return StepBytes(*(getattr(self, k) + getattr(other, k) for k in KINDS))
+
+    def __mul__(self, steps: int) -> StepBytes:
+        return StepBytes(*(getattr(self, k) * steps for k in KINDS))
+
+
+def dp_bytes(num_params: int, world_size: int, bytes_per_element: int = 4) -> StepBytes:
+    """Data parallelism: one ring all-reduce of every gradient, ``AR(e · P, N)``."""
+    _check_int("num_params", num_params, 0)
+    return StepBytes(dp_all_reduce=ring_all_reduce_bytes(bytes_per_element * num_params, world_size))
+
+
+def tp_encoder_bytes(
+    batch_size: int,
+    seq_len: int,
+    hidden_size: int,
+    num_layers: int,
+    tp_size: int,
+    bytes_per_element: int = 4,
+) -> StepBytes:
+    """Tensor parallelism of degree ``tp_size`` on an encoder: ``6 · num_layers · AR(e·B·L·H, t)``.
+
+    Args:
+        batch_size: samples the TP group runs per step (all its ranks run the same ones).
+        seq_len: tokens per sample (padding included: the activations are ``(B, L, H)`` whatever the mask).
+        hidden_size: ``H``, the width of the all-reduced activations.
+        num_layers: layer *applications* (ALBERT: how many times its shared block runs).
+        tp_size: ``t``; 1 sends nothing.
+        bytes_per_element: 4 for fp32 activations.
+    """
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("hidden_size", hidden_size),
+                        ("num_layers", num_layers)):  # fmt: skip
+        _check_int(name, value, 1)
+    one = ring_all_reduce_bytes(bytes_per_element * batch_size * seq_len * hidden_size, tp_size)
+    return StepBytes(tp_all_reduce=(COLUMN_MODULES_PER_LAYER + ROW_MODULES_PER_LAYER) * num_layers * one)
+
+
+def dp_tp_bytes(
+    local_params: int,
+    batch_size: int,
+    seq_len: int,
+    hidden_size: int,
+    num_layers: int,
+    dp_size: int,
+    tp_size: int,
+    bytes_per_element: int = 4,
+) -> StepBytes:
+    """DP×TP on a ``dp_size × tp_size`` mesh: ``AR(e · P_local, d)`` over the DP group plus TP's traffic.
+
+    Args:
+        local_params: parameters one rank holds (its shards and the replicated rest; :func:`tp_local_numel`).
+        batch_size: samples of one DP replica (one TP group) per step.
+        seq_len, hidden_size, num_layers, bytes_per_element: as in :func:`tp_encoder_bytes`.
+        dp_size: ranks of a DP group (replicas).
+        tp_size: ranks of a TP group.
+    """
+    dp = dp_bytes(local_params, dp_size, bytes_per_element)
+    return dp + tp_encoder_bytes(batch_size, seq_len, hidden_size, num_layers, tp_size, bytes_per_element)
+
+
+def hybrid_vgg_bytes(
+    conv_params: int,
+    batch_size: int,
+    fc_in: int,
+    fc_hidden: int,
+    num_classes: int,
+    world_size: int,
+    bytes_per_element: int = 4,
+) -> StepBytes:
+    """Hybrid conv-DP / FC-MP (``fc6`` column-wise, ``fc7`` row-wise, ``fc8`` replicated) on ``world_size`` ranks.
+
+    Args:
+        conv_params: parameters of the convolutions (all-reduced over every rank).
+        batch_size: ``b``, samples per rank per step (the FC part runs on all ``N·b``).
+        fc_in: ``F``, fc6's fan-in (the flattened feature map).
+        fc_hidden: ``H``, fc6's and fc7's output width.
+        num_classes: ``C``, fc8's output width.
+        world_size: ``N``, the ranks (one group for both halves).
+    """
+    for name, value in (("batch_size", batch_size), ("fc_in", fc_in), ("fc_hidden", fc_hidden),
+                        ("num_classes", num_classes)):  # fmt: skip
+        _check_int(name, value, 1)
+    e, b, n = bytes_per_element, batch_size, world_size
+    return StepBytes(
+        dp_all_reduce=ring_all_reduce_bytes(e * conv_params, n),
+        tp_all_gather=ring_all_gather_bytes(e * b * fc_in, n) + ring_all_gather_bytes(e * b * num_classes, n),
+        tp_all_reduce=ring_all_reduce_bytes(e * n * b * fc_hidden, n) + ring_all_reduce_bytes(e * n * b * fc_in, n),
+    )
+
+
+def tp_local_numel(module: nn.Module, styles: Mapping[str, str], tp_size: int) -> int:
+    """Parameters one rank holds when the ``nn.Linear`` modules named in ``styles`` are sharded ``tp_size`` ways.
+
+    ``"colwise"`` shards the weight's rows and the bias (``1/t`` each); ``"rowwise"`` shards the weight's
+    columns and keeps the bias whole (torch's ``RowwiseParallel``); ``"replicate"`` and every module not named
+    keep all their parameters. A parameter shared by several modules (ALBERT's block) counts once, as
+    ``named_parameters`` lists it once.
+
+    Raises:
+        ValueError: a style is unknown, a name is not a submodule, or a sharded dimension is not divisible
+            by ``tp_size``.
+    """
+    _check_int("tp_size", tp_size, 1)
+    modules = dict(module.named_modules())
+    local: dict[int, int] = {id(p): p.numel() for p in module.parameters()}
+    for name, style in styles.items():
+        if style not in STYLES:
+            raise ValueError(f"tp_local_numel(styles[{name!r}]={style!r}): style must be one of {STYLES}")
+        if name not in modules:
+            raise ValueError(f"tp_local_numel(styles[{name!r}]): the module has no submodule {name!r}")
+        if style == "replicate":
+            continue
+        sub = modules[name]
+        dim = 0 if style == "colwise" else 1
+        for pname, param in sub.named_parameters(recurse=False):
+            if pname == "bias" and style == "rowwise":
+                continue
+            if param.shape[min(dim, param.ndim - 1)] % tp_size:
+                raise ValueError(f"tp_local_numel(styles[{name!r}]={style!r}): {name}.{pname} {tuple(param.shape)} "
+                                 f"is not divisible by tp_size={tp_size} along dim {dim}")  # fmt: skip
+            local[id(param)] = param.numel() // tp_size
+    return sum(local.values())
+
+
+def encoder_flops(batch_size: int, seq_len: int, hidden_size: int, intermediate_size: int, num_layers: int) -> int:
+    """Matmul FLOPs of one training step of an encoder's blocks (forward + backward = 3 × forward).
+
+    Per layer application, forward: ``2·B·L·(4H² + 2HI)`` for the projections and FFN, ``4·B·L²·H`` for the
+    attention scores and their weighted sum. Embeddings, LayerNorm, softmax and the head are left out. The
+    benchmark scales a measured step time by the ratio of these to extrapolate to other batches and widths.
+    """
+    per_layer = 2 * batch_size * seq_len * (4 * hidden_size**2 + 2 * hidden_size * intermediate_size)
+    per_layer += 4 * batch_size * seq_len**2 * hidden_size
+    return 3 * num_layers * per_layer
+
+
+def step_time(compute_s: float, step_bytes: int, bandwidth_bytes_per_s: float, ways: int = 1) -> float:
+    """``t = compute_s / ways + step_bytes / bandwidth``: compute split ``ways`` ways, then one rank's bytes on its link.
+
+    ``compute_s`` is the compute of the whole step's work in one process (``ways`` = the ranks sharing it) or
+    one rank's measured compute (``ways=1``). Communication is not overlapped with compute (an upper bound).
+    """
+    if not bandwidth_bytes_per_s > 0:
+        raise ValueError(f"step_time(bandwidth_bytes_per_s={bandwidth_bytes_per_s!r}): bandwidth must be > 0")
+    _check_int("ways", ways, 1)
+    return compute_s / ways + step_bytes / bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """Where two configurations' step times cross.
+
+    Attributes:
+        value: the parameter (bandwidth in bytes/s, batch size, width) at which the times are equal; ``None``
+            when one configuration wins everywhere.
+        below: the configuration that is faster for parameter values below ``value`` (everywhere if ``None``).
+        above: the configuration that is faster above ``value``.
+    """
+
+    value: float | None
+    below: str
+    above: str
+
+
+def crossover_bandwidth(
+    compute_a: float, bytes_a: int, compute_b: float, bytes_b: int, names: tuple[str, str] = ("dp", "tp")
+) -> Crossover:
+    """The bandwidth at which ``compute_a + bytes_a / bw = compute_b + bytes_b / bw``: ``(bytes_a - bytes_b) / (compute_b - compute_a)``.
+
+    Below it the configuration that sends fewer bytes wins, above it the one that computes less. When one
+    configuration both computes and sends no more than the other, it wins at every bandwidth (``value=None``).
+    """
+    a, b = names
+    d_bytes, d_compute = bytes_a - bytes_b, compute_b - compute_a
+    if d_bytes == 0 and d_compute == 0:
+        return Crossover(None, a, a)
+    if d_bytes * d_compute <= 0:  # one side is no worse in both terms
+        winner = a if (d_bytes <= 0 and d_compute >= 0) else b
+        return Crossover(None, winner, winner)
+    fewer_bytes, less_compute = (b, a) if d_bytes > 0 else (a, b)
+    return Crossover(d_bytes / d_compute, fewer_bytes, less_compute)
+
+
+def find_crossovers(
+    diff: Callable[[int], float], low: int, high: int, names: tuple[str, str] = ("dp", "tp"), samples: int = 48
+) -> list[Crossover]:
+    """Every integer in ``(low, high]`` where ``diff(x) = t_a(x) - t_b(x)`` changes sign, in increasing order.
+
+    ``diff`` is evaluated on ``samples`` points spaced geometrically from ``low`` to ``high``; each bracket whose
+    ends differ in sign is bisected to the first integer past the crossing. Two crossings closer together than
+    one grid step cancel out and are missed. Width sweeps need this: DP's bytes grow as ``H²`` (plus a fixed
+    embedding) and TP's as ``H``, so TP can win at small and at large widths and lose in between.
+
+    Returns:
+        One :class:`Crossover` per sign change (``below`` the winner before it, ``above`` after it), or, when the
+        sign never changes, ``[Crossover(None, winner, winner)]``.
+    """
+    _check_int("low", low, 1)
+    if high <= low:
+        raise ValueError(f"find_crossovers(low={low}, high={high}): high must be > low")
+    _check_int("samples", samples, 2)
+    a, b = names
+    winner = lambda d: b if d > 0 else a  # noqa: E731  (t_a > t_b: b is faster)
+    sign = lambda x: math.copysign(1, diff(x))  # noqa: E731
+    grid = sorted({round(low * (high / low) ** (i / (samples - 1))) for i in range(samples)} | {low, high})
+    signs = [sign(x) for x in grid]
+    out = []
+    for (lo, s_lo), (hi, s_hi) in zip(zip(grid, signs), zip(grid[1:], signs[1:])):
+        if s_lo == s_hi:
+            continue
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if sign(mid) == s_lo else (lo, mid)
+        out.append(Crossover(float(hi), winner(s_lo), winner(s_hi)))
+    return out or [Crossover(None, winner(signs[0]), winner(signs[0]))]

@@ -1,0 +1,455 @@
+"""Tensor parallelism (Megatron-style) and DP×TP for an existing LightningModule, without ``configure_model``.
+
+Lightning's :class:`~lightning.pytorch.strategies.ModelParallelStrategy` builds the 2-D device mesh
+``("data_parallel", "tensor_parallel")``, gives each data-parallel group its own data and saves full or sharded
+checkpoints, but leaves the sharding to a ``configure_model`` the user writes, and synchronises nothing across the
+data-parallel dimension unless that hook also applies FSDP. :class:`TensorParallelStrategy` keeps the first half
+and supplies the rest:
+
+1. **The plan** (:mod:`lightning_pdist.tensor_parallel.plan`): derived from the module (``"auto"``,
+   ``"hybrid"``) or given as ``{module name: "colwise" | "rowwise" | "replicate"}``, checked against the module
+   and the degree, then applied with ``torch.distributed.tensor.parallel.parallelize_module`` over the
+   tensor-parallel mesh dimension (``ColwiseParallel`` / ``RowwiseParallel``).
+2. **Gradient synchronisation across the data-parallel dimension**, before every optimizer step: the local
+   gradient (a shard for sharded weights) is all-reduced and averaged over the ``data_parallel_size`` ranks that
+   hold the same shard. Replicated weights need nothing within a tensor-parallel group: every rank computes them
+   from the same replicated activations. For the hybrid plan, with ``N = tensor_parallel_size``: the
+   convolution layers (data-parallel) average over all ranks; the fully connected layers see the whole gathered
+   batch, so their gradient is that of the *sum* of the ``N`` ranks' mean losses and is divided by ``N``.
+3. **Byte accounting**: every collective DTensor issues (forward and backward) is counted from the tensor sent
+   (:class:`~lightning_pdist.tensor_parallel.meter.DTensorCommMeter`), the data-parallel all-reduce by the comm
+   layer, and ``pdist/comm_bytes`` is logged after each optimizer step like every other strategy.
+
+Non-finite gradients (``nonfinite=``, :mod:`lightning_pdist.core.nonfinite`): after the backward and *before*
+the data-parallel average, every rank checks its own (local, for sharded weights) gradients per tensor, and one
+all-reduce of ``world_size`` flags over all ranks (counted as ``nonfinite_flag``) tells every rank whether, and on
+which ranks, one was not finite; then ``"raise"`` stops every rank before the average and the optimizer step,
+``"skip_step"`` skips both on every rank (nothing is zeroed; float buffers restored; ``pdist/skipped_steps``), and
+``"propagate"`` checks nothing. A NaN that arises in a sharded layer's forward reaches the other ranks of its
+tensor-parallel group through the activation all-reduce, so all of them are named.
+
+Checkpoints are full by default (``save_distributed_checkpoint=False``): rank 0 writes one file that
+``load_from_checkpoint`` reads in a plain process and that resumes exactly here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterator, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.model_parallel import _is_full_checkpoint, _load_checkpoint
+from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_optimizer_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import OptimStateKeyType
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_pdist.core.nonfinite import all_finite, culprit_ranks, one_hot_flag
+from lightning_pdist.tensor_parallel.plan import COLWISE, ELEMENTWISE, ROWWISE, TPPlan, check_plan, plan_for
+from lightning_pdist.core.accounting import CommMeter
+from lightning_pdist.core.collectives import all_reduce_mean_, all_reduce_sum_
+from lightning_pdist.tensor_parallel.meter import DTensorCommMeter
+from lightning_pdist.core.strategy import register_variants
+from lightning_pdist.core.multinode import check_gloo_interface
+from lightning_pdist.core.run_logging import CommLogState, install_progress_bar_format, log_comm_bytes
+from lightning_pdist.core.run_logging import log_final_total, log_run_settings, resolved_settings
+from lightning_pdist.core import lifetime
+from lightning_pdist.tensor_parallel import clip as tensor_parallel_clip
+from lightning_pdist.core.guard import NonFiniteGuard, SkipStep, optimizer_grads
+from lightning_pdist.core.safe_io import SafeCheckpointIO
+
+__all__ = ["TensorParallelStrategy"]
+
+PLANS = ("auto", "hybrid")
+_STYLES = {COLWISE: ColwiseParallel, ROWWISE: RowwiseParallel}
+
+
+class TensorParallelStrategy(ModelParallelStrategy):
+    """Shard the model's linear layers over ``tensor_parallel_size`` ranks; replicate it ``data_parallel_size`` times.
+
+    Registered as ``"tensor_parallel"`` (with ``_fork`` / ``_spawn`` variants). ``world_size =
+    tensor_parallel_size × data_parallel_size``; ranks of one tensor-parallel group see the same batches.
+
+    Args:
+        tensor_parallel_size: ranks sharing one copy of the model (the degree ``t``). ``None``: the world size
+            divided by ``data_parallel_size`` (all ranks when both are ``None``). Keep it within a node: every
+            layer pair all-reduces activations.
+        data_parallel_size: copies of the sharded model, each with its own data. ``None``: world / ``t``.
+        plan: ``"auto"`` (Transformer blocks Megatron-style, Linear stacks in column/row pairs, see
+            :func:`~lightning_pdist.tensor_parallel.plan.plan_for`), ``"hybrid"`` (convolutions
+            data-parallel over all ranks, the fully connected stack sharded over the gathered batch), or a dict
+            ``{module name: "colwise" | "rowwise" | "replicate"}``.
+        sequence_parallel: shard LayerNorm/dropout activations along the sequence (Korthikanti et al., 2022).
+            Not supported yet: refused rather than ignored.
+        save_distributed_checkpoint: ``False`` (default): one full checkpoint file, readable by
+            ``load_from_checkpoint`` anywhere. ``True``: a folder with one shard per rank (torch.distributed.checkpoint).
+        process_group_backend: ``None`` picks gloo on CPU, NCCL on GPUs.
+        timeout: for collectives.
+        start_method: ``"popen"`` (Lightning's default: the script runs again per rank), ``"fork"`` or ``"spawn"``.
+        nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what every rank does when a step's
+            gradients hold NaN/Inf (see the module docstring).
+
+    Example::
+
+        trainer = Trainer(accelerator="cpu", devices=2, strategy="tensor_parallel")  # BERT-like encoder, t = 2
+        trainer = Trainer(devices=4, strategy=TensorParallelStrategy(tensor_parallel_size=2))  # DP×TP 2×2
+    """
+
+    strategy_name = "tensor_parallel"
+
+    def __init__(
+        self,
+        tensor_parallel_size: int | None = None,
+        data_parallel_size: int | None = None,
+        plan: str | dict[str, str] = "auto",
+        sequence_parallel: bool = False,
+        save_distributed_checkpoint: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        nonfinite: str = "raise",
+    ) -> None:
+        owner = type(self).__name__
+        self.nonfinite_guard = NonFiniteGuard(nonfinite, owner)
+        for arg, value in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise TypeError(f"{owner}({arg}={value!r}): {arg} must be an int >= 1 or None")
+            if value is not None and value < 1:
+                raise ValueError(f"{owner}({arg}={value}): {arg} must be >= 1 or None")
+        if isinstance(plan, str):
+            if plan not in PLANS:
+                raise ValueError(f"{owner}(plan={plan!r}): plan must be one of {PLANS} or a dict "
+                                 "{module name: 'colwise' | 'rowwise' | 'replicate'}")  # fmt: skip
+        elif isinstance(plan, Mapping):
+            try:
+                TPPlan.from_dict(plan)
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"{owner}(plan={dict(plan)!r}): {err}") from None
+            if not any(p in (COLWISE, ROWWISE) for p in plan.values()):
+                raise ValueError(f"{owner}(plan={dict(plan)!r}): the plan shards nothing; name at least one "
+                                 "module 'colwise' or 'rowwise'")  # fmt: skip
+        else:
+            raise TypeError(f"{owner}(plan={plan!r}): plan must be 'auto', 'hybrid' or a dict of placements")
+        for arg, value in (("sequence_parallel", sequence_parallel), ("save_distributed_checkpoint",
+                                                                       save_distributed_checkpoint)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{owner}({arg}={value!r}): {arg} must be a bool")
+        if sequence_parallel:
+            raise ValueError(f"{owner}(sequence_parallel=True): sequence parallelism is not implemented yet "
+                             "(the auto plans would have to re-shard the residual streams of transformers' "
+                             "BERT/ALBERT blocks); leave it False")  # fmt: skip
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"{owner}(start_method={start_method!r}): start_method must be 'popen', 'spawn', "
+                             "'fork' or 'forkserver'")  # fmt: skip
+        super().__init__(data_parallel_size=data_parallel_size or "auto",
+                         tensor_parallel_size=tensor_parallel_size or "auto",
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)  # fmt: skip
+        self._sizes_given = (tensor_parallel_size, data_parallel_size)
+        self._plan_arg = dict(plan) if isinstance(plan, Mapping) else plan
+        self._start_method = start_method
+        self.checkpoint_io = SafeCheckpointIO()  # a failed save never destroys the previous file
+        self.comm_meter = CommMeter()
+        self._comm_log = CommLogState()
+        self.plan: TPPlan | None = None
+        self._counting_active = False
+        self._dp_params: list[torch.nn.Parameter] = []  # hybrid: averaged over every rank
+        self._mp_params: set[int] = set()  # hybrid: ids of the gathered-batch (model-parallel) parameters
+
+    # ------------------------------------------------------------------ sizes, launcher, mesh
+    def _resolve_sizes(self) -> None:
+        world = self.num_processes * self.num_nodes
+        tp, dp = self._sizes_given
+        owner = type(self).__name__
+        given = f"{owner}(tensor_parallel_size={tp}, data_parallel_size={dp})"
+        where = f"the world size {world} (devices={self.num_processes} x num_nodes={self.num_nodes})"
+        if tp is None and dp is None:
+            tp, dp = world, 1
+        elif tp is None:
+            if world % dp:
+                raise ValueError(f"{given}: data_parallel_size must divide {where}")
+            tp = world // dp
+        elif dp is None:
+            if world % tp:
+                raise ValueError(f"{given}: tensor_parallel_size must divide {where}")
+            dp = world // tp
+        if tp * dp != world:
+            raise ValueError(f"{given}: tensor_parallel_size x data_parallel_size = {tp * dp} must equal {where}")
+        if tp == 1:
+            rank_zero_warn(f"{given}: tensor_parallel_size=1 shards nothing; this is data parallelism "
+                           "(strategy='ddp' does the same with overlapped communication)")  # fmt: skip
+        self._tensor_parallel_size, self._data_parallel_size = tp, dp
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Runs in Trainer.__init__, before any process starts: the sizes are checked here.
+        self._resolve_sizes()
+        assert self.cluster_environment is not None
+        if self._start_method == "popen" or self.cluster_environment.creates_processes_externally:
+            super()._configure_launcher()
+        else:
+            self._launcher = _FullWeightsLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        check_gloo_interface(type(self).__name__, self.num_nodes,
+                             self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo"))
+        super().setup_environment()
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self.plan is not None and self.plan.gather_batch_at is not None:
+            return {"num_replicas": self.world_size, "rank": self.global_rank}  # hybrid: every rank its own data
+        return super().distributed_sampler_kwargs
+
+    # ------------------------------------------------------------------ setup: shard the module
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._parallelize(self.model)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        tensor_parallel_clip.install(self.precision_plugin)  # torch's clipping cannot mix DTensor and plain grads
+        install_progress_bar_format(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            log_run_settings(trainer, self.run_settings())
+
+    def run_settings(self) -> dict[str, Any]:
+        """The resolved settings every logger receives at setup: sizes after resolving ``None``, and the plan."""
+        settings = resolved_settings(self, self.strategy_name)
+        settings.update(tensor_parallel_size=self._tensor_parallel_size, data_parallel_size=self._data_parallel_size,
+                        plan=self.plan.as_dict() if self.plan is not None else self._plan_arg)  # fmt: skip
+        return settings
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            log_final_total(self.lightning_module._trainer, self.comm_meter, self._comm_log)
+
+    def _resolve_plan(self, module: torch.nn.Module) -> TPPlan:
+        arg = self._plan_arg
+        owner = f"{type(self).__name__}(plan={arg!r})"
+        try:
+            plan = TPPlan.from_dict(arg) if isinstance(arg, dict) else plan_for(module, hybrid=arg == "hybrid")
+        except ValueError as err:
+            raise ValueError(f"{owner}: {err}") from None
+        check_plan(plan, module, self._tensor_parallel_size, owner=owner)
+        return plan
+
+    def _parallelize(self, module: torch.nn.Module) -> None:
+        if getattr(module, "_pdist_tp_plan", None) is not None:
+            self.plan = module._pdist_tp_plan  # validate/test after fit in the same Trainer: already sharded
+            return
+        if any(isinstance(p, DTensor) for p in module.parameters()):
+            raise RuntimeError(f"{type(self).__name__}: the module already holds DTensor parameters (sharded in "
+                               "configure_model?); use Lightning's ModelParallelStrategy for hand-written "
+                               "parallelization, or remove it and let the plan shard the module")  # fmt: skip
+        self.plan = self._resolve_plan(module)
+        styles: dict[str, Any] = {name: _STYLES[p]() for name, p in self.plan.layers if p in _STYLES}
+        gather = self.plan.gather_batch_at
+        if gather is not None:
+            # The FC stack sees every rank's rows: all-gather its input on dim 0, hand back this rank's rows.
+            styles[gather] = PrepareModuleInputOutput(
+                input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(0),), use_local_output=True)  # fmt: skip
+        _out_of_place_after_sharded(module, self.plan)
+        parallelize_module(module, self.device_mesh["tensor_parallel"], styles)
+        module._pdist_tp_plan = self.plan
+        if gather is not None:
+            inside = [p for n, p in module.named_parameters() if n.startswith(f"{gather}.")]
+            self._mp_params = {id(p) for p in inside}
+            self._dp_params = [p for p in module.parameters() if id(p) not in self._mp_params]
+
+    # ------------------------------------------------------------------ training step: count, sync, log
+    @contextmanager
+    def _counting(self) -> Iterator[None]:
+        if self._counting_active:
+            yield
+            return
+        self._counting_active = True
+        try:
+            with DTensorCommMeter(self.comm_meter):
+                yield
+        finally:
+            self._counting_active = False
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._counting():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        with self._counting():
+            return super().backward(*args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        guard = self.nonfinite_guard
+        if guard.consulted(self.precision_plugin):  # checked before the average, which would spread a NaN
+            module = model if model is not None else self.lightning_module
+            closure = guard.wrap(closure, lambda: self._nonfinite_ranks(optimizer), module,
+                                 before="the data-parallel gradient average and the optimizer step",
+                                 skipped="that gradient average and optimizer step")  # fmt: skip
+
+        def closure_then_sync() -> Any:
+            output = closure()
+            self._sync_gradients(optimizer)
+            return output
+
+        # Not counted here: hooks that run between backward and the step (on_before_optimizer_step) are not the
+        # algorithm's traffic; training_step and backward are counted where they run.
+        try:
+            output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        except SkipStep:
+            output = None  # every rank skipped this step (nothing averaged, nothing stepped)
+        guard.step_done()
+        log_comm_bytes(self.lightning_module, self.comm_meter, self._comm_log)
+        guard.log(self.lightning_module)
+        return output
+
+    @property
+    def nonfinite(self) -> str:
+        """The non-finite policy: ``"raise"``, ``"skip_step"`` or ``"propagate"``."""
+        return self.nonfinite_guard.policy
+
+    def _nonfinite_ranks(self, optimizer: Optimizer) -> list[int] | None:
+        """The ranks whose own (local) gradients are not finite, agreed by one all-reduce of ``world_size`` flags."""
+        bad = not all_finite([_local(g) for g in optimizer_grads(optimizer)])
+        flags = one_hot_flag(bad, self.global_rank, self.world_size, device=self.root_device)
+        all_reduce_sum_(flags, meter=self.comm_meter, kind="nonfinite_flag")
+        return culprit_ranks(flags) or None
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.nonfinite_guard.snapshot(self.lightning_module, self.precision_plugin)
+
+    def _sync_gradients(self, optimizer: Optimizer) -> None:
+        """Average the local gradients of ``optimizer``'s parameters across the data-parallel dimension."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        dp_group = self.device_mesh["data_parallel"].get_group()
+        tp = self._tensor_parallel_size
+        if self.plan is not None and self.plan.gather_batch_at is not None:
+            every = [p for p in params if id(p) not in self._mp_params]
+            sharded = [p for p in params if id(p) in self._mp_params]
+            for p in sharded:
+                _local(p.grad).div_(tp)  # d(sum of the t ranks' losses) -> d(their mean)
+            _all_reduce_mean(every, None, self.world_size, self.comm_meter)
+            _all_reduce_mean(sharded, dp_group, self._data_parallel_size, self.comm_meter)
+            return
+        _all_reduce_mean(params, dp_group, self._data_parallel_size, self.comm_meter)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        checkpoint["pdist"] = {
+            "strategy": type(self).__name__, "comm_meter": self.comm_meter.state_dict(),
+            "skipped_steps": self.nonfinite_guard.skipped.state_dict(),
+            "plan": self.plan.as_dict() if self.plan is not None else None,
+            "tensor_parallel_size": self._tensor_parallel_size, "data_parallel_size": self._data_parallel_size,
+        }  # fmt: skip
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if not _is_full_checkpoint(path):
+            checkpoint = super().load_checkpoint(path, weights_only=weights_only)
+        else:
+            # Lightning's loader indexes the first state entry to tell ids from names, which fails for optimizers
+            # without state (plain SGD): load the module through it, the optimizers here.
+            assert self.lightning_module is not None and self.model is not None
+            checkpoint = _load_checkpoint(path, {"state_dict": self.model}, strict=self.lightning_module.strict_loading,
+                                          weights_only=weights_only)  # fmt: skip
+            options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True)
+            for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+                if not state["state"]:  # nothing per parameter: the hyperparameters are all there is
+                    optimizer.load_state_dict(state)
+                    continue
+                by_name = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_NAME, self.model)
+                set_optimizer_state_dict(self.model, optimizer, optim_state_dict=by_name, options=options)
+        state = checkpoint.get("pdist") or {}
+        if state.get("strategy") == type(self).__name__:
+            self.comm_meter.load_state_dict(state.get("comm_meter", {}))
+            self.nonfinite_guard.skipped.load_state_dict(state.get("skipped_steps", {}))
+        return checkpoint
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        description = cls.__doc__.splitlines()[0] if cls.__doc__ else ""
+        register_variants(strategy_registry, cls, cls.strategy_name, description, find_unused=False)
+
+
+class _FullWeightsLauncher(lifetime.ForkSafeLaunch, _MultiProcessingLauncher):
+    """Lightning's fork/spawn launcher, handing the main process full weights instead of DTensor shards.
+
+    Lightning saves rank 0's ``state_dict()`` for the main process, which loads it with a ``map_location``
+    callable that DTensors do not support; the full tensors are what the main process's unsharded module needs.
+    """
+
+    @override
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        full = get_model_state_dict(trainer.lightning_module,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # fmt: skip
+        state_dict = trainer.lightning_module.state_dict
+        trainer.lightning_module.state_dict = lambda *a, **k: full  # read once by the parent's method below
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            trainer.lightning_module.state_dict = state_dict
+
+
+def _out_of_place_after_sharded(module: torch.nn.Module, plan: TPPlan) -> None:
+    """Make ``ReLU(inplace=True)`` and the like beside sharded layers out-of-place (the same values).
+
+    A sharded layer's output is a view that DTensor's autograd function returned; modifying it in place is
+    forbidden by autograd ("Output 0 of _ToTorchTensor is a view and is being modified inplace").
+    """
+    for name in plan.named(COLWISE) + plan.named(ROWWISE):
+        parent = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+        for child in parent.children():
+            if isinstance(child, ELEMENTWISE) and getattr(child, "inplace", False):
+                child.inplace = False
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _all_reduce_mean(params: list[torch.Tensor], group: Any, size: int, meter: CommMeter) -> None:
+    """One flat all-reduce-mean of the local gradients of ``params`` over ``group`` (nothing when ``size`` is 1)."""
+    if size == 1 or not params:
+        return
+    grads = [_local(p.grad) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    all_reduce_mean_(flat, group, meter=meter, kind="dp_all_reduce")
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -1,0 +1,34 @@
+"""Tier 2: the workers' private gloo group (WorkerGroup) on 3 real ranks over loopback."""
+
+import json
+from datetime import timedelta
+
+import torch.multiprocessing as mp
+from _helpers import free_port
+
+from lightning_pdist.parameter_server.workers import WorkerGroup
+
+
+def _gather(rank: int, world_size: int, port: int, out: str) -> None:
+    group = WorkerGroup("127.0.0.1", port, rank, world_size, timeout=timedelta(seconds=60))
+    # objects of different pickled sizes, one of them None (a worker with nothing to report)
+    mine = None if rank == 1 else {"rank": rank, "payload": "x" * (10 * rank)}
+    gathered = group.all_gather_object(mine)
+    group.close()
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(gathered, f)
+
+
+def test_all_gather_object_returns_every_workers_object_in_rank_order(tmp_path):
+    """all_gather_object: every rank gets every rank's object (sizes differ, None included), in rank order."""
+    out = str(tmp_path / "gathered")
+    mp.start_processes(_gather, args=(3, free_port(), out), nprocs=3, start_method="fork")
+    expected = [{"rank": 0, "payload": ""}, None, {"rank": 2, "payload": "x" * 20}]
+    for rank in range(3):
+        with open(f"{out}.{rank}") as f:
+            assert json.load(f) == expected
+
+
+def test_one_worker_gathers_its_own_object():
+    """With world_size 1 there is no group: the gather is the object itself."""
+    assert WorkerGroup("127.0.0.1", 0, 0, 1).all_gather_object(("secret", None)) == [("secret", None)]

@@ -1,0 +1,128 @@
+"""Tensor-parallel plans: derived for encoders, Linear stacks and the hybrid; checked against model and degree."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from lightning_pdist.tensor_parallel.plan import COLWISE, REPLICATE, ROWWISE, TPPlan, check_plan, plan_for
+from lightning_pdist.models import MLP, ClassifierModule
+from lightning_pdist.models.vgg import vgg16_scaled
+
+pytest.importorskip("transformers")
+from lightning_pdist.models import EncoderClassifier  # noqa: E402
+
+
+def _encoder(family: str, **kwargs) -> nn.Module:
+    return EncoderClassifier(family, vocab_size=50, hidden_size=32, num_heads=4, intermediate_size=64, max_len=16,
+                             **kwargs)  # fmt: skip
+
+
+def test_bert_blocks_are_sharded_megatron_style():
+    """BERT: q/k/v and the first FFN linear column-wise, the attention output and second FFN linear row-wise."""
+    plan = plan_for(_encoder("bert", num_layers=2))
+    expected = {}
+    for i in range(2):
+        p = f"encoder.bert.encoder.layer.{i}."
+        expected.update({p + "attention.self.query": COLWISE, p + "attention.self.key": COLWISE,
+                         p + "attention.self.value": COLWISE, p + "attention.output.dense": ROWWISE,
+                         p + "intermediate.dense": COLWISE, p + "output.dense": ROWWISE})  # fmt: skip
+    assert plan.as_dict() == expected  # embeddings, LayerNorm, pooler and classifier replicated
+    assert plan.gather_batch_at is None
+
+
+def test_albert_shared_block_is_sharded_once():
+    """ALBERT's one shared block appears once in the plan, whatever the number of layers."""
+    plan = plan_for(_encoder("albert", num_layers=3))
+    p = "encoder.albert.encoder.albert_layer_groups.0.albert_layers.0."
+    assert plan.as_dict() == {p + "attention.query": COLWISE, p + "attention.key": COLWISE,
+                              p + "attention.value": COLWISE, p + "attention.dense": ROWWISE,
+                              p + "ffn": COLWISE, p + "ffn_output": ROWWISE}  # fmt: skip
+
+
+def test_linear_stack_pairs_and_leaves_the_odd_layer_replicated():
+    """Linear/ReLU/Linear/ReLU/Linear: the first two pair up, the last one (the head) stays replicated."""
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert plan_for(net).as_dict() == {"0": COLWISE, "2": ROWWISE}
+    assert plan_for(ClassifierModule(MLP(16, 3, 8))).as_dict() == {"model.net.1": COLWISE, "model.net.3": ROWWISE}
+
+
+def test_a_norm_between_linears_breaks_the_pair():
+    """A LayerNorm needs the full activation: Linear, LayerNorm, Linear, ReLU, Linear pairs only the last two."""
+    net = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert plan_for(net).as_dict() == {"2": COLWISE, "4": ROWWISE}
+
+
+def test_vgg_auto_and_hybrid_plans():
+    """VGG: fc6 column-wise, fc7 row-wise, fc8 replicated; the hybrid gathers the batch at the classifier."""
+    net = vgg16_scaled(width=0.0625)
+    auto, hybrid = plan_for(net), plan_for(net, hybrid=True)
+    assert auto.as_dict() == hybrid.as_dict() == {"classifier.fc6": COLWISE, "classifier.fc7": ROWWISE}
+    assert auto.gather_batch_at is None and hybrid.gather_batch_at == "classifier"
+    assert "batch all-gathered at the input of 'classifier'" in str(hybrid)
+
+
+def test_hybrid_needs_convolutions():
+    """plan='hybrid' on a network without convolutions is refused, pointing at plan='auto'."""
+    with pytest.raises(ValueError, match=r"no convolution layers; use plan='auto'"):
+        plan_for(MLP(16, 3, 8), hybrid=True)
+
+
+def test_multihead_attention_is_refused_by_name():
+    """nn.MultiheadAttention packs q/k/v in one weight: the refusal names the module and the way out."""
+    net = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1)
+    with pytest.raises(ValueError, match=r"cannot place 'layers\.0\.self_attn' \(nn\.MultiheadAttention packs"):
+        plan_for(net)
+
+
+def test_nothing_to_shard_is_refused():
+    """A model with no attention and no Linear pair gets a refusal asking for a plan dict."""
+    with pytest.raises(ValueError, match=r"plan_for\(Sequential\): found nothing to shard.*pass a plan dict"):
+        plan_for(nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 2)))
+
+
+def test_plan_values_print_and_compare():
+    """Plans are values: equal when built from equal dicts, printable one module per line; bad placements refused."""
+    a = TPPlan.from_dict({"b": ROWWISE, "a": COLWISE})
+    assert a == TPPlan.from_dict({"a": COLWISE, "b": ROWWISE}) and hash(a) == hash(TPPlan.from_dict(a.as_dict()))
+    assert str(a).splitlines() == ["a  colwise", "b  rowwise"]
+    assert a.named(COLWISE) == ["a"] and a.named(REPLICATE) == []
+    with pytest.raises(ValueError, match=r"TPPlan\(layers\['a'\]='diagonal'\): placement must be one of"):
+        TPPlan.from_dict({"a": "diagonal"})
+    with pytest.raises(TypeError, match=r"names and placements must be strings"):
+        TPPlan.from_dict({"a": 1})
+
+
+def test_check_plan_names_the_missing_module_with_a_suggestion():
+    """A plan naming a module that does not exist is refused with the closest real name."""
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"P: module '3' is not in Sequential; its modules are '0', '1', '2'"):
+        check_plan(TPPlan.from_dict({"3": COLWISE}), net, 2, owner="P")
+    model = ClassifierModule(MLP(16, 3, 8))
+    with pytest.raises(ValueError, match=r"module 'model.net.11' is not in ClassifierModule; did you mean 'model.net.1'"):
+        check_plan(TPPlan.from_dict({"model.net.11": COLWISE}), model, 2)
+
+
+@pytest.mark.parametrize(
+    ("layers", "tp", "message"),
+    [
+        ({"0": COLWISE}, 3, r"module '0' \(Linear 4->8\): out_features=8 must be divisible by tensor_parallel_size=3 "
+                            r"to shard it colwise"),
+        ({"2": ROWWISE}, 3, r"module '2' \(Linear 8->2\): in_features=8 must be divisible by tensor_parallel_size=3"),
+        ({"1": COLWISE}, 2, r"module '1' is ReLU; colwise sharding applies to nn.Linear and nn.Embedding only"),
+    ],
+)
+def test_check_plan_refuses_what_cannot_be_sharded(layers, tp, message):
+    """Indivisible dimensions and non-Linear modules are refused, naming the module, the value and the rule."""
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=message):
+        check_plan(TPPlan.from_dict(layers), net, tp)
+
+
+def test_check_plan_refuses_heads_that_do_not_divide():
+    """Two heads over four ranks would split a head: refused naming the attention module."""
+    net = EncoderClassifier("bert", vocab_size=50, hidden_size=32, num_heads=2, intermediate_size=64, max_len=16)
+    with pytest.raises(ValueError, match=r"'encoder.bert.encoder.layer.0.attention.self': num_attention_heads=2 "
+                                         r"must be divisible by tensor_parallel_size=4"):  # fmt: skip
+        check_plan(plan_for(net), net, 4)
+    check_plan(plan_for(net), net, 2)  # whole heads per rank: fine

@@ -1,0 +1,282 @@
+"""TensorParallelStrategy on real ranks: gradients, losses and weights equal the unsharded model's, DP×TP, hybrid."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from _helpers import fit, rank_batches
+from lightning_pdist.core.accounting import all_reduce_bytes
+from lightning_pdist.models.vgg import vgg16_scaled
+from lightning_pdist import TensorParallelStrategy
+
+pytest.importorskip("transformers")
+from lightning_pdist.models import EncoderClassifier  # noqa: E402
+
+BATCH, SEQ, HIDDEN, LAYERS = 4, 16, 32, 2
+
+
+def _bert(family: str = "bert") -> nn.Module:
+    torch.manual_seed(0)
+    return EncoderClassifier(family, vocab_size=60, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=4,
+                             intermediate_size=64, max_len=SEQ, dropout=0.0)  # fmt: skip
+
+
+def _tokens(n: int = 16) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(1, 60, (n, SEQ), generator=g)
+    x[::3, SEQ - 5 :] = 0  # some padding
+    return TensorDataset(x, torch.randint(0, 2, (n,), generator=g))
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _features(n: int = 16, shape=(12,), classes: int = 3) -> TensorDataset:
+    g = torch.Generator().manual_seed(2)
+    return TensorDataset(torch.randn(n, *shape, generator=g), torch.randint(0, classes, (n,), generator=g))
+
+
+def _vgg() -> nn.Module:
+    torch.manual_seed(0)
+    net = vgg16_scaled(width=0.0625)  # 62 classes, fc6 512->256, fc7 256->256
+    for m in net.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0  # the unsharded reference must see the same function
+    return net
+
+
+class Net(LightningModule):
+    """Cross-entropy and plain SGD; Lightning's distributed sampler picks the batches (the reference replays them)."""
+
+    def __init__(self, net: nn.Module, data: TensorDataset, lr: float = 0.1, momentum: float = 0.0):
+        super().__init__()
+        self.net, self.data, self.lr, self.momentum = net, data, lr, momentum
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=BATCH)
+
+
+class Record(Callback):
+    """Rank 0 writes each step's loss and full gradients (gathered from the shards) to ``path``."""
+
+    def __init__(self, path: Path):
+        self.path, self.grads, self.losses = path, [], []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        full = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                for n, p in pl_module.named_parameters() if p.grad is not None}  # fmt: skip
+        self.grads.append(full)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        if trainer.global_rank == 0:
+            kinds = dict(trainer.strategy.comm_meter.by_kind)
+            torch.save({"grads": self.grads, "losses": self.losses, "kinds": kinds}, self.path)
+
+
+def reference(net: nn.Module, data: TensorDataset, steps: int, ranks: int = 1, lr: float = 0.1, clip=None) -> dict:
+    """Plain torch, one process: SGD on the global batch (the ``ranks`` data-parallel batches side by side)."""
+    net = copy.deepcopy(net)
+    batches = [rank_batches(data, r, ranks, BATCH) for r in range(ranks)]  # what Lightning's sampler hands out
+    out = {"grads": [], "losses": []}
+    for step in range(steps):
+        x = torch.cat([b[step][0] for b in batches])
+        y = torch.cat([b[step][1] for b in batches])
+        net.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        out["grads"].append({"net." + n: p.grad.clone() for n, p in net.named_parameters()})
+        out["losses"].append(loss.item())
+        if clip is not None:
+            clip(net.parameters())
+        with torch.no_grad():
+            for p in net.parameters():
+                p -= lr * p.grad
+    out["weights"] = {"net." + n: p.detach().clone() for n, p in net.named_parameters()}
+    return out
+
+
+def _assert_close(got: dict, want: dict, atol: float = 1e-5) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=atol, rtol=0, msg=name)
+
+
+def _run(tmp_path, net, data, strategy, devices=2, steps=3, **kwargs):
+    rec = Record(tmp_path / "record.pt")
+    trainer = fit(strategy, Net(copy.deepcopy(net), data), devices=devices, max_steps=steps, callbacks=[rec], **kwargs)
+    return trainer, torch.load(tmp_path / "record.pt")
+
+
+@pytest.mark.parametrize("family", ["bert", "albert"])
+def test_encoder_gradients_losses_and_weights_equal_the_unsharded_model(tmp_path, family):
+    """BERT-like and ALBERT-like encoders on 2 ranks (t=2): every step's loss and gradient and the final weights
+    equal one process training the unsharded model on the same batches (1e-5)."""
+    net, data = _bert(family), _tokens()
+    trainer, got = _run(tmp_path, net, data, TensorParallelStrategy(start_method="fork"))
+    want = reference(net, data, steps=3)
+    assert got["losses"] == pytest.approx(want["losses"], abs=1e-5)
+    for g, w in zip(got["grads"], want["grads"]):
+        _assert_close(g, w)
+    _assert_close(dict(trainer.lightning_module.named_parameters()), want["weights"])
+    # Each step: per layer, 2 forward all-reduces (attention output, FFN output) and 4 backward ones (the input
+    # gradients of q, k, v and the first FFN linear), each of a (B, L, H) float activation.
+    per_step = LAYERS * 6 * all_reduce_bytes(BATCH * SEQ * HIDDEN * 4, 2)
+    flag = all_reduce_bytes(2 * 4, 2)  # nonfinite='raise': the ranks agree on 2 float flags before every step
+    assert trainer.callback_metrics["pdist/comm_bytes"].item() == per_step + flag
+    assert got["kinds"] == {"tp_all_reduce": 3 * per_step, "nonfinite_flag": 3 * flag}
+    assert trainer.callback_metrics["pdist/comm_bytes_total"].item() == 3 * (per_step + flag)
+
+
+def test_mlp_stack_equals_the_unsharded_model(tmp_path):
+    """A Linear stack (column, row, replicated head) on 2 ranks equals the unsharded model."""
+    net, data = _mlp(), _features()
+    trainer, got = _run(tmp_path, net, data, TensorParallelStrategy(start_method="fork"))
+    want = reference(net, data, steps=3)
+    for g, w in zip(got["grads"], want["grads"]):
+        _assert_close(g, w)
+    _assert_close(dict(trainer.lightning_module.named_parameters()), want["weights"])
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "clip"),
+    [("norm", lambda ps: nn.utils.clip_grad_norm_(ps, 0.05)), ("value", lambda ps: nn.utils.clip_grad_value_(ps, 1e-3))],
+)
+def test_gradient_clipping_over_sharded_and_replicated_gradients_equals_torch_on_the_unsharded_model(
+    tmp_path, algorithm, clip
+):
+    """gradient_clip_val by norm and by value: torch's own clipping of the unsharded model gives the same weights
+    (torch's functions cannot take the mix of DTensor and plain gradients themselves)."""
+    net, data = _bert(), _tokens()
+    val = 0.05 if algorithm == "norm" else 1e-3
+    trainer, _ = _run(tmp_path, net, data, TensorParallelStrategy(start_method="fork"), steps=2,
+                      gradient_clip_val=val, gradient_clip_algorithm=algorithm)  # fmt: skip
+    want = reference(net, data, steps=2, clip=clip)
+    _assert_close(dict(trainer.lightning_module.named_parameters()), want["weights"])
+    unclipped = reference(net, data, steps=2)["weights"]["net.encoder.classifier.weight"]
+    assert not torch.allclose(unclipped, want["weights"]["net.encoder.classifier.weight"], atol=1e-5)  # it bites
+
+
+def test_dp_by_tp_on_four_ranks_equals_the_unsharded_model_on_the_global_batch(tmp_path):
+    """DP×TP 2×2: each TP pair shards the encoder, the two pairs average gradients; equals the unsharded model on
+    both data-parallel batches side by side."""
+    net, data = _bert(), _tokens()
+    strategy = TensorParallelStrategy(tensor_parallel_size=2, data_parallel_size=2, start_method="fork")
+    trainer, got = _run(tmp_path, net, data, strategy, devices=4, steps=2)
+    want = reference(net, data, steps=2, ranks=2)
+    for g, w in zip(got["grads"], want["grads"]):
+        _assert_close(g, w)
+    _assert_close(dict(trainer.lightning_module.named_parameters()), want["weights"])
+    assert set(got["kinds"]) == {"tp_all_reduce", "dp_all_reduce", "nonfinite_flag"}
+
+
+def test_hybrid_vgg_equals_the_unsharded_model_on_the_global_batch(tmp_path):
+    """Conv-DP / FC-MP on vgg16_scaled, 2 ranks with their own images: equals the unsharded model on both batches."""
+    net, data = _vgg(), _features(shape=(3, 32, 32), classes=62)
+    trainer, got = _run(tmp_path, net, data, TensorParallelStrategy(plan="hybrid", start_method="fork"), steps=2)
+    want = reference(net, data, steps=2, ranks=2)
+    for g, w in zip(got["grads"], want["grads"]):
+        _assert_close(g, w, atol=2e-5)
+    _assert_close(dict(trainer.lightning_module.named_parameters()), want["weights"], atol=2e-5)
+    assert {"tp_all_gather", "tp_all_reduce", "dp_all_reduce"} <= set(got["kinds"])
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["full_file", "distributed_checkpoint"])
+def test_resume_from_a_checkpoint_is_exact_and_loads_in_a_plain_process(tmp_path, sharded):
+    """Stopping after epoch 0 and resuming to the end of epoch 1 gives the uninterrupted weights bit for bit, from
+    the full file and from a torch.distributed.checkpoint folder; the full file loads into the plain, unsharded
+    module with load_from_checkpoint."""
+    net, data = _bert(), _tokens()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="{epoch}")
+    common = dict(max_steps=-1, max_epochs=2)
+    strategy = lambda: TensorParallelStrategy(start_method="fork", save_distributed_checkpoint=sharded)  # noqa: E731
+    full = fit(strategy(), Net(copy.deepcopy(net), data, momentum=0.9), callbacks=[ckpt], enable_checkpointing=True,
+               **common)  # fmt: skip
+    first = tmp_path / "epoch=0.ckpt"
+    resumed = fit(strategy(), Net(copy.deepcopy(net), data, momentum=0.9), ckpt_path=str(first), **common)
+    want = dict(full.lightning_module.named_parameters())
+    _assert_close(dict(resumed.lightning_module.named_parameters()), want, atol=0)
+    if sharded:
+        assert first.is_dir() and {"__0_0.distcp", "__1_0.distcp", "meta.pt"} <= {p.name for p in first.iterdir()}
+        return
+    loaded = Net.load_from_checkpoint(tmp_path / "epoch=1.ckpt", net=copy.deepcopy(net), data=data)
+    _assert_close(dict(loaded.named_parameters()), want, atol=0)
+    saved = torch.load(first, weights_only=False)
+    assert saved["pdist"]["plan"]["net.encoder.bert.encoder.layer.0.intermediate.dense"] == "colwise"
+    assert saved["pdist"]["tensor_parallel_size"] == 2 and saved["pdist"]["comm_meter"]["total_bytes"] > 0
+    assert saved["optimizer_states"][0]["state"]  # the momentum buffers, full
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "devices", "error", "message"),
+    [
+        ({"tensor_parallel_size": 3}, 2, ValueError,
+         r"TensorParallelStrategy\(tensor_parallel_size=3, data_parallel_size=None\): tensor_parallel_size must "
+         r"divide the world size 2 \(devices=2 x num_nodes=1\)"),
+        ({"tensor_parallel_size": 2, "data_parallel_size": 2}, 2, ValueError,
+         r"tensor_parallel_size x data_parallel_size = 4 must equal the world size 2"),
+        ({"data_parallel_size": 3}, 2, ValueError, r"data_parallel_size must divide the world size 2"),
+    ],
+)
+def test_sizes_that_do_not_multiply_to_the_world_size_are_refused_before_any_process_starts(kwargs, devices, error,
+                                                                                            message):  # fmt: skip
+    """Sizes are checked when the Trainer is built, naming both sizes and the world size."""
+    with pytest.raises(error, match=message):
+        Trainer(accelerator="cpu", devices=devices, strategy=TensorParallelStrategy(**kwargs), logger=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"tensor_parallel_size": 0}, ValueError, r"TensorParallelStrategy\(tensor_parallel_size=0\): "
+                                                  r"tensor_parallel_size must be >= 1 or None"),
+        ({"data_parallel_size": 2.0}, TypeError, r"data_parallel_size=2.0\): data_parallel_size must be an int"),
+        ({"plan": "megatron"}, ValueError, r"plan='megatron'\): plan must be one of \('auto', 'hybrid'\) or a dict"),
+        ({"plan": {"net.1": "diagonal"}}, ValueError, r"placement must be one of"),
+        ({"plan": {"net.1": "replicate"}}, ValueError, r"the plan shards nothing"),
+        ({"plan": ["net.1"]}, TypeError, r"plan must be 'auto', 'hybrid' or a dict of placements"),
+        ({"sequence_parallel": True}, ValueError, r"sequence_parallel=True\): sequence parallelism is not "
+                                                  r"implemented yet"),
+        ({"sequence_parallel": 1}, TypeError, r"sequence_parallel=1\): sequence_parallel must be a bool"),
+        ({"start_method": "thread"}, ValueError, r"start_method must be 'popen', 'spawn', 'fork' or 'forkserver'"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction(kwargs, error, message):
+    """Every bad value names the argument, the value and the rule."""
+    with pytest.raises(error, match=message):
+        TensorParallelStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("net", "data", "plan", "message"),
+    [
+        (_mlp, lambda: _features(), {"net.7": "colwise"}, r"module 'net.7' is not in Net; did you mean 'net.5'"),
+        (lambda: nn.Sequential(nn.Linear(12, 15), nn.ReLU(), nn.Linear(15, 3)), lambda: _features(), "auto",
+         r"module 'net.0' \(Linear 12->15\): out_features=15 must be divisible by tensor_parallel_size=2"),
+    ],
+)
+def test_plans_that_do_not_fit_the_module_are_refused_at_setup(net, data, plan, message):
+    """A plan naming a missing module, or a dimension not divisible by t, stops every rank at setup, named."""
+    with pytest.raises(Exception, match=message):
+        fit(TensorParallelStrategy(plan=plan, start_method="fork"), Net(net(), data()), max_steps=1)
