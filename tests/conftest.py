@@ -109,3 +109,24 @@ def _no_process_outlives_its_test():
         _reap(alive)
         described = "; ".join(f"pid {pid} ({state}): {cmd[:160]}" for pid, (state, cmd) in sorted(alive.items()))
         pytest.fail(f"{len(alive)} process(es) outlived the test and were killed: {described}", pytrace=False)
+
+
+# CI sets PDIST_FAIL_ON_SKIP=1 (.ci/run): every package the suite needs is installed there and the machine can make
+# network namespaces and mount a tmpfs, so a skip means a test silently stopped testing. `-ra` prints each reason.
+_skipped: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _skipped.append(report.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("PDIST_FAIL_ON_SKIP") == "1" and _skipped and session.exitstatus == 0:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if os.environ.get("PDIST_FAIL_ON_SKIP") == "1" and _skipped:
+        terminalreporter.write_line(f"PDIST_FAIL_ON_SKIP=1: {len(_skipped)} test(s) skipped (reasons above), so the "
+                                    f"run fails: {', '.join(_skipped[:10])}", red=True)  # fmt: skip

@@ -159,9 +159,9 @@ def test_real_throughput_and_bubble_run_on_loopback(tmp_path):
     assert by[("ours", "1f1b")]["samples_per_s"] > 0 and by[("torch", "1f1b")]["samples_per_s"] > 0
     (ratio,) = doc["ratios"]
     assert ratio["ratio"] == round(by[("ours", "1f1b")]["samples_per_s"] / by[("torch", "1f1b")]["samples_per_s"], 3)
-    for engine in ("deepspeed", "fairscale"):
+    for engine in ("deepspeed", "fairscale"):  # installed by the test set-up (scripts/setup_env.sh): they must run
         row = by[(engine, "gpipe" if engine == "fairscale" else "1f1b")]
-        assert row["samples_per_s"] is not None or "cannot be imported" in row["error"]
+        assert row["samples_per_s"] is not None and row["samples_per_s"] > 0, row["error"]
     assert [(r["schedule"], r["formula"]) for r in doc["bubble"]["rows"]] == [(s, round(1 / 3, 4)) for s in ("gpipe", "1f1b", "pipedream", "2bw")]
     for row in doc["bubble"]["rows"]:
         assert row["simulated_steady"] == (row["formula"] if row["schedule"] in ("gpipe", "1f1b") else 0.0)
