@@ -224,6 +224,9 @@ def test_histogram_goes_to_wandb_and_tensorboard_as_a_histogram(tmp_path):
 
     log_histogram(Trainer(), "pdist/ps/staleness_hist", [4, 0, 2])
     wandb_logger.experiment.finish()
+    import wandb
+
+    wandb.teardown()  # stops wandb's service process (wandb-core), which would otherwise outlive the test
     csv_logger.save()
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     records = run_file.read_bytes()
