@@ -461,10 +461,10 @@ class PipelineStrategy(PdistStrategy):
         start = executor.cursor.available
         self._window = {"start": start, "rest": rest, "records": [], "losses": []}
         if self._defer_steps and n < self.pipeline_stages:
-            raise RuntimeError(f"{type(self).__name__}(schedule={self.config.schedule!r}): a batch of {batch_size_of(batch)} samples gives {n} "
-                               f"micro-batches, fewer than num_stages ({self.pipeline_stages}); under 16-mixed the stages "
-                               "could then wait on each other's overflow flags across steps (use drop_last=True or a "
-                               "batch size of at least num_stages)")  # fmt: skip
+            raise RuntimeError(f"{type(self).__name__}(schedule={self.config.schedule!r}): a batch of "
+                               f"{batch_size_of(batch)} samples gives {n} micro-batches, fewer than num_stages "
+                               f"({self.pipeline_stages}); under 16-mixed the stages could then wait on each other's "
+                               "overflow flags across steps (use drop_last=True or a batch size of at least num_stages)")  # fmt: skip
         if executor.is_last:
             self._window["chunks"] = split_batch(batch, n)
         if executor.is_first and not executor.is_last:
