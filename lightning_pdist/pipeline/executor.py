@@ -93,6 +93,7 @@ class StageExecutor:
         self.weight_stashing, self.vertical_sync = weight_stashing, vertical_sync
         self.forward_context, self.settle_fn = forward_context, settle_fn
         self.cursor = StageCursor(schedule, num_stages, stage)
+        self.spec = self.cursor.spec
         self.params: dict[str, nn.Parameter] = dict(module.named_parameters())
         self.handlers: dict[str, Callable[[int], None]] = {"F": self.forward, "B": self.backward, "U": self.update}
         self.newest = 0  # updates applied: the newest weight version's id
@@ -142,8 +143,8 @@ class StageExecutor:
         handler(action.microbatch)
 
     def scale(self, microbatch: int) -> float:
-        """Loss factor: ``1/m_b`` (mean over the batch's micro-batches) except for ``pipedream``."""
-        return 1.0 if self.schedule == "pipedream" else 1.0 / self.cursor.batch_size(microbatch)
+        """Loss factor: ``1/m_b`` (mean over the batch's micro-batches), ``1`` where a micro-batch is a mini-batch."""
+        return 1.0 if self.spec.updates_per_microbatch else 1.0 / self.cursor.batch_size(microbatch)
 
     # ------------------------------------------------------------------ weight versions
     def _weights(self, version: int) -> dict[str, Tensor]:
@@ -160,13 +161,13 @@ class StageExecutor:
 
     def _future_floor(self) -> int:
         """Lowest version a forward still to come can use."""
-        if self.schedule == "2bw":
+        if self.spec.delayed_weights:
             nxt = self.cursor.forwarded
             batch = self.cursor.batch_of(nxt) if nxt < self.cursor.available else self.cursor.admitted_batches
             return max(0, batch - 1)
         if self.vertical_sync:
             return self._input_version(self.cursor.forwarded)
-        return self.newest + 1 if self.schedule == "pipedream" else self.newest
+        return self.newest + 1 if self.spec.updates_per_microbatch else self.newest
 
     def _input_version(self, microbatch: int) -> int:
         """Version the input stage uses for ``microbatch`` under ``pipedream``'s rule: one update per earlier
@@ -228,7 +229,7 @@ class StageExecutor:
                 x.requires_grad_()
             incoming = message.version
             # prev ran its forward j, so (1F1B order: F x follows B x-w) it took our gradients up to j - w_prev.
-            if self.schedule != "gpipe":
+            if not self.spec.all_forwards_first:
                 self.p2p.release(self.prev_rank, BACKWARD, j - (self.num_stages - self.stage + 1))
             if self.vertical_sync and incoming != self._input_version(j):
                 raise RuntimeError(
@@ -238,11 +239,11 @@ class StageExecutor:
         elif not self.is_last:
             x = self.input_fn(j)
         batch = self.cursor.batch_of(j)
-        version = version_for(self.schedule, batch, self.newest, incoming if self.vertical_sync else None, clamp=True)
-        if self.schedule == "2bw" and version != max(0, batch - 1) and not self._warned_clamp:
+        version = version_for(self.spec, batch, self.newest, incoming if self.vertical_sync else None, clamp=True)
+        if self.spec.delayed_weights and version != max(0, batch - 1) and not self._warned_clamp:
             self._warned_clamp = True
             warnings.warn(
-                f"pipeline stage {self.stage} (2bw): batch {batch} runs on weight version {version}, not {batch - 1}: the batch "
+                f"pipeline stage {self.stage} ({self.schedule}): batch {batch} runs on weight version {version}, not {batch - 1}: the batch "
                 "before it had fewer micro-batches than the pipeline holds, so the one-step delay could not be kept "
                 "(use drop_last=True or a batch size that num_microbatches divides)",
                 stacklevel=2,
@@ -311,7 +312,7 @@ class StageExecutor:
         if self.newest not in self.stashed:
             self.leaves.pop(self.newest, None)  # they alias the storage the optimizer just changed in place
         self.newest += 1
-        if self.cursor.schedule in ("gpipe", "1f1b"):
+        if self.spec.flushed:
             # A flushed batch is over here: every neighbour takes what we sent before it needs anything more.
             self.p2p.wait_all()
         self._release()
@@ -320,7 +321,7 @@ class StageExecutor:
     def _current_version_needed(self) -> bool:
         if any(rec.version == self.newest for rec in self.in_flight.values()):
             return True
-        if self.schedule == "2bw" or self.vertical_sync:
+        if self.spec.delayed_weights or self.vertical_sync:
             return self._future_floor() <= self.newest
         return False
 

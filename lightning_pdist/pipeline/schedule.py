@@ -34,25 +34,100 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 __all__ = [
     "Action",
     "KINDS",
     "SCHEDULES",
+    "SPECS",
     "Schedule",
+    "ScheduleSpec",
     "ScheduleStats",
     "StageCursor",
     "bubble_formula",
     "build_schedule",
+    "schedule_spec",
     "validate",
     "version_for",
 ]
 
 KINDS = ("F", "B", "U")
-SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw")
-FLUSHED = ("gpipe", "1f1b")
 _ACTION = re.compile(r"^(\d+)([A-Z])(\d+)$")
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """What a schedule's name means: the facts the cursor, the executor and the strategy ask of it.
+
+    Attributes:
+        name: ``gpipe``, ``1f1b``, ``pipedream`` or ``2bw``.
+        flushed: one update per batch after its last backward (``sB last`` then ``sU``), and nothing of the next
+            batch enters before it: every rank updates in the same window (``gpipe``, ``1f1b``).
+        all_forwards_first: ``w_s = ∞``, a batch's forwards all run before its first backward (``gpipe``);
+            otherwise ``w_s = K - s`` and the stage alternates ``F j``, ``B j - w_s`` (1F1B order).
+        updates_per_microbatch: every micro-batch is a mini-batch: ``sB j`` then ``sU j``, its loss not divided by
+            ``m`` (``pipedream``).
+        delayed_weights: batch ``b`` runs on version ``max(0, b - 1)``: ``W(t+1) = W(t) - ν·∇f(W(t-1))`` (``2bw``).
+        allows_vertical_sync: every stage may use the version the input stage used for a micro-batch (``pipedream``).
+        optional_stashing: ``weight_stashing=False`` is a meaningful ablation (``pipedream``); flushed schedules never
+            update mid-flight and ``2bw`` needs its two versions.
+        needs_microbatches_ge_stages: ``m >= K`` (``1f1b``: the warm-up keeps ``K - s`` in flight within a batch;
+            ``2bw``: version ``b - 1`` exists on every stage only when a batch fills the pipeline).
+    """
+
+    name: str
+    _: KW_ONLY
+    flushed: bool = False
+    all_forwards_first: bool = False
+    updates_per_microbatch: bool = False
+    delayed_weights: bool = False
+    allows_vertical_sync: bool = False
+    optional_stashing: bool = False
+    needs_microbatches_ge_stages: bool = False
+
+    @property
+    def scalable(self) -> bool:
+        """Whether every rank can agree on a loss-scale overflow before the update it concerns: flushed schedules
+        update in the same window everywhere, and ``2bw``'s new weights are first read a batch later."""
+        return self.flushed or self.delayed_weights
+
+    @property
+    def defers_scaled_steps(self) -> bool:
+        """Under loss scaling, a stage's step waits for the world's overflow flag until its weights are needed: the
+        stages update at different moments (not flushed) but read the result only a batch later (delayed)."""
+        return not self.flushed and self.delayed_weights
+
+    def warmup(self, num_stages: int, stage: int) -> float:
+        """``w_s``: micro-batches stage ``s`` admits before its first backward."""
+        return math.inf if self.all_forwards_first else num_stages - stage
+
+    def vertical_sync_refusal(self) -> str | None:
+        """The rule ``vertical_sync=True`` breaks under this schedule (``None``: allowed)."""
+        if self.allows_vertical_sync:
+            return None
+        allowed = " or ".join(repr(s.name) for s in SPECS.values() if s.allows_vertical_sync)
+        return f"vertical sync applies to schedule={allowed}, not {self.name!r}"
+
+
+#: Every schedule, by name.
+SPECS: dict[str, ScheduleSpec] = {
+    spec.name: spec
+    for spec in (
+        ScheduleSpec("gpipe", flushed=True, all_forwards_first=True),
+        ScheduleSpec("1f1b", flushed=True, needs_microbatches_ge_stages=True),
+        ScheduleSpec("pipedream", updates_per_microbatch=True, allows_vertical_sync=True, optional_stashing=True),
+        ScheduleSpec("2bw", delayed_weights=True, needs_microbatches_ge_stages=True),
+    )
+}
+SCHEDULES = tuple(SPECS)
+
+
+def schedule_spec(name: object, owner: str, arg: str = "schedule") -> ScheduleSpec:
+    """The spec of schedule ``name``; ``ValueError`` in the house format (``owner(arg=name): rule``) otherwise."""
+    if not isinstance(name, str) or name not in SPECS:
+        raise ValueError(f"{owner}({arg}={name!r}): {arg} must be one of {', '.join(map(repr, SCHEDULES))}")
+    return SPECS[name]
 
 
 @dataclass(frozen=True, order=True)
@@ -81,7 +156,7 @@ class Action:
         return cls(int(match[1]), match[2], int(match[3]))
 
 
-def version_for(schedule: str, batch: int, newest: int, incoming: int | None = None, clamp: bool = False) -> int:
+def version_for(spec: ScheduleSpec, batch: int, newest: int, incoming: int | None = None, clamp: bool = False) -> int:
     """Weight version the forward of a micro-batch of batch ``batch`` uses on a stage whose newest is ``newest``.
 
     ``pipedream``: the newest, or with vertical sync the ``incoming`` id from the input stage. ``2bw``:
@@ -89,7 +164,7 @@ def version_for(schedule: str, batch: int, newest: int, incoming: int | None = N
     behind and ``clamp`` is set (the runtime's fallback; :func:`validate` reports it instead). Flushed
     schedules: the newest (nothing updates inside a batch).
     """
-    if schedule == "2bw":
+    if spec.delayed_weights:
         delayed = max(0, batch - 1)
         return min(delayed, newest) if clamp else delayed
     if incoming is not None:
@@ -107,12 +182,11 @@ class StageCursor:
     """
 
     def __init__(self, schedule: str, num_stages: int, stage: int) -> None:
-        if schedule not in SCHEDULES:
-            raise ValueError(f"StageCursor(schedule={schedule!r}): schedule must be one of {SCHEDULES}")
+        self.spec = schedule_spec(schedule, "StageCursor")
         if not 0 <= stage < num_stages:
             raise ValueError(f"StageCursor(stage={stage}): stage must be in [0, {num_stages})")
         self.schedule, self.num_stages, self.stage = schedule, num_stages, stage
-        self.warmup = math.inf if schedule == "gpipe" else num_stages - stage
+        self.warmup = self.spec.warmup(num_stages, stage)
         self.forwarded = 0  # next forward's micro-batch
         self.backwarded = 0  # next backward's micro-batch
         self.updates = 0
@@ -157,7 +231,7 @@ class StageCursor:
         s = self.stage
         if self._pending_update is not None:
             return Action(s, "U", self._pending_update)
-        if self.schedule in FLUSHED:
+        if self.spec.flushed:
             # Forwards only of the oldest unfinished batch; its backwards before the next batch's forwards.
             limit, drain = (self.ends[0] if self.ends else self.start), True
         else:
@@ -177,7 +251,7 @@ class StageCursor:
         elif action.kind == "B":
             j = self.backwarded
             self.backwarded += 1
-            if self.schedule == "pipedream" or (self.ends and self.backwarded == self.ends[0]):
+            if self.spec.updates_per_microbatch or (self.ends and self.backwarded == self.ends[0]):
                 self._pending_update = j
         else:
             self._pending_update = None
@@ -205,6 +279,10 @@ class Schedule:
     num_batches: int
     programs: tuple[tuple[Action, ...], ...]
     vertical_sync: bool = False
+    spec: ScheduleSpec = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "spec", schedule_spec(self.name, "Schedule", "name"))
 
     @property
     def boundaries(self) -> tuple[int, ...]:
@@ -233,13 +311,12 @@ class Schedule:
 
 def build_schedule(name: str, num_stages: int, num_microbatches: int, num_batches: int = 1, vertical_sync: bool = False) -> Schedule:
     """The schedule ``name`` for ``num_batches`` batches of ``num_microbatches``, ending drained."""
-    if name not in SCHEDULES:
-        raise ValueError(f"build_schedule(name={name!r}): name must be one of {SCHEDULES}")
+    spec = schedule_spec(name, "build_schedule", "name")
     for arg, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches), ("num_batches", num_batches)):
         if value < 1:
             raise ValueError(f"build_schedule({arg}={value}): {arg} must be >= 1")
-    if vertical_sync and name != "pipedream":
-        raise ValueError(f"build_schedule(vertical_sync=True): vertical sync applies to 'pipedream', not {name!r}")
+    if vertical_sync and spec.vertical_sync_refusal():
+        raise ValueError(f"build_schedule(vertical_sync=True): {spec.vertical_sync_refusal()}")
     programs = []
     for stage in range(num_stages):
         cursor = StageCursor(name, num_stages, stage)
@@ -286,7 +363,7 @@ def _check_programs(schedule: Schedule) -> None:
         for kind in ("F", "B"):
             if sorted(seen[kind]) != list(range(n)):
                 raise ValueError(f"schedule {schedule.name!r}: stage {s} runs {kind} for {sorted(seen[kind])}, expected each of 0..{n - 1} once")
-        expected_updates = list(range(n)) if schedule.name == "pipedream" else [e - 1 for e in schedule.boundaries]
+        expected_updates = list(range(n)) if schedule.spec.updates_per_microbatch else [e - 1 for e in schedule.boundaries]
         if seen["U"] != expected_updates:
             raise ValueError(f"schedule {schedule.name!r}: stage {s} updates after {seen['U']}, expected after {expected_updates}")
 
@@ -347,7 +424,7 @@ def _versions(schedule: Schedule, s: int, input_versions: dict[int, int] | None)
     for a in program:
         if a.kind == "F":
             incoming = input_versions[a.microbatch] if (schedule.vertical_sync and input_versions is not None) else None
-            v = version_for(schedule.name, a.microbatch // schedule.num_microbatches, newest, incoming)
+            v = version_for(schedule.spec, a.microbatch // schedule.num_microbatches, newest, incoming)
             if v > newest:
                 raise ValueError(f"schedule {schedule.name!r}: {a} needs weight version {v}, stage {s} has made only {newest}")
             used[a.microbatch] = v

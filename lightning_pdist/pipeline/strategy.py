@@ -40,95 +40,21 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pdist.core.flat import flatten, unflatten_into_
-from lightning_pdist.core.nonfinite import all_finite, check_nonfinite_policy, culprit_ranks, one_hot_flag
-from lightning_pdist.pipeline.partition import BALANCES, Partition
-from lightning_pdist.pipeline.schedule import SCHEDULES
+from lightning_pdist.core.nonfinite import all_finite, culprit_ranks, one_hot_flag
+from lightning_pdist.pipeline.config import PipelineConfig
+from lightning_pdist.pipeline.partition import Partition
 from lightning_pdist.core.accounting import all_reduce_bytes
 from lightning_pdist.core.collectives import all_reduce_mean_, all_reduce_sum_
 from lightning_pdist.pipeline.executor import StageExecutor
 from lightning_pdist.pipeline.p2p import P2P
 from lightning_pdist.pipeline.precision import PipelineMixedPrecision
 from lightning_pdist.core.strategy import PdistStrategy, register_variants
-from lightning_pdist.core.config import ConfigErrors, is_int, refuse_owned_ddp_args
+from lightning_pdist.core.config import refuse_owned_ddp_args
 from lightning_pdist.core.guard import SkipStep
 from lightning_pdist.pipeline.log_mirror import LogRecorder, aggregate, replay
 from lightning_pdist.pipeline.stages import NetworkInput, StageSplit, batch_size_of, split_batch
 
 __all__ = ["PipelineConfig", "PipelineStrategy"]
-
-#: The schedules that update once per batch, in the same window on every rank.
-FLUSHED = ("gpipe", "1f1b")
-
-@dataclass(frozen=True)
-class PipelineConfig(ConfigErrors):
-    """The validated settings of a :class:`PipelineStrategy` (see its docstring)."""
-
-    num_stages: int | None = None
-    schedule: str = "1f1b"
-    num_microbatches: int | None = None
-    balance: str | None = None
-    split_points: tuple[str, ...] | None = None
-    network: str | None = None
-    vertical_sync: bool = False
-    weight_stashing: bool = True
-    max_message_bytes: int = 1 << 31
-    nonfinite: str = "raise"
-    owner: str = "PipelineStrategy"
-
-    def __post_init__(self) -> None:
-        for arg in ("num_stages", "num_microbatches"):
-            value = getattr(self, arg)
-            if value is not None and not is_int(value):
-                self._fail(arg, f"{arg} must be an int or None", TypeError)
-            if value is not None and value < 1:
-                self._fail(arg, f"{arg} must be >= 1")
-        if not isinstance(self.schedule, str) or self.schedule not in SCHEDULES:
-            self._fail("schedule", f"schedule must be one of {', '.join(map(repr, SCHEDULES))}")
-        if self.schedule in ("1f1b", "2bw") and self.num_stages and self.num_microbatches and self.num_microbatches < self.num_stages:
-            self._fail("num_microbatches", f"schedule={self.schedule!r} needs num_microbatches >= num_stages "
-                                           f"({self.num_stages}): its warm-up keeps that many in flight (use 'gpipe' for fewer)")  # fmt: skip
-        if self.balance is not None and self.balance not in BALANCES:
-            self._fail("balance", f"balance must be None or one of {', '.join(map(repr, BALANCES))}")
-        if self.split_points is not None:
-            if self.balance is not None:
-                self._fail("balance", "give balance or split_points, not both")
-            if not all(isinstance(p, str) for p in self.split_points):
-                self._fail("split_points", "split_points must be a list of layer names", TypeError)
-            if self.num_stages is not None and len(self.split_points) != self.num_stages - 1:
-                self._fail("split_points", f"{self.num_stages} stages need {self.num_stages - 1} split points")
-        if self.vertical_sync and self.schedule != "pipedream":
-            self._fail("vertical_sync", f"vertical sync applies to schedule='pipedream', not {self.schedule!r}")
-        if not self.weight_stashing and self.schedule != "pipedream":
-            self._fail("weight_stashing", f"turning stashing off is PipeDream's ablation; schedule {self.schedule!r} "
-                                          "either never updates mid-flight (flushed) or needs its two versions (2bw)")  # fmt: skip
-        if not is_int(self.max_message_bytes) or self.max_message_bytes < 1:
-            self._fail("max_message_bytes", "max_message_bytes must be a positive int")
-        check_nonfinite_policy(self.nonfinite, self.owner)
-        if self.nonfinite == "skip_step" and self.schedule not in FLUSHED:
-            self._fail("nonfinite", f"skip_step needs every rank to agree before an update, which schedule="
-                                    f"{self.schedule!r} never waits for (its stages update at different moments); use "
-                                    "schedule='gpipe' or '1f1b', or nonfinite='raise'")  # fmt: skip
-
-    def stages_for(self, world_size: int) -> int:
-        return self.num_stages if self.num_stages is not None else world_size
-
-    def microbatches_for(self, world_size: int) -> int:
-        return self.num_microbatches if self.num_microbatches is not None else 2 * self.stages_for(world_size)
-
-    def check_world_size(self, world_size: int) -> None:
-        K = self.stages_for(world_size)
-        if world_size % K:
-            raise ValueError(
-                f"{self.owner}(num_stages={K}): world_size {world_size} is not a multiple of num_stages "
-                f"(world_size = num_stages x replicas; with {world_size} processes use a divisor of {world_size})"
-            )
-        m = self.microbatches_for(world_size)
-        if self.schedule in ("1f1b", "2bw") and m < K:
-            raise ValueError(f"{self.owner}(num_microbatches={m}): schedule={self.schedule!r} needs num_microbatches >= "
-                             f"num_stages ({K})")  # fmt: skip
-        if self.split_points is not None and len(self.split_points) != K - 1:
-            raise ValueError(f"{self.owner}(split_points={list(self.split_points)!r}): {K} stages need {K - 1} split points")
-
 
 class PipelineStrategy(PdistStrategy):
     """Pipeline-parallel training of an ``nn.Sequential`` network, optionally replicated (pipeline × data parallel).
@@ -307,8 +233,8 @@ class PipelineStrategy(PdistStrategy):
         self._make_groups()
         self._broadcast_module_from_rank_zero()
         self._use_pipeline_precision()
-        self._defer_steps = (isinstance(self.precision_plugin, PipelineMixedPrecision) and self.config.schedule == "2bw"
-                             and self.world_size > 1)  # fmt: skip
+        self._defer_steps = (isinstance(self.precision_plugin, PipelineMixedPrecision)
+                             and self.config.spec.defers_scaled_steps and self.world_size > 1)  # fmt: skip
         if self._defer_steps and self._flag_group is None:
             # Non-blocking flag all-reduces, issued at different moments on different ranks: a group of their own
             # keeps them from pairing with Lightning's collectives on the default group.
@@ -354,9 +280,9 @@ class PipelineStrategy(PdistStrategy):
             if not isinstance(plugin, MixedPrecision):
                 raise ValueError(f"{owner}: the precision plugin {type(plugin).__name__} has a gradient scaler; the pipeline "
                                  "agrees on overflows only for Lightning's MixedPrecision('16-mixed') (or use bf16-mixed)")  # fmt: skip
-            if self.config.schedule in _UNSCALABLE:
+            if not self.config.spec.scalable:
                 raise ValueError(f"{owner}(schedule={self.config.schedule!r}): precision with a gradient scaler (16-mixed) is "
-                                 f"not supported: {_UNSCALABLE[self.config.schedule]}; use schedule='1f1b', 'gpipe' "
+                                 f"not supported: {_UNSCALABLE}; use schedule='1f1b', 'gpipe' "
                                  "or '2bw' with 16-mixed, or bf16-mixed (no loss scaling) with this schedule")  # fmt: skip
 
     def _use_pipeline_precision(self) -> None:
@@ -492,7 +418,7 @@ class PipelineStrategy(PdistStrategy):
         class docstring): the rank acts alone, and only ``"raise"`` is allowed there.
         """
         bad = not all_finite(grads)
-        if self.config.schedule in FLUSHED:
+        if self.config.spec.flushed:
             flags = one_hot_flag(bad, self.global_rank, self.world_size, device=self.root_device)
             all_reduce_sum_(flags, meter=self.comm_meter, kind="nonfinite_flag")
             ranks, scope = culprit_ranks(flags), "every rank"
@@ -535,10 +461,10 @@ class PipelineStrategy(PdistStrategy):
         start = executor.cursor.available
         self._window = {"start": start, "rest": rest, "records": [], "losses": []}
         if self._defer_steps and n < self.pipeline_stages:
-            raise RuntimeError(f"{type(self).__name__}(schedule='2bw'): a batch of {batch_size_of(batch)} samples gives {n} "
-                               f"micro-batches, fewer than num_stages ({self.pipeline_stages}); under 16-mixed the stages "
-                               "could then wait on each other's overflow flags across steps (use drop_last=True or a "
-                               "batch size of at least num_stages)")  # fmt: skip
+            raise RuntimeError(f"{type(self).__name__}(schedule={self.config.schedule!r}): a batch of "
+                               f"{batch_size_of(batch)} samples gives {n} micro-batches, fewer than num_stages "
+                               f"({self.pipeline_stages}); under 16-mixed the stages could then wait on each other's "
+                               "overflow flags across steps (use drop_last=True or a batch size of at least num_stages)")  # fmt: skip
         if executor.is_last:
             self._window["chunks"] = split_batch(batch, n)
         if executor.is_first and not executor.is_last:
@@ -748,12 +674,10 @@ class PipelineStrategy(PdistStrategy):
                               schedule=schedule)  # fmt: skip
 
 
-# Schedules under which a gradient scaler is refused, and why (the method card has the timelines).
-_UNSCALABLE = {
-    "pipedream": "each stage updates right after its own backward of a micro-batch, before the earlier stages have run "
-                 "theirs, so no stage can know at its update whether another stage overflowed on that micro-batch, and "
-                 "skipping it everywhere would need a flush per micro-batch",
-}  # fmt: skip
+# Why a gradient scaler is refused where a micro-batch is a mini-batch (the method card has the timelines).
+_UNSCALABLE = ("each stage updates right after its own backward of a micro-batch, before the earlier stages have run "
+               "theirs, so no stage can know at its update whether another stage overflowed on that micro-batch, and "
+               "skipping it everywhere would need a flush per micro-batch")  # fmt: skip
 
 
 @dataclass

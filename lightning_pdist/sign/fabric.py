@@ -2,15 +2,16 @@
 
 ``fabric.setup`` wraps the module in DDP and registers :func:`~lightning_pdist.sign.hooks.signsgd_mv_hook` or
 :func:`~lightning_pdist.sign.hooks.it_signsgd_hook` with a fresh hook state, exactly as
-:class:`~lightning_pdist.sign.strategy.SignSGDStrategy` does (the same :class:`SignSGDConfig`). Each
-``fabric.backward(loss)`` is one vote; every rank's gradient becomes the voted sign ``U`` and the optimizer applies
-it, so the replicas stay identical and nothing else is communicated.
+:class:`~lightning_pdist.sign.strategy.SignSGDStrategy` does (the same
+:class:`~lightning_pdist.sign.config.SignSGDConfig`). Each ``fabric.backward(loss)`` is one vote; every rank's
+gradient becomes the voted sign ``U`` and the optimizer applies it, so the replicas stay identical and nothing else
+is communicated.
 
 ``fabric.save`` writes each rank's hook state (LLR statistics, EF residual, Signum momentum, round counters) to its
 own file next to the checkpoint; ``fabric.load`` after ``fabric.setup`` restores it, so a resumed run continues
-exactly. What the Trainer strategy's docstring says about the optimizer (``SGD(lr=δ)``: ``lr`` is the sign step),
-several optimizers, gradient accumulation (``fabric.no_backward_sync``) and ``find_unused_parameters`` holds here
-too. Not here: fp16 with a GradScaler (``precision="16-mixed"``), whose overflow skip the Trainer strategy wires
+exactly. What the method card (``docs/algorithms/signsgd.md``) says about the optimizer (``SGD(lr=δ)``: ``lr`` is the
+sign step), several optimizers, gradient accumulation (``fabric.no_backward_sync``) and ``find_unused_parameters``
+holds here too. Not here: fp16 with a GradScaler (``precision="16-mixed"``), whose overflow skip the Trainer strategy wires
 into the vote through its precision plugin; it is refused at setup (``bf16-mixed`` and ``32-true`` work).
 """
 
@@ -27,7 +28,8 @@ from lightning_pdist.sign.llr import DEFAULT_MAX_WEIGHT
 from lightning_pdist.sign.hooks import SignSGDState
 from lightning_pdist.core.fabric import PdistFabricStrategy
 from lightning_pdist.core.strategy import register_variants
-from lightning_pdist.sign.strategy import MAX_SIGN_STEP, SUGGESTED_SIGN_STEP, SignSGDConfig
+from lightning_pdist.sign.config import SignSGDConfig
+from lightning_pdist.sign.strategy import MAX_SIGN_STEP, SUGGESTED_SIGN_STEP
 
 __all__ = ["SignSGDFabricStrategy"]
 

@@ -7,38 +7,28 @@ Every rank gets the same voted sign ``U`` in its gradients and the user's optimi
 the replicas stay identical without any parameter traffic.
 
 Lifecycle (every rank): ``setup`` wraps the model in DDP and registers the hook with a fresh
-hook state; a resumed run then loads *its own* hook state from ``checkpoint["pdist"]``. Each
-backward pass is one vote (one round); ``pdist/comm_bytes`` is logged after every optimizer step.
-With an fp16 ``GradScaler``, setup also swaps in
-:class:`~lightning_pdist.sign.precision.SignMixedPrecision` (see "fp16 with a GradScaler").
+hook state; a resumed run then loads *its own* hook state from its own file next to the checkpoint
+(:mod:`~lightning_pdist.core.rank_files`). Each backward pass is one vote (one round); ``pdist/comm_bytes`` is
+logged after every optimizer step. With an fp16 ``GradScaler``, setup also swaps in
+:class:`~lightning_pdist.sign.precision.SignMixedPrecision` (the method card's "fp16 with a GradScaler").
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_pdist.sign.llr import DEFAULT_MAX_WEIGHT, LLRConfig
-from lightning_pdist.core.nonfinite import check_nonfinite_policy
-from lightning_pdist.sign.simulator import AGGREGATIONS
-from lightning_pdist.core.accounting import CommMeter
-from lightning_pdist.sign.hooks import (
-    SCALES,
-    ITSignSGDState,
-    SignSGDState,
-    it_signsgd_hook,
-    signsgd_mv_hook,
-)
-from lightning_pdist.sign.overflow import LossScaledRound
-from lightning_pdist.sign.stats import take_vote_diagnostics
-from lightning_pdist.sign.precision import SignMixedPrecision
-from lightning_pdist.core.strategy import PdistStrategy, register_variants
 from lightning_pdist.core.config import refuse_owned_ddp_args
+from lightning_pdist.core.strategy import PdistStrategy, register_variants
+from lightning_pdist.sign.config import SignSGDConfig
+from lightning_pdist.sign.hooks import SignSGDState
+from lightning_pdist.sign.llr import DEFAULT_MAX_WEIGHT
+from lightning_pdist.sign.overflow import LossScaledRound
+from lightning_pdist.sign.precision import SignMixedPrecision
+from lightning_pdist.sign.stats import take_vote_diagnostics
 
 __all__ = ["MAX_SIGN_STEP", "SUGGESTED_SIGN_STEP", "SignSGDConfig", "SignSGDStrategy"]
 
@@ -46,88 +36,6 @@ __all__ = ["MAX_SIGN_STEP", "SUGGESTED_SIGN_STEP", "SignSGDConfig", "SignSGDStra
 MAX_SIGN_STEP = 0.01
 #: The sign step the warning suggests: Adam's default lr, itself a per-coordinate step (see the method card).
 SUGGESTED_SIGN_STEP = 1e-3
-
-# The options that only the LLR vote reads, with their defaults (a non-default one under "majority" warns).
-_LLR_DEFAULTS = {"warmup_rounds": 10, "estimator": "worker", "decay": 1.0, "max_weight": DEFAULT_MAX_WEIGHT,
-                 "negative_weights": False}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class SignSGDConfig:
-    """The settings of :class:`SignSGDStrategy`; checks itself on construction.
-
-    See :class:`SignSGDStrategy` for each field; ``owner`` names the class in error messages.
-    """
-
-    aggregation: str = "majority"
-    warmup_rounds: int = 10
-    estimator: str = "worker"
-    decay: float = 1.0
-    max_weight: float = DEFAULT_MAX_WEIGHT
-    negative_weights: bool = False
-    momentum: float = 0.0
-    error_feedback: bool = False
-    nonfinite: str = "raise"
-    scale: str = "unit"
-    find_unused_parameters: bool = False
-    owner: str = "SignSGDConfig"
-
-    def __post_init__(self) -> None:
-        owner = self.owner
-        if self.aggregation not in AGGREGATIONS:
-            choices = ", ".join(repr(a) for a in AGGREGATIONS)
-            raise ValueError(f"{owner}(aggregation={self.aggregation!r}): aggregation must be one of {choices}")
-        self.llr_config()  # checks warmup_rounds, estimator, decay, max_weight, also under "majority"
-        if isinstance(self.momentum, bool) or not isinstance(self.momentum, (int, float)):
-            raise TypeError(f"{owner}(momentum={self.momentum!r}): momentum must be a float")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"{owner}(momentum={self.momentum}): momentum (Signum's beta) must be in [0, 1)")
-        for name in ("error_feedback", "negative_weights"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{owner}({name}={getattr(self, name)!r}): {name} must be a bool")
-        check_nonfinite_policy(self.nonfinite, owner)
-        if self.scale not in SCALES:
-            choices = ", ".join(repr(c) for c in SCALES)
-            raise ValueError(
-                f"{owner}(scale={self.scale!r}): scale must be one of {choices} ('unit': the optimizer's lr is the sign "
-                "step; 'l1': the vote is scaled by the gradient's mean magnitude, so an SGD lr keeps its meaning)"
-            )
-
-    def llr_config(self) -> LLRConfig:
-        """The LLR vote's settings (validated even when ``aggregation="majority"`` ignores them)."""
-        return LLRConfig(
-            warmup_rounds=self.warmup_rounds,
-            estimator=self.estimator,
-            decay=self.decay,
-            max_weight=self.max_weight,
-            negative_weights=self.negative_weights,
-            owner=self.owner,
-        )
-
-    def ignored_llr_options(self) -> list[str]:
-        """LLR-only options set to non-default values under ``aggregation="majority"`` (``name=value``)."""
-        if self.aggregation == "llr":
-            return []
-        changed = []
-        for name, default in _LLR_DEFAULTS.items():
-            value = getattr(self, name)
-            same = math.isclose(value, default) if isinstance(default, float) else value == default
-            if not same:
-                changed.append(f"{name}={value!r}")
-        return changed
-
-    def make_hook(self, meter: CommMeter | None) -> tuple[SignSGDState, Callable]:
-        """A fresh hook state (counted by ``meter``) and the hook that goes with it."""
-        common = dict(meter=meter, momentum=float(self.momentum), error_feedback=self.error_feedback,
-                      nonfinite=self.nonfinite, scale=self.scale,
-                      find_unused_parameters=self.find_unused_parameters)  # fmt: skip
-        if self.aggregation == "majority":
-            return SignSGDState(**common), signsgd_mv_hook
-        llr = {name: getattr(self, name) for name in _LLR_DEFAULTS}
-        return ITSignSGDState(**common, **llr), it_signsgd_hook
-
-    def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "owner"}
 
 
 class SignSGDStrategy(PdistStrategy):
@@ -140,94 +48,17 @@ class SignSGDStrategy(PdistStrategy):
         IT-signSGD   U_n = sign(Σ_m w_{m,n} Y_{m,n}),  w = log((1 − p)/p)     (paper 004, eqs. 3–4)
         every rank   x ← x − δ·U   with torch.optim.SGD(lr=δ, momentum=0)     (eq. 5)
 
-    ``sign(0) = +1`` and ties vote ``+1``. IT-signSGD takes the plain majority for the first
-    ``warmup_rounds`` rounds, then weighs each worker by the log-likelihood ratio of its
-    estimated disagreement rate ``p`` with the vote (the Chair–Varshney fusion rule);
-    :mod:`lightning_pdist.sign.llr` has the estimators and every choice. Transport and
-    bytes: :mod:`lightning_pdist.sign.hooks` (about ``d/8`` bytes per direction per rank,
-    :func:`~lightning_pdist.sign.hooks.sign_hook_bytes`, 32× less than an fp32 all-reduce).
+    ``sign(0) = +1`` and ties vote ``+1``; IT-signSGD votes by plain majority for ``warmup_rounds`` rounds
+    (:mod:`lightning_pdist.sign.llr`). About ``d/8`` bytes per direction per rank
+    (:func:`~lightning_pdist.sign.hooks.sign_hook_bytes`). Registered as ``"signsgd_mv"`` (``aggregation="majority"``)
+    and ``"it_signsgd"`` (``aggregation="llr"``), each with ``_fork`` and ``_spawn`` variants.
 
-    Registered names: ``"signsgd_mv"`` (``aggregation="majority"``) and ``"it_signsgd"``
-    (``aggregation="llr"``), each with ``_fork`` and ``_spawn`` variants.
-
-    **The optimizer applies the vote.** The hook replaces each rank's gradient by ``U`` (``±1``)
-    before the optimizer runs, so:
-
-    * ``SGD(lr=δ)`` is the paper's step ``x ← x − δ·U``: ``lr`` *is* the sign step size ``δ``,
-      typically 1e-4 … 5e-3, far below SGD's usual learning rate (every coordinate moves by ``δ``).
-      Setup warns when an optimizer's ``lr`` exceeds ``MAX_SIGN_STEP = 0.01`` and suggests
-      ``lr=1e-3``. ``scale="l1"`` keeps a module's SGD ``lr`` instead: the hook returns
-      ``s̄_j·U`` with ``s̄_j = mean_m ‖v_{m,j}‖₁/numel_j`` per tensor (the "scaled sign", EF-signSGD's
-      step without the residual), so each tensor moves as far, in ℓ1, as SGD would move it.
-    * ``weight_decay=λ`` is added by the optimizer *after* the vote to the ``±1`` gradient:
-      ``x ← x − δ·(U + λ·x)``. It is not voted on and costs no bits; scale ``λ`` against 1, not
-      against the gradient's magnitude.
-    * The optimizer's ``momentum`` accumulates *voted* signs (server-side momentum on ``U``), a
-      different algorithm from Signum, whose momentum each worker applies *before* its sign
-      (this strategy's ``momentum``). Leave the optimizer's momentum at 0 for the papers' methods.
-    * Adaptive optimizers (Adam) rescale ``U`` per coordinate; that is sign-Adam, not signSGD.
-    * With ``error_feedback=True`` the result is the scaled vote ``s̄·U`` in gradient units
-      (EF-signSGD, Karimireddy et al. 2019); use SGD's usual learning rate then, not ``δ``.
-
-    Decisions a user meets:
-
-    * **Several optimizers: the vote runs per backward pass over the parameters in it.** For GANs
-      and actor-critic modules (manual optimization, Lightning's ``toggle_optimizer`` before each
-      optimizer's forward) pass ``find_unused_parameters=True``: only tensors that received a
-      gradient on some rank vote (tracked by gradient hooks, flags in the all-to-all header,
-      :mod:`~lightning_pdist.sign.participation`). The others do not vote and keep their
-      Signum momentum, EF residual and ``.grad`` (DDP's, untouched), under every aggregation and
-      option; none is refused. IT-signSGD keeps one set of statistics (and warm-up count) per set
-      of tensors voting together, i.e. per optimizer and DDP bucket, so a generator step never
-      moves the discriminator's weights ``w``. A bucket's ``rounds`` counts backward passes in
-      which any of its tensors voted. A tensor used on some ranks only gets a zero gradient from
-      the others (``sign(0) = +1``, as DDP's average adds a zero), with a warning once. Without
-      ``toggle_optimizer`` the other optimizer's parameters *are* in the backward pass (as for
-      DDP) and vote on this loss's gradient, moving their momentum, residual and statistics.
-    * **Manual optimization** works: the vote happens in ``manual_backward``.
-    * **Gradient accumulation** works and votes once per optimizer step: DDP's ``no_sync`` skips
-      the hook on accumulating batches, and the last backward votes on the accumulated gradient,
-      i.e. signSGD with a ``k``-times larger batch (one round per optimizer step).
-    * **Precision.** ``32``, ``bf16-mixed``, ``16-true`` and ``bf16-true`` work (signs ignore
-      precision; half-precision buckets come back in their dtype).
-    * **fp16 with a GradScaler** (``precision="16-mixed"`` on GPU; on CPU
-      ``plugins=[MixedPrecision("16-mixed", "cpu")]``) works: setup swaps Lightning's
-      ``MixedPrecision`` for :class:`~lightning_pdist.sign.precision.SignMixedPrecision`,
-      keeping the user's scaler (settings and state). The loss is scaled as usual; the vote runs on
-      the scaled gradients (the sign ignores a positive scale; Signum momentum, the EF residual and
-      the ``"l1"`` scales see the gradient divided by the scale, in fp32, so they stay in gradient
-      units); the voted ``±1`` (or ``s̄·U``) reaches the optimizer as is, never divided by the
-      scale. An overflow (Inf/NaN) in any rank's gradient skips that optimizer step on *every*
-      rank: the flag rides in each bucket's all-to-all header (no extra collective, no extra byte),
-      the state changes of the whole backward pass are dropped (no Signum momentum, residual or
-      LLR-statistics update, and the round is not counted: ``rounds`` counts applied votes only),
-      and the scale backs off, or grows on the scaler's schedule, identically everywhere. With a
-      scaler, overflows are expected and skipped, so ``nonfinite`` is not consulted; without
-      one, ``nonfinite="raise"`` keeps its meaning. The scaler's state is checkpointed by
-      Lightning under the plugin's key, so a resumed run continues with the same scale.
-    * **One rank** works and warns: the update is ``δ·sign(grad)`` (signSGD), nothing is sent.
-    * **Non-finite gradients** (``nonfinite=``, :mod:`lightning_pdist.core.nonfinite`): every
-      rank's non-finite flag rides in each bucket's all-to-all header, so every rank learns in the
-      same collective that some rank's gradient was not finite, and who (no extra collective, no
-      extra byte). The whole backward pass is then dropped as an fp16 overflow would be: later
-      buckets skip their collectives and no vote state changes (Signum momentum, EF residual, LLR
-      statistics, round counters). ``"raise"`` (default) then stops every rank before the optimizer
-      step with a ``FloatingPointError`` naming the ranks and the global step; ``"skip_step"`` skips
-      that optimizer step on every rank (float buffers restored, ``pdist/skipped_steps``);
-      ``"propagate"`` gives every rank a NaN gradient for that step and steps, so your code must
-      skip it (plain SGD would write NaN into the parameters).
-    * **Vote statistics** reach the loggers on every logged step, counted over the votes since the previous
-      one from what the votes already hold (:mod:`~lightning_pdist.sign.stats`; one all-reduce of a few
-      numbers per logged step, for the tie count): ``pdist/sign/disagreement``, the share of coordinates where
-      this rank's sign differed from ``U`` (rank 0's in the loggers); ``pdist/sign/tie_rate`` (even world sizes),
-      the share whose signs split evenly and so voted ``+1`` by the tie rule; and for IT-signSGD the learned
-      weight of each worker, ``pdist/sign/llr_weight/rank{r}`` (``_min``/``_max`` above 8 workers; the vote
-      uses them once ``warmup_rounds`` are over).
-    * **Checkpoints**: each rank writes its own hook state (LLR statistics, EF residual, Signum
-      momentum, round counters) to its own file next to the checkpoint
-      (:mod:`~lightning_pdist.core.rank_files`); a resumed run with the same world size
-      restores its own, so it continues exactly. The model in ``state_dict``
-      is the model every rank holds.
+    The hook replaces each rank's gradient by ``U`` before the optimizer runs, so the optimizer's ``lr`` is the sign
+    step ``δ`` (setup warns above ``MAX_SIGN_STEP``; ``scale="l1"`` keeps an SGD ``lr``), and weight decay and the
+    optimizer's momentum act on the voted signs. Several optimizers (``find_unused_parameters=True``), manual
+    optimization, gradient accumulation, every precision (fp16 with a GradScaler through
+    :class:`~lightning_pdist.sign.precision.SignMixedPrecision`), non-finite gradients, the logged vote statistics
+    and per-rank checkpoint files: ``docs/algorithms/signsgd.md`` has each decision and its tests.
 
     Args:
         aggregation: ``"majority"`` (signSGD-MV, default) or ``"llr"`` (IT-signSGD).
@@ -246,8 +77,8 @@ class SignSGDStrategy(PdistStrategy):
         momentum: Signum's ``β`` in ``[0, 1)``, applied on each worker *before* the sign
             (``m ← β·m + (1 − β)·g``). Default 0 (plain signSGD); ``0.9`` is the papers' value.
         error_feedback: EF-signSGD (scaled signs plus a local residual).
-        nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"`` (see "Non-finite
-            gradients"); not consulted under a GradScaler, whose overflows skip the step on every rank.
+        nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"`` (the method card's "Non-finite
+            values"); not consulted under a GradScaler, whose overflows skip the step on every rank.
         scale: ``"unit"`` (default; the papers' ``±1``, the optimizer's ``lr`` is ``δ``) or ``"l1"``
             (the per-tensor scaled vote; an SGD ``lr`` keeps its meaning; 4 bytes per tensor more
             per bucket and rank). Error feedback always returns the scaled vote.
