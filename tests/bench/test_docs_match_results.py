@@ -1,0 +1,60 @@
+"""docs/benchmarks.md shows what the results files hold: every table the suites' renderers make from
+docs/results/*.json appears in it verbatim, so a table edited by hand, or left behind when a results file was
+regenerated, fails here."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "docs" / "benchmarks.md"
+SUITES = ["averaging", "sign", "ps_sharding", "pipeline", "tensor_parallel"]
+
+
+def tables(markdown: str) -> list[str]:
+    """Each markdown table (a run of lines starting with '|'), as one string."""
+    found, current = [], []
+    for line in [*markdown.splitlines(), ""]:
+        if line.startswith("|"):
+            current.append(line.rstrip())
+        elif current:
+            found.append("\n".join(current))
+            current = []
+    return found
+
+
+def _load(name: str) -> dict:
+    return json.loads((ROOT / "docs" / "results" / f"{name}.json").read_text())
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_every_rendered_table_is_in_the_docs(suite):
+    rendered = importlib.import_module(f"lightning_pdist.bench.{suite}").docs_section(_load(suite), f"docs/results/{suite}.json")
+    made = tables(rendered)
+    assert made, f"{suite}: the renderer made no table from docs/results/{suite}.json"
+    shown = tables(BENCHMARKS.read_text())
+    missing = [t.splitlines()[0] for t in made if t not in shown]
+    assert not missing, (f"docs/benchmarks.md lacks {len(missing)} of the {len(made)} tables rendered from "
+                         f"docs/results/{suite}.json (re-run the suite or paste its docs_section.md): {missing}")  # fmt: skip
+
+
+def test_the_overhead_table_is_in_the_docs():
+    from lightning_pdist.bench.averaging import overhead_table
+
+    made = tables(overhead_table(_load("averaging_overhead")["overhead"]["rows"]))
+    assert made and set(made) <= set(tables(BENCHMARKS.read_text()))
+
+
+def test_a_changed_figure_is_caught():
+    """The check is not vacuous: one digit changed in a results row gives a table the docs do not hold."""
+    doc = _load("ps_sharding")
+    row = doc["rows"][0]
+    key = next(k for k, v in row.items() if isinstance(v, float) and v)
+    row[key] = row[key] * 1.5 + 1
+    rendered = importlib.import_module("lightning_pdist.bench.ps_sharding").docs_section(doc, "x.json")
+    shown = tables(BENCHMARKS.read_text())
+    assert any(t not in shown for t in tables(rendered))
