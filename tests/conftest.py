@@ -44,6 +44,13 @@ def _teardown_process_group():
     gc.collect()  # a finished DDP wrap's Reducer holds its gloo group in cycles: free it here, never in a forked child
 
 
+# Every fork this process makes (Lightning's ddp_fork, torch.multiprocessing harnesses, servers) first collects its
+# garbage here, where a dead gloo group's threads still exist, and the child never collects what it inherited: a
+# child that frees an inherited ProcessGroupGloo joins threads it does not have and hangs (issue 18). The library does
+# the same for its own forks (lightning_pdist.core.forking); this covers the forks the tests make themselves.
+os.register_at_fork(before=gc.collect, after_in_child=gc.freeze)
+
+
 # Orphaned grandchildren (a parameter server whose worker died, a rank whose launcher died) are reparented to this
 # process instead of init, so the check below sees every process a test started, however deep.
 _PR_SET_CHILD_SUBREAPER = 36

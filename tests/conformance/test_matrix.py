@@ -29,6 +29,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from lightning_pdist.core.forking import collect_before_fork
 from tests._helpers import free_port
 from tests.conformance import report, runner, strategies
 from tests.conformance.modules import MODULES
@@ -44,8 +45,9 @@ def _result_files(root: Path, strategy: str, module: str) -> list[Path]:
 
 
 def _run_pair(strategy: str, modules: list[str], root: Path, timeout_s: float) -> None:
-    context = mp.start_processes(runner.worker, args=(strategy, modules, str(root), free_port()), nprocs=2,
-                                 join=False, start_method="fork")  # fmt: skip
+    with collect_before_fork():  # the ranks inherit no garbage process group from this process
+        context = mp.start_processes(runner.worker, args=(strategy, modules, str(root), free_port()), nprocs=2,
+                                     join=False, start_method="fork")  # fmt: skip
     deadline = time.monotonic() + timeout_s
     try:
         while not context.join(timeout=max(0.1, deadline - time.monotonic())) and time.monotonic() < deadline:
