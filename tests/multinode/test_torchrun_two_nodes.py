@@ -7,17 +7,15 @@ job must train and agree: both ranks report world size 2, and replicas that the 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _two_hosts import assert_trained_and_agree, job_args, read_results, run_on_hosts
 
 from lightning_pdist.bench.netns import EmulatedNetwork
 
-HERE = Path(__file__).resolve().parent
 AVAILABLE, REASON = EmulatedNetwork.available()
 pytestmark = [pytest.mark.standalone, pytest.mark.skipif(not AVAILABLE, reason=f"needs network namespaces: {REASON}")]
 
@@ -32,43 +30,24 @@ def run_two_nodes(strategy: str, tmp_path: Path, kwargs: dict | None = None,
                   timeout: float = 180) -> tuple[list[dict], list[str], list[str]]:
     """Each node's result (``two_node_job.py``), the hosts' addresses and each node's output."""
     out = tmp_path / "result.json"
-    script = [str(HERE / "two_node_job.py"), strategy, str(out)] + ([json.dumps(kwargs)] if kwargs else [])
     with EmulatedNetwork(num_hosts=2, rate="1gbit") as net:
         ips = [net.host_ip(node) for node in range(2)]
-        procs = []
-        for node in range(2):
-            env = dict(os.environ, GLOO_SOCKET_IFNAME=net.ifname(node), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-            cmd = net.exec_prefix(node) + torchrun_command(node, ips[0], script)
-            procs.append(subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True, start_new_session=True))  # fmt: skip
-        try:
-            logs = [p.communicate(timeout=timeout)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, 9)
-                    p.wait()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
-        assert "failed to bind" not in log.lower() and "address already in use" not in log.lower(), log[-4000:]
-    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)], ips, logs
+        commands = [torchrun_command(node, ips[0], job_args(strategy, out, kwargs)) for node in range(2)]
+        envs = [dict(os.environ, GLOO_SOCKET_IFNAME=net.ifname(node), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+                for node in range(2)]  # fmt: skip
+        logs = run_on_hosts(net, commands, envs, tmp_path, timeout)
+    return read_results(out), ips, logs
 
 
 @pytest.mark.parametrize("strategy", ["bmuf", "signsgd_mv", "parameter_server"])
 def test_two_node_job_trains_and_agrees(strategy, tmp_path):
     """BMUF, signSGD with majority vote and the parameter server on 2 nodes, nothing set but GLOO_SOCKET_IFNAME:
-    world size 2 on both, one node each, finite metrics, equal weights at the end (the parameter server derives its
-    address and allowed networks from the job; its workers use torchrun's store instead of binding a second one)."""
+    Lightning takes the ranks from torchrun (TorchElasticEnvironment), world size 2 on both, one node each, finite
+    metrics, equal weights at the end (the parameter server derives its address and allowed networks from the job;
+    its workers use torchrun's store instead of binding a second one)."""
     results, _, _ = run_two_nodes(strategy, tmp_path)
+    assert [r["cluster_environment"] for r in results] == ["TorchElasticEnvironment"] * 2
     assert_trained_and_agree(results)
-
-
-def assert_trained_and_agree(results: list[dict]) -> None:
-    assert [r["world_size"] for r in results] == [2, 2] and [r["node_rank"] for r in results] == [0, 1]
-    for r in results:
-        assert r["metrics"] and all(v == v for v in r["metrics"].values())
-    # BMUF ends fit on the consensus model; the sign vote and the servers keep the replicas identical
-    assert results[0]["param_sum"] == results[1]["param_sum"] and results[0]["param_norm"] == results[1]["param_norm"]
 
 
 @pytest.mark.parametrize(("kwargs", "placement"), [({"num_servers": 2}, [(0, 29600), (1, 29600)]),
