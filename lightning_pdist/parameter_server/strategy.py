@@ -26,7 +26,7 @@ Several nodes: with torchrun/SLURM every node runs the same script; server ``i``
 ``server_host`` is refused; ``server_port`` fixes the ports (a node's ``k``-th server binds ``server_port + k``).
 Or set ``server_host`` (``"0.0.0.0"``: every node binds all interfaces; an address of one node: all servers on
 global rank 0's node) and ``allowed_networks``, or start servers yourself
-(``python -m lightning_pdist.parameter_server.server --host H --port P --secret-file F``) and pass ``server_addresses`` and
+(``python -m lightning_pdist.parameter_server.process --host H --port P --secret-file F``) and pass ``server_addresses`` and
 ``server_secret_file=F``.
 
 Authentication: servers the strategy starts get a fresh 32-byte secret from global rank 0, which sends it over
@@ -55,7 +55,8 @@ from lightning_pdist.core.accounting import all_reduce_bytes
 from lightning_pdist.parameter_server.auth import new_secret, read_secret_file
 from lightning_pdist.parameter_server.client import ParameterServerClient
 from lightning_pdist.parameter_server.layout import OptimizerLayout, accumulate_grads, group_hparams, numeric_hparams
-from lightning_pdist.parameter_server.server import ELEMENTWISE_OPTIMIZERS, STALENESS_BUCKETS, ServerProcess, start_server
+from lightning_pdist.parameter_server.process import ServerProcess, start_server
+from lightning_pdist.parameter_server.server import ELEMENTWISE_OPTIMIZERS, STALENESS_BUCKETS
 from lightning_pdist.parameter_server.wire import Kind, dumps_state, loads_state
 from lightning_pdist.parameter_server.workers import WorkerGroup
 from lightning_pdist.parameter_server.precision import ParameterServerMixedPrecision
