@@ -60,7 +60,7 @@ def test_every_from_import_in_the_docs_works(where, line):
 
 
 def test_the_docs_name_the_moved_modules_at_their_new_home():
-    assert ("README.md", ("lightning_pdist.parameter_server.server",)) in _mentions(RUN_MODULE)
+    assert ("README.md", ("lightning_pdist.parameter_server.process",)) in _mentions(RUN_MODULE)
     assert not [w for w, (name,) in _mentions(DOTTED) if name.split(".")[1] in ("algorithms", "comm", "strategies", "plugins")]
 
 

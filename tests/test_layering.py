@@ -30,7 +30,7 @@ MATH = {
 TRANSPORT = {
     "core": {"collectives", "hooks", "liveness", "forking"},
     "sign": {"bits", "stats", "participation", "overflow", "hooks"},
-    "parameter_server": {"wire", "auth", "shard", "layout", "server", "client", "workers"},
+    "parameter_server": {"wire", "auth", "shard", "layout", "loop", "server", "process", "client", "workers"},
     "pipeline": {"p2p", "executor"},
     "tensor_parallel": {"meter"},
 }

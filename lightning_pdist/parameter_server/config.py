@@ -124,6 +124,21 @@ class ParameterServerConfig(ConfigErrors):
             argument, _, rule = str(err).partition(": ")
             raise ValueError(f"{self.owner}({argument}): {rule}") from None
 
+    @property
+    def steps_together(self) -> bool:
+        """``sync``: every step is one server step for all workers, so the workers agree on each step's skip."""
+        return self.mode == "sync"
+
+    @property
+    def lockstep(self) -> bool:
+        """``sync`` without backup workers: every worker waits for every other at every step."""
+        return self.mode == "sync" and self.backup_workers == 0
+
+    @property
+    def drops_late_pushes(self) -> bool:
+        """``sync`` with backup workers: the servers drop the gradients that arrive after a step closed."""
+        return self.mode == "sync" and self.backup_workers > 0
+
     def servers_for(self, world_size: int) -> int:
         """``S``: the given number, the listed addresses, or one server per two workers (paper 000)."""
         if self.server_addresses is not None:

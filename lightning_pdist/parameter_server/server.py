@@ -1,68 +1,29 @@
-"""Parameter-server processes: each holds one shard of the flat parameter vector and runs the optimizer on it.
+"""A parameter server's request semantics: one shard of the flat parameter vector, and the optimizer run on it.
 
-A server is generic until rank 0 sends ``INIT`` (its shard, the optimizer's class name and param-group
-hyperparameters, the mode); then it serves ``PUSH``/``PULL`` requests from every worker over the
-framed-TCP protocol of :mod:`lightning_pdist.parameter_server.wire`. What the server *does* with gradients is
-the pure rules of :mod:`lightning_pdist.parameter_server.rules`:
+:class:`ShardServer` is the :class:`~lightning_pdist.parameter_server.loop.Handler` of a
+:class:`~lightning_pdist.parameter_server.loop.ConnectionLoop`. It is generic until rank 0 sends ``INIT`` (its shard,
+the optimizers' class names and param-group hyperparameters, the mode); then it serves ``HELLO``/``PUSH``/``PULL``/
+``PUSHPULL``/``GET_STATE``/``SET_STATE``. What it does with gradients is the pure rules of
+:mod:`~lightning_pdist.parameter_server.rules`:
 
-``sync``   :class:`BackupWorkerAggregator`: the mean of the first ``N - b`` gradients tagged with the open
-           step is applied once (``b = 0``: all ``N``, plain synchronous SGD); late gradients are dropped by
-           step id. A pull that waits for step ``t`` is answered once step ``t`` closed.
-``async``  each push is one optimizer step on ``g / N`` on arrival (Downpour); pulls are answered at once.
-``ssp``    as ``async``, but a worker's pull is answered only when :class:`SSPClock` lets it start its
-           next clock (no active worker more than ``staleness`` clocks behind).
+``sync``   :class:`BackupWorkerAggregator`: the mean of the first ``N - b`` gradients tagged with the open step,
+           applied once; a pull that waits for step ``t`` is answered once step ``t`` closed.
+``async``  each push is one optimizer step on ``g / N`` on arrival; pulls are answered at once.
+``ssp``    as ``async``, but a pull is answered only when :class:`SSPClock` lets the worker start its next clock.
 
-``g / N`` makes a learning rate mean the same per-sample step in every mode: ``N`` pushes of ``g_m / N``
-move plain SGD exactly as far as one synchronous step on the mean (so ``ssp`` with ``staleness=0`` equals
-``sync`` for SGD). ``delay_compensation = λ > 0`` (async/ssp) first turns ``g`` into DC-ASGD's
-``g + λ·g⊙g⊙(w - w_bak(m))`` with the backup taken at worker ``m``'s last pull (:class:`DelayCompensation`).
-
-The shard and its optimizers (one per user optimizer, rebuilt from class names and param groups; only
-element-wise ones) are :class:`~lightning_pdist.parameter_server.shard.ParameterShard`. A push names the optimizer
-that stepped and carries only the gradients its worker had (``present``); a sync step closes with the mean
-over all ``N - b`` contributors (a missing gradient counts as zero) and leaves the pieces no contributor had
-a gradient for out of the step (``grad = None``), as DDP with ``find_unused_parameters=True`` does. All
-workers must step the same optimizers in the same order: a sync step opened by one optimizer refuses
-another optimizer's gradient.
-
-Hostile and broken peers (``docs/algorithms/parameter_server.md``): the loop is single-threaded over non-blocking
-sockets with the standard library's ``selectors``; each connection is a small state machine (a bounded
-:class:`~lightning_pdist.parameter_server.wire.FrameReader`, one request in flight, a queue of unsent reply bytes) under
-the deadlines of :class:`ServerLimits` (a whole request, a whole reply, the first request), and the number of
-connections is bounded. A server given a shared secret (``start_server(secret=...)``, ``--secret-file``) first
-authenticates every connection with :mod:`~lightning_pdist.parameter_server.auth`'s challenge: until the peer has
-proven it holds the secret, its reader takes nothing but a 32-byte ``AUTH`` (any other header is refused before
-its metadata is read), and a wrong proof or any other message closes the connection, logged. Requests are
-checked field by field before they touch any state (:class:`RequestRefused` names the field, the value and the
-rule), and any exception while serving one connection closes that connection and is logged. Why ``selectors`` and not pyzmq or asyncio: requests must be
-applied one at a time in arrival order, which one thread gives without locks; the loop must see each peer's
-own connection (its EOF is how a dead worker is named at once) and bound each message by its kind and by this
-server's shard *before* allocating, while ZeroMQ hands over whole messages after buffering them (its only
-bound, ``ZMQ_MAXMSGSIZE``, is one size for all kinds) and reports disconnects only through a monitor socket;
-and it adds a compiled dependency for what about 300 lines of standard library do. ``asyncio`` would serve as
-well, but the optimizer steps are synchronous compute in the loop either way, so it would add a framework
-and nothing else.
-
-Lifetime: the server exits when the worker that started it (a node's local rank 0) sends ``SHUTDOWN``; when no connection is left and at least one
-worker had said ``HELLO`` (all workers gone); when its lifeline pipe to the process that started it reaches EOF (that process died,
-however); or after ``idle_timeout`` seconds without any connection and no worker yet. It ignores ``SIGINT`` (Ctrl-C reaches
-the whole process group; the workers' teardown or the lifeline ends the server in order).
+``delay_compensation = λ > 0`` (async/ssp) first turns ``g`` into ``g + λ·g⊙g⊙(w - w_bak(m))``
+(:class:`DelayCompensation`). Every request is checked field by field before it touches any state
+(:class:`RequestRefused` names the field, the value and the rule). The modes, the ``g / N`` scaling, missing
+gradients and the server's lifetime are described in ``docs/algorithms/parameter_server.md``.
 """
 
 from __future__ import annotations
 
 import copy
-import ctypes
 import math
-import os
-import selectors
-import signal
 import socket
-import sys
 import time
-import traceback
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,32 +35,9 @@ from lightning_pdist.parameter_server.rules import (
     SSPClock,
     StalenessTracker,
 )
-from lightning_pdist.core.forking import fork_process
-from lightning_pdist.parameter_server.auth import (
-    CLIENT_LABEL,
-    NONCE_BYTES,
-    PROOF_BYTES,
-    SERVER_LABEL,
-    check_secret,
-    new_nonce,
-    proof,
-    read_secret_file,
-    verify,
-)
+from lightning_pdist.parameter_server.loop import Connection, ConnectionLoop, RequestRefused, ServerLimits
 from lightning_pdist.parameter_server.shard import ELEMENTWISE_OPTIMIZERS, ParameterShard, parse_present
-from lightning_pdist.parameter_server.wire import (
-    FrameError,
-    FrameReader,
-    Kind,
-    PeerClosed,
-    address_allowed,
-    bytes_to_tensor,
-    dumps_state,
-    encode_message,
-    loads_state,
-    parse_networks,
-    tensor_bytes,
-)
+from lightning_pdist.parameter_server.wire import Kind, bytes_to_tensor, dumps_state, loads_state, tensor_bytes
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
@@ -108,9 +46,7 @@ __all__ = [
     "ParameterShard",
     "RequestRefused",
     "ServerLimits",
-    "ServerProcess",
     "ShardServer",
-    "start_server",
 ]
 
 MODES = ("sync", "async", "ssp")
@@ -120,48 +56,6 @@ MAX_WORKERS = 1 << 16  # per-worker bookkeeping is allocated from INIT's num_wor
 MAX_PATIENCE = 1e7  # seconds a waiting request may ask the server to wait before naming the workers it waits for
 MAX_HOST_CHARS = 255  # a HELLO's host name (DNS names are at most 253 characters)
 _MISSING = object()
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """What one peer may cost a server (``docs/algorithms/parameter_server.md``, hostile and broken peers).
-
-    Args:
-        max_connections: connections held at once (at least ``2 * num_workers + 8`` once INIT said how many
-            workers there are). At the limit the oldest connection that has not yet completed a request is
-            dropped for the newcomer; if there is none, the newcomer is closed at once. Both are logged.
-        message_timeout: seconds a request may take to arrive whole, from its first byte (not per byte).
-        reply_timeout: seconds a peer may take to read a whole reply; a peer that stops reading is dropped.
-        handshake_timeout: seconds a connection may stay open without completing one request (INIT,
-            HELLO, ...); a silent or half-open connection is dropped after it.
-        max_init_bytes: the largest shard an ``INIT`` may carry. Buffers grow with the bytes that arrive,
-            so a declared size costs nothing until it is sent.
-    """
-
-    max_connections: int = 512
-    message_timeout: float = 300.0
-    reply_timeout: float = 300.0
-    handshake_timeout: float = 300.0
-    max_init_bytes: int = 1 << 36
-
-    def __post_init__(self) -> None:
-        for name in ("max_connections", "max_init_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ServerLimits({name}={value!r}): {name} must be an int >= 1")
-        for name in ("message_timeout", "reply_timeout", "handshake_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ValueError(f"ServerLimits({name}={value!r}): {name} must be a finite number of seconds > 0")
-
-    @classmethod
-    def from_io_timeout(cls, io_timeout: float, **overrides: Any) -> ServerLimits:
-        """Every deadline equal to ``io_timeout`` (what ``server_timeout`` means for a worker), then ``overrides``."""
-        return cls(**{"message_timeout": io_timeout, "reply_timeout": io_timeout, "handshake_timeout": io_timeout, **overrides})
-
-
-class RequestRefused(ValueError):
-    """A request's values break a rule; the reply names the field, the value and the rule. Nothing changed."""
 
 
 def _show(value: Any) -> str:
@@ -212,36 +106,9 @@ def _check_group_values(where: str, group: Any) -> None:
             raise RequestRefused(f"INIT: {where}['lr']={_show(value)}: lr must be a finite number")
 
 
-@dataclass(eq=False)
-class _Conn:
-    sock: socket.socket
-    peer: str
-    opened: float
-    reader: FrameReader
-    worker: int | None = None
-    nonce: bytes | None = None  # the challenge sent; None once authenticated (or on a server without a secret)
-    known: bool = False  # completed a request: no handshake deadline, not evicted at the connection limit
-    inbox: deque = field(default_factory=deque)  # complete requests not yet handled (at most one)
-    out: deque = field(default_factory=deque)  # memoryviews of reply bytes not yet sent
-    pending: bool = False  # a PULL/PUSHPULL waits for its version
-    message_deadline: float | None = None
-    reply_deadline: float | None = None
-    closing: bool = False  # close once the replies are out (after a protocol error)
-    drain_deadline: float | None = None  # closing: our side is shut, discard what the peer still sends
-    events: int = 0
-    closed: bool = False
-
-    @property
-    def busy(self) -> bool:
-        return self.pending or bool(self.out) or self.closing
-
-    def name(self) -> str:
-        return f"{self.peer}{f' (worker {self.worker})' if self.worker is not None else ''}"
-
-
 @dataclass
 class _Pending:
-    conn: _Conn
+    conn: Connection
     worker: int
     wait_version: int | None
     record: bool
@@ -251,12 +118,11 @@ class _Pending:
 
 
 class ShardServer:
-    """The request loop of one server process (single-threaded: requests are applied in arrival order).
+    """The request semantics of one server process, served by its own :class:`ConnectionLoop`.
 
-    Every connection is a non-blocking socket with its own :class:`~lightning_pdist.parameter_server.wire.FrameReader`
-    and output queue, so no peer can hold the loop: a partial message waits in its reader, an unread reply
-    in its queue, each under a deadline of :class:`ServerLimits`. An exception while serving one connection
-    closes that connection and is logged; a request with bad values gets an ``ERROR`` reply and changes nothing.
+    A request with bad values gets an ``ERROR`` reply and changes nothing. Arguments as :func:`start_server`'s
+    (:mod:`~lightning_pdist.parameter_server.process`); ``listener`` is a bound, listening socket and ``lifeline``
+    the read end of a pipe whose EOF ends :meth:`serve`.
     """
 
     def __init__(
@@ -271,22 +137,13 @@ class ShardServer:
         secret: bytes | None = None,
     ) -> None:
         self.index = index
-        self.secret = check_secret(secret, f"ShardServer(index={index})")
-        self.listener = listener
-        self.lifeline = lifeline
-        self.networks = parse_networks(allowed_networks)
-        self.idle_timeout = idle_timeout
-        self.limits = limits if limits is not None else ServerLimits.from_io_timeout(io_timeout)
-        self.selector = selectors.DefaultSelector()
-        self.conns: dict[int, _Conn] = {}
+        limits = limits if limits is not None else ServerLimits.from_io_timeout(io_timeout)
+        self.loop = ConnectionLoop(self, index, listener, lifeline, allowed_networks, idle_timeout, limits, secret)
         self.live: dict[int, int] = {}  # worker -> open connections that said HELLO as it
         self.registered: set[int] = set()  # workers that said HELLO
-        self.stopping = False
         self.shard: ParameterShard | None = None
         self.config: dict[str, Any] = {}
         self.version = 0
-        self.bytes_in = 0
-        self.bytes_out = 0
         self.closed_bytes = (0, 0)  # sync: (bytes_in, bytes_out) when the last step closed
         self.histogram = [0] * STALENESS_BUCKETS
         self.pending: list[_Pending] = []
@@ -297,183 +154,40 @@ class ShardServer:
         self.clock: SSPClock | None = None
         self.dc: DelayCompensation | None = None
         self.open_step: tuple[int, list[bool]] | None = None  # sync: (optimizer, present) of the open step
-        self._revisit: list[_Conn] = []  # connections whose queued request may now be handled
         self.peers: dict[int, str] = {}  # worker -> "pid P on host H, connected from A" (its last HELLO)
         self.last_heard: dict[int, float] = {}  # worker -> when its last push or pull arrived (monotonic)
-        self._log_times: dict[str, tuple[float, int]] = {}  # rate limit per kind of log line
 
-    # ------------------------------------------------------------------ logging
-    def _log(self, message: str, key: str | None = None) -> None:
-        """One line on stderr; lines with a ``key`` at most once per 5 s (the rest counted)."""
-        if key is not None:
-            now = time.monotonic()
-            last, suppressed = self._log_times.get(key, (-math.inf, 0))
-            if now - last < 5.0:
-                self._log_times[key] = (last, suppressed + 1)
-                return
-            self._log_times[key] = (now, 0)
-            if suppressed:
-                message += f" ({suppressed} more like this in the last {now - last:.0f} s)"
-        try:  # fd 2 itself: sys.stderr may wrap a descriptor the fork closed; logging must never raise
-            os.write(2, f"pdist parameter server {self.index}: {message}\n".encode(errors="replace"))
-        except OSError:
-            pass
-
-    # ------------------------------------------------------------------ loop
     def serve(self) -> None:
-        self.listener.setblocking(False)
-        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
-        if self.lifeline is not None:
-            self.selector.register(self.lifeline, selectors.EVENT_READ, "lifeline")
-        idle_since: float | None = time.monotonic()
-        try:
-            while not self.stopping:
-                for key, mask in self.selector.select(timeout=self._next_timeout()):
-                    if key.data == "accept":
-                        self._survive(self._accept)
-                    elif key.data == "lifeline":
-                        return  # the process that started us is gone (or closed the pipe)
-                    elif not key.data.closed:
-                        self._guard(key.data, self._on_event, key.data, mask)
-                    self._handle_revisits()
-                    if self.stopping:
-                        break
-                self._survive(self._expire, time.monotonic())
-                if self.conns:
-                    idle_since = None
-                elif self.registered:
-                    return  # every worker that said HELLO has gone
-                else:
-                    idle_since = idle_since or time.monotonic()
-                    if time.monotonic() - idle_since > self.idle_timeout:
-                        return  # nobody came (or only admin connections, long gone)
-        finally:
-            self._flush_before_exit()
+        """Serve until ``SHUTDOWN``, every worker gone, the lifeline's EOF or ``idle_timeout`` (:class:`ConnectionLoop`)."""
+        self.loop.serve()
 
-    def _guard(self, conn: _Conn, fn: Any, *args: Any) -> None:
-        """Run ``fn``; any exception closes ``conn`` (logged), never the server."""
-        try:
-            fn(*args)
-        except Exception as err:  # noqa: BLE001  (one bad peer never takes the server down)
-            self._log(f"closing the connection from {conn.name()} after {type(err).__name__}: {str(err)[:300]}",
-                      key=f"exception:{type(err).__name__}")  # fmt: skip
-            try:
-                self._close(conn)
-            except Exception as close_err:  # noqa: BLE001
-                self._log(f"closing {conn.name()} failed too ({type(close_err).__name__}: {close_err})")
+    @property
+    def bytes_in(self) -> int:
+        """Training traffic received (handshakes not counted)."""
+        return self.loop.bytes_in
 
-    def _survive(self, fn: Any, *args: Any) -> None:
-        """Run loop bookkeeping (accept, deadlines); an exception there is logged, never fatal."""
-        try:
-            fn(*args)
-        except Exception as err:  # noqa: BLE001
-            self._log(f"{fn.__name__} failed ({type(err).__name__}: {str(err)[:300]})", key=f"survive:{fn.__name__}")
+    @property
+    def bytes_out(self) -> int:
+        """Training traffic sent (handshakes and refusals of unauthenticated peers not counted)."""
+        return self.loop.bytes_out
 
-    def _handle_revisits(self) -> None:
-        while self._revisit:
-            conn = self._revisit.pop()
-            if not conn.closed:
-                self._guard(conn, self._process, conn)
+    def _log(self, message: str, key: str | None = None) -> None:
+        self.loop.log(message, key)
 
-    def _next_timeout(self) -> float:
-        now = time.monotonic()
-        soonest = now_plus = now + 1.0
-        for conn in self.conns.values():
-            for deadline in (conn.message_deadline, conn.reply_deadline, conn.drain_deadline):
-                if deadline is not None and deadline < soonest:
-                    soonest = deadline
-            if not conn.known and conn.opened + self.limits.handshake_timeout < soonest:
-                soonest = conn.opened + self.limits.handshake_timeout
-        for pending in self.pending:
-            if pending.patience is not None and pending.since + pending.patience < soonest:
-                soonest = pending.since + pending.patience
-        return max(0.0, min(soonest, now_plus) - now)
+    def _reply(self, conn: Connection, kind: Kind, meta: dict, payload: Any = None) -> None:
+        self.loop.reply(conn, kind, meta, payload)
 
-    def _expire(self, now: float) -> None:
-        limits = self.limits
-        for conn in list(self.conns.values()):
-            if conn.drain_deadline is not None and now >= conn.drain_deadline:
-                self._close(conn)
-            elif conn.message_deadline is not None and now >= conn.message_deadline:
-                self._close(conn, f"a request did not arrive whole within message_timeout={limits.message_timeout:g} s")
-            elif conn.reply_deadline is not None and now >= conn.reply_deadline:
-                self._close(conn, f"did not read its reply within reply_timeout={limits.reply_timeout:g} s")
-            elif not conn.known and not conn.busy and now >= conn.opened + limits.handshake_timeout:
-                self._close(conn, f"completed no request within handshake_timeout={limits.handshake_timeout:g} s")
-        for pending in list(self.pending):
-            if pending.patience is not None and now >= pending.since + pending.patience and not pending.conn.closed:
-                self._answer_stalled(pending, now)
+    # ------------------------------------------------------------------ the loop's Handler protocol
+    def closed(self, conn: Connection) -> None:
+        self.pending = [p for p in self.pending if p.conn is not conn]
+        if conn.worker is not None:
+            self.live[conn.worker] -= 1
+            if not self.live[conn.worker]:  # another connection that said HELLO as this worker is still up
+                self._worker_gone(conn.worker, "disconnected")
 
-    def _max_connections(self) -> int:
-        num_workers = int(self.config.get("num_workers", 0))
-        return max(self.limits.max_connections, 2 * num_workers + 8)
-
-    def _accept(self) -> None:
-        for _ in range(64):  # drain the backlog, a bounded batch at a time
-            try:
-                sock, addr = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as err:  # EMFILE and the like: this connection, not the server
-                self._log(f"accept failed ({err})", key="accept")
-                return
-            if not address_allowed(addr[0], self.networks):
-                self._log(f"refused a connection from {addr[0]} (outside {', '.join(map(str, self.networks))})", key="network")
-                sock.close()
-                continue
-            if len(self.conns) >= self._max_connections() and not self._evict_one():
-                self._log(f"refused a connection from {addr[0]}:{addr[1]}: max_connections={self._max_connections()} "
-                          "reached and every connection has completed a request", key="limit")  # fmt: skip
-                sock.close()
-                continue
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, f"{addr[0]}:{addr[1]}", time.monotonic(), FrameReader(self._payload_limit))
-            self.conns[sock.fileno()] = conn
-            if self.secret is not None:
-                conn.nonce = new_nonce()
-                conn.reader.payload_limit = self._auth_payload_limit
-                self._reply(conn, Kind.CHALLENGE, {}, conn.nonce, count=False)
-            self._set_events(conn)
-
-    def _evict_one(self) -> bool:
-        """At the connection limit: drop the oldest connection that has not completed a request."""
-        strangers = [c for c in self.conns.values() if not c.known]
-        if not strangers:
-            return False
-        oldest = min(strangers, key=lambda c: c.opened)
-        self._close(oldest, f"dropped: max_connections={self._max_connections()} reached, and it is the oldest "
-                            f"connection that has completed no request ({time.monotonic() - oldest.opened:.1f} s old)")  # fmt: skip
-        return True
-
-    def _auth_payload_limit(self, kind: Kind) -> int:
-        """Before authentication: an ``AUTH`` proof and nothing else (refused on the header, before its metadata)."""
-        if kind != Kind.AUTH:
-            raise FrameError(f"{kind.name} before authenticating; the first message on a connection must be AUTH")
-        return PROOF_BYTES
-
-    def _authenticate(self, conn: _Conn, kind: Kind, meta: dict, payload: bytearray) -> None:
-        """Check the peer's proof; answer with this server's proof of the peer's nonce, or close the connection."""
-        nonce = meta.get("nonce")
-        try:
-            client_nonce = bytes.fromhex(nonce) if isinstance(nonce, str) else b""
-        except ValueError:
-            client_nonce = b""
-        if kind != Kind.AUTH or len(client_nonce) != NONCE_BYTES or not verify(self.secret, conn.nonce, CLIENT_LABEL, payload):
-            self._log(f"refused the connection from {conn.peer}: authentication failed (wrong secret, or not a "
-                      "lightning_pdist worker)", key="auth")  # fmt: skip
-            self._reply(conn, Kind.ERROR, {"message": f"parameter server {self.index}: authentication failed; the "
-                                           "workers and the servers must share the same secret"}, count=False)  # fmt: skip
-            self._shut(conn)
-            return
-        conn.nonce = None
-        conn.reader.payload_limit = self._payload_limit
-        self._reply(conn, Kind.REPLY, {"proof": proof(self.secret, client_nonce, SERVER_LABEL).hex()}, count=False)
-
-    def _payload_limit(self, kind: Kind) -> int:
-        """The most payload bytes a message of ``kind`` can legitimately carry to this server now."""
+    def payload_limit(self, kind: Kind) -> int:
         if kind == Kind.INIT:
-            return self.limits.max_init_bytes
+            return self.loop.limits.max_init_bytes
         if self.shard is None:
             return 0
         shard_bytes = self.shard.flat.numel() * self.shard.flat.element_size()
@@ -483,177 +197,32 @@ class ShardServer:
             return (int(self.config["num_workers"]) + 6) * shard_bytes + (64 << 20)
         return 0
 
-    def _set_events(self, conn: _Conn) -> None:
-        """Read unless a request is already queued (one in flight per connection); write while replies wait."""
-        events = 0 if conn.inbox or (conn.closing and conn.drain_deadline is None) else selectors.EVENT_READ
-        if conn.out:
-            events |= selectors.EVENT_WRITE
-        if events == conn.events:
-            return
-        if conn.events and events:
-            self.selector.modify(conn.sock, events, conn)
-        elif events:
-            self.selector.register(conn.sock, events, conn)
-        else:
-            self.selector.unregister(conn.sock)
-        conn.events = events
+    def connections_needed(self) -> int:
+        return 2 * int(self.config.get("num_workers", 0)) + 8
 
-    def _close(self, conn: _Conn, reason: str | None = None) -> None:
-        if conn.closed:
-            return
-        conn.closed = True
-        if reason is not None:
-            self._log(f"closing the connection from {conn.name()}: {reason}", key=f"close:{reason[:20]}")
-        if conn.events:
-            self.selector.unregister(conn.sock)
-            conn.events = 0
-        self.conns.pop(conn.sock.fileno(), None)
-        conn.sock.close()
-        conn.out.clear()
-        conn.inbox.clear()
-        self.pending = [p for p in self.pending if p.conn is not conn]
-        if conn.worker is not None:
-            self.live[conn.worker] -= 1
-            if not self.live[conn.worker]:  # another connection that said HELLO as this worker is still up
-                self._worker_gone(conn.worker, "disconnected")
+    def next_deadline(self) -> float | None:
+        deadlines = [p.since + p.patience for p in self.pending if p.patience is not None]
+        return min(deadlines, default=None)
 
-    def _on_event(self, conn: _Conn, mask: int) -> None:
-        if mask & selectors.EVENT_WRITE:
-            self._flush(conn)
-        if mask & selectors.EVENT_READ and not conn.closed:
-            self._read(conn)
+    def expire(self, now: float) -> None:
+        for pending in list(self.pending):
+            if pending.patience is not None and now >= pending.since + pending.patience and not pending.conn.closed:
+                self._answer_stalled(pending, now)
 
-    def _read(self, conn: _Conn) -> None:
-        if conn.drain_deadline is not None:  # closing: discard until EOF or the deadline
-            try:
-                if not conn.sock.recv(1 << 16):
-                    self._close(conn)
-            except BlockingIOError:
-                pass
-            except OSError:
-                self._close(conn)
-            return
-        try:
-            message = conn.reader.read(conn.sock)
-        except BlockingIOError:
-            return
-        except (PeerClosed, ConnectionError):
-            self._close(conn)
-            return
-        except FrameError as err:
-            before_init = " (nothing but INIT is accepted before INIT)" if self.shard is None and conn.nonce is None else ""
-            self._log(f"refused a message from {conn.name()}: {err}{before_init}", key="frame")
-            self._reply(conn, Kind.ERROR, {"message": f"parameter server {self.index}: {err}{before_init}; closing the connection"},
-                        count=conn.nonce is None)  # a stranger's refusals are not training traffic  # fmt: skip
-            self._shut(conn)
-            return
-        if message is None:
-            if conn.reader.started and conn.message_deadline is None:
-                conn.message_deadline = time.monotonic() + self.limits.message_timeout
-            return
-        conn.message_deadline = None
-        if conn.nonce is not None:  # not yet authenticated: nothing reaches the request handlers
-            self._authenticate(conn, *message[:3])
-            if not conn.closed:
-                self._set_events(conn)
-            return
-        self.bytes_in += message[3]
-        conn.inbox.append(message)
-        self._process(conn)
+    def finished_when_idle(self) -> bool:
+        return bool(self.registered)
 
-    def _process(self, conn: _Conn) -> None:
-        while conn.inbox and not conn.busy and not conn.closed:
-            kind, meta, payload, _ = conn.inbox.popleft()
-            try:
-                self._handle(conn, kind, meta, payload)
-                conn.known = True
-            except Exception as err:  # noqa: BLE001  (a bad request fails that request, not the server)
-                if not isinstance(err, RequestRefused):
-                    self._log(f"refused {kind.name} from {conn.name()}: {type(err).__name__}: {str(err)[:300]}", key="refused")
-                self._reply(conn, Kind.ERROR, {"message": f"{type(err).__name__}: {err}"})
-            self._serve_pending()
-        if not conn.closed:
-            self._set_events(conn)
-
-    def _shut(self, conn: _Conn) -> None:
-        """Close after a protocol error, once the error reply is out (lingering so the peer can read it)."""
-        conn.closing = True
-        conn.inbox.clear()
-        if not conn.out:
-            self._start_drain(conn)
-        self._set_events(conn)
-
-    def _start_drain(self, conn: _Conn) -> None:
-        # Closing a socket with unread input resets it, which can destroy the error reply in flight: shut our
-        # side, then discard what the peer still sends, for 5 s at most.
-        try:
-            conn.sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            self._close(conn)
-            return
-        conn.drain_deadline = time.monotonic() + 5.0
-
-    def _reply(self, conn: _Conn, kind: Kind, meta: dict, payload: Any = None, count: bool = True) -> None:
-        """Queue a message and send what the socket takes; ``count=False``: a handshake, not training traffic."""
-        if conn.closed:
-            return
-        head, body = encode_message(kind, meta, payload)
-        if count:
-            self.bytes_out += len(head) + body.nbytes
-        conn.out.append(memoryview(head))
-        if body.nbytes:
-            conn.out.append(body)
-        if conn.reply_deadline is None:
-            conn.reply_deadline = time.monotonic() + self.limits.reply_timeout
-        self._flush(conn)
-        if conn.out and not conn.closed:  # what is left must not change with the shard: copy it
-            conn.out = deque(v if v.readonly else memoryview(bytes(v)) for v in conn.out)
-
-    def _flush(self, conn: _Conn) -> None:
-        while conn.out:
-            view = conn.out[0]
-            try:
-                sent = conn.sock.send(view)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                self._close(conn)
-                return
-            if sent < view.nbytes:
-                conn.out[0] = view[sent:]
-                break
-            conn.out.popleft()
-        if not conn.out:
-            conn.reply_deadline = None
-            if conn.closing:
-                if conn.drain_deadline is None:
-                    self._start_drain(conn)
-            else:
-                self._revisit.append(conn)
-        if not conn.closed:
-            self._set_events(conn)
-
-    def _flush_before_exit(self) -> None:
-        """Best effort, at most 2 s: the replies already queued (SHUTDOWN's) reach their peers."""
-        deadline = time.monotonic() + 2.0
-        for conn in list(self.conns.values()):
-            if conn.out and not conn.closed:
-                try:
-                    conn.sock.setblocking(True)
-                    for view in conn.out:
-                        conn.sock.settimeout(max(0.01, deadline - time.monotonic()))
-                        conn.sock.sendall(view)
-                except OSError:
-                    pass
+    def frame_error_note(self) -> str:
+        return " (nothing but INIT is accepted before INIT)" if self.shard is None else ""
 
     # ------------------------------------------------------------------ requests
-    def _handle(self, conn: _Conn, kind: Kind, meta: dict, payload: bytearray) -> None:
+    def handle(self, conn: Connection, kind: Kind, meta: dict, payload: bytearray) -> None:
         if kind == Kind.INIT:
             self._init(meta, payload)
             self._reply(conn, Kind.REPLY, {"server": self.index, "numel": self.shard.flat.numel()})
         elif kind == Kind.SHUTDOWN:
             self._reply(conn, Kind.REPLY, {})
-            self.stopping = True
+            self.loop.stop()
         elif kind == Kind.BYE:
             if conn.worker is not None:
                 self._worker_gone(conn.worker, "finished")
@@ -703,7 +272,7 @@ class ShardServer:
         else:
             raise RequestRefused(f"unexpected message kind {kind.name}")
 
-    def _worker_of(self, conn: _Conn, kind: Kind, meta: dict) -> int:
+    def _worker_of(self, conn: Connection, kind: Kind, meta: dict) -> int:
         if conn.worker is None:
             raise RuntimeError("send HELLO before PUSH/PULL")
         if "worker" in meta and meta["worker"] != conn.worker:
@@ -806,7 +375,7 @@ class ShardServer:
                 self.version += 1
                 # Every reply of the previous step went out before this step's last push could arrive, and
                 # no reply of this step has: the counters now differ from the last close by exactly one step.
-                self.closed_bytes = (self.bytes_in, self.bytes_out)
+                self.closed_bytes = (self.loop.bytes_in, self.loop.bytes_out)
             return {"accepted": accepted, "staleness": 0, "contributors": list(self.aggregator.last_contributors)}
         if self.clock is not None and worker in self.clock.retired:
             raise RuntimeError(f"worker {worker} has retired (said BYE or disconnected); it cannot push again")
@@ -828,7 +397,7 @@ class ShardServer:
             return True
         return pending.wait_version is None or self.version >= pending.wait_version
 
-    def _serve_pending(self) -> None:
+    def serve_pending(self) -> None:
         for pending in list(self.pending):
             if pending.conn.closed:
                 self.pending.remove(pending)
@@ -923,7 +492,7 @@ class ShardServer:
                     f"{self.aggregator.quorum} of {self.config['num_workers']} workers per step "
                     f"(backup_workers={self.aggregator.backup_workers}); {live} remain"
                 )
-        self._serve_pending()
+        self.serve_pending()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -963,177 +532,3 @@ class ShardServer:
         if self.dc is not None and state.get("dc") is not None:
             self.dc.load_state_dict(state["dc"])
         self.histogram = [int(c) for c in state.get("histogram", self.histogram)]
-
-
-# ---------------------------------------------------------------------- processes
-
-
-@dataclass
-class ServerProcess:
-    """A forked server process, seen from the process that started it."""
-
-    index: int
-    pid: int
-    host: str
-    port: int
-    lifeline: int  # write end of the pipe whose EOF tells the server its parent is gone
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def poll(self) -> int | None:
-        """The exit status if the process has exited (and reap it), else ``None``."""
-        if self.pid <= 0:
-            return 0
-        try:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-        except ChildProcessError:
-            return 0
-        if pid == 0:
-            return None
-        self.pid = -self.pid
-        return os.waitstatus_to_exitcode(status)
-
-    def join(self, timeout: float) -> int | None:
-        deadline = time.monotonic() + timeout
-        while True:
-            code = self.poll()
-            if code is not None or time.monotonic() >= deadline:
-                return code
-            time.sleep(0.02)
-
-    def close_lifeline(self) -> None:
-        if self.lifeline >= 0:
-            os.close(self.lifeline)
-            self.lifeline = -1
-
-    def stop(self, timeout: float = 10.0) -> int:
-        """Close the lifeline, wait up to ``timeout`` s, then SIGKILL; always reaps the process."""
-        self.close_lifeline()
-        code = self.join(timeout)
-        if code is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            code = self.join(timeout)
-        return code if code is not None else -signal.SIGKILL
-
-
-def _set_process_name(name: str) -> None:
-    try:  # /proc/<pid>/comm shows it; tests look for leftover "pdist-ps*" processes
-        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except Exception:
-        pass
-
-
-def _close_inherited_fds(keep: set[int]) -> None:
-    # A forked server must not hold copies of its parent's sockets (gloo, the TCP store, the launcher's
-    # pipes): while it did, a dead parent's peers would never see EOF.
-    try:
-        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
-    except OSError:
-        fds = list(range(3, 1024))
-    for fd in fds:
-        if fd > 2 and fd not in keep:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-def start_server(
-    index: int,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    allowed_networks: str = "127.0.0.0/8",
-    idle_timeout: float = 300.0,
-    io_timeout: float = 300.0,
-    limits: ServerLimits | None = None,
-    secret: bytes | None = None,
-) -> ServerProcess:
-    """Fork a server process bound to ``host:port`` (``port=0``: any free port) and return its handle.
-
-    ``limits`` bound what one peer may cost the server (default: every deadline ``io_timeout``). ``secret``
-    (at least 32 bytes, handed over in memory): every connection must prove it holds it before its first request;
-    ``None``: no authentication.
-
-    The socket is bound here, before the fork, so a bad address fails in the caller and the port is
-    known (and accepting) before this returns. Call it before creating other sockets if possible; the
-    child closes every inherited descriptor except its own anyway.
-    """
-    parse_networks(allowed_networks)  # fail here, not in the child
-    secret = check_secret(secret, f"start_server(index={index})")
-    limits = limits if limits is not None else ServerLimits.from_io_timeout(io_timeout)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.create_server((host, port), family=family, backlog=128)
-    bound_host, bound_port = listener.getsockname()[:2]
-    read_end, write_end = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = fork_process()  # garbage gloo groups collected here; the child never collects what it inherits
-    if pid == 0:  # child
-        code = 1
-        try:
-            os.close(write_end)
-            _close_inherited_fds({listener.fileno(), read_end})
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            _set_process_name(f"pdist-ps{index}")
-            torch.set_num_threads(1)
-            ShardServer(index, listener, read_end, allowed_networks, idle_timeout, limits=limits, secret=secret).serve()
-            code = 0
-        except BaseException:  # noqa: BLE001  (report anything, then leave without running the parent's atexit)
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    os.close(read_end)
-    listener.close()
-    return ServerProcess(index=index, pid=pid, host=bound_host, port=bound_port, lifeline=write_end)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Run one server in the foreground (multi-node: start one per server host, pass their addresses).
-
-    ``python -m lightning_pdist.parameter_server.server --index 0 --host 0.0.0.0 --port 29600 --allowed-networks 10.1.0.0/16
-    --secret-file ~/.pdist/secret`` (the same file, mode 600, as the strategy's ``server_secret_file``)
-    """
-    import argparse
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--index", type=int, default=0)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--allowed-networks", default="127.0.0.0/8")
-    parser.add_argument("--idle-timeout", type=float, default=300.0)
-    parser.add_argument("--secret-file", default=None, help="file holding the shared secret (mode 600, >= 32 bytes); "
-                        "without it the server is unauthenticated")  # fmt: skip
-    defaults = ServerLimits()
-    parser.add_argument("--max-connections", type=int, default=defaults.max_connections)
-    parser.add_argument("--message-timeout", type=float, default=defaults.message_timeout)
-    parser.add_argument("--reply-timeout", type=float, default=defaults.reply_timeout)
-    parser.add_argument("--handshake-timeout", type=float, default=defaults.handshake_timeout)
-    parser.add_argument("--max-init-bytes", type=int, default=defaults.max_init_bytes)
-    args = parser.parse_args(argv)
-    parse_networks(args.allowed_networks)
-    secret = None
-    if args.secret_file is not None:
-        try:
-            secret = read_secret_file(args.secret_file)
-        except ValueError as err:
-            parser.error(f"--secret-file {err}")
-    limits = ServerLimits(args.max_connections, args.message_timeout, args.reply_timeout, args.handshake_timeout,
-                          args.max_init_bytes)  # fmt: skip
-    listener = socket.create_server((args.host, args.port), backlog=128)
-    print(f"pdist parameter server {args.index} listening on {listener.getsockname()[0]}:{listener.getsockname()[1]}", flush=True)
-    torch.set_num_threads(1)
-    server = ShardServer(args.index, listener, None, args.allowed_networks, args.idle_timeout, limits=limits, secret=secret)
-    if secret is None:
-        server._log(f"WARNING: unauthenticated (no --secret-file): any process that can reach this port from "
-                    f"{args.allowed_networks}, of any user, can push gradients, read parameters or shut the server down")  # fmt: skip
-    server.serve()
-
-
-if __name__ == "__main__":
-    main()

@@ -26,7 +26,7 @@ Several nodes: with torchrun/SLURM every node runs the same script; server ``i``
 ``server_host`` is refused; ``server_port`` fixes the ports (a node's ``k``-th server binds ``server_port + k``).
 Or set ``server_host`` (``"0.0.0.0"``: every node binds all interfaces; an address of one node: all servers on
 global rank 0's node) and ``allowed_networks``, or start servers yourself
-(``python -m lightning_pdist.parameter_server.server --host H --port P --secret-file F``) and pass ``server_addresses`` and
+(``python -m lightning_pdist.parameter_server.process --host H --port P --secret-file F``) and pass ``server_addresses`` and
 ``server_secret_file=F``.
 
 Authentication: servers the strategy starts get a fresh 32-byte secret from global rank 0, which sends it over
@@ -44,7 +44,7 @@ import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -52,16 +52,17 @@ from typing_extensions import override
 from lightning_pdist.core.nonfinite import all_finite, nonfinite_error
 from lightning_pdist.parameter_server.sharding import ShardingPlan, param_specs, plan_sharding
 from lightning_pdist.core.accounting import all_reduce_bytes
-from lightning_pdist.parameter_server.auth import new_secret, read_secret_file
+from lightning_pdist.parameter_server.auth import read_secret_file
 from lightning_pdist.parameter_server.client import ParameterServerClient
 from lightning_pdist.parameter_server.layout import OptimizerLayout, accumulate_grads, group_hparams, numeric_hparams
-from lightning_pdist.parameter_server.server import ELEMENTWISE_OPTIMIZERS, STALENESS_BUCKETS, ServerProcess, start_server
+from lightning_pdist.parameter_server.placement import check_placement, placed_nodes, start_servers, stop_servers
+from lightning_pdist.parameter_server.process import ServerProcess
+from lightning_pdist.parameter_server.server import ELEMENTWISE_OPTIMIZERS, STALENESS_BUCKETS
 from lightning_pdist.parameter_server.wire import Kind, dumps_state, loads_state
 from lightning_pdist.parameter_server.workers import WorkerGroup
 from lightning_pdist.parameter_server.precision import ParameterServerMixedPrecision
 from lightning_pdist.core.strategy import PdistStrategy
 from lightning_pdist.core.config import refuse_owned_ddp_args
-from lightning_pdist.core.multinode import is_loopback, is_wildcard, join_networks, server_network, server_nodes
 from lightning_pdist.core.guard import SkipStep, global_step
 from lightning_pdist.parameter_server.config import ParameterServerConfig
 from lightning_pdist.core.run_logging import log_histogram
@@ -71,95 +72,12 @@ __all__ = ["ParameterServerConfig", "ParameterServerStrategy"]
 class ParameterServerStrategy(PdistStrategy):
     """Data-parallel training through dedicated parameter-server processes.
 
-    Servers hold the parameters, sharded by :func:`~lightning_pdist.parameter_server.sharding.plan_sharding`,
-    and run the user's optimizer on their shard. Workers compute gradients and exchange shards with
-    every server. Modes (the server rules are in :mod:`lightning_pdist.parameter_server.rules`):
-
-    * ``sync``: each server averages the ``N`` workers' gradients of step ``t`` and steps once; workers
-      pull the result. With SGD this is DDP. ``backup_workers=b``: the first ``N - b`` gradients of the
-      step are averaged and late ones dropped by step id (Chen et al. 2016).
-    * ``async`` (Downpour, Dean et al. 2012): a worker pushes its accumulated gradient every
-      ``push_every`` steps and pulls every ``pull_every`` steps (its parameters change only by pulls);
-      each push is applied on arrival as one server step on ``g / N``. Shards are not mutually
-      consistent, and gradients are stale by about ``N - 1`` updates.
-    * ``ssp`` (Ho et al. 2013): as async with ``push_every = pull_every = 1``, but a worker waits before
-      its next step until no worker is more than ``staleness`` steps behind; ``staleness=0`` is BSP and,
-      with SGD, equals ``sync``.
-    * ``delay_compensation=λ > 0`` (async/ssp): DC-ASGD, ``g + λ·g⊙g⊙(w - w_bak(m))`` with ``w_bak(m)`` the
-      parameters worker ``m`` last pulled (Zheng et al. 2017; λ ≈ 0.04 to start).
-
-    Dividing async pushes by ``N`` keeps the learning rate's meaning per sample across modes. Asynchrony
-    acts like extra momentum of about ``1 - 1/N`` (Mitliagkas et al. 2016): lower the optimizer's
-    momentum when going async with many workers.
-
-    Several optimizers (manual optimization, e.g. a GAN with ``toggle_optimizer``): every server runs one
-    optimizer per user optimizer, over that optimizer's parameters. A user optimizer's ``step()`` pushes
-    the gradients of its own parameters only, steps only its server optimizer and pulls; the other
-    optimizers' parameters and state do not move. A parameter in two optimizers is refused, and in sync
-    mode all workers must step the same optimizers in the same order (a server refuses anything else).
-    The worker's ``.grad`` is left alone, as after a torch ``step()``.
-
-    Parameters without a gradient: a parameter whose ``.grad`` is ``None`` on a worker is not sent. A sync
-    step averages over all ``N`` workers with the missing gradients as zeros, and a parameter no worker had
-    a gradient for is left out of the step (``grad = None``: no momentum, no weight decay), which is what
-    DDP with ``find_unused_parameters=True`` and a torch optimizer do.
-
-    Buffers (BatchNorm running statistics) stay on the workers and are averaged over them (floating-point
-    buffers only; integer counters such as ``num_batches_tracked`` agree anyway): in ``sync`` mode after
-    every optimizer step (an all-reduce on the workers' group, counted in ``pdist/comm_bytes``; the running
-    mean then follows the global batch mean, and a checkpoint holds what every worker holds, so resuming is
-    exact); in ``async``/``ssp`` and with backup workers at validation, at checkpoints and at the end of
-    ``fit``, where the workers meet anyway, because a per-step all-reduce would hold them in lockstep.
-
-    Validation/test during ``fit`` use the servers' current parameters; after ``fit`` every worker holds
-    them. ``validate``/``test``/``predict`` outside ``fit`` start no servers: every worker evaluates rank
-    0's module. Each Trainer's setup builds the workers' group afresh (rank 0 hosts a store on
-    ``MASTER_PORT`` and stops it in teardown before any worker leaves), so several Trainers can run one
-    after another in the same processes; where torch's default group already exists there (another
-    strategy ran first), the workers' group is a gloo subgroup of it instead, and Lightning's per-batch
-    broadcast on that group then keeps async workers in step. Checkpoints store them as ``state_dict`` and every server's shard, optimizer state and rule
-    state under ``checkpoint["pdist"]["servers"]``; resuming (same ``num_servers`` and ``sharding``)
-    restores the servers exactly.
-
-    fp16 with a GradScaler (``precision="16-mixed"`` on GPU; on CPU ``plugins=[MixedPrecision("16-mixed", "cpu")]``):
-    setup swaps Lightning's ``MixedPrecision`` for
-    :class:`~lightning_pdist.parameter_server.precision.ParameterServerMixedPrecision`, keeping the user's scaler object
-    (settings, scale, growth tracker; checkpointed under the new plugin's name, and restored from a
-    ``MixedPrecision`` key too). The loss is scaled by ``S`` as usual; before the push the worker divides its
-    gradients by ``S`` (``scaler.unscale_``, so clipping and the servers see gradient units) and checks them for
-    Inf/NaN. ``sync`` (with or without backup workers): one 4-byte all-reduce on the workers' group (in
-    ``pdist/comm_bytes``) tells every worker whether any overflowed; then *every* worker skips that step's push,
-    no server steps (versions and the sync step id stay put), and every scale backs off identically, which is
-    DDP with a GradScaler. With backup workers this vote waits for every worker's backward each step.
-    ``async``: a worker that overflowed skips its own push (its accumulated earlier gradients still go out on
-    time; pulls go on); ``ssp``: it sends an empty push instead (no parameter moves) so its clock still counts
-    the iteration and the staleness bound keeps its meaning. In both, the other workers are unaffected and each
-    worker's scale is its own. ``plugin.skipped_steps`` counts a worker's skipped pushes.
-
-    Non-finite gradients (``nonfinite=``, :mod:`lightning_pdist.core.nonfinite`; without a GradScaler): each
-    worker checks its own gradient, per tensor, after the backward and *before* the push, so no server shard, server
-    optimizer state or version ever takes a NaN. ``sync`` (with or without backup workers): every worker puts its
-    flag in the workers' store every step and waits at most ``server_timeout`` for the others' (a few bytes, not
-    training traffic; it waits for every worker's backward, also with backup workers; a worker that never reports
-    is named, ``WorkerSilent``, as the servers name a worker that never pushes), so every worker learns whether,
-    and on which workers, a gradient was not finite; then ``"raise"`` stops every worker at that step with a
-    ``FloatingPointError`` naming the workers and the global step, and ``"skip_step"`` skips that step's push on every worker (no server
-    steps, as for an fp16 overflow). ``async``/``ssp``: the workers do not meet per step, so the check is the
-    worker's own: ``"raise"`` stops that worker before its push (the others go on until they next meet it, at
-    validation, a checkpoint or the end of ``fit``, or until the launcher ends the job; Lightning's fork/spawn
-    launchers end them at once); ``"skip_step"`` skips that worker's own push of that step as an fp16 overflow does
-    (its earlier accumulated gradients still go out; ``ssp`` sends an empty push so that its clock counts the
-    step), and the other workers are not affected. Both restore the worker's float buffers. Whatever the mode, a
-    non-finite parameter pulled from the servers after checked-finite pushes (the servers' step diverged) stops
-    that worker (every worker in ``sync``): no skip can undo a server step. ``"propagate"`` checks nothing.
-
-    Logged on every logged step, over the steps since the previous one (this worker's view): ``pdist/comm_bytes``
-    (bytes it sent), ``pdist/ps/wait_s`` (mean time per step in push/pull, including waiting for other workers),
-    ``pdist/ps/server{s}_bytes_in``/``_out`` (server ``s``'s traffic, from every worker, in that interval, as the
-    servers report it; the load balance), ``pdist/ps/server_bytes_max``/``_mean`` (over the servers), and for
-    async/ssp ``pdist/ps/staleness`` (mean over this worker's pushes) and the staleness histogram of the pushes
-    the servers applied in the interval (summed over the servers): a histogram for W&B and TensorBoard, the scalars
-    ``pdist/ps/staleness_hist/{τ}`` for other loggers (τ ≥ 15 in the last bin).
+    Servers hold the parameters, sharded by :func:`~lightning_pdist.parameter_server.sharding.plan_sharding`, and
+    run the user's optimizer on their shard; workers compute gradients and exchange shards with every server.
+    Modes: ``sync`` (with ``backup_workers``), ``async`` (Downpour), ``ssp``; DC-ASGD with ``delay_compensation``
+    (rules: :mod:`~lightning_pdist.parameter_server.rules`). The method card, ``docs/algorithms/parameter_server.md``,
+    describes the modes, several optimizers, parameters without gradients, buffers, fp16 with a GradScaler,
+    non-finite values, evaluation, checkpoints and the logged metrics.
 
     Args:
         num_servers: servers ``S >= 1``; ``None``: ``ceil(N / 2)``, one per two workers (paper 000).
@@ -194,7 +112,7 @@ class ParameterServerStrategy(PdistStrategy):
             stopped, hung or dead; parameter server 0 is alive``); a server that has not answered 10 s later is
             blamed itself. A server that dies fails its workers at once. Worker ``m`` is global rank ``m``.
         nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what the workers do when a gradient
-            holds NaN/Inf before its push (see "Non-finite gradients" above).
+            holds NaN/Inf before its push (the method card's "Non-finite values").
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (``start_method``,
             ``timeout`` of the workers' gloo group: the rendezvous, barriers and broadcasts, default 30 min, ...).
             Nothing is wrapped in ``DistributedDataParallel``. The method card's "Timeouts and hung workers" has
@@ -269,13 +187,8 @@ class ParameterServerStrategy(PdistStrategy):
         super().set_world_ranks()
         self.config.check_world_size(self.world_size)
         if self.config.server_addresses is None:
-            nodes = self._server_nodes(self.config.servers_for(self.world_size))
+            nodes = placed_nodes(self.config, self.config.servers_for(self.world_size), self.num_nodes)
             self.config.check_port_range(max(nodes.count(node) for node in set(nodes)))
-
-    def _server_nodes(self, num_servers: int) -> list[int]:
-        """The node each started server runs on; an address as ``server_host`` is one node's: all on node 0."""
-        host = self.config.server_host
-        return server_nodes(num_servers, 1 if host is not None and not is_wildcard(host) else self.num_nodes)
 
     @property
     def server_pids(self) -> list[int]:
@@ -320,80 +233,15 @@ class ParameterServerStrategy(PdistStrategy):
     def _configure_launcher(self) -> None:
         # Runs when the Trainer is built, before any process or server starts.
         super()._configure_launcher()
-        if self.num_nodes <= 1:
-            return
-        owner = type(self).__name__
-        loopback = [a for a in self.config.server_addresses or () if is_loopback(a.rpartition(":")[0])]
-        if loopback:
-            raise ValueError(f"{owner}(server_addresses={list(self.config.server_addresses)!r}): the job spans "
-                             f"num_nodes={self.num_nodes} nodes and {loopback[0]!r} is a loopback address that the "
-                             "other nodes cannot reach; give each server's address on the cluster network")  # fmt: skip
-        host = self.config.server_host
-        if self.config.server_addresses is None and host is not None and is_loopback(host):
-            raise ValueError(f"{owner}(server_host={host!r}): the job spans num_nodes={self.num_nodes} nodes and the "
-                             "workers on the other nodes cannot reach a loopback address; leave server_host unset "
-                             "(rank 0's address on the route to MASTER_ADDR), or set it to that node's cluster address, "
-                             "or '0.0.0.0' with allowed_networks covering the nodes (docs/multinode.md)")  # fmt: skip
-        count = self.config.servers_for(self.world_size)
-        if self.config.server_addresses is None and host is not None and not is_wildcard(host) and count > 1:
-            rank_zero_warn(f"{owner}(server_host={host!r}): an address of one node, so all {count} servers run on "
-                           "global rank 0's node and its link carries all their traffic; leave server_host unset (or "
-                           "'0.0.0.0') to run server i on node i mod num_nodes")  # fmt: skip
+        check_placement(type(self).__name__, self.config, self.num_nodes, self.config.servers_for(self.world_size))
 
     def _start_servers(self, main_address: str) -> None:
-        """Each node's local rank 0 starts the servers placed on its node; every worker gets all their addresses.
-
-        Two rounds on the workers' group (never the store or a file): rank 0's fresh secret and each starter's
-        derived address and network go to every worker; the starters fork their servers (a node's ``k``-th on
-        ``server_port + k``); their addresses, or what stopped them, go to every worker in server order. A server
-        that cannot start on any node stops every starter's servers and raises on every worker.
-        """
-        owner = type(self).__name__
-        nodes = self._server_nodes(self.config.servers_for(self.world_size))
-        mine = [i for i, node in enumerate(nodes) if node == self.node_rank] if self.local_rank == 0 else []
-        derived = server_network(self.num_nodes, main_address) if mine else None
-        offers = self.workers.all_gather_object((new_secret() if self.global_rank == 0 else None, derived))
-        self._secret = offers[0][0]
-        # every server admits the networks of all starting nodes: a worker may reach it from any of them
-        networks = self.config.allowed_networks or join_networks(*(d[1] for _, d in offers if d is not None))
-        found: dict[int, str] = {}
-        error = None
-        port = self.config.server_port
-        try:
-            if mine:
-                host = self.config.server_host or derived[0]
-                # workers reach a wildcard-bound server at MASTER_ADDR on node 0, elsewhere at the node's own address
-                published = (main_address if self.node_rank == 0 else derived[0]) if is_wildcard(host) else None
-            for k, index in enumerate(mine):
-                try:
-                    server = start_server(index, host=host, port=port + k if port is not None else 0,
-                                          allowed_networks=networks, io_timeout=self.config.server_timeout,
-                                          secret=self._secret)  # fmt: skip
-                except Exception as err:  # noqa: BLE001  (reported to every worker below, then raised on each)
-                    where = f"{host}:{port + k}" if port is not None else host
-                    error = (f"node {self.node_rank} cannot start parameter server {index} on {where} "
-                             f"({type(err).__name__}: {err})")
-                    break
-                self.servers.append(server)
-                found[index] = f"{published or server.host}:{server.port}"
-            reports = self.workers.all_gather_object((found, error))
-        except BaseException:
-            self._stop_servers()
-            raise
-        errors = [e for _, e in reports if e is not None]
-        if errors:
-            self._stop_servers()
-            setting, rule = "", ""
-            if port is not None:
-                setting, rule = f"(server_port={port})", "; a node's k-th server binds server_port + k: choose free ports"
-            raise RuntimeError(f"{owner}{setting}: {'; '.join(errors)}{rule}")
-        for addresses, _ in reports:
-            found.update(addresses)
-        assert sorted(found) == list(range(len(nodes))), (sorted(found), len(nodes))
-        self.server_addresses = [found[i] for i in range(len(nodes))]
-        if self.num_nodes > 1:
-            rank_zero_info(f"{owner}: {len(nodes)} parameter servers: " + ", ".join(
-                f"{i} at {a} (node {nodes[i]})" for i, a in enumerate(self.server_addresses)))  # fmt: skip
+        """Each node's local rank 0 starts its servers; every worker gets all their addresses (:func:`start_servers`)."""
+        nodes = placed_nodes(self.config, self.config.servers_for(self.world_size), self.num_nodes)
+        self.servers, self.server_addresses, self._secret = start_servers(
+            type(self).__name__, self.config, self.workers, main_address, nodes, self.node_rank, self.num_nodes,
+            self.local_rank,
+        )
 
     # ------------------------------------------------------------------ Lightning collectives (private group)
     @override
@@ -586,7 +434,7 @@ class ParameterServerStrategy(PdistStrategy):
                 skip = self._check_nonfinite(k)
         self._exchange(k, skip)
         self.nonfinite_guard.step_done()
-        if scaled and (overflowed is not None or self.config.mode == "sync"):
+        if scaled and (overflowed is not None or self.config.steps_together):
             # Without a backward Lightning leaves the scale alone; a sync worker still takes the agreed flag, so
             # that every worker's scale stays the same.
             plugin.end_step(skip)
@@ -603,7 +451,7 @@ class ParameterServerStrategy(PdistStrategy):
 
     def _agree_overflow(self, overflowed: bool) -> bool:
         """Whether this step's push is skipped: ``sync``, if any worker overflowed; ``async``/``ssp``, if this one did."""
-        if self.config.mode != "sync" or self.workers is None or self.world_size == 1:
+        if not self.config.steps_together or self.workers is None or self.world_size == 1:
             return overflowed
         # One 4-byte all-reduce before the push, every step (sync workers meet at every step anyway). The push
         # cannot carry the flag without a server-side change: each server would have to hold its step back until
@@ -623,7 +471,7 @@ class ParameterServerStrategy(PdistStrategy):
         flags), so every worker raises or skips at the same step. ``async``/``ssp``: this worker's own check.
         """
         bad = not all_finite([g for g in self.layout.grads_of(k).values() if g is not None])
-        agreed = self.config.mode == "sync" and self.workers is not None and self.world_size > 1
+        agreed = self.config.steps_together and self.workers is not None and self.world_size > 1
         if agreed:
             # Through the store with the server's deadline, not a gloo all-reduce: a stopped worker is then named
             # after server_timeout (WorkerSilent), as the servers name it, instead of gloo failing unnamed much later.
@@ -636,7 +484,7 @@ class ParameterServerStrategy(PdistStrategy):
             ranks = [self.global_rank] if bad else []
         if not ranks:
             return False
-        local = self.config.mode != "sync"
+        local = not self.config.steps_together
         try:
             self.nonfinite_guard.act(
                 "gradients", ranks, self.lightning_module, before="its push (no server has seen them)" if local else
@@ -669,7 +517,7 @@ class ParameterServerStrategy(PdistStrategy):
             elif pull:
                 new, metas = self.client.pull(record=True)
                 self._load_shards(new, metas)
-        elif not (skip and self.config.mode == "sync"):
+        elif not (skip and self.config.steps_together):
             # ssp skip: an empty push (no gradient present: no parameter moves) still ends this worker's clock,
             # so the staleness bound keeps counting iterations; its pull waits for the bound as usual.
             new, metas = self._push(k, grads, pull=True)
@@ -691,7 +539,7 @@ class ParameterServerStrategy(PdistStrategy):
             return
         note = ("Every gradient pushed was checked finite (under a GradScaler: unscaled and not overflowed), so the "
                 "servers' optimizer step made them, and no skip can undo a server step.")  # fmt: skip
-        sync = self.config.mode == "sync"
+        sync = self.config.steps_together
         raise nonfinite_error(type(self).__name__, "parameters pulled from the servers", [],
                               global_step(self.lightning_module), "they reach a checkpoint", self.nonfinite, note,
                               skippable=False, scope="every worker" if sync else f"worker {self.global_rank}",
@@ -700,7 +548,7 @@ class ParameterServerStrategy(PdistStrategy):
     def _buffers_every_step(self) -> bool:
         # Only where the workers are in lockstep anyway: an all-reduce per step would hold async/SSP workers
         # together and make sync wait for the stragglers that backup workers exist to leave behind.
-        return self.config.mode == "sync" and self.config.backup_workers == 0
+        return self.config.lockstep
 
     @torch.no_grad()
     def _average_buffers(self, meeting: bool) -> None:
@@ -734,7 +582,7 @@ class ParameterServerStrategy(PdistStrategy):
                                         meta.get("step_bytes_out", meta["bytes_out"]))  # fmt: skip
         for tau in (m["staleness"] for m in metas if "staleness" in m):
             self._diagnostics.note("pdist/ps/staleness", tau)
-        if self.config.mode == "sync":
+        if self.config.steps_together:
             self.dropped_pushes += sum(1 for m in metas if m.get("accepted") is False)
         elif metas and all("histogram" in m for m in metas):
             self.staleness_histogram = [sum(h) for h in zip(*(m["histogram"] for m in metas))]
@@ -754,7 +602,7 @@ class ParameterServerStrategy(PdistStrategy):
         if loads:
             out["pdist/ps/server_bytes_max"] = float(max(loads))
             out["pdist/ps/server_bytes_mean"] = float(sum(loads) / len(loads))
-        if self.config.mode == "sync" and self.config.backup_workers:
+        if self.config.drops_late_pushes:
             out["pdist/ps/dropped_pushes"] = float(self.dropped_pushes)
         interval = [now - then for now, then in zip(self.staleness_histogram, self._histogram_logged)]
         if any(interval) and self.lightning_module is not None and self.lightning_module._trainer is not None:
@@ -873,10 +721,7 @@ class ParameterServerStrategy(PdistStrategy):
 
     def _stop_servers(self) -> None:
         servers, self.servers = self.servers, []
-        for server in servers:
-            server.close_lifeline()
-        for server in servers:
-            server.stop(timeout=10.0)
+        stop_servers(servers)
 
     @classmethod
     @override

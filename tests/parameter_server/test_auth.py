@@ -18,7 +18,8 @@ from _helpers import closed_by_server, no_orphaned_servers  # noqa: F401  (autou
 
 from lightning_pdist.parameter_server.auth import CLIENT_LABEL, SERVER_LABEL, check_secret, new_secret, proof, read_secret_file
 from lightning_pdist.parameter_server.client import ParameterServerClient, ServerConnection, ServerError, ServerUnavailable
-from lightning_pdist.parameter_server.server import ServerLimits, start_server
+from lightning_pdist.parameter_server.loop import ServerLimits
+from lightning_pdist.parameter_server.process import start_server
 from lightning_pdist.parameter_server.wire import HEADER, MAGIC, Kind, encode_message, recv_message, send_message
 
 GOOD_TIMEOUT = 10.0
@@ -208,7 +209,7 @@ def test_a_worker_refuses_a_server_that_cannot_prove_the_secret():
 
 
 def hand_started(*args):
-    return subprocess.Popen([sys.executable, "-m", "lightning_pdist.parameter_server.server", "--port", "0", *args],
+    return subprocess.Popen([sys.executable, "-m", "lightning_pdist.parameter_server.process", "--port", "0", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 

@@ -17,7 +17,9 @@ import torch
 from _helpers import closed_by_server, no_orphaned_servers  # noqa: F401  (autouse fixture)
 
 from lightning_pdist.parameter_server.client import ParameterServerClient, ServerConnection, ServerError
-from lightning_pdist.parameter_server.server import ServerLimits, ShardServer, start_server
+from lightning_pdist.parameter_server.loop import ServerLimits
+from lightning_pdist.parameter_server.process import start_server
+from lightning_pdist.parameter_server.server import ShardServer
 from lightning_pdist.parameter_server.wire import HEADER, MAGIC, FrameError, FrameReader, Kind, decode_meta, recv_message
 
 GOOD_TIMEOUT = 10.0  # the well-behaved worker's bound on every request while an attack goes on

@@ -8,7 +8,7 @@ from _helpers import no_orphaned_servers  # noqa: F401  (autouse fixture)
 from lightning_pdist import ParameterServerStrategy
 from lightning_pdist.parameter_server.auth import read_secret_file
 from lightning_pdist.parameter_server.client import ServerConnection, ServerError
-from lightning_pdist.parameter_server.server import start_server
+from lightning_pdist.parameter_server.process import start_server
 from lightning_pdist.parameter_server.wire import Kind
 
 

@@ -15,7 +15,7 @@ import torch
 from _helpers import no_orphaned_servers  # noqa: F401  (autouse fixture)
 
 from lightning_pdist.parameter_server.client import ParameterServerClient, ServerConnection, ServerError, WorkerStalled
-from lightning_pdist.parameter_server.server import start_server
+from lightning_pdist.parameter_server.process import start_server
 from lightning_pdist.parameter_server.wire import Kind, loads_state, recv_message
 
 PATIENCE = 1.0  # s: the waiting worker's timeout; the server answers then (the client allows WAIT_GRACE more)

@@ -11,7 +11,8 @@ import torch
 from _helpers import no_orphaned_servers, server_processes  # noqa: F401  (autouse fixture)
 
 from lightning_pdist.parameter_server.client import ParameterServerClient, ServerConnection, ServerError, ServerUnavailable
-from lightning_pdist.parameter_server.server import ParameterShard, start_server
+from lightning_pdist.parameter_server.process import start_server
+from lightning_pdist.parameter_server.shard import ParameterShard
 from lightning_pdist.parameter_server.wire import Kind, address_allowed, loads_state, parse_networks, recv_message, send_message
 
 
@@ -218,7 +219,7 @@ def test_two_optimizers_and_missing_gradients_on_a_sync_server(server):
 
 PARENT = """
 import sys, time
-from lightning_pdist.parameter_server.server import start_server
+from lightning_pdist.parameter_server.process import start_server
 servers = [start_server(i) for i in range(2)]
 print(" ".join(str(s.pid) for s in servers), flush=True)
 time.sleep(120)
