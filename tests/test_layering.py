@@ -30,7 +30,7 @@ MATH = {
 TRANSPORT = {
     "core": {"collectives", "hooks", "liveness", "forking"},
     "averaging": {"replicas"},
-    "sign": {"bits", "stats", "participation", "overflow", "hooks"},
+    "sign": {"bits", "stats", "participation", "overflow", "hooks", "config"},
     "parameter_server": {"wire", "auth", "shard", "layout", "server", "client", "workers"},
     "pipeline": {"p2p", "executor"},
     "tensor_parallel": {"meter"},
