@@ -21,7 +21,7 @@ FAMILIES = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__in
 #: Files by role (stem), per folder; whatever is not listed is wiring.
 MATH = {
     "core": {"flat", "nonfinite", "accounting"},
-    "averaging": {"schedule", "bmuf", "easgd"},
+    "averaging": {"schedule", "rules", "bmuf", "easgd"},
     "sign": {"vote", "llr", "simulator"},
     "parameter_server": {"sharding", "rules"},
     "pipeline": {"schedule", "partition"},
@@ -29,7 +29,8 @@ MATH = {
 }
 TRANSPORT = {
     "core": {"collectives", "hooks", "liveness", "forking"},
-    "sign": {"bits", "stats", "participation", "overflow", "hooks"},
+    "averaging": {"replicas"},
+    "sign": {"bits", "stats", "participation", "overflow", "hooks", "config"},
     "parameter_server": {"wire", "auth", "shard", "layout", "loop", "server", "process", "client", "workers"},
     "pipeline": {"p2p", "executor"},
     "tensor_parallel": {"meter"},

@@ -34,7 +34,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["BMUFConfig", "BMUFState", "bmuf_block_update_", "bmuf_global_model"]
+from lightning_pdist.averaging.rules import AveragingRule, Replicas
+from lightning_pdist.averaging.schedule import PeriodicSchedule
+
+__all__ = ["BMUFConfig", "BMUFRule", "BMUFState", "bmuf_block_update_", "bmuf_global_model"]
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,57 @@ def bmuf_global_model(
     if nesterov:
         return anchor + block_momentum * delta
     return anchor.clone()
+
+
+class BMUFRule(AveragingRule):
+    """BMUF as a rule object: the block update of :func:`bmuf_block_update_` at each block end.
+
+    At each synchronization (the all-reduce gives ``mean_i W_i``)::
+
+        G = A - mean_i W_i;  Δ ← η·Δ + ζ·G;  W_g = A - Δ;  S = W_g - η·Δ (nesterov) or W_g
+        every rank loads S;  A ← S
+
+    The consensus is the global model ``W_g`` (:func:`bmuf_global_model`), with an open block closed early on a copy
+    (Chen & Huo, ICASSP 2016). During warm-up the anchor follows the (identical) replicas.
+
+    Args:
+        period: local steps per block.
+        block_momentum: ``η`` in ``[0, 1)``; ``None`` means ``1 - 1/N``.
+        block_lr: ``ζ > 0``.
+        nesterov: start blocks from the look-ahead ``W_g - η·Δ``.
+        warmup_steps: leading steps that average gradients; the first block starts after them.
+        owner: the name in error messages (the strategy class).
+    """
+
+    def __init__(self, period: int = 8, block_momentum: float | None = None, block_lr: float = 1.0,
+                 nesterov: bool = True, warmup_steps: int = 0, owner: str = "BMUFRule") -> None:  # fmt: skip
+        super().__init__(PeriodicSchedule(period=period, warmup_steps=warmup_steps, owner=owner))
+        self.config = BMUFConfig(block_momentum=block_momentum, block_lr=block_lr, nesterov=nesterov, owner=owner)
+        self.state: BMUFState | None = None
+
+    @property
+    def block_momentum(self) -> float:
+        """``η`` for this run's world size (``1 - 1/N`` by default)."""
+        return self.config.momentum_for(self.world_size)
+
+    def start(self, replicas: Replicas, world_size: int) -> None:
+        super().start(replicas, world_size)
+        self.state = BMUFState.starting_from(replicas.local_vector())
+
+    def after_warmup(self, replicas: Replicas) -> None:
+        self.state.anchor.copy_(replicas.local_vector())
+
+    def apply(self, combined: Tensor, replicas: Replicas) -> None:
+        cfg, state = self.config, self.state
+        bmuf_block_update_(state.anchor, state.delta, combined, self.block_momentum, cfg.block_lr, cfg.nesterov)
+        replicas.load_vector(state.anchor)
+
+    def consensus(self, step: int, replicas: Replicas) -> Tensor:
+        block_open = step > self.schedule.warmup_steps and not self.schedule.syncs_after(step)
+        mean_local = replicas.average_of_replicas() if block_open else replicas.local_vector()
+        cfg, state = self.config, self.state
+        return bmuf_global_model(state.anchor, state.delta, mean_local, self.block_momentum, cfg.block_lr,
+                                 block_open=block_open, nesterov=cfg.nesterov)  # fmt: skip
 
 
 def _is_number(value: object) -> bool:

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor
-from typing_extensions import override
-
-from lightning_pdist.averaging.bmuf import BMUFConfig, BMUFState, bmuf_block_update_, bmuf_global_model
-from lightning_pdist.averaging.schedule import PeriodicSchedule
+from lightning_pdist.averaging.bmuf import BMUFRule
 from lightning_pdist.averaging.strategy import ModelAveragingStrategy
 
 __all__ = ["BMUFStrategy"]
@@ -57,60 +53,11 @@ class BMUFStrategy(ModelAveragingStrategy):
         nonfinite: str = "raise",
         **kwargs: Any,
     ) -> None:
-        owner = type(self).__name__
-        schedule = PeriodicSchedule(period=period, warmup_steps=warmup_steps, owner=owner)
-        self.config = BMUFConfig(block_momentum=block_momentum, block_lr=block_lr, nesterov=nesterov, owner=owner)
-        super().__init__(schedule=schedule, nonfinite=nonfinite, **kwargs)
-        self.period = period
-        self.warmup_steps = warmup_steps
-        self.bmuf_state: BMUFState | None = None
+        rule = BMUFRule(period=period, block_momentum=block_momentum, block_lr=block_lr, nesterov=nesterov,
+                        warmup_steps=warmup_steps, owner=type(self).__name__)  # fmt: skip
+        super().__init__(rule=rule, nonfinite=nonfinite, **kwargs)
 
     @property
     def block_momentum(self) -> float:
         """The block momentum in force (resolved against the world size)."""
-        return self.config.momentum_for(self.rank_world[1])
-
-    @override
-    def setup_algorithm(self) -> None:
-        super().setup_algorithm()
-        self.bmuf_state = BMUFState.starting_from(self.local_vector())
-
-    @override
-    def after_warmup_step(self) -> None:
-        self.bmuf_state.anchor.copy_(self.local_vector())
-
-    @override
-    def reduce_replicas(self) -> Tensor:
-        return self.average_of_replicas(count=True)
-
-    @override
-    def apply_sync(self, combined: Tensor) -> None:
-        mean_local = combined
-        cfg = self.config
-        bmuf_block_update_(
-            self.bmuf_state.anchor, self.bmuf_state.delta, mean_local, self.block_momentum, cfg.block_lr, cfg.nesterov
-        )
-        self.load_vector(self.bmuf_state.anchor)
-
-    @override
-    def consensus(self) -> Tensor:
-        block_open = self.step > self.warmup_steps and not self.syncs_after(self.step)
-        mean_local = self.average_of_replicas() if block_open else self.local_vector()
-        cfg = self.config
-        return bmuf_global_model(
-            self.bmuf_state.anchor,
-            self.bmuf_state.delta,
-            mean_local,
-            self.block_momentum,
-            cfg.block_lr,
-            block_open=block_open,
-            nesterov=cfg.nesterov,
-        )
-
-    @override
-    def algorithm_state_dict(self) -> dict:
-        return self.bmuf_state.state_dict()
-
-    @override
-    def load_algorithm_state_dict(self, state: dict) -> None:
-        self.bmuf_state.load_state_dict(state)
+        return self.rule.config.momentum_for(self.rank_world[1])

@@ -27,7 +27,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["EASGDConfig", "EASGDState", "easgd_update_"]
+from lightning_pdist.averaging.rules import AveragingRule, Replicas
+from lightning_pdist.averaging.schedule import PeriodicSchedule
+
+__all__ = ["EASGDConfig", "EASGDRule", "EASGDState", "easgd_update_"]
 
 
 @dataclass(frozen=True)
@@ -87,3 +90,52 @@ def easgd_update_(local: Tensor, center: Tensor, sum_local: Tensor, world_size: 
     total_diff = sum_local - world_size * center  # Σ_i d_i
     local.sub_(diff, alpha=alpha)
     center.add_(total_diff, alpha=alpha)
+
+
+class EASGDRule(AveragingRule):
+    """EASGD as a rule object: the elastic step of :func:`easgd_update_` every ``period`` steps.
+
+    The all-reduce gives ``Σ_i x_i``; with the old center on both sides::
+
+        d_i = x_i - x̃;   x_i ← x_i - α·d_i;   x̃ ← x̃ + α·Σ_i d_i
+
+    The consensus is the center ``x̃`` (no collective). During warm-up the center follows the (identical) replicas
+    (Zhang, Choromanska & LeCun, NeurIPS 2015). ``α·N > 1`` is refused by :meth:`check`.
+
+    Args:
+        period: local steps between elastic steps.
+        alpha: ``α`` in ``(0, 1]``; ``None`` means ``0.9 / N``.
+        warmup_steps: leading steps that average gradients (the center follows the replicas).
+        owner: the name in error messages (the strategy class).
+    """
+
+    reduce = "sum"
+
+    def __init__(self, period: int = 4, alpha: float | None = None, warmup_steps: int = 0,
+                 owner: str = "EASGDRule") -> None:  # fmt: skip
+        super().__init__(PeriodicSchedule(period=period, warmup_steps=warmup_steps, owner=owner))
+        self.config = EASGDConfig(alpha=alpha, owner=owner)
+        self.state: EASGDState | None = None
+
+    @property
+    def alpha(self) -> float:
+        """``α`` for this run's world size (``0.9 / N`` by default)."""
+        return self.config.alpha_for(self.world_size)
+
+    def check(self, world_size: int) -> None:
+        self.config.alpha_for(world_size)  # refuses alpha * world_size > 1
+
+    def start(self, replicas: Replicas, world_size: int) -> None:
+        super().start(replicas, world_size)
+        self.state = EASGDState(center=replicas.local_vector())
+
+    def after_warmup(self, replicas: Replicas) -> None:
+        self.state.center.copy_(replicas.local_vector())
+
+    def apply(self, combined: Tensor, replicas: Replicas) -> None:
+        local = replicas.local_vector()
+        easgd_update_(local, self.state.center, combined, self.world_size, self.alpha)  # combined = Σ_i x_i
+        replicas.load_vector(local)
+
+    def consensus(self, step: int, replicas: Replicas) -> Tensor:
+        return self.state.center.clone()

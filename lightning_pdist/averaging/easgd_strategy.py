@@ -4,12 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor
-from typing_extensions import override
-
-from lightning_pdist.averaging.easgd import EASGDConfig, EASGDState, easgd_update_
-from lightning_pdist.averaging.schedule import PeriodicSchedule
-from lightning_pdist.core.collectives import all_reduce_sum_
+from lightning_pdist.averaging.easgd import EASGDRule
 from lightning_pdist.averaging.strategy import ModelAveragingStrategy
 
 __all__ = ["EASGDStrategy"]
@@ -48,51 +43,10 @@ class EASGDStrategy(ModelAveragingStrategy):
     def __init__(
         self, period: int = 4, alpha: float | None = None, warmup_steps: int = 0, nonfinite: str = "raise", **kwargs: Any
     ) -> None:
-        owner = type(self).__name__
-        schedule = PeriodicSchedule(period=period, warmup_steps=warmup_steps, owner=owner)
-        self.config = EASGDConfig(alpha=alpha, owner=owner)
-        super().__init__(schedule=schedule, nonfinite=nonfinite, **kwargs)
-        self.period = period
-        self.warmup_steps = warmup_steps
-        self.easgd_state: EASGDState | None = None
+        rule = EASGDRule(period=period, alpha=alpha, warmup_steps=warmup_steps, owner=type(self).__name__)
+        super().__init__(rule=rule, nonfinite=nonfinite, **kwargs)
 
     @property
     def alpha(self) -> float:
         """The elastic coefficient in force (resolved against the world size)."""
-        return self.config.alpha_for(self.rank_world[1])
-
-    @override
-    def setup_algorithm(self) -> None:
-        super().setup_algorithm()
-        self.alpha  # refuse alpha * world_size > 1 before training starts
-        self.easgd_state = EASGDState(center=self.local_vector())
-
-    @override
-    def after_warmup_step(self) -> None:
-        self.easgd_state.center.copy_(self.local_vector())
-
-    @override
-    def reduce_replicas(self) -> Tensor:
-        return all_reduce_sum_(self.local_vector(), meter=self.comm_meter, kind="param_all_reduce")  # Σ_i x_i
-
-    @override
-    def replica_mean(self, combined: Tensor) -> Tensor:
-        return combined / self.rank_world[1]  # combined is Σ_i x_i
-
-    @override
-    def apply_sync(self, combined: Tensor) -> None:
-        local = self.local_vector()
-        easgd_update_(local, self.easgd_state.center, combined, self.rank_world[1], self.alpha)
-        self.load_vector(local)
-
-    @override
-    def consensus(self) -> Tensor:
-        return self.easgd_state.center.clone()
-
-    @override
-    def algorithm_state_dict(self) -> dict:
-        return self.easgd_state.state_dict()
-
-    @override
-    def load_algorithm_state_dict(self, state: dict) -> None:
-        self.easgd_state.load_state_dict(state)
+        return self.rule.config.alpha_for(self.rank_world[1])

@@ -36,69 +36,36 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pdist.core.flat import averaged_tensors, flatten, unflatten_into_
-from lightning_pdist.averaging.schedule import PeriodicSchedule
-from lightning_pdist.core.collectives import all_reduce_mean_
+from lightning_pdist.averaging.replicas import RuleShell
+from lightning_pdist.averaging.rules import AveragingRule
 from lightning_pdist.core.hooks import AllReduceState, periodic_allreduce_hook
 from lightning_pdist.core.fabric import PdistFabricStrategy
 
 __all__ = ["ModelAveragingFabricStrategy"]
 
 
-class ModelAveragingFabricStrategy(PdistFabricStrategy):
+class ModelAveragingFabricStrategy(RuleShell, PdistFabricStrategy):
     """Base of the Fabric strategies whose ranks step locally and synchronize their models periodically.
 
-    Subclasses implement :meth:`reduce_replicas` and :meth:`apply_sync` (and :meth:`consensus` where it is not the
-    average of the replicas) by calling the pure rules in :mod:`lightning_pdist.averaging.bmuf` and :mod:`lightning_pdist.averaging.easgd`.
+    The rule (:mod:`lightning_pdist.averaging.rules`; the same objects the Trainer strategies drive) holds the
+    schedule, the update and its state; subclasses give it.
 
     Args:
-        schedule: when gradients are averaged (warm-up) and when the replicas synchronize.
+        rule: the algorithm (schedule, update, state).
         **kwargs: passed to Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`.
     """
 
-    def __init__(self, schedule: PeriodicSchedule, **kwargs: Any) -> None:
+    def __init__(self, rule: AveragingRule, **kwargs: Any) -> None:
         self._user_broadcast_buffers = bool(kwargs.get("broadcast_buffers", True))
         super().__init__(**kwargs)
-        self.schedule = schedule
+        self.rule = rule
         self.step = 0  # optimizer steps taken (1-based count of the last finished step)
         self._hook_state = AllReduceState(meter=self.comm_meter)
         self._backup: Tensor | None = None  # this rank's replica while the consensus is swapped in
 
-    # ------------------------------------------------------------------ algorithm hooks
-    def reduce_replicas(self) -> Tensor:
-        """The synchronization's collective: what every rank combines (the same flat vector on every rank)."""
-        raise NotImplementedError
-
-    def apply_sync(self, combined: Tensor) -> None:
-        """Apply the synchronization rule to ``combined`` (:meth:`reduce_replicas`' result); no collective."""
-        raise NotImplementedError
-
-    def after_warmup_step(self) -> None:
-        """Called after each warm-up step, when all replicas are identical."""
-
-    def consensus(self) -> Tensor:
-        """The flat consensus model: what the algorithm outputs if stopped now (collective)."""
-        return self.average_of_replicas()
-
-    def algorithm_state_dict(self) -> dict:
-        return {}
-
-    def load_algorithm_state_dict(self, state: dict) -> None:
-        pass
-
     # ------------------------------------------------------------------ flat views
-    def local_vector(self) -> Tensor:
-        """This rank's parameters and float buffers as one flat fp32 vector (a copy)."""
-        return flatten(averaged_tensors(self._set_up_module()))
-
-    def load_vector(self, vector: Tensor) -> None:
-        unflatten_into_(vector, averaged_tensors(self._set_up_module()))
-
-    def average_of_replicas(self, count: bool = False) -> Tensor:
-        """``mean_i w_i`` over the ranks; counted in :attr:`comm_meter` when ``count`` is set."""
-        return all_reduce_mean_(self.local_vector(), meter=self.comm_meter if count else None, kind="param_all_reduce")
-
-    def _set_up_module(self) -> Module:
+    @override
+    def replica_module(self) -> Module:
         if self.module is None:
             raise RuntimeError(f"{type(self).__name__}: no module is set up yet; call fabric.setup(model, optimizer) "
                                "first")  # fmt: skip
@@ -133,17 +100,22 @@ class ModelAveragingFabricStrategy(PdistFabricStrategy):
         return self._hook_state, periodic_allreduce_hook
 
     @override
+    def check_setup(self, module: Module) -> None:
+        self.rule.check(self.rank_world[1])  # before anything is wrapped
+
+    @override
     def setup_algorithm(self) -> None:
         self.step = 0
         self._set_phase()
+        self.rule.start(self, self.rank_world[1])
 
     @override
     def after_optimizer_step(self) -> None:
         self.step += 1
         if self.schedule.averages_gradients(self.step):
-            self.after_warmup_step()
+            self.rule.after_warmup(self)
         elif self.schedule.syncs_after(self.step):
-            self.apply_sync(self.reduce_replicas())
+            self.rule.apply(self.reduce_replicas(), self)
         self._set_phase()
 
     def _set_phase(self) -> None:
@@ -157,19 +129,6 @@ class ModelAveragingFabricStrategy(PdistFabricStrategy):
     @override
     def checkpoint_weights(self) -> Any:
         return super().checkpoint_weights() if self.module is None else self.consensus_weights()
-
-    @override
-    def pdist_state_dict(self) -> dict:
-        state = super().pdist_state_dict()
-        state.update(step=self.step, algorithm=self.algorithm_state_dict())
-        return state
-
-    @override
-    def load_pdist_state_dict(self, state: dict) -> None:
-        super().load_pdist_state_dict(state)
-        self.step = int(state.get("step", 0))
-        self.load_algorithm_state_dict(state.get("algorithm", {}))
-        self._set_phase()
 
     @override
     def rank_state(self, objects: dict[str, Any]) -> dict | None:

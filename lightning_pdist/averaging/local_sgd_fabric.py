@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor
-from typing_extensions import override
-
-from lightning_pdist.averaging.schedule import PeriodicSchedule
+from lightning_pdist.averaging.rules import LocalSGDRule
 from lightning_pdist.averaging.fabric import ModelAveragingFabricStrategy
 
 __all__ = ["LocalSGDFabricStrategy"]
@@ -33,15 +30,5 @@ class LocalSGDFabricStrategy(ModelAveragingFabricStrategy):
     strategy_name = "local_sgd"
 
     def __init__(self, period: int = 8, warmup_steps: int = 0, **kwargs: Any) -> None:
-        schedule = PeriodicSchedule(period=period, warmup_steps=warmup_steps, owner=type(self).__name__)
-        super().__init__(schedule=schedule, **kwargs)
-        self.period = period
-        self.warmup_steps = warmup_steps
-
-    @override
-    def reduce_replicas(self) -> Tensor:
-        return self.average_of_replicas(count=True)
-
-    @override
-    def apply_sync(self, combined: Tensor) -> None:
-        self.load_vector(combined)
+        rule = LocalSGDRule(period=period, warmup_steps=warmup_steps, owner=type(self).__name__)
+        super().__init__(rule=rule, **kwargs)

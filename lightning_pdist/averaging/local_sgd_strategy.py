@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor
-from typing_extensions import override
-
-from lightning_pdist.averaging.schedule import PeriodicSchedule
+from lightning_pdist.averaging.rules import LocalSGDRule
 from lightning_pdist.averaging.strategy import ModelAveragingStrategy
 
 __all__ = ["LocalSGDStrategy"]
@@ -41,19 +38,5 @@ class LocalSGDStrategy(ModelAveragingStrategy):
     sync_changes = "the average replaces the replicas"
 
     def __init__(self, period: int = 8, warmup_steps: int = 0, nonfinite: str = "raise", **kwargs: Any) -> None:
-        schedule = PeriodicSchedule(period=period, warmup_steps=warmup_steps, owner=type(self).__name__)
-        super().__init__(schedule=schedule, nonfinite=nonfinite, **kwargs)
-        self.period = period
-        self.warmup_steps = warmup_steps
-
-    @override
-    def reduce_replicas(self) -> Tensor:
-        return self.average_of_replicas(count=True)
-
-    @override
-    def apply_sync(self, combined: Tensor) -> None:
-        self.load_vector(combined)
-
-    @override
-    def consensus(self) -> Tensor:
-        return self.average_of_replicas()
+        rule = LocalSGDRule(period=period, warmup_steps=warmup_steps, owner=type(self).__name__)
+        super().__init__(rule=rule, nonfinite=nonfinite, **kwargs)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PeriodicSchedule"]
+__all__ = ["OneShotSchedule", "PeriodicSchedule"]
 
 
 @dataclass(frozen=True)
@@ -52,3 +52,16 @@ class PeriodicSchedule:
     def syncs_after(self, step: int) -> bool:
         """Whether the replicas are synchronized right after optimizer step ``step`` (1-based)."""
         return step > self.warmup_steps and (step - self.warmup_steps) % self.period == 0
+
+
+@dataclass(frozen=True)
+class OneShotSchedule(PeriodicSchedule):
+    """No warm-up and no synchronization while training: the ranks average once, at the end (SimuParallelSGD)."""
+
+    period: int = 1
+
+    def averages_gradients(self, step: int) -> bool:
+        return False
+
+    def syncs_after(self, step: int) -> bool:
+        return False

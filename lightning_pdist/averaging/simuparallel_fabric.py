@@ -6,20 +6,10 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_pdist.averaging.schedule import PeriodicSchedule
 from lightning_pdist.averaging.fabric import ModelAveragingFabricStrategy
+from lightning_pdist.averaging.rules import SimuParallelRule
 
 __all__ = ["SimuParallelSGDFabricStrategy"]
-
-
-class _Never(PeriodicSchedule):
-    """No warm-up and no synchronization: the ranks communicate only when the user asks for the average."""
-
-    def averages_gradients(self, step: int) -> bool:
-        return False
-
-    def syncs_after(self, step: int) -> bool:
-        return False
 
 
 class SimuParallelSGDFabricStrategy(ModelAveragingFabricStrategy):
@@ -37,8 +27,8 @@ class SimuParallelSGDFabricStrategy(ModelAveragingFabricStrategy):
     strategy_name = "simuparallel_sgd"
 
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(schedule=_Never(period=1, owner=type(self).__name__), **kwargs)
+        super().__init__(rule=SimuParallelRule(owner=type(self).__name__), **kwargs)
 
     @override
     def load_consensus(self) -> None:
-        self.load_vector(self.average_of_replicas(count=True))
+        self.rule.apply(self.reduce_replicas(), self)  # the one training all-reduce: counted

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor
 from typing_extensions import override
 
-from lightning_pdist.averaging.schedule import PeriodicSchedule
+from lightning_pdist.averaging.rules import SimuParallelRule
 from lightning_pdist.averaging.strategy import ModelAveragingStrategy
 
 __all__ = ["SimuParallelSGDStrategy"]
@@ -38,23 +37,7 @@ class SimuParallelSGDStrategy(ModelAveragingStrategy):
     sync_changes = "the final average replaces the replicas"
 
     def __init__(self, nonfinite: str = "raise", **kwargs: Any) -> None:
-        super().__init__(schedule=PeriodicSchedule(period=1, owner=type(self).__name__), nonfinite=nonfinite, **kwargs)
-
-    @override
-    def averages_gradients(self, step: int) -> bool:
-        return False
-
-    @override
-    def syncs_after(self, step: int) -> bool:
-        return False
-
-    @override
-    def reduce_replicas(self) -> Tensor:  # the one average, in on_train_end (never scheduled)
-        return self.average_of_replicas(count=True)
-
-    @override
-    def apply_sync(self, combined: Tensor) -> None:
-        self.load_vector(combined)
+        super().__init__(rule=SimuParallelRule(owner=type(self).__name__), nonfinite=nonfinite, **kwargs)
 
     @override
     def on_train_end(self) -> None:

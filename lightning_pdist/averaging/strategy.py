@@ -65,10 +65,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pdist.core.flat import averaged_tensors, flatten, relative_distance, unflatten_into_
+from lightning_pdist.core.flat import averaged_tensors, relative_distance
 from lightning_pdist.core.nonfinite import all_finite, culprit_ranks, nonfinite_error, one_hot_flag
-from lightning_pdist.averaging.schedule import PeriodicSchedule
-from lightning_pdist.core.collectives import all_reduce_mean_, all_reduce_sum_
+from lightning_pdist.averaging.replicas import RuleShell
+from lightning_pdist.averaging.rules import AveragingRule
+from lightning_pdist.core.collectives import all_reduce_sum_
 from lightning_pdist.core.hooks import AllReduceState, periodic_allreduce_hook
 from lightning_pdist.core.strategy import PdistStrategy
 from lightning_pdist.core.config import refuse_owned_ddp_args
@@ -77,36 +78,39 @@ from lightning_pdist.core.guard import global_step, optimizer_grads
 __all__ = ["ModelAveragingStrategy"]
 
 
-class ModelAveragingStrategy(PdistStrategy):
+class ModelAveragingStrategy(RuleShell, PdistStrategy):
     """Base of the strategies whose ranks step locally and synchronize their models periodically.
 
-    Subclasses set ``self.schedule`` and implement :meth:`reduce_replicas` and :meth:`apply_sync` (and
-    :meth:`consensus` where it is not the average of the replicas). Abstract, so LightningCLI does not offer it as
+    The rule (:mod:`lightning_pdist.averaging.rules`) holds the schedule, the update and its state; subclasses give
+    it and say what a synchronization changes (:attr:`sync_changes`). Abstract, so LightningCLI does not offer it as
     a ``--trainer.strategy`` choice.
 
     Args:
-        schedule: when gradients are averaged (warm-up) and when the replicas synchronize.
+        rule: the algorithm (schedule, update, state), shared with the Fabric strategies.
         nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"`` (see the module docstring).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
 
     #: What the rule does with one rank, for the one-rank warning.
     one_rank_behaviour = "the result is plain single-process training"
-    #: What a synchronization changes, for the non-finite error ("... every rank stops here, before ...").
-    sync_changes = "the synchronization changes the replicas"
 
-    def __init__(self, schedule: PeriodicSchedule, nonfinite: str = "raise", **kwargs: Any) -> None:
+    def __init__(self, rule: AveragingRule, nonfinite: str = "raise", **kwargs: Any) -> None:
         owner = type(self).__name__
         refuse_owned_ddp_args(owner, kwargs, f"{owner} owns gradient communication and model averaging")
         self._user_broadcast_buffers = bool(kwargs.get("broadcast_buffers", True))
         super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
                          model_averaging_period=None, **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
-        self.schedule = schedule
+        self.rule = rule
         self.step = 0  # optimizer steps taken (1-based count of the last finished step)
         self._hook_state = AllReduceState(meter=self.comm_meter, track_nonfinite=nonfinite != "propagate")
         self._evaluating_backup: Tensor | None = None
         self._finalized = False
         self._step_open = False  # several optimizers: an optimizer stepped in the current batch
+
+    @property
+    @abstractmethod
+    def sync_changes(self) -> str:
+        """What a synchronization changes, for the non-finite error ("... every rank stops here, before ...")."""
 
     # ------------------------------------------------------------------ algorithm hooks
     def averages_gradients(self, step: int) -> bool:
@@ -120,29 +124,14 @@ class ModelAveragingStrategy(PdistStrategy):
     def synchronize(self) -> None:
         """Synchronize the replicas (called on every rank after a step the schedule names).
 
-        The combined vector is checked before :meth:`apply_sync` changes anything (the non-finite policy).
+        The combined vector is checked before the rule applies it (the non-finite policy).
         """
         combined = self.reduce_replicas()
         self.refuse_nonfinite(combined, before=self.sync_changes)
         # The module still holds this rank's replica: its distance to the mean costs no collective.
-        divergence = relative_distance(self.averaged_tensors, self.replica_mean(combined))
+        divergence = relative_distance(self.averaged_tensors, self.rule.replica_mean(combined))
         self._diagnostics.note("pdist/avg/divergence", divergence)
-        self.apply_sync(combined)
-
-    def replica_mean(self, combined: Tensor) -> Tensor:
-        """``mean_i w_i`` from :meth:`reduce_replicas`' result (which is that mean, unless a subclass sums)."""
-        return combined
-
-    @abstractmethod
-    def reduce_replicas(self) -> Tensor:
-        """The synchronization's collective: what every rank combines (the same flat vector on every rank)."""
-
-    @abstractmethod
-    def apply_sync(self, combined: Tensor) -> None:
-        """Apply the synchronization rule to ``combined`` (:meth:`reduce_replicas`' result); no collective."""
-
-    def after_warmup_step(self) -> None:
-        """Called after each warm-up step, when all replicas are identical."""
+        self.rule.apply(combined, self)
 
     def nonfinite_ranks(self, optimizer: Optimizer) -> list[int] | None:
         """The step's check: during warm-up DDP's (see the base); afterwards each rank's own gradients, agreed
@@ -174,33 +163,15 @@ class ModelAveragingStrategy(PdistStrategy):
         raise nonfinite_error(type(self).__name__, "replica parameters or buffers", culprit_ranks(flags),
                               global_step(self.lightning_module), before, self.nonfinite, note, skippable=False)  # fmt: skip
 
-    def consensus(self) -> Tensor:
-        """The flat consensus model (collective: called on every rank at the same point)."""
-        return self.average_of_replicas()
-
-    def algorithm_state_dict(self) -> dict:
-        return {}
-
-    def load_algorithm_state_dict(self, state: dict) -> None:
-        pass
-
     # ------------------------------------------------------------------ helpers
+    @override
+    def replica_module(self) -> Any:
+        assert self.lightning_module is not None
+        return self.lightning_module
+
     @property
     def averaged_tensors(self) -> list[Tensor]:
-        assert self.lightning_module is not None
-        return averaged_tensors(self.lightning_module)
-
-    def local_vector(self) -> Tensor:
-        """This rank's parameters and float buffers as one flat fp32 vector (a copy)."""
-        return flatten(self.averaged_tensors)
-
-    def load_vector(self, vector: Tensor) -> None:
-        unflatten_into_(vector, self.averaged_tensors)
-
-    def average_of_replicas(self, count: bool = False) -> Tensor:
-        """``mean_i w_i`` over the ranks; counted in the step's bytes when ``count`` is set."""
-        vector = self.local_vector()
-        return all_reduce_mean_(vector, meter=self.comm_meter if count else None, kind="param_all_reduce")
+        return averaged_tensors(self.replica_module())
 
     # ------------------------------------------------------------------ comm hook
     @override
@@ -228,6 +199,7 @@ class ModelAveragingStrategy(PdistStrategy):
         self._finalized = False
         self._step_open = False
         self._set_phase()
+        self.rule.start(self, world_size)
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
@@ -251,7 +223,7 @@ class ModelAveragingStrategy(PdistStrategy):
         self.step += 1
         if self.averages_gradients(self.step):
             self._count_buffer_broadcast()
-            self.after_warmup_step()
+            self.rule.after_warmup(self)
         elif self.syncs_after(self.step):
             self.synchronize()
         self._set_phase()
@@ -335,21 +307,12 @@ class ModelAveragingStrategy(PdistStrategy):
     @override
     def pdist_state_dict(self) -> dict:
         self._close_training_step()
-        state = super().pdist_state_dict()
-        state.update(step=self.step, algorithm=self.algorithm_state_dict())
-        return state
+        return super().pdist_state_dict()
 
     @override
     def pdist_rank_state(self) -> dict | None:
         # After fit every rank holds the consensus: nothing of its own is left to keep.
         return None if self._finalized else self._own_replica()
-
-    @override
-    def load_pdist_state_dict(self, state: dict) -> None:
-        super().load_pdist_state_dict(state)
-        self.step = int(state.get("step", 0))
-        self.load_algorithm_state_dict(state.get("algorithm", {}))
-        self._set_phase()
 
     @override
     def load_pdist_rank_state(self, state: dict | None, reason: str = "") -> None:

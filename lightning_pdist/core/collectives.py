@@ -12,7 +12,14 @@ from torch import Tensor
 
 from lightning_pdist.core.accounting import CommMeter, all_reduce_bytes, broadcast_bytes
 
-__all__ = ["all_reduce_mean_", "all_reduce_sum_", "broadcast_", "group_size"]
+__all__ = ["all_reduce_mean_", "all_reduce_sum_", "broadcast_", "group_size", "rank_world"]
+
+
+def rank_world() -> tuple[int, int]:
+    """(global rank, world size) of the default process group; ``(0, 1)`` if not initialized."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def group_size(process_group: dist.ProcessGroup | None = None) -> int:

@@ -19,13 +19,9 @@ bytes since its last call): Fabric logs nothing by itself, so log them with ``fa
 
 from __future__ import annotations
 
-import difflib
-import inspect
 from contextlib import nullcontext
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
@@ -34,7 +30,8 @@ from typing_extensions import override
 
 from lightning_pdist.core.accounting import CommMeter
 from lightning_pdist.core import lifetime, rank_files
-from lightning_pdist.core.strategy import register_variants
+from lightning_pdist.core.collectives import rank_world
+from lightning_pdist.core.strategy import check_keywords, register_variants
 from lightning_pdist.core.safe_io import SafeCheckpointIO
 
 __all__ = ["PDIST_KEY", "PdistFabricStrategy"]
@@ -58,7 +55,7 @@ class PdistFabricStrategy(DDPStrategy):
     one_rank_behaviour = "the result is plain single-process training"
 
     def __init__(self, **kwargs: Any) -> None:
-        check_fabric_keywords(type(self), kwargs)
+        check_keywords(type(self), kwargs, base=DDPStrategy, base_label="Fabric DDPStrategy's")
         kwargs.setdefault("checkpoint_io", SafeCheckpointIO())  # a failed save never destroys the previous file
         super().__init__(**kwargs)
         self.comm_meter = CommMeter()
@@ -73,9 +70,7 @@ class PdistFabricStrategy(DDPStrategy):
     @property
     def rank_world(self) -> tuple[int, int]:
         """(global rank, world size) of the default process group."""
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
+        return rank_world()
 
     # ------------------------------------------------------------------ algorithm hooks
     def comm_hook(self) -> tuple[object, Callable]:
@@ -149,12 +144,7 @@ class PdistFabricStrategy(DDPStrategy):
             raise ValueError(f"{owner}: fabric.save(state) has a key {PDIST_KEY!r}, where {owner} keeps its algorithm "
                              "state; rename that entry")  # fmt: skip
         pdist = self.pdist_state_dict()
-        own = self.rank_state(state)
-        if own is not None:
-            rank, world_size = self.rank_world
-            rank_files.save(own, path, rank, world_size)
-            pdist["rank_files"] = rank_files.manifest(path, world_size)
-            self.barrier()  # every rank's file exists before the main file names them
+        rank_files.save_rank_files(self.rank_state(state), path, pdist, *self.rank_world, barrier=self.barrier)
         with self.checkpoint_weights():
             super().save_checkpoint(path, {**state, PDIST_KEY: pdist}, storage_options=storage_options, filter=filter)
 
@@ -179,20 +169,10 @@ class PdistFabricStrategy(DDPStrategy):
                              f"{owner}. Resume it with {saved}, or load the model alone: fabric.load(path, "
                              "{'model': model}, strict=False) with a plain Fabric strategy")  # fmt: skip
         self.load_pdist_state_dict(pdist)
-        own, reason = self._agreed(*rank_files.load_own(path, pdist, *self.rank_world))
+        own, reason = rank_files.agree_on_rank_state(*rank_files.load_own(path, pdist, *self.rank_world),
+                                                     *self.rank_world, device=self.root_device)  # fmt: skip
         self.load_rank_state(own, state, reason)
         return remainder
-
-    def _agreed(self, own: dict | None, reason: str) -> tuple[dict | None, str]:
-        """This rank's loaded state, or None on every rank when any rank lacks its file (one collective)."""
-        rank, world_size = self.rank_world
-        if world_size == 1:
-            return own, reason
-        missing = torch.tensor([0 if own is not None else 1 + rank], dtype=torch.int64, device=self.root_device)
-        dist.all_reduce(missing, op=dist.ReduceOp.MAX)
-        if own is not None and missing.item():
-            return None, f"rank {missing.item() - 1} has no part of this checkpoint, so no rank resumes its own"
-        return own, reason
 
     @classmethod
     @override
@@ -201,21 +181,3 @@ class PdistFabricStrategy(DDPStrategy):
             description = f"{cls.__doc__.splitlines()[0]} (Lightning Fabric)" if cls.__doc__ else ""
             register_variants(strategy_registry, cls, cls.strategy_name, description)
 
-
-def check_fabric_keywords(cls: type, kwargs: dict[str, Any]) -> None:
-    """``TypeError`` at construction for a keyword neither the strategy, Fabric's DDPStrategy nor DDP takes.
-
-    Fabric hands unknown keywords to ``DistributedDataParallel`` only inside ``fabric.setup``, after the processes
-    have started; refusing them here names the mistake before anything runs.
-    """
-    own = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "kwargs")]
-    strategy = [n for n in inspect.signature(DDPStrategy.__init__).parameters if n not in ("self", "kwargs")]
-    ddp = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters if n not in ("self", "module")]
-    owner = cls.__name__
-    for name, value in kwargs.items():
-        if name in strategy or name in ddp:
-            continue
-        close = difflib.get_close_matches(name, own + strategy + ddp, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise TypeError(f"{owner}({name}={value!r}): unknown argument{hint} {owner} takes {', '.join(own) or 'no'} "
-                        "arguments of its own, Fabric DDPStrategy's and DistributedDataParallel's")  # fmt: skip

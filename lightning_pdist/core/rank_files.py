@@ -19,14 +19,15 @@ is and the same world size; otherwise the strategy warns and resumes every rank 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
 from lightning_pdist.core.safe_io import safe_save
 
-__all__ = ["load_own", "manifest", "path_for", "remove", "save"]
+__all__ = ["agree_on_rank_state", "load_own", "manifest", "path_for", "remove", "save", "save_rank_files"]
 
 
 def path_for(checkpoint_path: Any, rank: int, world_size: int) -> str:
@@ -66,3 +67,29 @@ def load_own(checkpoint_path: Any, pdist_state: dict | None, rank: int, world_si
         return None, f"{path} (rank {rank}'s part of the checkpoint) does not exist"
     with fs.open(path, "rb") as f:
         return torch.load(f, map_location="cpu", weights_only=False), ""
+
+
+def save_rank_files(own: dict | None, checkpoint_path: Any, pdist_state: dict, rank: int, world_size: int,
+                    barrier: Callable[[], None]) -> None:
+    """Write this rank's ``own`` state (None on every rank: nothing to write) and name every rank's file in
+    ``pdist_state["rank_files"]``; ``barrier`` (every rank) makes every file exist before the main file names them."""
+    if own is None:
+        return
+    save(own, checkpoint_path, rank, world_size)
+    pdist_state["rank_files"] = manifest(checkpoint_path, world_size)
+    barrier()
+
+
+def agree_on_rank_state(own: dict | None, reason: str, rank: int, world_size: int,
+                        device: Any = None) -> tuple[dict | None, str]:
+    """This rank's loaded state, or None on every rank when any rank lacks its file (one collective).
+
+    ``reason`` says why ``own`` is None; when another rank lacks its file, the reason names that rank.
+    """
+    if world_size == 1:
+        return own, reason
+    missing = torch.tensor([0 if own is not None else 1 + rank], dtype=torch.int64, device=device)
+    dist.all_reduce(missing, op=dist.ReduceOp.MAX)
+    if own is not None and missing.item():
+        return None, f"rank {missing.item() - 1} has no part of this checkpoint, so no rank resumes its own"
+    return own, reason

@@ -4,7 +4,7 @@
 normal Lightning path) ``{"pdist": {...}}``: its registered name, class, world size, nodes, processes per node, and
 every constructor argument with its *resolved* value (BMUF's ``block_momentum=None`` becomes ``1 - 1/N``, EASGD's
 ``alpha=None`` becomes ``0.9/N``). :func:`resolved_settings` finds each argument on the strategy, its ``config`` or
-its ``schedule``, in that order, so a property that resolves a default wins over the raw argument.
+its rule's ``config`` (the averaging family) or its ``schedule``, in that order, so a property that resolves a default wins over the raw argument.
 
 **Comm bytes.** Loggers receive a step's metrics only every ``log_every_n_steps`` steps. ``pdist/comm_bytes`` is
 therefore the bytes sent *since the previous logged step* (the sum, never a sample), and ``pdist/comm_bytes_total``
@@ -52,7 +52,9 @@ def resolved_settings(strategy: Any, name: str) -> dict[str, Any]:
                            "processes_per_node": getattr(strategy, "num_processes", 1)}  # fmt: skip
     params = [p for p in inspect.signature(type(strategy).__init__).parameters.values()
               if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]  # fmt: skip
-    sources = [strategy, getattr(strategy, "config", None), getattr(strategy, "schedule", None)]
+    rule = getattr(strategy, "rule", None)
+    sources = [strategy, getattr(strategy, "config", None), getattr(rule, "config", None),
+               getattr(strategy, "schedule", None)]
     for param in params:
         for source in sources:
             if source is None:

@@ -43,8 +43,6 @@ import difflib
 import inspect
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import _augment_message
@@ -56,7 +54,7 @@ from typing_extensions import override
 
 from lightning_pdist.core.nonfinite import culprit_ranks, grads_finite, one_hot_flag
 from lightning_pdist.core.accounting import CommMeter
-from lightning_pdist.core.collectives import all_reduce_sum_
+from lightning_pdist.core.collectives import all_reduce_sum_, rank_world
 from lightning_pdist.core.hooks import AllReduceState, allreduce_hook
 from lightning_pdist.core import lifetime, rank_files
 from lightning_pdist.core.multinode import check_gloo_interface
@@ -294,12 +292,8 @@ class PdistStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         # Runs on every rank (Trainer.save_checkpoint), so pdist_state_dict may use collectives.
         checkpoint["pdist"] = self.pdist_state_dict()
-        own = self.pdist_rank_state()
-        if own is not None:
-            rank, world_size = self.rank_world
-            rank_files.save(own, filepath, rank, world_size)
-            checkpoint["pdist"]["rank_files"] = rank_files.manifest(filepath, world_size)
-            self.barrier("pdist_rank_files")  # every rank's file exists before the main file names them
+        rank_files.save_rank_files(self.pdist_rank_state(), filepath, checkpoint["pdist"], *self.rank_world,
+                                   barrier=lambda: self.barrier("pdist_rank_files"))  # fmt: skip
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -329,31 +323,17 @@ class PdistStrategy(DDPStrategy):
         self.setup_algorithm()
         if self._loaded_pdist_state is not None:
             self.load_pdist_state_dict(self._loaded_pdist_state)
-            self.load_pdist_rank_state(*self._agreed_rank_state())
+            self.load_pdist_rank_state(*rank_files.agree_on_rank_state(*self._loaded_rank_state, *self.rank_world))
             self._loaded_pdist_state = None
             self._loaded_rank_state = (None, "")
 
     def setup_algorithm(self) -> None:
         """Create run-time algorithm state once the model is wrapped and optimizers exist."""
 
-    def _agreed_rank_state(self) -> tuple[dict | None, str]:
-        """This rank's loaded state, or None on every rank when any rank lacks its file (one collective)."""
-        state, reason = self._loaded_rank_state
-        rank, world_size = self.rank_world
-        if world_size == 1:
-            return state, reason
-        missing = torch.tensor([0 if state is not None else 1 + rank], dtype=torch.int64)
-        dist.all_reduce(missing, op=dist.ReduceOp.MAX)
-        if state is not None and missing.item():
-            return None, f"rank {missing.item() - 1} has no part of this checkpoint, so no rank resumes its own"
-        return state, reason
-
     @property
     def rank_world(self) -> tuple[int, int]:
         """(global rank, world size) of the default process group."""
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
+        return rank_world()
 
     @classmethod
     def registered_name(cls, strategy: "PdistStrategy | None" = None) -> str:
@@ -384,14 +364,16 @@ class PdistStrategy(DDPStrategy):
         register_variants(strategy_registry, cls, cls.strategy_name, description, find_unused=cls.wraps_in_ddp)
 
 
-def check_keywords(cls: type, kwargs: dict[str, Any], wraps_in_ddp: bool = True) -> None:
-    """``TypeError`` at construction for a keyword neither the strategy, DDPStrategy nor DistributedDataParallel takes.
+def check_keywords(cls: type, kwargs: dict[str, Any], wraps_in_ddp: bool = True, base: type = DDPStrategy,
+                   base_label: str = "DDPStrategy's") -> None:
+    """``TypeError`` at construction for a keyword neither the strategy, ``base`` (a DDPStrategy) nor DDP takes.
 
     Unknown keywords used to reach ``DistributedDataParallel`` only after the processes had started (or, for a
     strategy that never builds it, were silently ignored). DDP's own options are refused where there is no DDP.
+    Lightning's strategies and Fabric's (``base``, named ``base_label`` in the error) take the same path.
     """
     own = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "kwargs")]
-    strategy = [n for n in inspect.signature(DDPStrategy.__init__).parameters if n not in ("self", "kwargs")]
+    strategy = [n for n in inspect.signature(base.__init__).parameters if n not in ("self", "kwargs")]
     ddp_params = inspect.signature(DistributedDataParallel.__init__).parameters
     ddp = [n for n in ddp_params if n not in ("self", "module")]
     owner = cls.__name__
@@ -406,8 +388,8 @@ def check_keywords(cls: type, kwargs: dict[str, Any], wraps_in_ddp: bool = True)
         close = difflib.get_close_matches(name, own + strategy + (ddp if wraps_in_ddp else []), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise TypeError(f"{owner}({name}={value!r}): unknown argument{hint} {owner} takes {', '.join(own) or 'no'} "
-                        "arguments of its own" + (", DDPStrategy's and DistributedDataParallel's" if wraps_in_ddp
-                                                  else " and DDPStrategy's"))  # fmt: skip
+                        "arguments of its own" + (f", {base_label} and DistributedDataParallel's" if wraps_in_ddp
+                                                  else f" and {base_label}"))  # fmt: skip
 
 
 def _is_default(value: Any, default: Any) -> bool:

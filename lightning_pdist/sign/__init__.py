@@ -1,8 +1,9 @@
 """1-bit sign voting: signSGD with majority vote (and EF-signSGD, Signum) and IT-signSGD's LLR-weighted vote.
 
 Math: :mod:`.vote`, :mod:`.llr`, :mod:`.simulator`. Transport: :mod:`.bits`, :mod:`.stats`, :mod:`.participation`,
-:mod:`.overflow`, :mod:`.hooks` (DDP comm hooks usable without Lightning). Wiring: :mod:`.config`,
-:mod:`.precision`, :mod:`.strategy`, :mod:`.fabric`. Card: ``docs/algorithms/signsgd.md``.
+:mod:`.overflow`, :mod:`.hooks` (DDP comm hooks usable without Lightning), :mod:`.config` (``SignSGDConfig``: the
+settings and advice both strategies share). Wiring: :mod:`.precision`,
+:mod:`.strategy`, :mod:`.fabric`. Card: ``docs/algorithms/signsgd.md``.
 """
 
 from lightning_pdist.sign.config import SignSGDConfig

@@ -2,16 +2,15 @@
 
 ``fabric.setup`` wraps the module in DDP and registers :func:`~lightning_pdist.sign.hooks.signsgd_mv_hook` or
 :func:`~lightning_pdist.sign.hooks.it_signsgd_hook` with a fresh hook state, exactly as
-:class:`~lightning_pdist.sign.strategy.SignSGDStrategy` does (the same
-:class:`~lightning_pdist.sign.config.SignSGDConfig`). Each ``fabric.backward(loss)`` is one vote; every rank's
-gradient becomes the voted sign ``U`` and the optimizer applies it, so the replicas stay identical and nothing else
-is communicated.
+:class:`~lightning_pdist.sign.strategy.SignSGDStrategy` does (the same :class:`SignSGDConfig`). Each
+``fabric.backward(loss)`` is one vote; every rank's gradient becomes the voted sign ``U`` and the optimizer applies
+it, so the replicas stay identical and nothing else is communicated.
 
 ``fabric.save`` writes each rank's hook state (LLR statistics, EF residual, Signum momentum, round counters) to its
 own file next to the checkpoint; ``fabric.load`` after ``fabric.setup`` restores it, so a resumed run continues
-exactly. What the method card (``docs/algorithms/signsgd.md``) says about the optimizer (``SGD(lr=δ)``: ``lr`` is the
-sign step), several optimizers, gradient accumulation (``fabric.no_backward_sync``) and ``find_unused_parameters``
-holds here too. Not here: fp16 with a GradScaler (``precision="16-mixed"``), whose overflow skip the Trainer strategy wires
+exactly. What the Trainer strategy's docstring says about the optimizer (``SGD(lr=δ)``: ``lr`` is the sign step),
+several optimizers, gradient accumulation (``fabric.no_backward_sync``) and ``find_unused_parameters`` holds here
+too. Not here: fp16 with a GradScaler (``precision="16-mixed"``), whose overflow skip the Trainer strategy wires
 into the vote through its precision plugin; it is refused at setup (``bf16-mixed`` and ``32-true`` work).
 """
 
@@ -28,8 +27,7 @@ from lightning_pdist.sign.llr import DEFAULT_MAX_WEIGHT
 from lightning_pdist.sign.hooks import SignSGDState
 from lightning_pdist.core.fabric import PdistFabricStrategy
 from lightning_pdist.core.strategy import register_variants
-from lightning_pdist.sign.config import SignSGDConfig
-from lightning_pdist.sign.strategy import MAX_SIGN_STEP, SUGGESTED_SIGN_STEP
+from lightning_pdist.sign.config import REGISTERED_NAMES, SignSGDConfig, hook_rank_state, load_hook_rank_state
 
 __all__ = ["SignSGDFabricStrategy"]
 
@@ -80,22 +78,18 @@ class SignSGDFabricStrategy(PdistFabricStrategy):
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
-        self.config = SignSGDConfig(
-            aggregation=aggregation, warmup_rounds=warmup_rounds, estimator=estimator, decay=decay,
-            max_weight=max_weight, negative_weights=negative_weights, momentum=momentum,
-            error_feedback=error_feedback, nonfinite=nonfinite, scale=scale,
-            # DDP leaves parameters out of a backward pass only with these set; the vote then tracks participation.
-            find_unused_parameters=bool(kwargs.get("find_unused_parameters")) or bool(kwargs.get("static_graph")),
-            owner=owner,
+        self.config = SignSGDConfig.of_strategy(
+            owner, kwargs, aggregation=aggregation, warmup_rounds=warmup_rounds, estimator=estimator, decay=decay,
+            max_weight=max_weight, negative_weights=negative_weights, momentum=momentum, error_feedback=error_feedback,
+            nonfinite=nonfinite, scale=scale,
         )  # fmt: skip
         if nonfinite == "skip_step":
             raise ValueError(f"{owner}(nonfinite='skip_step'): under Fabric your loop calls optimizer.step(), so the "
                              "strategy cannot skip it; use 'raise' (every rank raises in that backward) or 'propagate' "
                              "and skip the step in your loop when a gradient is not finite")  # fmt: skip
-        ignored = self.config.ignored_llr_options()
+        ignored = self.config.ignored_llr_warning()
         if ignored:
-            rank_zero_warn(f"{owner}(aggregation='majority', {', '.join(ignored)}): these options belong to the LLR "
-                           "vote (aggregation='llr') and are ignored by the majority vote.")  # fmt: skip
+            rank_zero_warn(ignored)
         super().__init__(**kwargs)
         self.hook_state: SignSGDState | None = None
 
@@ -116,28 +110,15 @@ class SignSGDFabricStrategy(PdistFabricStrategy):
 
     @override
     def comm_hook(self) -> tuple[object, Callable]:
-        self.hook_state, hook = self.config.make_hook(self.comm_meter)
-        if self.config.find_unused_parameters:
-            self.hook_state.watch(self.ddp_module.parameters())  # before the first backward: which tensors take part
+        self.hook_state, hook = self.config.make_hook(self.comm_meter, self.ddp_module.parameters())
         return self.hook_state, hook
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        self._warn_large_sign_step(optimizer)
+        warning = self.config.sign_step_warning(optimizer)
+        if warning:
+            rank_zero_warn(warning)
         return super().setup_optimizer(optimizer)
-
-    def _warn_large_sign_step(self, optimizer: Optimizer) -> None:
-        """Warn when an optimizer's lr, which the unit-scaled vote makes the sign step δ, is an SGD-sized lr."""
-        if self.config.scale != "unit" or self.config.error_feedback:
-            return  # the scaled vote is in gradient units: the lr keeps its SGD meaning
-        lr = max((float(g.get("lr", 0.0)) for g in optimizer.param_groups), default=0.0)
-        if lr > MAX_SIGN_STEP:
-            owner = type(self).__name__
-            rank_zero_warn(
-                f"{owner}(scale='unit'): {type(optimizer).__name__}(lr={lr:g}) is the sign step δ: every coordinate "
-                f"moves by ±{lr:g} per step whatever its gradient. Sign steps above {MAX_SIGN_STEP:g} rarely train; "
-                f"try lr={SUGGESTED_SIGN_STEP:g}, or keep lr={lr:g} with {owner}(scale='l1')."
-            )
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -148,22 +129,17 @@ class SignSGDFabricStrategy(PdistFabricStrategy):
 
     @override
     def rank_state(self, objects: dict[str, Any]) -> dict | None:
-        return None if self.hook_state is None else {"hook_state": self.hook_state.state_dict()}
+        return hook_rank_state(self.hook_state)
 
     @override
     def load_rank_state(self, state: dict | None, objects: dict[str, Any], reason: str) -> None:
-        if self.hook_state is None:
-            return
-        if state is None:
-            rank_zero_warn(f"{type(self).__name__}: {reason}; the vote statistics, residuals and momentum start from "
-                           "zero.")  # fmt: skip
-            return
-        self.hook_state.load_state_dict(state["hook_state"])
+        warning = load_hook_rank_state(self.hook_state, state, reason, type(self).__name__)
+        if warning:
+            rank_zero_warn(warning)
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        names = {"signsgd_mv": ("majority", "signSGD with majority vote"), "it_signsgd": ("llr", "IT-signSGD")}
-        for name, (aggregation, description) in names.items():
+        for name, (aggregation, description) in REGISTERED_NAMES.items():
             description = f"{description} (Lightning Fabric): SignSGDFabricStrategy(aggregation={aggregation!r})"
             register_variants(strategy_registry, cls, name, description, aggregation=aggregation)

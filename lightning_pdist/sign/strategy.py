@@ -7,10 +7,10 @@ Every rank gets the same voted sign ``U`` in its gradients and the user's optimi
 the replicas stay identical without any parameter traffic.
 
 Lifecycle (every rank): ``setup`` wraps the model in DDP and registers the hook with a fresh
-hook state; a resumed run then loads *its own* hook state from its own file next to the checkpoint
-(:mod:`~lightning_pdist.core.rank_files`). Each backward pass is one vote (one round); ``pdist/comm_bytes`` is
-logged after every optimizer step. With an fp16 ``GradScaler``, setup also swaps in
-:class:`~lightning_pdist.sign.precision.SignMixedPrecision` (the method card's "fp16 with a GradScaler").
+hook state; a resumed run then loads *its own* hook state from ``checkpoint["pdist"]``. Each
+backward pass is one vote (one round); ``pdist/comm_bytes`` is logged after every optimizer step.
+With an fp16 ``GradScaler``, setup also swaps in
+:class:`~lightning_pdist.sign.precision.SignMixedPrecision` (see "fp16 with a GradScaler").
 """
 
 from __future__ import annotations
@@ -21,21 +21,17 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_pdist.core.config import refuse_owned_ddp_args
-from lightning_pdist.core.strategy import PdistStrategy, register_variants
-from lightning_pdist.sign.config import SignSGDConfig
+from lightning_pdist.sign.config import (MAX_SIGN_STEP, REGISTERED_NAMES, SUGGESTED_SIGN_STEP, SignSGDConfig,
+                                         hook_rank_state, load_hook_rank_state)  # fmt: skip
 from lightning_pdist.sign.hooks import SignSGDState
 from lightning_pdist.sign.llr import DEFAULT_MAX_WEIGHT
 from lightning_pdist.sign.overflow import LossScaledRound
-from lightning_pdist.sign.precision import SignMixedPrecision
 from lightning_pdist.sign.stats import take_vote_diagnostics
+from lightning_pdist.sign.precision import SignMixedPrecision
+from lightning_pdist.core.strategy import PdistStrategy, register_variants
+from lightning_pdist.core.config import refuse_owned_ddp_args
 
 __all__ = ["MAX_SIGN_STEP", "SUGGESTED_SIGN_STEP", "SignSGDConfig", "SignSGDStrategy"]
-
-#: Above this optimizer ``lr`` the unit-scaled vote warns: ``lr`` is the sign step δ, and the papers' δ are 1e-4 … 5e-3.
-MAX_SIGN_STEP = 0.01
-#: The sign step the warning suggests: Adam's default lr, itself a per-coordinate step (see the method card).
-SUGGESTED_SIGN_STEP = 1e-3
 
 
 class SignSGDStrategy(PdistStrategy):
@@ -109,27 +105,14 @@ class SignSGDStrategy(PdistStrategy):
     ) -> None:
         owner = type(self).__name__
         refuse_owned_ddp_args(owner, kwargs, f"{owner} owns gradient communication (the sign vote)")
-        self.config = SignSGDConfig(
-            aggregation=aggregation,
-            warmup_rounds=warmup_rounds,
-            estimator=estimator,
-            decay=decay,
-            max_weight=max_weight,
-            negative_weights=negative_weights,
-            momentum=momentum,
-            error_feedback=error_feedback,
-            nonfinite=nonfinite,
-            scale=scale,
-            # DDP leaves parameters out of a backward pass only with these set; the vote then tracks participation.
-            find_unused_parameters=bool(kwargs.get("find_unused_parameters")) or bool(kwargs.get("static_graph")),
-            owner=owner,
-        )
-        ignored = self.config.ignored_llr_options()
+        self.config = SignSGDConfig.of_strategy(
+            owner, kwargs, aggregation=aggregation, warmup_rounds=warmup_rounds, estimator=estimator, decay=decay,
+            max_weight=max_weight, negative_weights=negative_weights, momentum=momentum, error_feedback=error_feedback,
+            nonfinite=nonfinite, scale=scale,
+        )  # fmt: skip
+        ignored = self.config.ignored_llr_warning()
         if ignored:
-            rank_zero_warn(
-                f"{owner}(aggregation='majority', {', '.join(ignored)}): these options belong to the LLR vote "
-                "(aggregation='llr') and are ignored by the majority vote."
-            )
+            rank_zero_warn(ignored)
         super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
                          model_averaging_period=None, **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
         self.hook_state: SignSGDState | None = None
@@ -149,8 +132,7 @@ class SignSGDStrategy(PdistStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        names = {"signsgd_mv": ("majority", "signSGD with majority vote"), "it_signsgd": ("llr", "IT-signSGD")}
-        for name, (aggregation, description) in names.items():
+        for name, (aggregation, description) in REGISTERED_NAMES.items():
             description = f"{description}: 1-bit sign voting (SignSGDStrategy(aggregation={aggregation!r}))"
             register_variants(strategy_registry, cls, name, description, aggregation=aggregation)
 
@@ -159,9 +141,8 @@ class SignSGDStrategy(PdistStrategy):
     def _default_comm_hook(self) -> tuple[object, Callable]:
         # A fresh state per DDP model, built before its first backward (so its canonical bucket layout is DDP's
         # initial one); a resumed run loads its saved state into it in load_pdist_state_dict.
-        self.hook_state, hook = self.config.make_hook(self.comm_meter)
-        if self.config.find_unused_parameters and self.model is not None:
-            self.hook_state.watch(self.model.parameters())  # before the first backward: which tensors take part
+        parameters = self.model.parameters() if self.model is not None else None
+        self.hook_state, hook = self.config.make_hook(self.comm_meter, parameters)
         return self.hook_state, hook
 
     @override
@@ -176,7 +157,11 @@ class SignSGDStrategy(PdistStrategy):
     @override
     def setup_algorithm(self) -> None:
         owner = type(self).__name__
-        self._warn_large_sign_step(owner)
+        for optimizer in self.optimizers:
+            warning = self.config.sign_step_warning(optimizer)
+            if warning:
+                rank_zero_warn(warning)
+                break
         self._use_sign_precision()
         self._round, self._nonfinite_ranks = None, set()
         if self.hook_state is not None and self.hook_state.loss_scaling is None and self.nonfinite != "propagate":
@@ -219,21 +204,6 @@ class SignSGDStrategy(PdistStrategy):
         elif isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
             self.precision_plugin = SignMixedPrecision.replacing(plugin, self.hook_state)
 
-    def _warn_large_sign_step(self, owner: str) -> None:
-        """Warn when an optimizer's lr, which the unit-scaled vote makes the sign step δ, is an SGD-sized lr."""
-        if self.config.scale != "unit" or self.config.error_feedback:
-            return  # the scaled vote is in gradient units: the lr keeps its SGD meaning
-        for optimizer in self.optimizers:
-            lr = max((float(g.get("lr", 0.0)) for g in optimizer.param_groups), default=0.0)
-            if lr > MAX_SIGN_STEP:
-                rank_zero_warn(
-                    f"{owner}(scale='unit'): {type(optimizer).__name__}(lr={lr:g}) is the sign step δ: every coordinate "
-                    f"moves by ±{lr:g} per step whatever its gradient (SGD would move it by lr·|g|). Sign steps above "
-                    f"{MAX_SIGN_STEP:g} rarely train; try lr={SUGGESTED_SIGN_STEP:g}, or keep lr={lr:g} with "
-                    f"{owner}(scale='l1'), which scales the vote by the gradient's mean magnitude per tensor."
-                )
-                return
-
     # ------------------------------------------------------------------ checkpoints
     @override
     def pdist_state_dict(self) -> dict:
@@ -245,15 +215,10 @@ class SignSGDStrategy(PdistStrategy):
     def pdist_rank_state(self) -> dict | None:
         # Each rank holds different buffers (its residual, its momentum, its slice of the per-coordinate
         # statistics): each writes its own file (None on every rank when no model was wrapped for training).
-        return None if self.hook_state is None else {"hook_state": self.hook_state.state_dict()}
+        return hook_rank_state(self.hook_state)
 
     @override
     def load_pdist_rank_state(self, state: dict | None, reason: str = "") -> None:
-        if self.hook_state is None:
-            return
-        if state is None:
-            rank_zero_warn(
-                f"{type(self).__name__}: {reason}; the vote statistics, residuals and momentum start from zero."
-            )
-            return
-        self.hook_state.load_state_dict(state["hook_state"])
+        warning = load_hook_rank_state(self.hook_state, state, reason, type(self).__name__)
+        if warning:
+            rank_zero_warn(warning)

@@ -56,7 +56,7 @@ def test_validation_sees_the_center(tmp_path):
 
         def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
             during = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
-            center = trainer.strategy.easgd_state.center[: during.numel()]
+            center = trainer.strategy.rule.state.center[: during.numel()]
             torch.testing.assert_close(during, center)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
