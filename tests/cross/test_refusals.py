@@ -9,7 +9,7 @@ from torch.multiprocessing import ProcessRaisedException
 
 from lightning_pdist import (BMUFStrategy, EASGDStrategy, LocalSGDStrategy, ParameterServerStrategy, PdistStrategy,
                              PipelineStrategy, SignSGDStrategy)  # fmt: skip
-from tests._helpers import TinyRegression, fit
+from _helpers import TinyRegression, fit
 
 
 @pytest.mark.parametrize(("make", "match"), [
@@ -28,8 +28,14 @@ def test_keyword_typos_are_refused_at_construction(make, match):
 
 
 def test_ddp_and_lightning_keywords_still_pass():
-    LocalSGDStrategy(period=2, find_unused_parameters=True, gradient_as_bucket_view=True, start_method="fork")
-    ParameterServerStrategy(start_method="fork", process_group_backend="gloo")
+    """DDP's keywords reach DDP (``_ddp_kwargs``); Lightning's reach the strategy; ours are kept beside them."""
+    local = LocalSGDStrategy(period=2, find_unused_parameters=True, gradient_as_bucket_view=True, start_method="fork")
+    assert local._ddp_kwargs == {"find_unused_parameters": True, "gradient_as_bucket_view": True}
+    assert local._start_method == "fork"
+    assert local.period == 2
+    ps = ParameterServerStrategy(start_method="fork", process_group_backend="gloo")
+    assert ps._start_method == "fork"
+    assert ps._process_group_backend == "gloo" and ps.process_group_backend == "gloo"
 
 
 def test_infinite_block_lr_is_refused():
@@ -87,7 +93,7 @@ def test_bad_values_once_accepted_are_refused_naming_argument_value_and_rule(mak
 
 def test_an_impossible_sharding_plan_is_refused_before_any_server_starts():
     """num_servers=64 on 58 parameters: refused on every rank before a server process exists."""
-    from tests._helpers import server_processes
+    from _helpers import server_processes
 
     with pytest.raises(ProcessRaisedException, match=r"ParameterServerStrategy: plan_sharding\(num_servers=64, "
                                                      r"sharding='memory'\): 58 elements .* leave servers \[58, .* empty"):
