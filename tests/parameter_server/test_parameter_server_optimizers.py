@@ -5,7 +5,6 @@ import copy
 import pytest
 import torch
 from _helpers import TinyRegression, fit, make_net, rank_batches, regression_data
-from _helpers import no_orphaned_servers  # noqa: F401  (autouse fixture)
 from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
