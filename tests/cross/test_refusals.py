@@ -75,6 +75,8 @@ def test_a_nan_on_one_rank_stops_every_rank_at_that_step(make):
 @pytest.mark.parametrize(("make", "error", "match"), [
     (lambda: ParameterServerStrategy(server_timeout=True), TypeError, r"server_timeout=True\): .*a bool is not"),
     (lambda: ParameterServerStrategy(server_timeout=float("inf")), ValueError, r"server_timeout must be a finite number"),
+    (lambda: ParameterServerStrategy(server_timeout=6573539176), ValueError,  # found by the constructor fuzz's fit
+     r"server_timeout=6573539176\): server_timeout must be at most 1e\+07 seconds"),
     (lambda: ParameterServerStrategy(server_host=5), TypeError, r"server_host=5\): server_host must be an address"),
     (lambda: ParameterServerStrategy(server_addresses=[]), ValueError, r"server_addresses must list at least one"),
     (lambda: ParameterServerStrategy(server_addresses="127.0.0.1:5000"), TypeError, r"must be a list of 'host:port'"),
