@@ -203,16 +203,6 @@ def write_mnist(folder, n_train=40, n_test=20, gz=True, seed=0):
     return arrays
 
 
-@pytest.fixture(autouse=True)
-def no_orphaned_servers():
-    """Every test of a module that imports this fixture leaves no parameter-server process behind."""
-    yield
-    deadline = time.monotonic() + 15
-    while server_processes() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server_processes() == []
-
-
 def closed_by_server(sock: socket.socket, within: float = 10.0) -> bool:
     """True once a server closed ``sock`` (EOF or reset) within ``within`` s; what it sent first is discarded."""
     sock.settimeout(within)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from lightning_pdist.parameter_server.sharding import SHARDINGS
 from lightning_pdist.parameter_server.auth import read_secret_file
-from lightning_pdist.parameter_server.server import MODES
+from lightning_pdist.parameter_server.server import MAX_PATIENCE, MODES
 from lightning_pdist.parameter_server.wire import parse_networks
 from lightning_pdist.core.config import ConfigErrors, is_int
 
@@ -79,6 +79,9 @@ class ParameterServerConfig(ConfigErrors):
             self._fail("server_timeout", "server_timeout must be a number of seconds (a bool is not)", TypeError)
         if not (timeout > 0 and math.isfinite(timeout)):
             self._fail("server_timeout", "server_timeout must be a finite number of seconds > 0")
+        elif timeout > MAX_PATIENCE:  # a worker's requests carry it as their patience, which servers bound
+            self._fail("server_timeout", f"server_timeout must be at most {MAX_PATIENCE:g} seconds (the servers' bound "
+                                         "on how long a request may ask them to wait)")  # fmt: skip
         if not (dc < math.inf):
             self._fail("delay_compensation", "delay_compensation must be finite (DC-ASGD's lambda; about 0.04 to start)")
         if self.server_host is not None and (not isinstance(self.server_host, str) or not self.server_host):

@@ -351,10 +351,13 @@ class ShardServer:
             return {"accepted": False, "staleness": 0, "contributors": []}
         if self.aggregator is not None:  # sync (with or without backup workers)
             if version == self.aggregator.step and self.open_step is not None and self.open_step[0] != k:
-                raise ValueError(
-                    f"worker {worker} pushed a gradient of optimizer {k} for step {version}, which optimizer "
-                    f"{self.open_step[0]} opened; every worker must step the same optimizers in the same order"
+                # The step cannot close: fail its waiters with the reason, not with the disconnect that follows.
+                self.failed = (
+                    f"parameter server {self.index}: worker {worker} pushed a gradient of optimizer {k} for step "
+                    f"{version}, which optimizer {self.open_step[0]} opened; every worker must step the same "
+                    f"optimizers in the same order"
                 )
+                raise ValueError(self.failed)
             dropped_before = self.aggregator.num_dropped
             mean = self.aggregator.push(worker, version, grad)
             self.aggregator.drain_dropped()  # nobody reads the records; num_dropped keeps the count
@@ -484,7 +487,7 @@ class ShardServer:
                 dropped = self.aggregator.num_dropped + len(self.aggregator.arrived)
                 self.aggregator.load_state_dict({"step": self.aggregator.step, "num_dropped": dropped})
                 self.steps_closed = True
-        if self.aggregator is not None and how == "disconnected":
+        if self.aggregator is not None and how == "disconnected" and self.failed is None:
             live = self.config["num_workers"] - len(self.gone)
             if live < self.aggregator.quorum:
                 self.failed = (

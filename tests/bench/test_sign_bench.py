@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _helpers import free_port
+from _ranks import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_pdist.sign.simulator import SignSGDSimulator
@@ -146,10 +146,8 @@ def _batches(seed=0):
             for _ in range(ROUNDS)]  # fmt: skip
 
 
-def _ddp_rank(rank, port, batches, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _ddp_rank(rank, world_size, batches, out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORKERS)
     out = {}
     for name, state, hook in (("signsgd_mv", SignSGDState(), signsgd_mv_hook),
                               ("it_signsgd", ITSignSGDState(warmup_rounds=2), it_signsgd_hook)):  # fmt: skip
@@ -164,23 +162,14 @@ def _ddp_rank(rank, port, batches, queue):
         # numpy travels by value; a tensor would travel as a shared-memory handle that dies with this process
         out[name] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
     dist.barrier()
-    dist.destroy_process_group()
-    queue.put((rank, out))
+    torch.save(out, f"{out_dir}/ddp{rank}.pt")
 
 
-def test_simulated_rounds_equal_three_real_ddp_ranks_with_the_hooks():
+def test_simulated_rounds_equal_three_real_ddp_ranks_with_the_hooks(tmp_path):
     """sign_round_ with the simulator gives bit-identical parameters to 3 gloo ranks running DDP with each hook."""
     batches = _batches()
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_ddp_rank, args=(r, port, batches, queue)) for r in range(WORKERS)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    run_ranks(_ddp_rank, WORKERS, tmp_path, batches, str(tmp_path))
+    results = [torch.load(tmp_path / f"ddp{r}.pt", weights_only=False) for r in range(WORKERS)]
     torch.set_num_threads(1)
     for name, sim in (("signsgd_mv", SignSGDSimulator(WORKERS)),
                       ("it_signsgd", SignSGDSimulator(WORKERS, "llr", warmup_rounds=2))):  # fmt: skip

@@ -20,7 +20,12 @@ def _summary(ranks: list[dict]) -> dict:
     first = next((r for r in ranks if r["status"] != "ok"), ranks[0])
     message = first.get("message", "").splitlines()[0] if first.get("message") else ""
     return {"status": first["status"], "stage": first.get("stage"), "global_step": first.get("global_step", 0),
-            "message": message}  # fmt: skip
+            "batch_started": first.get("batch_started", True), "message": message}  # fmt: skip
+
+
+def refused_at_setup(record: dict) -> bool:
+    """Whether a failed fit stopped before its first training batch began (a crash inside the first step did not)."""
+    return record["stage"] == "fit" and record.get("global_step", 0) == 0 and not record.get("batch_started", True)
 
 
 def store(path: Path, strategy: str, column: dict[str, list[dict]]) -> None:
@@ -40,7 +45,7 @@ def _cell(strategy: str, module: str, summary: dict | None, notes: list[str]) ->
     if summary["status"] == "ok":
         return "OK"
     refusal = strategies.REFUSALS.get((strategy, module))
-    if refusal is not None and summary["stage"] == "fit" and summary["global_step"] == 0:
+    if refusal is not None and refused_at_setup(summary):
         notes.append(f"{strategy} × {module}: {summary['message']} — **Instead:** {refusal[1]}")
         return f"refused [{len(notes)}](#refusals)"
     return f"FAIL at {summary['stage']}"

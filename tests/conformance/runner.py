@@ -81,16 +81,26 @@ class Outputs(Callback):
         self._add("test", outputs)
 
 
+class BatchStarted(Callback):
+    """Whether the first fit began a training batch: a refusal at setup comes before that, a crash in a step after."""
+
+    def __init__(self) -> None:
+        self.started = False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.started = True
+
+
 def run_cell(strategy: str, module: str, root: Path, rank: int) -> dict:
     spec, cell = MODULES[module], root / cell_name(strategy, module)
     result: dict[str, Any] = {"status": "ok", "stage": "fit", "global_step": 0}
-    trainer = None
+    trainer, started = None, BatchStarted()
     try:
         seed_everything(0, verbose=False)
         model = spec.make()
         checkpoints = ModelCheckpoint(dirpath=cell, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
         outputs = Outputs()
-        trainer = _trainer(strategy, module, callbacks=[checkpoints, outputs])
+        trainer = _trainer(strategy, module, callbacks=[checkpoints, outputs, started])
         trainer.fit(model)
         result["fit_metrics"] = _numbers(trainer.callback_metrics)
         result["outputs"] = outputs.values
@@ -116,6 +126,7 @@ def run_cell(strategy: str, module: str, root: Path, rank: int) -> dict:
     except Exception as error:  # noqa: BLE001 - every failure is reported, the next cell still runs
         result.update(status="error", message=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())
         result["global_step"] = trainer.global_step if trainer is not None else 0
+        result["batch_started"] = started.started
     return result
 
 

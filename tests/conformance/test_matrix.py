@@ -29,8 +29,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from _helpers import free_port
+
 from lightning_pdist.core.forking import collect_before_fork
-from tests._helpers import free_port
 from tests.conformance import report, runner, strategies
 from tests.conformance.modules import MODULES
 
@@ -119,7 +120,7 @@ def test_cell(strategy: str, module: str) -> None:
         pattern, _ = refusal
         assert statuses == ["error", "error"], f"expected a refusal ({pattern}), got {statuses}"
         for r in ranks:
-            assert r["stage"] == "fit" and r["global_step"] == 0, f"refused after setup: {r['message']}"
+            assert report.refused_at_setup(r), f"refused after setup (a training batch had begun): {r['message']}"
             assert re.search(pattern, r["message"]), r["message"]
         return
     for r in ranks:
@@ -146,3 +147,14 @@ def test_compatibility_doc_is_current() -> None:
         column(strategy)
     expected = report.render(report.load(RESULTS / "results.json"))
     assert (ROOT / "docs" / "compatibility.md").read_text() == expected, "run: python -m tests.conformance.report"
+
+
+def test_a_crash_in_the_first_step_is_not_a_refusal_at_setup() -> None:
+    """A fit that failed after its first training batch began (global step still 0) is a failure, not a refusal."""
+    refused = {"status": "error", "stage": "fit", "global_step": 0, "batch_started": False, "message": "ValueError: x"}
+    crashed = {**refused, "batch_started": True}
+    assert report.refused_at_setup(refused) and not report.refused_at_setup(crashed)
+    assert not report.refused_at_setup({k: v for k, v in refused.items() if k != "batch_started"})  # unknown: not
+    cell = next(iter(strategies.REFUSALS))
+    assert report._cell(*cell, report._summary([refused, refused]), []).startswith("refused")
+    assert report._cell(*cell, report._summary([crashed, crashed]), []) == "FAIL at fit"

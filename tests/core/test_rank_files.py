@@ -13,7 +13,7 @@ from torch.multiprocessing import ProcessRaisedException
 
 from lightning_pdist import LocalSGDStrategy
 from lightning_pdist.core import rank_files
-from tests._helpers import TinyRegression, fit
+from _helpers import TinyRegression, fit
 
 
 def test_round_trip_and_the_reasons_a_file_is_missing(tmp_path):

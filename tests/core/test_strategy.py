@@ -48,7 +48,10 @@ def test_user_comm_hook_runs_on_cpu():
 
 
 def test_pytorch_fp16_hook_trains_like_ddp_on_cpu():
-    """torch's fp16_compress_hook through PdistStrategy lands within fp16 error of plain DDP."""
+    """torch's fp16_compress_hook through PdistStrategy lands within fp16 error of plain DDP, and not on it.
+
+    The hook averages gradients rounded to fp16 (11 significant bits): plain DDP's fp32 average differs from it in
+    the low bits, so a run that ignored the hook would equal plain DDP bit for bit."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
     a, b = TinyRegression(), TinyRegression()
@@ -57,6 +60,7 @@ def test_pytorch_fp16_hook_trains_like_ddp_on_cpu():
         fit(PdistStrategy(ddp_comm_hook=fp16_compress_hook, start_method="fork"), b, max_steps=6)
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, atol=1e-3, rtol=0)
+    assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters())), "the fp16 hook did not run"
 
 
 @pytest.mark.parametrize("cls", [LocalSGDStrategy, BMUFStrategy, EASGDStrategy, SimuParallelSGDStrategy])

@@ -3,9 +3,11 @@
 ``hypothesis`` draws one argument at a time (so a refusal must name *that* argument) from a mix of types and edge
 values: None, booleans, small and huge ints, floats including NaN and infinities, short strings, lists, dicts.
 A refusal is a ``TypeError`` or ``ValueError`` at construction whose message contains the argument's name. An
-accepted value must survive a short fit on one process (the first few accepted values per strategy: fits are what
-cost time) with a finite loss, or be refused at setup naming the argument where the rule needs the model (a sharding
-plan with more servers than elements).
+accepted value must be held by the strategy (its ``config``, or the attribute named after the argument) and
+round-trip: the held value, given back to the constructor, is accepted and held unchanged. The first accepted value
+per (strategy, argument) must also survive a short fit on one process (fits are what cost time) with a finite loss,
+or be refused at setup naming the argument where the rule needs the model (a sharding plan with more servers than
+elements).
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ STRATEGIES = [lp.PdistStrategy, lp.LocalSGDStrategy, lp.SimuParallelSGDStrategy,
 #: Arguments that are not the algorithm's and whose values Lightning itself interprets.
 SKIP = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
         "ddp_comm_state", "ddp_comm_wrapper", "process_group_backend", "timeout", "start_method", "kwargs"}  # fmt: skip
-FITS_PER_STRATEGY = 2
+#: Arguments the strategy does not keep, and what an accepted value must then be.
+NOT_HELD = {"sequence_parallel": False}  # anything but False is refused (not implemented yet)
+#: A public spelling the strategy keeps as another value, which the constructor does not take back.
+ALIASES = {("tensor_parallel_size", None): "auto", ("data_parallel_size", None): "auto", ("plan", "auto"): None}
 
 values = st.one_of(
     st.none(), st.booleans(), st.integers(-3, 3), st.integers(10**6, 10**12), st.sampled_from([2, 8, 64]),
@@ -47,7 +52,36 @@ def _arguments(cls: type) -> list[str]:
 
 
 CASES = [(cls, arg) for cls in STRATEGIES for arg in _arguments(cls)]
-fitted: dict[type, list[str]] = {}  # the accepted values that get a fit, per strategy (replays fit them again)
+fitted: dict[tuple[type, str], str] = {}  # the accepted value that gets a fit, per (strategy, argument)
+
+_MISSING = object()
+
+
+def _held(strategy, arg: str):
+    """The value ``strategy`` keeps for ``arg``: its validated config's field, else the attribute (public or private)."""
+    config = getattr(strategy, "config", None)
+    for owner, name in ((config, arg), (strategy, arg), (strategy, f"_{arg}")):
+        if owner is not None and hasattr(owner, name):
+            return getattr(owner, name)
+    return _MISSING
+
+
+def _check_held(cls: type, arg: str, value) -> None:
+    """The accepted ``value`` is held (``None`` may resolve to a default), and the held value round-trips."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        held = _held(cls(**{arg: value}), arg)
+        if held is _MISSING:
+            assert arg in NOT_HELD and value is NOT_HELD[arg], f"{cls.__name__}({arg}={value!r}) accepted, not held"
+            return
+        alias = (arg, value) in ALIASES if isinstance(value, (str, type(None))) else False
+        if alias:
+            assert held == ALIASES[arg, value], f"{cls.__name__}({arg}={value!r}) holds {held!r}"
+        elif value is not None:
+            same = list(held) == list(value) if isinstance(value, list) else held == value
+            assert same, f"{cls.__name__}({arg}={value!r}) accepted but holds {held!r}"
+        again = _held(cls(**{arg: value if alias else held}), arg)
+    assert again == held, f"{cls.__name__}({arg}={held!r}) (the held value) is held as {again!r}: no round trip"
 
 
 def _fit(strategy) -> float:
@@ -73,10 +107,9 @@ def test_refused_naming_the_argument_or_trains_finitely(cls, arg, value):
     except (TypeError, ValueError) as err:
         assert arg in str(err), f"{cls.__name__}({arg}={value!r}) refused without naming {arg}: {err}"
         return
-    chosen, key = fitted.setdefault(cls, []), f"{arg}={value!r}"
-    if key not in chosen and len(chosen) >= FITS_PER_STRATEGY:
+    _check_held(cls, arg, value)
+    if fitted.setdefault((cls, arg), repr(value)) != repr(value):
         return
-    chosen.append(key)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

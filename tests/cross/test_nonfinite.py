@@ -30,7 +30,7 @@ from lightning_pdist.core.nonfinite import (
     nonfinite_error,
     one_hot_flag,
 )
-from tests._helpers import TinyRegression, fit, make_net, no_orphaned_servers, regression_data  # noqa: F401 (fixture)
+from _helpers import TinyRegression, fit, make_net, regression_data
 
 NAN_RANK, NAN_BATCH = 1, 2  # rank 1's third batch (global step 2)
 

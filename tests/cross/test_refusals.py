@@ -9,7 +9,7 @@ from torch.multiprocessing import ProcessRaisedException
 
 from lightning_pdist import (BMUFStrategy, EASGDStrategy, LocalSGDStrategy, ParameterServerStrategy, PdistStrategy,
                              PipelineStrategy, SignSGDStrategy)  # fmt: skip
-from tests._helpers import TinyRegression, fit
+from _helpers import TinyRegression, fit
 
 
 @pytest.mark.parametrize(("make", "match"), [
@@ -28,8 +28,14 @@ def test_keyword_typos_are_refused_at_construction(make, match):
 
 
 def test_ddp_and_lightning_keywords_still_pass():
-    LocalSGDStrategy(period=2, find_unused_parameters=True, gradient_as_bucket_view=True, start_method="fork")
-    ParameterServerStrategy(start_method="fork", process_group_backend="gloo")
+    """DDP's keywords reach DDP (``_ddp_kwargs``); Lightning's reach the strategy; ours are kept beside them."""
+    local = LocalSGDStrategy(period=2, find_unused_parameters=True, gradient_as_bucket_view=True, start_method="fork")
+    assert local._ddp_kwargs == {"find_unused_parameters": True, "gradient_as_bucket_view": True}
+    assert local._start_method == "fork"
+    assert local.period == 2
+    ps = ParameterServerStrategy(start_method="fork", process_group_backend="gloo")
+    assert ps._start_method == "fork"
+    assert ps._process_group_backend == "gloo" and ps.process_group_backend == "gloo"
 
 
 def test_infinite_block_lr_is_refused():
@@ -69,6 +75,8 @@ def test_a_nan_on_one_rank_stops_every_rank_at_that_step(make):
 @pytest.mark.parametrize(("make", "error", "match"), [
     (lambda: ParameterServerStrategy(server_timeout=True), TypeError, r"server_timeout=True\): .*a bool is not"),
     (lambda: ParameterServerStrategy(server_timeout=float("inf")), ValueError, r"server_timeout must be a finite number"),
+    (lambda: ParameterServerStrategy(server_timeout=6573539176), ValueError,  # found by the constructor fuzz's fit
+     r"server_timeout=6573539176\): server_timeout must be at most 1e\+07 seconds"),
     (lambda: ParameterServerStrategy(server_host=5), TypeError, r"server_host=5\): server_host must be an address"),
     (lambda: ParameterServerStrategy(server_addresses=[]), ValueError, r"server_addresses must list at least one"),
     (lambda: ParameterServerStrategy(server_addresses="127.0.0.1:5000"), TypeError, r"must be a list of 'host:port'"),
@@ -87,7 +95,7 @@ def test_bad_values_once_accepted_are_refused_naming_argument_value_and_rule(mak
 
 def test_an_impossible_sharding_plan_is_refused_before_any_server_starts():
     """num_servers=64 on 58 parameters: refused on every rank before a server process exists."""
-    from tests._helpers import server_processes
+    from _helpers import server_processes
 
     with pytest.raises(ProcessRaisedException, match=r"ParameterServerStrategy: plan_sharding\(num_servers=64, "
                                                      r"sharding='memory'\): 58 elements .* leave servers \[58, .* empty"):

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_pdist import BMUFStrategy, EASGDStrategy, LocalSGDStrategy
-from tests._helpers import TinyRegression, fit, make_net, rank_batches, regression_data
+from _helpers import TinyRegression, fit, make_net, rank_batches, regression_data
 
 WORLD, BATCHES, LR, BATCH = 2, 5, 0.1, 4
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from _helpers import closed_by_server, no_orphaned_servers  # noqa: F401  (autouse fixture)
+from _helpers import closed_by_server
 
 from lightning_pdist.parameter_server.auth import CLIENT_LABEL, SERVER_LABEL, check_secret, new_secret, proof, read_secret_file
 from lightning_pdist.parameter_server.client import ParameterServerClient, ServerConnection, ServerError, ServerUnavailable

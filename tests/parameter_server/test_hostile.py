@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from _helpers import closed_by_server, no_orphaned_servers  # noqa: F401  (autouse fixture)
+from _helpers import closed_by_server
 
 from lightning_pdist.parameter_server.client import ParameterServerClient, ServerConnection, ServerError
 from lightning_pdist.parameter_server.loop import ServerLimits

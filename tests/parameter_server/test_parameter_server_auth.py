@@ -3,7 +3,6 @@
 import pytest
 import torch
 from _helpers import TinyRegression, fit
-from _helpers import no_orphaned_servers  # noqa: F401  (autouse fixture)
 
 from lightning_pdist import ParameterServerStrategy
 from lightning_pdist.parameter_server.auth import read_secret_file

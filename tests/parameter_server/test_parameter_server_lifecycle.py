@@ -5,7 +5,6 @@ import os
 import torch
 import torch.multiprocessing as mp
 from _helpers import TinyRegression, free_port, regression_data
-from _helpers import no_orphaned_servers  # noqa: F401  (autouse fixture)
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn

@@ -6,7 +6,6 @@ import socket
 
 import pytest
 from _helpers import TinyRegression, fit
-from _helpers import no_orphaned_servers  # noqa: F401  (autouse fixture)
 from lightning.pytorch import Callback, Trainer
 
 from lightning_pdist import ParameterServerStrategy

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from _helpers import SnapshotParams, TinyRegression, fit, load_snapshot, make_net, rank_batches, regression_data
-from _helpers import no_orphaned_servers  # noqa: F401  (autouse fixture)
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision

@@ -12,7 +12,6 @@ import socket
 
 import pytest
 import torch
-from _helpers import no_orphaned_servers  # noqa: F401  (autouse fixture)
 
 from lightning_pdist.parameter_server.client import ParameterServerClient, ServerConnection, ServerError, WorkerStalled
 from lightning_pdist.parameter_server.process import start_server

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from _helpers import no_orphaned_servers, server_processes  # noqa: F401  (autouse fixture)
+from _helpers import server_processes
 
 from lightning_pdist.parameter_server.client import ParameterServerClient, ServerConnection, ServerError, ServerUnavailable
 from lightning_pdist.parameter_server.process import start_server

@@ -11,8 +11,7 @@ import _pipeline_reference as reference
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _helpers import free_port
+from _ranks import run_ranks
 from torch import nn
 
 from lightning_pdist.pipeline.schedule import Action, build_schedule, validate
@@ -81,17 +80,15 @@ def run_case(rank, K, case):
     }
 
 
-def _worker(rank, K, port, out):
+def _worker(rank, K, out):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=K)
     results = {case: run_case(rank, K, case) for case in CASES}
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def launch(K, out):
-    mp.start_processes(_worker, args=(K, free_port(), str(out)), nprocs=K, start_method="fork")
+    run_ranks(_worker, K, out, str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(K)]
 
 
@@ -212,10 +209,9 @@ def test_dispatch_refuses_an_action_it_does_not_know():
         executor.dispatch(Action(0, "U", 0))
 
 
-def _short_batch_worker(rank, K, port, out):
+def _short_batch_worker(rank, K, out):
     import warnings
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=K)
     net = make_net()
     stage = stage_of(net, K, rank)
     x, y = torch.randn(4, 4), torch.randn(4, 2)
@@ -232,12 +228,11 @@ def _short_batch_worker(rank, K, port, out):
         executor.run(draining=True)
     torch.save([str(w.message) for w in caught], f"{out}/rank{rank}.pt")
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def test_2bw_warns_when_a_short_batch_breaks_the_delay(tmp_path):
     """A batch of fewer micro-batches than the pipeline holds forces a newer version: the stage says so, once."""
-    mp.start_processes(_short_batch_worker, args=(3, free_port(), str(tmp_path)), nprocs=3, start_method="fork")
+    run_ranks(_short_batch_worker, 3, tmp_path, str(tmp_path))
     messages = torch.load(tmp_path / "rank0.pt")
     assert len(messages) == 1 and "batch 2 runs on weight version 0, not 1" in messages[0], messages
 

@@ -7,8 +7,7 @@ before allocating an announced payload.
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _helpers import free_port
+from _ranks import run_ranks
 
 from lightning_pdist.core.accounting import CommMeter
 from lightning_pdist.pipeline.p2p import ANNOUNCE, BACKWARD, DATA, FORWARD, HEADER_BYTES, HEADER_LEN, MAGIC, P2P
@@ -37,8 +36,7 @@ HOSTILE = {
 }
 
 
-def _worker(rank, port, out):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _worker(rank, world_size, out):
     meter = CommMeter()
     p2p = P2P(None, max_message_bytes=LIMIT, meter=meter)
     results = {}
@@ -62,13 +60,12 @@ def _worker(rank, port, out):
                 results[name] = str(err)
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.barrier()
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def exchange(tmp_path_factory):
     out = tmp_path_factory.mktemp("p2p")
-    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=2, start_method="fork")
+    run_ranks(_worker, 2, out, str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

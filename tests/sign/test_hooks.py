@@ -11,8 +11,8 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _helpers import free_port, make_net, rank_batches, regression_data
+from _helpers import make_net, rank_batches, regression_data
+from _ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -115,21 +115,17 @@ def reference_it_signsgd(grads, warmup, estimator, lengths, decay=1.0, max_weigh
 # --- launching ---------------------------------------------------------------------------------------------
 
 
-def _entry(rank, worker, world_size, port, out, args):
+def _entry(rank, world_size, worker, out, args):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     result = worker(rank, world_size, *args)
     torch.save(result, f"{out}/rank{rank}.pt")
     # Give gloo's threads a moment to release the last collective's tensors before teardown (see sign_hooks).
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def launch(worker, world_size, out, *args):
     """Run worker(rank, world_size, *args) on world_size fork-started gloo ranks; return each rank's result."""
-    mp.start_processes(
-        _entry, args=(worker, world_size, free_port(), str(out), args), nprocs=world_size, start_method="fork"
-    )
+    run_ranks(_entry, world_size, out, worker, str(out), args)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 

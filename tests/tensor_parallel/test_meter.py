@@ -6,8 +6,7 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -23,8 +22,7 @@ KINDS = {"all_reduce": (_FUNCOL.all_reduce,), "all_gather": (_FUNCOL.all_gather_
          "reduce_scatter": (_FUNCOL.reduce_scatter_tensor,)}  # fmt: skip
 
 
-def _rank(rank: int, world: int, init: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+def _rank(rank: int, world: int, out: str) -> None:
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world,))
     # a column/row pair under a batch all-gather (the hybrid's shape): all-reduces and all-gathers, forward and back
@@ -46,13 +44,12 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
     seen = witness.get_comm_counts()
     torch.save({"calls": dict(counted.calls), "by_kind": meter.by_kind,
                 "witness": {k: sum(seen.get(op, 0) for op in ops) for k, ops in KINDS.items()}}, f"{out}.{rank}")
-    dist.destroy_process_group()
 
 
 def test_every_dtensor_collective_is_counted_with_its_bytes(tmp_path):
     """2 ranks: the meter's call counts per kind equal CommDebugMode's, and the bytes follow the ring model."""
     out = str(tmp_path / "result")
-    mp.start_processes(_rank, args=(2, f"file://{tmp_path / 'store'}", out), nprocs=2, start_method="fork")
+    run_ranks(_rank, 2, tmp_path, out)
     for rank in range(2):
         result = torch.load(f"{out}.{rank}")
         assert {k: v for k, v in result["calls"].items() if v} == {k: v for k, v in result["witness"].items() if v}
