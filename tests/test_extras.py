@@ -26,7 +26,7 @@ CHILD = textwrap.dedent('''
     from torch.utils.data import DataLoader, TensorDataset
 
     import lightning_pdist
-    from lightning_pdist import cli, strategies
+    from lightning_pdist import cli
     from lightning_pdist.data import DigitsDataModule
 
     skipped = ("lightning_pdist.bench", "lightning_pdist.demo")  # need the bench/demo extras at run time only

@@ -149,6 +149,7 @@ class ShardServer:
         self.pending: list[_Pending] = []
         self.gone: set[int] = set()  # workers whose connection closed (or said BYE)
         self.failed: str | None = None  # why sync training cannot continue
+        self.refusals: dict[int, str] = {}  # a worker's last refused push, named if that worker then goes
         self.steps_closed = False  # sync: the workers left can never close another step
         self.aggregator: BackupWorkerAggregator | None = None
         self.clock: SSPClock | None = None
@@ -320,7 +321,7 @@ class ShardServer:
         self.open_step = None
         self.config = dict(meta)
         self.version = 0
-        self.failed, self.steps_closed = None, False
+        self.failed, self.steps_closed, self.refusals = None, False, {}
 
     def _check_push(self, worker: int, kind: Kind, meta: dict, payload: bytearray) -> tuple[int, list[bool], Tensor, Any, int | None]:
         """``(optimizer, present, shard-sized gradient, hparams, version)`` of a push; refuses before anything changes."""
@@ -352,12 +353,13 @@ class ShardServer:
         if self.aggregator is not None:  # sync (with or without backup workers)
             if version == self.aggregator.step and self.open_step is not None and self.open_step[0] != k:
                 # The step cannot close: fail its waiters with the reason, not with the disconnect that follows.
-                self.failed = (
-                    f"parameter server {self.index}: worker {worker} pushed a gradient of optimizer {k} for step "
-                    f"{version}, which optimizer {self.open_step[0]} opened; every worker must step the same "
-                    f"optimizers in the same order"
+                # Refused, and the server carries on (one bad request never takes it down); the reason is kept
+                # so that, if this worker's run ends on it, the failure its peers then see names it.
+                self.refusals[worker] = (
+                    f"worker {worker} pushed a gradient of optimizer {k} for step {version}, which optimizer "
+                    f"{self.open_step[0]} opened; every worker must step the same optimizers in the same order"
                 )
-                raise ValueError(self.failed)
+                raise ValueError(f"parameter server {self.index}: {self.refusals[worker]}")
             dropped_before = self.aggregator.num_dropped
             mean = self.aggregator.push(worker, version, grad)
             self.aggregator.drain_dropped()  # nobody reads the records; num_dropped keeps the count
@@ -487,13 +489,14 @@ class ShardServer:
                 dropped = self.aggregator.num_dropped + len(self.aggregator.arrived)
                 self.aggregator.load_state_dict({"step": self.aggregator.step, "num_dropped": dropped})
                 self.steps_closed = True
-        if self.aggregator is not None and how == "disconnected" and self.failed is None:
+        if self.aggregator is not None and how == "disconnected":
             live = self.config["num_workers"] - len(self.gone)
             if live < self.aggregator.quorum:
                 self.failed = (
                     f"parameter server {self.index}: worker {worker} {how} and mode='sync' needs "
                     f"{self.aggregator.quorum} of {self.config['num_workers']} workers per step "
                     f"(backup_workers={self.aggregator.backup_workers}); {live} remain"
+                    + (f" (its last push was refused: {self.refusals[worker]})" if worker in self.refusals else "")
                 )
         self.serve_pending()
 

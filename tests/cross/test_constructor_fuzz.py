@@ -58,9 +58,12 @@ _MISSING = object()
 
 
 def _held(strategy, arg: str):
-    """The value ``strategy`` keeps for ``arg``: its validated config's field, else the attribute (public or private)."""
-    config = getattr(strategy, "config", None)
-    for owner, name in ((config, arg), (strategy, arg), (strategy, f"_{arg}")):
+    """The value ``strategy`` keeps for ``arg``: its validated config's field (the averaging strategies keep theirs in
+    their rule's config and schedule), else the attribute (public or private)."""
+    config, rule = getattr(strategy, "config", None), getattr(strategy, "rule", None)
+    owners = ((config, arg), (getattr(rule, "config", None), arg), (getattr(rule, "schedule", None), arg),
+              (strategy, arg), (strategy, f"_{arg}"))  # fmt: skip
+    for owner, name in owners:
         if owner is not None and hasattr(owner, name):
             return getattr(owner, name)
     return _MISSING

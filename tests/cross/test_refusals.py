@@ -32,7 +32,7 @@ def test_ddp_and_lightning_keywords_still_pass():
     local = LocalSGDStrategy(period=2, find_unused_parameters=True, gradient_as_bucket_view=True, start_method="fork")
     assert local._ddp_kwargs == {"find_unused_parameters": True, "gradient_as_bucket_view": True}
     assert local._start_method == "fork"
-    assert local.period == 2
+    assert local.rule.schedule.period == 2
     ps = ParameterServerStrategy(start_method="fork", process_group_backend="gloo")
     assert ps._start_method == "fork"
     assert ps._process_group_backend == "gloo" and ps.process_group_backend == "gloo"
