@@ -38,6 +38,18 @@ STRATEGIES: dict[str, tuple[str, dict, bool, str]] = {
     "tensor_parallel": ("tensor_parallel", {}, True, "tensor parallelism, t=2, plan='auto'"),
 }
 
+
+
+def strategy_class(name: str) -> type:
+    """The class a column's registered name builds."""
+    return StrategyRegistry[STRATEGIES[name][0]]["strategy"]
+
+
+#: Every lightning_pdist strategy class, once: the one list the cross-cutting suites (constructor fuzz, resume)
+#: draw from. A new family joins them by joining ``STRATEGIES`` (tests/test_strategy_list.py checks none is missing).
+PDIST_CLASSES: list[type] = list(dict.fromkeys(strategy_class(n) for n in STRATEGIES if n != "ddp"))
+
+
 #: (strategy, module) -> (message regex, the alternative a user has)
 _NO_SEQUENTIAL = (r"has no nn.Sequential: the pipeline splits one nn.Sequential holding the whole network",
                   "build the network as one nn.Sequential whose forward runs the layers in order (or name it with "

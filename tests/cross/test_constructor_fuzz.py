@@ -20,16 +20,15 @@ import warnings
 import pytest
 import torch
 from _helpers import TinyRegression, free_port
+from tests.conformance.strategies import PDIST_CLASSES
 from lightning.pytorch import Trainer
 
-import lightning_pdist as lp
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-STRATEGIES = [lp.PdistStrategy, lp.LocalSGDStrategy, lp.SimuParallelSGDStrategy, lp.BMUFStrategy, lp.EASGDStrategy,
-              lp.SignSGDStrategy, lp.ParameterServerStrategy, lp.PipelineStrategy, lp.TensorParallelStrategy]  # fmt: skip
+STRATEGIES = PDIST_CLASSES  # every strategy class, from the conformance suite's one list
 #: Arguments that are not the algorithm's and whose values Lightning itself interprets.
 SKIP = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
         "ddp_comm_state", "ddp_comm_wrapper", "process_group_backend", "timeout", "start_method", "kwargs"}  # fmt: skip

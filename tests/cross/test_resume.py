@@ -8,6 +8,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_pdist import BMUFStrategy, EASGDStrategy, LocalSGDStrategy, PdistStrategy, SimuParallelSGDStrategy
 from lightning_pdist.core import rank_files
 
+from tests.conformance.strategies import STRATEGIES as COLUMNS
+
 STRATEGIES = {
     "local_sgd": lambda: LocalSGDStrategy(period=2, warmup_steps=1, start_method="fork"),
     "simuparallel_sgd": lambda: SimuParallelSGDStrategy(start_method="fork"),
@@ -15,6 +17,9 @@ STRATEGIES = {
     "easgd": lambda: EASGDStrategy(period=2, alpha=0.3, start_method="fork"),
     "pdist_ddp": lambda: PdistStrategy(start_method="fork"),
 }
+# The sign, parameter-server, pipeline and TP strategies resume exactly in their own suites (tests/<family>/) and
+# in the conformance matrix, which runs every column of the one list (tests/conformance/strategies.py).
+assert set(STRATEGIES) <= set(COLUMNS)
 
 
 def _model():
