@@ -19,8 +19,12 @@ def test_the_launching_process_itself_and_no_launcher_are_left_alone():
 
 def test_a_live_launcher_that_is_not_the_parent_is_left_alone():
     """A launcher that is alive but not this process's parent (a grandchild, a forkserver child): nothing to do."""
-    assert os.getppid() != 1
-    assert lifetime.die_with_launcher(1) is False
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:  # alive, and not this process's parent (the suite's own parent may be init when run in the background)
+        assert other.pid != os.getppid() and lifetime.die_with_launcher(other.pid) is False
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_a_rank_whose_launcher_is_already_gone_stops_at_once():

@@ -218,7 +218,8 @@ def test_two_optimizers_and_missing_gradients_on_a_sync_server(server):
 
 
 PARENT = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even when the suite was started with SIGINT ignored
 from lightning_pdist.parameter_server.process import start_server
 servers = [start_server(i) for i in range(2)]
 print(" ".join(str(s.pid) for s in servers), flush=True)
