@@ -163,19 +163,27 @@ def assert_matches_reference(snapdir, reference: dict, world: int, atol: float =
             torch.testing.assert_close(load_snapshot(snapdir, r, t), flats[r], atol=atol, rtol=0, msg=lambda m: f"rank {r} step {t}: {m}")
 
 
-def server_processes(group: int | None = -1) -> list[int]:
-    """Live (non-zombie) processes named pdist-ps* in process group ``group`` (-1: this pytest's; None: any)."""
-    group = os.getpgrp() if group == -1 else group
-    pids = []
+def server_processes() -> list[int]:
+    """Live (non-zombie) processes named pdist-ps* that descend from this process (however deep: conftest makes this
+    process the subreaper of orphans, so a server whose parent died is still found). Other suites' servers on the
+    same machine are never counted."""
+    parent_of, names = {}, {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # state ppid pgrp ...
-                if (entry / "comm").read_text().startswith("pdist-ps") and stat[0] != "Z" and group in (None, int(stat[2])):
-                    pids.append(int(entry.name))
+                comm = (entry / "comm").read_text()
             except OSError:
-                pass
-    return pids
+                continue
+            parent_of[int(entry.name)] = int(stat[1])
+            if comm.startswith("pdist-ps") and stat[0] != "Z":
+                names[int(entry.name)] = comm
+    mine, grew = {os.getpid()}, True
+    while grew:
+        new = {pid for pid, ppid in parent_of.items() if ppid in mine and pid not in mine}
+        mine |= new
+        grew = bool(new)
+    return sorted(pid for pid in names if pid in mine)
 
 
 def idx_bytes(array: np.ndarray, type_code: int = 0x08) -> bytes:

@@ -47,7 +47,7 @@ def _teardown_process_group():
 # A child forked from this process (Lightning's ddp_fork, torch.multiprocessing harnesses, servers) never collects
 # what it inherited: freeing an inherited ProcessGroupGloo (a dead group in a cycle with its DDP Reducer) joins
 # threads the child does not have and hangs (issue 18). gc.freeze costs nothing; collecting before every fork cost
-# 0.25 s a fork here (450k objects), minutes over the suite. The library collects before its own launches
+# 0.25 s a fork here (450k objects), minutes over the suite. The library freezes around its own forks
 # (lightning_pdist.core.forking); this covers the forks the tests make themselves.
 os.register_at_fork(after_in_child=gc.freeze)
 

@@ -21,9 +21,10 @@ on such a failure :func:`name_lost_ranks` adds to the error which ranks stopped 
 A ``fork`` launch never copies a process group into the ranks (:class:`ForkSafeLaunch`): a gloo group's threads do
 not exist in a forked child, so the child's first collective on an inherited group, or the garbage collector freeing
 one (``ProcessGroupGloo::~ProcessGroupGloo`` joins its threads), waits forever. A live group in the launching process
-is refused before any rank starts (a Trainer whose rank 0 ran in this process keeps its group until exit); garbage
-(a finished DDP wrap's Reducer and group, freed in cycles) is collected in the launching process, where the threads
-exist, and whatever the ranks inherit is frozen, never collected there (:func:`~lightning_pdist.core.forking.collect_before_fork`).
+is refused before any rank starts (a Trainer whose rank 0 ran in this process keeps its group until exit); whatever
+the ranks inherit, garbage included (a finished DDP wrap's Reducer and group, in cycles), is frozen, never collected
+there; the launching process frees its own garbage later, where the threads exist
+(:func:`~lightning_pdist.core.forking.frozen_for_fork`).
 
 Caveats: the kernel signals the child when the *thread* that started it exits, which for Lightning's launchers is
 the launching process's main thread (``Trainer.fit`` called from another thread that exits early would end the
@@ -47,7 +48,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_pdist.core.forking import collect_before_fork, refuse_live_process_group
+from lightning_pdist.core.forking import frozen_for_fork, refuse_live_process_group
 from lightning_pdist.core.liveness import Heartbeat, default_store_address, describe_silent_ranks, looks_like_a_lost_peer
 
 __all__ = ["LAUNCHER_PID_ENV", "FabricForkSafeLauncher", "ForkSafeLaunch", "ForkSafeLauncher", "PopenLauncher",
@@ -76,7 +77,7 @@ class PopenLauncher(_SubprocessScriptLauncher):
 
 class ForkSafeLaunch:
     """Mixin for Lightning's multiprocessing launchers: a ``fork`` launch refuses a live process group and starts
-    its ranks with nothing for their garbage collector to free (:func:`~lightning_pdist.core.forking.collect_before_fork`)."""
+    its ranks with everything they inherit frozen, never freed there (:func:`~lightning_pdist.core.forking.frozen_for_fork`)."""
 
     _start_method: str
 
@@ -84,7 +85,7 @@ class ForkSafeLaunch:
         if self._start_method != "fork":
             return super().launch(function, *args, **kwargs)  # type: ignore[misc]
         refuse_live_process_group(type(self._strategy).__name__)  # type: ignore[attr-defined]
-        with collect_before_fork():
+        with frozen_for_fork():
             return super().launch(function, *args, **kwargs)  # type: ignore[misc]
 
 

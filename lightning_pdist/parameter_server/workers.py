@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -85,6 +86,8 @@ class WorkerGroup:
             prefix += f"{run}/{restart}/{WorkerGroup._agent_groups}/"
         elif rank == 0:
             self._server = dist.TCPStore(host, port, None, True, timeout=timeout, wait_for_workers=False)
+        else:
+            _await_listener(host, port, timeout)
         self._client = dist.TCPStore(host, port, None, False, timeout=timeout, wait_for_workers=False)
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._client), rank, world_size, timeout)
         self._flags = dist.PrefixStore(prefix + "flags/", self._client)
@@ -197,6 +200,25 @@ class WorkerGroup:
         except RuntimeError:
             pass
         self._client = None
+
+
+def _await_listener(host: str, port: int, timeout: timedelta) -> None:
+    """Return once ``host:port`` accepts a connection (rank 0's store is up), trying every 10 ms, or at ``timeout``.
+
+    torch's store client retries a refused connection after a back-off of 0.2-0.7 s, which a worker arriving before
+    rank 0 pays on every group (one per Trainer). At the timeout this returns anyway: the store client then fails
+    with torch's own message.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
+
 
 def _opts(op: str) -> dist.AllreduceOptions:
     if op not in _OPS:

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 
 from _helpers import free_port
 
-from lightning_pdist.core.forking import collect_before_fork
+from lightning_pdist.core.forking import frozen_for_fork
 from tests.conformance import report, runner, strategies
 from tests.conformance.modules import MODULES
 
@@ -46,7 +46,7 @@ def _result_files(root: Path, strategy: str, module: str) -> list[Path]:
 
 
 def _run_pair(strategy: str, modules: list[str], root: Path, timeout_s: float) -> None:
-    with collect_before_fork():  # the ranks inherit no garbage process group from this process
+    with frozen_for_fork():  # the ranks never collect a garbage process group inherited from this process
         context = mp.start_processes(runner.worker, args=(strategy, modules, str(root), free_port()), nprocs=2,
                                      join=False, start_method="fork")  # fmt: skip
     deadline = time.monotonic() + timeout_s

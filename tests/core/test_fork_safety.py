@@ -40,30 +40,31 @@ def run(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def test_plain_fork_of_garbage_group_hangs_in_the_child_and_fork_process_does_not():
-    """The failure this module guards against is real on this torch: a bare os.fork() child hangs collecting it."""
+    """The failure this module guards against is real on this torch: a bare os.fork() child hangs collecting it.
+
+    One interpreter for both halves (an interpreter costs ~7 s of imports): the bare fork's child is killed after
+    5 s (it returns in milliseconds unless hung), and the garbage it hung on is still there for fork_process."""
     probe = """
     pid = os.fork()
     if pid == 0:
         gc.collect(); os._exit(0)
     import time
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 5
     while time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG) == (0, 0):
         time.sleep(0.05)
     done = time.monotonic() < deadline
     if not done:
         os.kill(pid, 9); os.waitpid(pid, 0)
-    print("child finished" if done else "child hung")
-    """
-    assert "child hung" in run(probe).stdout
-    safe = """
+    print("child finished" if done else "child hung", flush=True)
     from lightning_pdist.core.forking import fork_process
     pid = fork_process()
     if pid == 0:
         gc.collect(); os._exit(0)
     print("child exit", os.waitpid(pid, 0)[1])
     """
-    result = run(safe, timeout=60)
-    assert "child exit 0" in result.stdout, result.stderr
+    result = run(probe)
+    assert "child hung" in result.stdout, result.stdout + result.stderr[-3000:]
+    assert "child exit 0" in result.stdout, result.stderr[-3000:]
 
 
 def test_fork_fit_after_garbage_group_trains():

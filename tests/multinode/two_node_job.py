@@ -1,9 +1,11 @@
-"""One node's process of a 2-node job: ``two_node_job.py <strategy> <out.json> [kwargs] [--environment kubeflow]``.
+"""One node's process of a 2-node job: ``two_node_job.py <strategy>[,<strategy>...] <out.json> [kwargs] [--environment kubeflow]``.
 
 The same commands as docs/multinode.md: ``Trainer(num_nodes=2, devices=1)`` started by ``torchrun --nnodes=2`` on
 each node, or, with ``--environment kubeflow``, as a PyTorchJob pod's ``python train.py`` (one process per pod,
 ranks from the pod's environment through ``plugins=[KubeflowEnvironment()]``). ``kwargs`` (JSON, optional):
-arguments for the registered strategy, e.g. ``{"num_servers": 2, "server_port": 29600}``.
+arguments for the registered strategy, e.g. ``{"num_servers": 2, "server_port": 29600}``. Several strategies
+(comma-separated): each trains in turn in the same processes (one launch instead of one per strategy; the first one
+meets no process group yet), writing ``<out.json>.<strategy>.rank<r>``; one strategy writes ``<out.json>.rank<r>``.
 """
 
 import argparse
@@ -35,22 +37,24 @@ if __name__ == "__main__":
     parser.add_argument("kwargs", nargs="?", type=json.loads, default={})
     parser.add_argument("--environment", choices=["detect", "kubeflow"], default="detect")
     args = parser.parse_args()
-    out, strategy = args.out, args.strategy
-    if args.kwargs:
-        entry = StrategyRegistry[args.strategy]
-        strategy = entry["strategy"](**{**entry["init_params"], **args.kwargs})
-    plugins = [KubeflowEnvironment()] if args.environment == "kubeflow" else None
-    torch.manual_seed(0)
-    servers = ServerAddresses()
-    trainer = Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=strategy, max_steps=6, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      limit_val_batches=2, num_sanity_val_steps=0, callbacks=[servers], plugins=plugins)  # fmt: skip
-    model = ClassifierModule()
-    trainer.fit(model, DigitsDataModule(batch_size=16))
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    result = {"rank": trainer.global_rank, "world_size": trainer.world_size, "node_rank": trainer.node_rank,
-              "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-              "param_sum": float(flat.sum()), "param_norm": float(flat.norm()), "server_addresses": servers.addresses,
-              "cluster_environment": type(trainer.strategy.cluster_environment).__name__}  # fmt: skip
-    with open(f"{out}.rank{trainer.global_rank}", "w") as f:
-        json.dump(result, f)
+    names = args.strategy.split(",")
+    for name in names:
+        strategy = name
+        if args.kwargs:
+            entry = StrategyRegistry[name]
+            strategy = entry["strategy"](**{**entry["init_params"], **args.kwargs})
+        plugins = [KubeflowEnvironment()] if args.environment == "kubeflow" else None
+        torch.manual_seed(0)
+        servers = ServerAddresses()
+        trainer = Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=strategy, max_steps=6, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          limit_val_batches=2, num_sanity_val_steps=0, callbacks=[servers], plugins=plugins)  # fmt: skip
+        model = ClassifierModule()
+        trainer.fit(model, DigitsDataModule(batch_size=16))
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        result = {"rank": trainer.global_rank, "world_size": trainer.world_size, "node_rank": trainer.node_rank,
+                  "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+                  "param_sum": float(flat.sum()), "param_norm": float(flat.norm()), "server_addresses": servers.addresses,
+                  "cluster_environment": type(trainer.strategy.cluster_environment).__name__}  # fmt: skip
+        with open(f"{args.out}{'.' + name if len(names) > 1 else ''}.rank{trainer.global_rank}", "w") as f:
+            json.dump(result, f)

@@ -219,7 +219,7 @@ def test_two_optimizers_and_missing_gradients_on_a_sync_server(server):
 
 PARENT = """
 import signal, sys, time
-signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even when the suite was started with SIGINT ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a suite started with & ignores SIGINT)
 from lightning_pdist.parameter_server.process import start_server
 servers = [start_server(i) for i in range(2)]
 print(" ".join(str(s.pid) for s in servers), flush=True)
@@ -237,18 +237,18 @@ def test_servers_exit_when_the_process_that_started_them_dies(how):
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         deadline = time.monotonic() + 15
-        while not set(pids) <= set(server_processes(group=None)) and time.monotonic() < deadline:
+        while not set(pids) <= set(server_processes()) and time.monotonic() < deadline:
             time.sleep(0.02)  # each child names itself right after the fork
-        assert len(pids) == 2 and set(pids) <= set(server_processes(group=None))
+        assert len(pids) == 2 and set(pids) <= set(server_processes())
         if how == signal.SIGINT:
             os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does; servers ignore it themselves
         else:
             proc.kill()
         proc.wait(timeout=30)
         deadline = time.monotonic() + 15
-        while set(pids) & set(server_processes(group=None)) and time.monotonic() < deadline:
+        while set(pids) & set(server_processes()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not set(pids) & set(server_processes(group=None))
+        assert not set(pids) & set(server_processes())
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -45,14 +45,33 @@ def _run_pdist(recipe: Path, tmp_path: Path, *overrides: str) -> subprocess.Comp
     return result
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Every recipe trained in turn by one 2-rank popen launch (``_several_recipes.py``: ``pdist fit --config`` per
+    recipe, in the same two processes, each with a CSVLogger); {recipe: its log folder}. One launch instead of one per
+    recipe: each launch re-imports torch and Lightning in two processes (~7 s of CPU each), the recipes' 9 steps
+    cost ~1 s. The ``pdist`` console script itself, as a user runs it, is the wandb test below."""
+    out = tmp_path_factory.mktemp("recipes")
+    env = dict(os.environ, MASTER_PORT=str(free_port()), WANDB_MODE="offline", WANDB_SILENT="true")
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "PDIST_LAUNCHER_PID"):
+        env.pop(name, None)
+    cmd = [sys.executable, str(Path(__file__).with_name("_several_recipes.py")), str(out), *map(str, RECIPES)]
+    result = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
+    return out, result
+
+
 @pytest.mark.standalone
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
-def test_recipe_trains_with_two_popen_ranks_and_logs_comm_bytes(recipe, tmp_path):
+def test_recipe_trains_with_two_popen_ranks_and_logs_comm_bytes(recipe, trained):
     """The user path: `pdist fit --config`, 2 popen ranks; the logger receives pdist/comm_bytes and val/acc."""
-    _run_pdist(recipe, tmp_path, "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
-               f"--trainer.logger.init_args.save_dir={tmp_path}")  # fmt: skip
-    rows = list(csv.DictReader(open(next(tmp_path.glob("*/version_*/metrics.csv")))))
-    hparams = yaml.safe_load(next(tmp_path.glob("*/version_*/hparams.yaml")).read_text())
+    out, result = trained
+    errors = sorted(out.glob("*.error"))
+    assert not (out / f"{recipe.stem}.error").exists(), (out / f"{recipe.stem}.error").read_text()[-3000:]
+    done = [(out / f"{recipe.stem}.done.rank{r}").exists() for r in range(2)]
+    assert done == [True, True], (f"recipe {recipe.stem} did not finish on both ranks {done}; failed first: "
+                                  f"{[e.stem for e in errors]}; exit code {result.returncode}:\n{result.stderr[-3000:]}")  # fmt: skip
+    rows = list(csv.DictReader(open(next((out / recipe.stem).glob("*/version_*/metrics.csv")))))
+    hparams = yaml.safe_load(next((out / recipe.stem).glob("*/version_*/hparams.yaml")).read_text())
     recipe_strategy = yaml.safe_load(recipe.read_text())["trainer"]["strategy"]["class_path"]
     assert hparams["config"]["trainer"]["strategy"]["class_path"] == recipe_strategy  # the CLI's whole config
     assert hparams["pdist"]["world_size"] == 2  # the strategy's resolved settings
@@ -62,6 +81,13 @@ def test_recipe_trains_with_two_popen_ranks_and_logs_comm_bytes(recipe, tmp_path
     assert totals == sorted(totals)
     # never sampled: the logged per-interval bytes add up to the run's total (the last point of the series)
     assert sum(float(r["pdist/comm_bytes"]) for r in rows if r.get("pdist/comm_bytes")) == totals[-1] > 0
+
+
+@pytest.mark.standalone
+def test_every_recipe_ran_in_one_launch(trained):
+    """The launch ended cleanly after the last recipe (no rank left behind, exit code 0)."""
+    out, result = trained
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.mark.standalone
