@@ -37,24 +37,23 @@ DDP step and the algorithms' savings show in wall time, while the run still take
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from lightning_pdist.bench import overhead as overhead_bench
-from lightning_pdist.bench.launch import busy_cpu_s, free_port, launch_loopback, own_cpu_s, read_results, worker_env
-from lightning_pdist.bench.netns import EmulatedNetwork, launch_ranks, measure_link_rate, parse_rate
+from lightning_pdist.bench.cli import SuiteCli
+from lightning_pdist.bench.launch import Launcher, emulated_network
+from lightning_pdist.bench.netns import LOOPBACK, parse_rate
 from lightning_pdist.bench.report import (
     check_rows,
-    cli_config,
     command_line,
     markdown_table,
     new_document,
@@ -82,7 +81,6 @@ DEFAULTS = {
     "timeout": 600.0,
 }
 MAX_WORLD_SIZE = 16
-LINK_PROBE_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -94,20 +92,34 @@ class SuiteConfig:
     """
 
     networks: tuple[str, ...] = NETWORKS
+    """loopback (127.0.0.1), emulated (netns + tbf links, needs root) or both"""
     rate: str = DEFAULTS["rate"]
+    """emulated link rate each way, tc syntax"""
     world_sizes: tuple[int, ...] = QUICK["world_sizes"]
+    """ranks per run, one or more"""
     periods: tuple[int, ...] = QUICK["periods"]
+    """periods of local_sgd/bmuf/easgd"""
     strategies: tuple[str, ...] = STRATEGIES
+    """strategies to run, from pdist_ddp local_sgd bmuf easgd simuparallel_sgd"""
     samples: int = DEFAULTS["samples"]
+    """training samples per run, over all ranks"""
     batch_size: int = DEFAULTS["batch_size"]
+    """per rank"""
     lr: float = DEFAULTS["lr"]
+    """SGD learning rate"""
     momentum: float = DEFAULTS["momentum"]
+    """SGD momentum"""
     width: int = DEFAULTS["width"]
+    """SmallCNN width"""
     seed: int = DEFAULTS["seed"]
+    """seed of weights and data"""
     timeout: float = DEFAULTS["timeout"]
+    """seconds per run"""
     repeats: int = 1
+    """runs per strategy and network; rows keep the fastest"""
     quick: bool = True
     overhead: str = "yes"
+    """the pdist_ddp-vs-ddp step-time row on loopback: yes, no, or only (just that row, about a minute and a half; written to averaging_overhead.json)"""
 
     def __post_init__(self) -> None:
         def bad(option: str, value: Any, rule: str) -> ValueError:
@@ -186,13 +198,6 @@ def plan_runs(config: SuiteConfig) -> list[dict[str, Any]]:
                 specs.append({"strategy": name, "period": 1 if name == "pdist_ddp" else None, **common})
     return specs
 
-
-# -- launching ----------------------------------------------------------------------------------
-
-
-def worker_argv(spec: dict[str, Any], out_dir: Path) -> list[str]:
-    """The command line of one rank of ``spec``."""
-    return [sys.executable, "-m", "lightning_pdist.bench.worker", "--spec", json.dumps(spec), "--out-dir", str(out_dir)]
 
 
 @dataclass
@@ -356,17 +361,6 @@ def comm_check(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 # -- running ------------------------------------------------------------------------------------
 
 
-def _run_one(
-    spec: dict[str, Any], launch: Callable[[list[str], int], list[subprocess.CompletedProcess]], out_dir: Path
-) -> tuple[list[dict[str, Any]], RunTiming]:
-    busy0, ours0, t0 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
-    launch(worker_argv(spec, out_dir), spec["world_size"])
-    wall, ours, busy1 = time.perf_counter() - t0, own_cpu_s() - ours0, busy_cpu_s()
-    # Other sessions share this machine's cores; their CPU time during the run says how far to trust wall times.
-    other = None if busy0 is None or busy1 is None else max(0.0, busy1 - busy0 - ours)
-    return read_results(out_dir, "rank", spec["world_size"], SUITE), RunTiming(wall, ours, other)
-
-
 def _describe(row: dict[str, Any]) -> str:
     period = "" if row["period"] is None else f" period={row['period']}"
     kernel = ""
@@ -384,63 +378,34 @@ def _describe(row: dict[str, Any]) -> str:
 class _Networks:
     """The networks of one suite run, each able to launch a spec's ranks; the emulated one is built once."""
 
-    def __init__(self, config: SuiteConfig, doc: dict[str, Any], log: Callable[[str], None]) -> None:
-        self.config, self.doc, self.log = config, doc, log
-        self.net: EmulatedNetwork | None = None
-        self.port = 29500
-        self.names: list[str] = []
+    def __init__(self, config: SuiteConfig, doc: dict[str, Any], scratch: Path, log: Callable[[str], None]) -> None:
+        self.config, self.doc = config, doc
+        self.launcher = Launcher(SUITE, scratch, config.timeout)
+        self.nets: dict[str, Any] = {}
+        self._stack = ExitStack()
         if "loopback" in config.networks:
-            detail = "loopback: every rank a process on this machine, 127.0.0.1 (lo), unshaped"
-            doc["networks"]["loopback"] = {"detail": detail}
-            self.names.append("loopback")
+            doc["networks"]["loopback"] = {"detail": "loopback: " + LOOPBACK.describe()}
+            self.nets["loopback"] = LOOPBACK
         if "emulated" in config.networks:
-            ok, reason = EmulatedNetwork.available()
-            if not ok:
-                doc["networks"]["emulated"] = {"skipped": reason}
-                log(f"averaging: emulated links are not available here, skipping them: {reason}")
-            else:
-                self.net = EmulatedNetwork(num_hosts=max(config.world_sizes), rate=config.rate)
-                try:
-                    goodput = measure_link_rate(self.net, 0, 1, LINK_PROBE_BYTES)
-                except BaseException:
-                    self.close()
-                    raise
-                doc["networks"]["emulated"] = {
-                    "detail": self.net.describe(),
-                    "rate": config.rate,
-                    "burst_bytes": self.net.burst_bytes,
-                    "measured_tcp_goodput_bytes_per_s": round(goodput),
-                }
-                log(f"averaging: {self.net.describe()}; TCP goodput host 0 -> 1: {goodput * 8 / 1e6:.1f} Mbit/s")
-                self.names.append("emulated")
+            net = self._stack.enter_context(emulated_network(SUITE, doc, "emulated", max(config.world_sizes), config.rate, log))
+            if net is not None:
+                self.nets["emulated"] = net
+        self.names = list(self.nets)
 
     def close(self) -> None:
-        if self.net is not None:
-            self.net.close()
+        self._stack.close()
 
-    def run(self, network: str, spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    def run(self, network: str, spec: dict[str, Any]) -> dict[str, Any]:
         """Launch ``spec`` on ``network``; return its row."""
-        config, env = self.config, worker_env()
+        net, ws = self.nets[network], spec["world_size"]
+        emulated = network == "emulated"
+        got = self.launcher.run("lightning_pdist.bench.worker", spec, ws, net, kernel_hosts=ws if emulated else 0)
+        timing = RunTiming(got.wall_s, got.ours_cpu_s, got.other_cpu_s)
         detail = self.doc["networks"][network]["detail"]
-        if network == "loopback":
-
-            def launch(argv: list[str], ws: int) -> list[subprocess.CompletedProcess]:
-                return launch_loopback(argv, ws, free_port(), env=env, timeout=config.timeout)
-
-            ranks, timing = _run_one(spec, launch, out_dir)
-            return build_row(spec, ranks, network, detail, timing)
-        net, ws = self.net, spec["world_size"]
-        assert net is not None
-        self.port += 1  # a fresh rendezvous port per run: the last run's sockets may linger in TIME_WAIT
-
-        def launch(argv: list[str], ws: int) -> list[subprocess.CompletedProcess]:
-            return launch_ranks(net, argv, ws, self.port, env=env, timeout=config.timeout)
-
-        before = [net.tx_bytes(i) for i in range(ws)]
-        ranks, timing = _run_one(spec, launch, out_dir)
-        # Read after the ranks exited: tbf queues may still hold bytes while they run.
-        kernel = [a - b for a, b in zip((net.tx_bytes(i) for i in range(ws)), before)]
-        return build_row(spec, ranks, network, detail, timing, rate=config.rate, kernel_tx=kernel)
+        if not emulated:
+            return build_row(spec, got.results, network, detail, timing)
+        kernel = [tx for _, tx in got.kernel]
+        return build_row(spec, got.results, network, detail, timing, rate=self.config.rate, kernel_tx=kernel)
 
 
 def result_name(config: SuiteConfig) -> str:
@@ -461,21 +426,15 @@ def run_overhead(config: SuiteConfig, out_dir: Path, log: Callable[[str], None] 
     if steps is not None:
         spec["steps"] = {k: steps for k in spec["steps"]}
 
-    def launch(argv: list[str], ws: int) -> list[subprocess.CompletedProcess]:
-        return launch_loopback(argv, ws, free_port(), env=worker_env(), timeout=config.timeout)
-
-    busy0, ours0, t0 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
-    launch(overhead_bench.worker_argv(spec, out_dir), spec["world_size"])
-    wall, ours, busy1 = time.perf_counter() - t0, own_cpu_s() - ours0, busy_cpu_s()
-    other = None if busy0 is None or busy1 is None else max(0.0, busy1 - busy0 - ours)
-    rows = overhead_bench.overhead_rows(read_results(out_dir, "overhead", spec["world_size"], SUITE))
+    got = Launcher(SUITE, out_dir, config.timeout).run("lightning_pdist.bench.overhead", spec, spec["world_size"],
+                                                     files=[("overhead", spec["world_size"])])  # fmt: skip
+    rows = overhead_bench.overhead_rows(got.results)
     for row in rows:
         log(f"overhead, width {row['width']}: ddp {row['ddp_ms_per_step']:.3f} ms/step, pdist_ddp "
             f"{row['pdist_ddp_ms_per_step']:.3f} ms/step, ratio {row['ratio']:.3f} (20th percentiles "
             f"{row['ratio_p20']:.3f}, CPU time {row['ratio_cpu']:.3f}; ddp against itself {row['control_ratio']:.3f}; "
             f"by repeat {row['ratio_by_repeat']})")
-    return {"spec": spec, "rows": rows, "wall_s": round(wall, 1),
-            "other_load_cores": None if other is None else round(other / wall, 2)}  # fmt: skip
+    return {"spec": spec, "rows": rows, "wall_s": round(got.wall_s, 1), "other_load_cores": got.other_load_cores}
 
 
 def merge_repeats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -515,7 +474,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
             shutil.rmtree(scratch, ignore_errors=True)
             raise
     only = config.overhead == "only"
-    networks = _Networks(replace(config, networks=("loopback",)) if only else config, doc, log)
+    networks = _Networks(replace(config, networks=("loopback",)) if only else config, doc, scratch, log)
     try:
         specs = plan_runs(config) if not only else []
         total, done = len(specs) * len(networks.names) * config.repeats, 0
@@ -524,7 +483,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
                 repeats = []
                 for _ in range(config.repeats):
                     done += 1
-                    repeats.append(networks.run(network, spec, scratch / f"run{done}"))
+                    repeats.append(networks.run(network, spec))
                     log(f"[{done}/{total}] {_describe(repeats[-1])}")
                 doc["rows"].append(merge_repeats(repeats))
     finally:
@@ -782,73 +741,14 @@ def plot(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "averagi
 
 # -- command line -------------------------------------------------------------------------------
 
-
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the suite's options to ``parser``."""
-    parser.add_argument("--quick", action="store_true",
-                        help=f"the small plan (world sizes {QUICK['world_sizes']}, periods {QUICK['periods']}); "
-                        "under 5 minutes with both networks on 2 cores. Without it: "
-                        f"world sizes {FULL['world_sizes']}, periods {FULL['periods']}")  # fmt: skip
-    parser.add_argument("--out", required=True, type=Path,
-                        help="directory for averaging.json and averaging.png (averaging_overhead.json with "
-                        "--overhead only)")  # fmt: skip
-    parser.add_argument("--network", choices=("loopback", "emulated", "both"), default="both",
-                        help="loopback (127.0.0.1), emulated (netns + tbf links, needs root) "
-                        "or both (default)")  # fmt: skip
-    parser.add_argument("--rate", default=DEFAULTS["rate"],
-                        help="emulated link rate each way, tc syntax (default %(default)s)")  # fmt: skip
-    parser.add_argument("--world-size", type=int, nargs="+", default=None, dest="world_sizes",
-                        help="ranks per run, one or more (default: 2 with --quick, 2 4 without)")  # fmt: skip
-    parser.add_argument("--periods", type=int, nargs="+", default=None,
-                        help="periods of local_sgd/bmuf/easgd (default: 8 with --quick, 2 8 32 without)")  # fmt: skip
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), metavar="NAME",
-                        help=f"strategies to run, from {', '.join(STRATEGIES)} (default: all)")  # fmt: skip
-    parser.add_argument("--samples", type=int, default=DEFAULTS["samples"],
-                        help="training samples per run, over all ranks (default %(default)s)")  # fmt: skip
-    parser.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="per rank (default %(default)s)")
-    parser.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="SGD learning rate (default %(default)s)")
-    parser.add_argument("--momentum", type=float, default=DEFAULTS["momentum"],
-                        help="SGD momentum (default %(default)s)")  # fmt: skip
-    parser.add_argument("--width", type=int, default=DEFAULTS["width"], help="SmallCNN width (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=DEFAULTS["seed"],
-                        help="seed of weights and data (default %(default)s)")  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="runs per strategy and network; rows keep the fastest (default %(default)s)")  # fmt: skip
-    parser.add_argument("--overhead", choices=OVERHEAD_CHOICES, default="yes",
-                        help="the pdist_ddp-vs-ddp step-time row on loopback: yes (default), no, or only "
-                        "(just that row, about a minute and a half)")  # fmt: skip
-    parser.add_argument("--timeout", type=float, default=DEFAULTS["timeout"],
-                        help="seconds per run (default %(default)s)")  # fmt: skip
+CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="averaging.json and averaging.png",
+               flags={"networks": "--network", "world_sizes": "--world-size"}, either={"networks": NETWORKS},
+               parsers={"overhead": Literal["yes", "no", "only"]})  # fmt: skip
 
 
-def config_from_args(args: argparse.Namespace) -> SuiteConfig:
-    """The validated :class:`SuiteConfig` of parsed arguments (``ValueError`` names a bad option)."""
-    plan = QUICK if args.quick else FULL
-    return SuiteConfig(
-        networks=NETWORKS if args.network == "both" else (args.network,),
-        rate=args.rate,
-        world_sizes=tuple(args.world_sizes) if args.world_sizes else plan["world_sizes"],
-        periods=tuple(args.periods) if args.periods else plan["periods"],
-        strategies=tuple(args.strategies),
-        samples=args.samples,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        momentum=args.momentum,
-        width=args.width,
-        seed=args.seed,
-        timeout=args.timeout,
-        repeats=args.repeats,
-        quick=args.quick,
-        overhead=args.overhead,
-    )
-
-
-def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Run the suite for parsed ``args`` (``argv`` is recorded as the command); print the tables."""
-    config = cli_config(SUITE, config_from_args, args)
-    if config is None:
-        return 2
-    doc = run_suite(config, args.out, command_line(SUITE, argv))
+def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
+    """Run the suite (``argv`` is recorded as the command); print the tables."""
+    doc = run_suite(config, out, command_line(SUITE, argv))
     print()
     if doc["rows"]:
         print(results_table(doc["rows"]))
@@ -860,7 +760,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print()
         print("kernel tx_bytes vs logged bytes (emulated links):")
         print(check_table(doc["comm_check"]))
-    written = [Path(args.out) / result_name(config)] + ([Path(args.out) / f"{SUITE}.png"] if doc["rows"] else [])
+    written = [Path(out) / result_name(config)] + ([Path(out) / f"{SUITE}.png"] if doc["rows"] else [])
     print(f"\nwrote {' and '.join(str(w) for w in written)}", end="")
     print(f" in {doc['suite_wall_s']} s")
     if not doc["rows"] and not doc.get("overhead"):

@@ -24,17 +24,16 @@ rank's CPU time per step (``ratio_cpu``, the process's threads included) the lea
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from lightning_pdist.bench.report import check_spec_keys
+from lightning_pdist.bench.launch import worker_main
 
 #: ``ddp_again`` is Lightning's ``ddp`` once more: its ratio to ``ddp`` is the noise of the measurement itself.
 STRATEGIES = ("ddp", "pdist_ddp", "ddp_again")
@@ -50,11 +49,6 @@ def overhead_spec(world_size: int = 2, seed: int = 0, widths: Sequence[int] = OV
     return {"world_size": world_size, "widths": list(widths), "repeats": repeats, "seed": seed,
             "steps": {str(w): OVERHEAD["steps"].get(w, max(36, 120 * 16 // w)) for w in widths},
             "warmup_steps": OVERHEAD["warmup_steps"], "batch_size": OVERHEAD["batch_size"]}  # fmt: skip
-
-
-def worker_argv(spec: dict[str, Any], out_dir: Path) -> list[str]:
-    """The command line of one rank."""
-    return [sys.executable, "-m", "lightning_pdist.bench.overhead", "--spec", json.dumps(spec), "--out-dir", str(out_dir)]
 
 
 def _strategy(name: str) -> Any:
@@ -160,12 +154,7 @@ def overhead_rows(ranks: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_pdist.bench.overhead", description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True, help="the spec as a JSON object (keys: %s)" % ", ".join(SPEC_KEYS))
-    parser.add_argument("--out-dir", required=True, type=Path, help="where overhead<r>.json is written")
-    args = parser.parse_args(argv)
-    run_rank(json.loads(args.spec), args.out_dir)
-    return 0
+    return worker_main("lightning_pdist.bench.overhead", __doc__, lambda spec: spec, run_rank, argv)
 
 
 if __name__ == "__main__":

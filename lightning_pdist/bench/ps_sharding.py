@@ -33,11 +33,8 @@ status 1: loopback figures are never passed off as network figures.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -45,8 +42,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_pdist.bench.launch import read_results, worker_env
-from lightning_pdist.bench.netns import launch_ranks, parse_rate
+from lightning_pdist.bench.cli import SuiteCli
+from lightning_pdist.bench.launch import Launcher, emulated_network
+from lightning_pdist.bench.netns import parse_rate
 from lightning_pdist.bench.report import (
     finish_suite,
     markdown_table,
@@ -76,18 +74,31 @@ class SuiteConfig:
     """
 
     parts: tuple[str, ...] = PARTS
+    """sharding (Part A), straggler (Part B) or both"""
     workers: tuple[int, ...] = (1, 2, 4, 8)
+    """worker counts"""
     shardings: tuple[str, ...] = SHARDINGS
+    """layer, memory or both"""
     workers_per_server: int = 2
+    """servers = ceil(workers / this)"""
     rate: str = "100mbit"
+    """every link's rate, both ways"""
     width: float = QUICK["width"]
+    """vgg16_scaled width"""
     batch_size: int = 32
+    """batch per worker"""
     warmup_steps: int = 2
+    """untimed steps"""
     steps: int = QUICK["steps"]
+    """timed steps of Part A"""
     straggler_workers: int = 4
+    """workers in Part B"""
     straggler_steps: int = QUICK["straggler_steps"]
+    """timed steps of Part B"""
     slow_delay_s: float = 1.0
+    """the straggler's sleep per batch, s"""
     timeout: float = 600.0
+    """seconds per run"""
     quick: bool = True
 
     def __post_init__(self) -> None:
@@ -163,27 +174,18 @@ class Runner:
     """Launches runs on one emulated network (servers on the first hosts, workers after them)."""
 
     def __init__(self, net: Any, config: SuiteConfig, scratch: Path, log: Callable[[str], None]) -> None:
-        self.net, self.config, self.scratch, self.log = net, config, scratch, log
-        self.env = worker_env()
-        self.port = 29500
-        self.count = 0
+        self.net, self.config, self.log = net, config, log
+        self.launcher = Launcher(SUITE, scratch, config.timeout)
 
     def launch(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Run ``spec``; return workers' and servers' results, wall time and the servers' kernel bytes."""
-        net, servers, workers = self.net, spec["servers"], spec["workers"]
-        self.count += 1
-        self.port += 1  # a fresh rendezvous port per run: the last run's sockets may linger in TIME_WAIT
-        out = self.scratch / f"run{self.count}"
-        hosts = ",".join(net.host_ip(i) for i in range(servers + workers))
-        argv = [sys.executable, "-m", "lightning_pdist.bench.ps_worker", "--spec", json.dumps(spec),
-                "--hosts", hosts, "--out-dir", str(out)]  # fmt: skip
-        before = [(net.rx_bytes(i), net.tx_bytes(i)) for i in range(servers)]
-        t0 = time.perf_counter()
-        launch_ranks(net, argv, servers + workers, self.port, env=self.env, timeout=self.config.timeout)
-        wall = time.perf_counter() - t0
-        kernel = [net.rx_bytes(i) - b[0] + net.tx_bytes(i) - b[1] for i, b in zip(range(servers), before)]
-        return {"workers": read_results(out, "worker", workers, SUITE), "servers": read_results(out, "server", servers, SUITE),
-                "wall_s": wall, "kernel_server_bytes": kernel}  # fmt: skip
+        servers, workers = spec["servers"], spec["workers"]
+        hosts = ",".join(self.net.host_ip(i) for i in range(servers + workers))
+        got = self.launcher.run("lightning_pdist.bench.ps_worker", spec, servers + workers, self.net,
+                                files=[("worker", workers), ("server", servers)], extra_argv=["--hosts", hosts],
+                                kernel_hosts=servers)  # fmt: skip
+        return {"workers": got.results[:workers], "servers": got.results[workers:], "wall_s": got.wall_s,
+                "kernel_server_bytes": [rx + tx for rx, tx in got.kernel]}  # fmt: skip
 
 
 def build_row(spec: dict[str, Any], result: dict[str, Any], config: SuiteConfig, network: str) -> dict[str, Any]:
@@ -290,7 +292,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
 
     Returns ``None`` (and writes nothing) when network namespaces are not available here.
     """
-    from lightning_pdist.bench.netns import EmulatedNetwork, measure_link_rate
+    from lightning_pdist.bench.netns import EmulatedNetwork
 
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -306,12 +308,8 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
     t_suite = time.perf_counter()
     scratch = Path(tempfile.mkdtemp(prefix="pdist-ps-"))
     try:
-        with EmulatedNetwork(num_hosts=hosts, rate=config.rate) as net:
-            goodput = measure_link_rate(net, 0, 1, 4 << 20)
-            network = f"emulated {config.rate}"
-            doc["networks"][network] = {"detail": net.describe(), "rate": config.rate, "burst_bytes": net.burst_bytes,
-                                        "measured_tcp_goodput_bytes_per_s": round(goodput)}  # fmt: skip
-            log(f"{SUITE}: {net.describe()}; TCP goodput host 0 -> 1: {goodput * 8 / 1e6:.1f} Mbit/s")
+        network = f"emulated {config.rate}"
+        with emulated_network(SUITE, doc, network, hosts, config.rate, log) as net:
             runner = Runner(net, config, scratch, log)
             doc["ratios"], doc["straggler"] = {}, None
             if "sharding" in config.parts:
@@ -423,41 +421,10 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
 
 # -- command line -------------------------------------------------------------------------------
 
-
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the suite's options to ``parser``."""
-    d = SuiteConfig()
-    add = parser.add_argument
-    add("--quick", action="store_true", help=f"the small plan ({QUICK}). Without it: {FULL}")
-    add("--out", required=True, type=Path, help="directory for ps_sharding.json and ps_sharding.png")
-    add("--parts", nargs="+", default=list(PARTS), help="sharding (Part A), straggler (Part B) or both (default)")
-    add("--workers", type=int, nargs="+", default=list(d.workers), help="worker counts (default %(default)s)")
-    add("--shardings", nargs="+", default=list(d.shardings), help="layer, memory or both (default)")
-    add("--workers-per-server", type=int, default=d.workers_per_server, help="servers = ceil(workers / this) (default %(default)s)")
-    add("--rate", default=d.rate, help="every link's rate, both ways (default %(default)s)")
-    add("--width", type=float, default=None, help="vgg16_scaled width (default: 1/16 quick, 1/8 full)")
-    add("--batch-size", type=int, default=d.batch_size, help="batch per worker (default %(default)s)")
-    add("--warmup-steps", type=int, default=d.warmup_steps, help="untimed steps (default %(default)s)")
-    add("--steps", type=int, default=None, help="timed steps of Part A (default: 6 quick, 12 full)")
-    add("--straggler-workers", type=int, default=d.straggler_workers, help="workers in Part B (default %(default)s)")
-    add("--straggler-steps", type=int, default=None, help="timed steps of Part B (default: 8 quick, 16 full)")
-    add("--slow-delay", type=float, default=None, dest="slow_delay_s", help="the straggler's sleep per batch, s (default: 1 quick, 3 full)")
-    add("--timeout", type=float, default=d.timeout, help="seconds per run (default %(default)s)")
+CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="ps_sharding.json and ps_sharding.png",
+               flags={"slow_delay_s": "--slow-delay"})  # fmt: skip
 
 
-def config_from_args(args: argparse.Namespace) -> SuiteConfig:
-    """The validated :class:`SuiteConfig` of parsed arguments (``ValueError`` names a bad option)."""
-    plan = QUICK if args.quick else FULL
-    pick = lambda value, key: plan[key] if value is None else value  # noqa: E731
-    return SuiteConfig(
-        parts=tuple(args.parts), workers=tuple(args.workers), shardings=tuple(args.shardings),
-        workers_per_server=args.workers_per_server, rate=args.rate, width=float(pick(args.width, "width")),
-        batch_size=args.batch_size, warmup_steps=args.warmup_steps, steps=pick(args.steps, "steps"),
-        straggler_workers=args.straggler_workers, straggler_steps=pick(args.straggler_steps, "straggler_steps"),
-        slow_delay_s=float(pick(args.slow_delay_s, "slow_delay_s")), timeout=args.timeout, quick=args.quick,
-    )  # fmt: skip
-
-
-def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Run the suite for parsed ``args`` (``argv`` is recorded as the command); print the tables."""
-    return run_documented_suite(SUITE, args, argv, config_from_args, run_suite, docs_section)
+def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
+    """Run the suite (``argv`` is recorded as the command); write and print its docs section."""
+    return run_documented_suite(SUITE, config, out, argv, run_suite, docs_section)

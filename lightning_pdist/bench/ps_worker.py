@@ -24,7 +24,6 @@ per emulated host, and numbers them by ``RANK``. The role follows from it:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_pdist.bench.report import check_spec_keys
+from lightning_pdist.bench.launch import worker_main
 
 MODES = ("sync", "async", "ssp")
 SHARDINGS = ("layer", "memory")
@@ -179,20 +179,17 @@ def _compute_ms(model: Any, data: Any, batch_size: int) -> float:
     return 1000 * sum(times[1:]) / 3
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_pdist.bench.ps_worker")
-    parser.add_argument("--spec", required=True, help="the run spec as JSON")
-    parser.add_argument("--hosts", required=True, help="comma-separated addresses of hosts 0, 1, ... (servers first)")
-    parser.add_argument("--out-dir", required=True, type=Path)
-    args = parser.parse_args(argv)
-    spec = check_spec(json.loads(args.spec))
-    hosts = args.hosts.split(",")
+def run(spec: dict[str, Any], hosts: list[str], out_dir: Path) -> None:
+    """One process of the launch: a server (``RANK < servers``) or a worker."""
     rank = int(os.environ["RANK"])
     if rank < spec["servers"]:
-        run_server(spec, rank, hosts[rank], args.out_dir)
+        run_server(spec, rank, hosts[rank], out_dir)
     else:
-        run_worker(spec, rank - spec["servers"], hosts, args.out_dir)
-    return 0
+        run_worker(spec, rank - spec["servers"], hosts, out_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return worker_main("lightning_pdist.bench.ps_worker", __doc__, check_spec, run, argv, hosts=True)
 
 
 if __name__ == "__main__":

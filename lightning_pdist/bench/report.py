@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_rows", "cli_config", "command_line", "host_info", "markdown_table", "new_document", "run_documented_suite",
+__all__ = ["check_rows", "command_line", "host_info", "markdown_table", "new_document", "run_documented_suite",
            "utc_now", "write_json"]
 
 
@@ -133,35 +133,22 @@ def check_spec_keys(spec: dict[str, Any], keys: Sequence[str], who: str) -> None
         raise ValueError(f"{who} spec={spec!r}: missing keys {missing}, unknown keys {unknown}; keys are {tuple(keys)}")
 
 
-def cli_config(suite: str, config_from_args: Callable[[Any], Any], args: Any) -> Any | None:
-    """The suite's validated config, or ``None`` after printing the ``ValueError`` (the CLI then exits with 2)."""
-    try:
-        return config_from_args(args)
-    except ValueError as err:
-        print(f"python -m lightning_pdist.bench {suite}: error: {err}", file=sys.stderr)
-        return None
-
-
 def run_documented_suite(
     suite: str,
-    args: Any,
+    config: Any,
+    out: Path,
     argv: Sequence[str],
-    config_from_args: Callable[[Any], Any],
     run_suite: Callable[[Any, Path, str], dict[str, Any] | None],
     docs_section: Callable[[dict[str, Any], str], str],
 ) -> int:
-    """A suite's ``run``: validate, run, write ``DIR/docs_section.md`` and print it.
+    """A suite's ``run``: run it, write ``DIR/docs_section.md`` and print it.
 
-    Returns the exit status: 2 for a bad option, 1 when ``run_suite`` returned ``None`` (it could not run
-    here and said why), 0 otherwise.
+    Returns the exit status: 1 when ``run_suite`` returned ``None`` (it could not run here and said why), 0 otherwise.
     """
-    config = cli_config(suite, config_from_args, args)
-    if config is None:
-        return 2
-    doc = run_suite(config, args.out, command_line(suite, argv))
+    doc = run_suite(config, out, command_line(suite, argv))
     if doc is None:
         return 1
-    out = Path(args.out)
+    out = Path(out)
     section = docs_section(doc, str(out / f"{suite}.json"))
     (out / "docs_section.md").write_text(section + "\n")
     print()

@@ -2,8 +2,8 @@
 --out-dir DIR``.
 
 Plain ``torch.nn.parallel.DistributedDataParallel`` on gloo (no Lightning): the launcher
-(:func:`~lightning_pdist.bench.launch.launch_loopback` or
-:func:`~lightning_pdist.bench.netns.launch_ranks`) sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+(:func:`~lightning_pdist.bench.netns.launch_ranks` (loopback or
+emulated links)) sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT`` and ``GLOO_SOCKET_IFNAME``. The rank trains ``MLP(in_features, hidden)`` on
 synthetic batches with one of :data:`HOOKS` registered, and times ``steps`` optimizer steps after
 ``warmup_steps`` untimed ones (DDP's bucket rebuild, PowerSGD's vanilla start and IT-signSGD's
@@ -23,7 +23,6 @@ fp32 all-reduce (no hook) is modelled from the parameter count.
 
 # No ``from __future__ import annotations``: DDP inspects comm hooks' annotations at run time.
 
-import argparse
 import json
 import os
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_pdist.bench.report import check_spec_keys
+from lightning_pdist.bench.launch import worker_main
 
 HOOKS = ("fp32_allreduce", "fp16_compress", "powersgd", "signsgd_mv", "it_signsgd")
 SPEC_KEYS = ("hook", "world_size", "warmup_steps", "steps", "batch_size", "in_features", "hidden", "seed",
@@ -220,12 +220,7 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_pdist.bench.sign_worker")
-    parser.add_argument("--spec", required=True, help="the run spec as JSON")
-    parser.add_argument("--out-dir", required=True, type=Path)
-    args = parser.parse_args(argv)
-    run(json.loads(args.spec), args.out_dir)
-    return 0
+    return worker_main("lightning_pdist.bench.sign_worker", __doc__, lambda spec: spec, run, argv)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """One rank of the tensor-parallel suite: ``python -m lightning_pdist.bench.tp_worker --spec JSON --out-dir DIR``.
 
-Started once per rank by :func:`~lightning_pdist.bench.launch.launch_loopback` or
-:func:`~lightning_pdist.bench.netns.launch_ranks` (each rank its own Lightning "node": ``Trainer(devices=1,
+Started once per rank by :func:`~lightning_pdist.bench.netns.launch_ranks` on loopback or emulated links
+(each rank its own Lightning "node": ``Trainer(devices=1,
 num_nodes=world_size)``). ``spec["config"]`` picks the strategy:
 
 * ``dp``: ``PdistStrategy`` (Lightning's DDP plus byte accounting), every rank ``global_batch / world_size`` samples;
@@ -29,7 +29,6 @@ barriers add a few hundred bytes to ``tx``). CPU time barely moves when other wo
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_pdist.bench.report import check_spec_keys
+from lightning_pdist.bench.launch import worker_main
 
 CONFIGS = ("dp", "tp", "dp_tp", "hybrid")
 MODELS = ("bert", "albert", "vgg")
@@ -189,12 +189,7 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_pdist.bench.tp_worker", description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True, help="the run spec as a JSON object (keys: %s)" % ", ".join(SPEC_KEYS))
-    parser.add_argument("--out-dir", required=True, type=Path, help="where rank<r>.json is written")
-    args = parser.parse_args(argv)
-    run(json.loads(args.spec), args.out_dir)
-    return 0
+    return worker_main("lightning_pdist.bench.tp_worker", __doc__, lambda spec: spec, run, argv)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """One rank of a benchmark run: ``python -m lightning_pdist.bench.worker --spec JSON --out-dir DIR``.
 
-The launchers (:func:`lightning_pdist.bench.launch.launch_loopback` on 127.0.0.1, or
-:func:`lightning_pdist.bench.netns.launch_ranks` inside emulated hosts) start this module once per
+The launchers (:func:`lightning_pdist.bench.netns.launch_ranks`, on 127.0.0.1 or inside
+emulated hosts) start this module once per
 rank with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK=0``, ``NODE_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT`` and ``GLOO_SOCKET_IFNAME`` set, so each rank is its own Lightning "node":
 ``Trainer(accelerator="cpu", devices=1, num_nodes=world_size)``. Lightning sees ``LOCAL_RANK`` and
@@ -27,7 +27,6 @@ into set-up, training-loop and wind-down phases with them.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_pdist.bench.report import check_spec_keys
+from lightning_pdist.bench.launch import worker_main
 
 STRATEGIES = ("pdist_ddp", "local_sgd", "bmuf", "easgd", "simuparallel_sgd")
 PERIODIC = ("local_sgd", "bmuf", "easgd")
@@ -220,18 +220,7 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_pdist.bench.worker", description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True, help="the run spec as a JSON object (keys: %s)" % ", ".join(SPEC_KEYS))
-    parser.add_argument("--out-dir", required=True, type=Path, help="where rank<r>.json is written")
-    args = parser.parse_args(argv)
-    try:
-        spec = json.loads(args.spec)
-    except json.JSONDecodeError as err:
-        parser.error(f"--spec {args.spec!r}: must be a JSON object ({err})")
-    if not isinstance(spec, dict):
-        parser.error(f"--spec {args.spec!r}: must be a JSON object")
-    run(spec, args.out_dir)
-    return 0
+    return worker_main("lightning_pdist.bench.worker", __doc__, check_spec, run, argv)
 
 
 if __name__ == "__main__":

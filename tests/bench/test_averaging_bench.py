@@ -76,7 +76,7 @@ def test_cli_lists_suites_and_answers_bad_values_with_exit_status_2(tmp_path, ca
     assert "averaging" in build_parser().format_help()
     for name in SUITES:
         module = load_suite(name)
-        assert callable(module.configure_parser) and callable(module.run)
+        assert callable(module.CLI.add_arguments) and callable(module.run)
     with pytest.raises(ValueError, match=r"suite='nope'\): suite must be one of"):
         load_suite("nope")
     assert main(["averaging", "--quick", "--out", str(tmp_path), "--world-size", "1"]) == 2
