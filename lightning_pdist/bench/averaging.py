@@ -52,15 +52,8 @@ from lightning_pdist.bench import overhead as overhead_bench
 from lightning_pdist.bench.cli import SuiteCli
 from lightning_pdist.bench.launch import Launcher, emulated_network
 from lightning_pdist.bench.netns import LOOPBACK, parse_rate
-from lightning_pdist.bench.report import (
-    check_rows,
-    command_line,
-    markdown_table,
-    new_document,
-    output_dir,
-    save_figure,
-    write_json,
-)
+from lightning_pdist.bench.report import (check_rows, command_line, markdown_table, new_document, output_dir,
+                                          save_figure, write_json)
 from lightning_pdist.bench.worker import PERIODIC, STRATEGIES
 
 SUITE = "averaging"

@@ -47,16 +47,8 @@ from typing import Any
 from lightning_pdist.bench.cli import SuiteCli
 from lightning_pdist.bench.launch import Launcher, emulated_network
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, parse_rate
-from lightning_pdist.bench.report import (
-    check_rows,
-    finish_suite,
-    markdown_table,
-    new_document,
-    output_dir,
-    run_documented_suite,
-    run_lines,
-    save_figure,
-)
+from lightning_pdist.bench.report import (check_rows, finish_suite, markdown_table, new_document, output_dir,
+                                          run_documented_suite, run_lines, save_figure)
 
 SUITE = "pipeline"
 PARTS = ("throughput", "bubble", "stash", "convergence")

@@ -45,14 +45,8 @@ from typing import Any
 from lightning_pdist.bench.cli import SuiteCli
 from lightning_pdist.bench.launch import Launcher, emulated_network
 from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import (
-    finish_suite,
-    markdown_table,
-    new_document,
-    run_documented_suite,
-    run_lines,
-    save_figure,
-)
+from lightning_pdist.bench.report import (finish_suite, markdown_table, new_document, run_documented_suite, run_lines,
+                                          save_figure)
 
 SUITE = "ps_sharding"
 PARTS = ("sharding", "straggler")

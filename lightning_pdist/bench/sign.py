@@ -37,15 +37,8 @@ from typing import Any
 
 from lightning_pdist.bench.cli import SuiteCli
 from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import (
-    finish_suite,
-    markdown_table,
-    new_document,
-    output_dir,
-    run_documented_suite,
-    run_lines,
-    save_figure,
-)
+from lightning_pdist.bench.report import (finish_suite, markdown_table, new_document, output_dir, run_documented_suite,
+                                          run_lines, save_figure)
 from lightning_pdist.bench.sign_repro import BATCH_MODES, DATASETS
 from lightning_pdist.bench.sign_worker import HOOKS
 
