@@ -46,10 +46,10 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from lightning_pdist.bench import overhead as overhead_bench
-from lightning_pdist.bench.cli import SuiteCli
+from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import Launcher, emulated_network
 from lightning_pdist.bench.netns import LOOPBACK, parse_rate
 from lightning_pdist.bench.report import (check_rows, command_line, markdown_table, new_document, output_dir,
@@ -77,7 +77,7 @@ MAX_WORLD_SIZE = 16
 
 
 @dataclass(frozen=True)
-class SuiteConfig:
+class SuiteConfig(SuiteRules):
     """Everything that decides what the suite runs; validated on construction.
 
     Raises:
@@ -113,58 +113,45 @@ class SuiteConfig:
     quick: bool = True
     overhead: str = "yes"
     """the pdist_ddp-vs-ddp step-time row on loopback: yes, no, or only (just that row, about a minute and a half; written to averaging_overhead.json)"""
+    SUITE: ClassVar[str] = SUITE
+    FLAGS: ClassVar[dict[str, str]] = {"networks": "--network", "world_sizes": "--world-size"}
 
     def __post_init__(self) -> None:
-        def bad(option: str, value: Any, rule: str) -> ValueError:
-            return ValueError(f"averaging({option}={value!r}): {rule}")
-
+        bad = self.bad
         if self.overhead not in OVERHEAD_CHOICES:
-            raise bad("--overhead", self.overhead, f"must be one of {OVERHEAD_CHOICES}")
-
+            raise bad("overhead", self.overhead, f"must be one of {OVERHEAD_CHOICES}")
         if not self.networks or any(n not in NETWORKS for n in self.networks):
-            raise bad("--network", self.networks, f"each network must be one of {NETWORKS}")
+            raise bad("networks", self.networks, f"each network must be one of {NETWORKS}")
         parse_rate(self.rate)  # raises with the rule
         if not self.world_sizes:
-            raise bad("--world-size", self.world_sizes, "give at least one world size")
+            raise bad("world_sizes", self.world_sizes, "give at least one world size")
         for ws in self.world_sizes:
             if not isinstance(ws, int) or not 2 <= ws <= MAX_WORLD_SIZE:
-                raise bad(
-                    "--world-size", ws, f"world_size must be an int in [2, {MAX_WORLD_SIZE}] (averaging needs 2+ ranks)"
-                )
+                raise bad("world_sizes", ws, f"world_size must be an int in [2, {MAX_WORLD_SIZE}] (averaging needs 2+ ranks)")
         if len(set(self.world_sizes)) != len(self.world_sizes):
-            raise bad("--world-size", self.world_sizes, "world sizes must not repeat")
+            raise bad("world_sizes", self.world_sizes, "world sizes must not repeat")
         if not self.strategies or any(s not in STRATEGIES for s in self.strategies):
-            raise bad("--strategies", self.strategies, f"each strategy must be one of {STRATEGIES}")
+            raise bad("strategies", self.strategies, f"each strategy must be one of {STRATEGIES}")
         if len(set(self.strategies)) != len(self.strategies):
-            raise bad("--strategies", self.strategies, "strategies must not repeat")
+            raise bad("strategies", self.strategies, "strategies must not repeat")
         if any(s in PERIODIC for s in self.strategies):
             if not self.periods:
-                raise bad("--periods", self.periods, f"{PERIODIC} need at least one period")
+                raise bad("periods", self.periods, f"{PERIODIC} need at least one period")
             for p in self.periods:
                 if not isinstance(p, int) or p < 1:
-                    raise bad("--periods", p, "a period must be an int >= 1")
+                    raise bad("periods", p, "a period must be an int >= 1")
             if len(set(self.periods)) != len(self.periods):
-                raise bad("--periods", self.periods, "periods must not repeat")
-        for option, value in (("--batch-size", self.batch_size), ("--width", self.width)):
-            if not isinstance(value, int) or value < 1:
-                raise bad(option, value, "must be an int >= 1")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise bad("--seed", self.seed, "must be an int >= 0")
-        if not self.lr > 0:
-            raise bad("--lr", self.lr, "must be > 0")
+                raise bad("periods", self.periods, "periods must not repeat")
+        self.ints("batch_size", "width", "repeats")
+        self.ints("seed", low=0)
+        self.positive("lr")
         if not 0 <= self.momentum < 1:
-            raise bad("--momentum", self.momentum, "must be in [0, 1)")
-        if not isinstance(self.repeats, int) or self.repeats < 1:
-            raise bad("--repeats", self.repeats, "must be an int >= 1")
-        if not self.timeout > 0:
-            raise bad("--timeout", self.timeout, "must be > 0 seconds")
+            raise bad("momentum", self.momentum, "must be in [0, 1)")
+        self.positive("timeout", unit=" seconds")
         largest = max(self.world_sizes) * self.batch_size
         if not isinstance(self.samples, int) or self.samples < largest:
-            raise bad(
-                "--samples",
-                self.samples,
-                f"must be an int >= world_size * batch_size = {largest}, so every run takes at least one step",
-            )
+            raise bad("samples", self.samples,
+                      f"must be an int >= world_size * batch_size = {largest}, so every run takes at least one step")  # fmt: skip
 
     def steps(self, world_size: int) -> int:
         """Optimizer steps that process ``samples`` samples with ``world_size`` ranks of ``batch_size``."""
@@ -735,7 +722,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "averagi
 # -- command line -------------------------------------------------------------------------------
 
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="averaging.json and averaging.png",
-               flags={"networks": "--network", "world_sizes": "--world-size"}, either={"networks": NETWORKS},
+               either={"networks": NETWORKS},
                parsers={"overhead": Literal["yes", "no", "only"]})  # fmt: skip
 
 

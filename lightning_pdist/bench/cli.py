@@ -15,9 +15,50 @@ import argparse
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-__all__ = ["SuiteCli", "field_help", "suite_parser"]
+__all__ = ["SuiteCli", "SuiteRules", "field_help", "suite_parser"]
+
+
+def _flag(flags: Mapping[str, str], name: str) -> str:
+    return flags.get(name, "--" + name.replace("_", "-"))
+
+
+class SuiteRules:
+    """What a suite's ``SuiteConfig`` inherits: rule checks whose ``ValueError`` names the option, value and rule.
+
+    ``SUITE`` opens every message (``pipeline(--steps=0): must be an int >= 1``); ``FLAGS`` maps a field to its
+    option where that is not ``--`` + the field's name with dashes (the CLI reads the same map).
+    """
+
+    SUITE: ClassVar[str]
+    FLAGS: ClassVar[Mapping[str, str]] = {}
+
+    def bad(self, name: str, value: Any, rule: str) -> ValueError:
+        """The error for field ``name`` (or an option, ``--...``) holding ``value``."""
+        option = name if name.startswith("--") else _flag(self.FLAGS, name)
+        return ValueError(f"{self.SUITE}({option}={value!r}): {rule}")
+
+    def ints(self, *names: str, low: int = 1) -> None:
+        """Each field of ``names`` is an int (not a bool) >= ``low``."""
+        for name in names:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise self.bad(name, value, f"must be an int >= {low}")
+
+    def positive(self, *names: str, unit: str = "") -> None:
+        """Each field of ``names`` is > 0."""
+        for name in names:
+            if not getattr(self, name) > 0:
+                raise self.bad(name, getattr(self, name), f"must be > 0{unit}")
+
+    def distinct(self, name: str, allowed: Any = None) -> None:
+        """Field ``name`` holds at least one value, none repeated, each in ``allowed`` (when given)."""
+        values = getattr(self, name)
+        if not values or len(set(values)) != len(values):
+            raise self.bad(name, values, "give at least one value, none repeated")
+        if allowed is not None and any(v not in allowed for v in values):
+            raise self.bad(name, values, f"each value must be one of {allowed}")
 
 
 def field_help(config: type) -> dict[str, str]:
@@ -52,7 +93,6 @@ class SuiteCli:
         quick: field → value of the ``--quick`` plan.
         full: field → value of the plan without ``--quick``.
         out: what ``--out`` receives, for its help.
-        flags: field → option name, where it is not ``--`` + the field's name with dashes.
         either: field → its values: the option takes one of them, or ``both`` for all.
         parsers: field → the function that reads one of its values (``argparse.ArgumentTypeError`` on a bad one).
         derive: ``(kwargs, given) -> kwargs``: a last adjustment, knowing which options were given.
@@ -62,14 +102,13 @@ class SuiteCli:
     quick: Mapping[str, Any]
     full: Mapping[str, Any]
     out: str
-    flags: Mapping[str, str] = field(default_factory=dict)
     either: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     parsers: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
     derive: Callable[[dict[str, Any], set[str]], dict[str, Any]] | None = None
 
     def flag(self, name: str) -> str:
         """The option of field ``name``."""
-        return self.flags.get(name, "--" + name.replace("_", "-"))
+        return _flag(getattr(self.config, "FLAGS", {}), name)
 
     def _default(self, f: Any) -> str:
         if f.name in self.quick:

@@ -42,9 +42,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from lightning_pdist.bench.cli import SuiteCli
+from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import Launcher, emulated_network
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, parse_rate
 from lightning_pdist.bench.report import (check_rows, finish_suite, markdown_table, new_document, output_dir,
@@ -66,7 +66,7 @@ FULL = {"width": 1024, "steps": 20, "warmup_steps": 3, "epochs": 8, "seeds": (0,
 
 
 @dataclass(frozen=True)
-class SuiteConfig:
+class SuiteConfig(SuiteRules):
     """Everything that decides what the suite runs; validated on construction.
 
     Raises:
@@ -120,61 +120,47 @@ class SuiteConfig:
     timeout: float = 600.0
     """seconds per launch"""
     quick: bool = True
+    SUITE: ClassVar[str] = SUITE
+    FLAGS: ClassVar[dict[str, str]] = {"networks": "--network", "num_microbatches": "--microbatches"}
 
     @property
     def converge_microbatches(self) -> int:
         return max(4, self.converge_stages)
 
     def __post_init__(self) -> None:
-        def bad(option: str, value: Any, rule: str) -> ValueError:
-            return ValueError(f"{SUITE}({option}={value!r}): {rule}")
-
-        for option, values, allowed in (("--parts", self.parts, PARTS), ("--network", self.networks, NETWORKS),
-                                        ("--engines", self.engines, ENGINES), ("--methods", self.methods, METHODS),
-                                        ("--stages", self.stages, None),
-                                        ("--stash-stages", self.stash_stages, None), ("--seeds", self.seeds, None),
-                                        ("--bubble-points", self.bubble_points, None)):  # fmt: skip
-            if not values or len(set(values)) != len(values):
-                raise bad(option, values, "give at least one value, none repeated")
-            if allowed is not None and any(v not in allowed for v in values):
-                raise bad(option, values, f"each value must be one of {allowed}")
-        for option, values in (("--stages", self.stages), ("--stash-stages", self.stash_stages),
-                               ("--converge-stages", (self.converge_stages,))):  # fmt: skip
+        bad = self.bad
+        for name, allowed in (("parts", PARTS), ("networks", NETWORKS), ("engines", ENGINES), ("methods", METHODS),
+                              ("stages", None), ("stash_stages", None), ("seeds", None), ("bubble_points", None)):  # fmt: skip
+            self.distinct(name, allowed)
+        for name, values in (("stages", self.stages), ("stash_stages", self.stash_stages), ("converge_stages", (self.converge_stages,))):
             if any(isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= 8 for k in values):
-                raise bad(option, values if len(values) > 1 else values[0], "a stage count must be an int in [2, 8]")
-        for option, value in (("--width", self.width), ("--depth", self.depth), ("--batch-size", self.batch_size),
-                              ("--microbatches", self.num_microbatches), ("--warmup-steps", self.warmup_steps),
-                              ("--steps", self.steps), ("--bubble-width", self.bubble_width),
-                              ("--stash-width", self.stash_width), ("--converge-batch-size", self.converge_batch_size),
-                              ("--epochs", self.epochs)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise bad(option, value, "must be an int >= 1")
+                raise bad(name, values if len(values) > 1 else values[0], "a stage count must be an int in [2, 8]")
+        self.ints("width", "depth", "batch_size", "num_microbatches", "warmup_steps", "steps", "bubble_width", "stash_width",
+                  "converge_batch_size", "epochs")  # fmt: skip
         if any(not isinstance(s, int) or s < 0 for s in self.seeds):
-            raise bad("--seeds", self.seeds, "each seed must be an int >= 0")
+            raise bad("seeds", self.seeds, "each seed must be an int >= 0")
         # The throughput and bubble parts' own rules apply only when they run (a tiny stash-only run needs no K:m).
         for k in self.stages if "throughput" in self.parts else ():
             if self.depth % k:
-                raise bad("--depth", self.depth, f"must be a multiple of every stage count (--stages {list(self.stages)})")
+                raise bad("depth", self.depth, f"must be a multiple of every stage count (--stages {list(self.stages)})")
             if self.num_microbatches < k:
-                raise bad("--microbatches", self.num_microbatches, f"must be >= the stage count {k}: 1f1b and 2bw keep K in flight")
+                raise bad("num_microbatches", self.num_microbatches, f"must be >= the stage count {k}: 1f1b and 2bw keep K in flight")
         if "throughput" in self.parts and (self.batch_size % self.num_microbatches or any(self.batch_size % k for k in self.stages)):
-            raise bad("--batch-size", self.batch_size, "must be a multiple of --microbatches and of every stage count "
+            raise bad("batch_size", self.batch_size, "must be a multiple of --microbatches and of every stage count "
                       "(DeepSpeed's micro-batches and DDP's shards are whole)")  # fmt: skip
         for point in self.bubble_points if "bubble" in self.parts else ():
             if len(point) != 2 or not all(isinstance(v, int) for v in point) or not 2 <= point[0] <= 8 or point[1] < point[0]:
-                raise bad("--bubble-points", point, "each point is K:m with K in [2, 8] and m >= K (1f1b and 2bw need it)")
+                raise bad("bubble_points", point, "each point is K:m with K in [2, 8] and m >= K (1f1b and 2bw need it)")
             if self.depth % point[0] or self.batch_size % point[1]:
-                raise bad("--bubble-points", point, f"K must divide --depth ({self.depth}) and m --batch-size ({self.batch_size})")
+                raise bad("bubble_points", point, f"K must divide --depth ({self.depth}) and m --batch-size ({self.batch_size})")
         if self.converge_batch_size % self.converge_microbatches or self.converge_batch_size % self.converge_stages:
-            raise bad("--converge-batch-size", self.converge_batch_size, f"must be a multiple of the {self.converge_microbatches} "
+            raise bad("converge_batch_size", self.converge_batch_size, f"must be a multiple of the {self.converge_microbatches} "
                       "micro-batches and of --converge-stages (DDP's shards of the same global batch are whole)")  # fmt: skip
         try:
             parse_rate(self.rate)
         except ValueError:
-            raise bad("--rate", self.rate, "must look like '100mbit' or '1gbit'") from None
-        for option, value in (("--lr", self.lr), ("--converge-lr", self.converge_lr), ("--timeout", self.timeout)):
-            if not value > 0:
-                raise bad(option, value, "must be > 0")
+            raise bad("rate", self.rate, "must look like '100mbit' or '1gbit'") from None
+        self.positive("lr", "converge_lr", "timeout")
 
 
 # -- the plan --------------------------------------------------------------------------------------------
@@ -651,7 +637,7 @@ def _point(text: Any) -> tuple[int, int]:
 
 
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="pipeline.json, pipeline.png and docs_section.md",
-               flags={"networks": "--network", "num_microbatches": "--microbatches"}, either={"networks": NETWORKS},
+               either={"networks": NETWORKS},
                parsers={"bubble_points": _point})  # fmt: skip
 
 

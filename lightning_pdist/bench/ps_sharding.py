@@ -40,9 +40,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from lightning_pdist.bench.cli import SuiteCli
+from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import Launcher, emulated_network
 from lightning_pdist.bench.netns import parse_rate
 from lightning_pdist.bench.report import (finish_suite, markdown_table, new_document, run_documented_suite, run_lines,
@@ -60,7 +60,7 @@ SERVER_PORT = 29400
 
 
 @dataclass(frozen=True)
-class SuiteConfig:
+class SuiteConfig(SuiteRules):
     """Everything that decides what the suite runs; validated on construction.
 
     Raises:
@@ -94,36 +94,25 @@ class SuiteConfig:
     timeout: float = 600.0
     """seconds per run"""
     quick: bool = True
+    SUITE: ClassVar[str] = SUITE
+    FLAGS: ClassVar[dict[str, str]] = {"slow_delay_s": "--slow-delay"}
 
     def __post_init__(self) -> None:
-        def bad(option: str, value: Any, rule: str) -> ValueError:
-            return ValueError(f"{SUITE}({option}={value!r}): {rule}")
-
-        for option, values, allowed in (("--parts", self.parts, PARTS), ("--shardings", self.shardings, SHARDINGS),
-                                        ("--workers", self.workers, None)):  # fmt: skip
-            if not values or len(set(values)) != len(values):
-                raise bad(option, values, "give at least one value, none repeated")
-            if allowed is not None and any(v not in allowed for v in values):
-                raise bad(option, values, f"each value must be one of {allowed}")
+        self.distinct("parts", PARTS)
+        self.distinct("shardings", SHARDINGS)
+        self.distinct("workers")
         if any(isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 16 for w in self.workers):
-            raise bad("--workers", self.workers, "each worker count must be an int in [1, 16]")
-        for option, value in (("--workers-per-server", self.workers_per_server), ("--batch-size", self.batch_size),
-                              ("--warmup-steps", self.warmup_steps), ("--steps", self.steps),
-                              ("--straggler-steps", self.straggler_steps)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise bad(option, value, "must be an int >= 1")
+            raise self.bad("workers", self.workers, "each worker count must be an int in [1, 16]")
+        self.ints("workers_per_server", "batch_size", "warmup_steps", "steps", "straggler_steps")
         if isinstance(self.straggler_workers, bool) or not isinstance(self.straggler_workers, int) or not 2 <= self.straggler_workers <= 16:
-            raise bad("--straggler-workers", self.straggler_workers, "must be an int in [2, 16] (one straggler and others)")
+            raise self.bad("straggler_workers", self.straggler_workers, "must be an int in [2, 16] (one straggler and others)")
         try:
             parse_rate(self.rate)
         except ValueError:
-            raise bad("--rate", self.rate, "must look like '100mbit' or '1gbit'") from None
+            raise self.bad("rate", self.rate, "must look like '100mbit' or '1gbit'") from None
         if not 0 < self.width <= 1:
-            raise bad("--width", self.width, "must be in (0, 1] (1 is the full VGG-16)")
-        if not self.slow_delay_s > 0:
-            raise bad("--slow-delay", self.slow_delay_s, "must be > 0 seconds")
-        if not self.timeout > 0:
-            raise bad("--timeout", self.timeout, "must be > 0 seconds")
+            raise self.bad("width", self.width, "must be in (0, 1] (1 is the full VGG-16)")
+        self.positive("slow_delay_s", "timeout", unit=" seconds")
 
     def servers_for(self, workers: int) -> int:
         return math.ceil(workers / self.workers_per_server)
@@ -415,8 +404,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
 
 # -- command line -------------------------------------------------------------------------------
 
-CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="ps_sharding.json and ps_sharding.png",
-               flags={"slow_delay_s": "--slow-delay"})  # fmt: skip
+CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="ps_sharding.json and ps_sharding.png")
 
 
 def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:

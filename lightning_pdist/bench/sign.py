@@ -33,9 +33,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from lightning_pdist.bench.cli import SuiteCli
+from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.netns import parse_rate
 from lightning_pdist.bench.report import (finish_suite, markdown_table, new_document, output_dir, run_documented_suite,
                                           run_lines, save_figure)
@@ -56,7 +56,7 @@ FULL = {"seeds": (0, 1, 2, 3, 4), "rounds": 500, "eval_every": 25, "world_sizes"
 
 
 @dataclass(frozen=True)
-class SuiteConfig:
+class SuiteConfig(SuiteRules):
     """Everything that decides what the suite runs; validated on construction.
 
     Raises:
@@ -116,10 +116,11 @@ class SuiteConfig:
     timeout: float = 600.0
     """seconds per Part B run"""
     quick: bool = True
+    SUITE: ClassVar[str] = SUITE
+    FLAGS: ClassVar[dict[str, str]] = {"networks": "--network", "world_sizes": "--world-size"}
 
     def __post_init__(self) -> None:
-        def bad(option: str, value: Any, rule: str) -> ValueError:
-            return ValueError(f"sign({option}={value!r}): {rule}")
+        bad = self.bad
 
         def distinct(option: str, values: tuple, allowed: Sequence | None = None) -> None:
             if not values:
@@ -137,20 +138,14 @@ class SuiteConfig:
         distinct("--seeds", self.seeds)
         if any(not isinstance(s, int) or s < 0 for s in self.seeds):
             raise bad("--seeds", self.seeds, "each seed must be an int >= 0")
-        for option, value in (("--rounds", self.rounds), ("--eval-every", self.eval_every),
-                              ("--large-batch", self.large_batch), ("--small-batch", self.small_batch),
-                              ("--hidden", self.hidden), ("--steps", self.steps), ("--batch-size", self.batch_size),
-                              ("--comm-hidden", self.comm_hidden),
-                              ("--powersgd-rank", self.powersgd_rank)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise bad(option, value, "must be an int >= 1")
+        self.ints("rounds", "eval_every", "large_batch", "small_batch", "hidden", "steps", "batch_size", "comm_hidden",
+                  "powersgd_rank")  # fmt: skip
         if not isinstance(self.num_workers, int) or self.num_workers < max(BATCH_MODES.values()) + 1:
             raise bad("--num-workers", self.num_workers, f"must be an int >= {max(BATCH_MODES.values()) + 1} "
                       "(batch mode 4 puts 14 workers at the small batch and needs one more)")  # fmt: skip
         if self.eval_every > self.rounds:
             raise bad("--eval-every", self.eval_every, f"must be <= --rounds ({self.rounds})")
-        if not self.lr > 0:
-            raise bad("--lr", self.lr, "must be > 0")
+        self.positive("lr")
         if not isinstance(self.warmup_rounds, int) or self.warmup_rounds < 0:
             raise bad("--warmup-rounds", self.warmup_rounds, "must be an int >= 0")
         if self.estimator not in ESTIMATORS:
@@ -171,8 +166,7 @@ class SuiteConfig:
             raise bad("--warmup-steps", self.warmup_steps, "must be >= 3 with powersgd (it compresses from step 2)")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise bad("--warmup-steps", self.warmup_steps, "must be an int >= 0")
-        if not self.timeout > 0:
-            raise bad("--timeout", self.timeout, "must be > 0 seconds")
+        self.positive("timeout", unit=" seconds")
 
 
 def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -381,7 +375,7 @@ def _datasets(kwargs: dict[str, Any], given: set[str]) -> dict[str, Any]:
 
 
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="sign.json and sign.png",
-               flags={"networks": "--network", "world_sizes": "--world-size"}, either={"networks": NETWORKS},
+               either={"networks": NETWORKS},
                derive=_datasets)  # fmt: skip
 
 

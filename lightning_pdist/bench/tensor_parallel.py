@@ -51,9 +51,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from lightning_pdist.bench.cli import SuiteCli
+from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import Launcher, emulated_network
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, parse_rate
 from lightning_pdist.bench.report import (check_rows, finish_suite, markdown_table, new_document, output_dir,
@@ -73,7 +73,7 @@ FULL = {"rates": ("1gbit", "100mbit"), "world_sizes": (2, 4), "warmup_steps": 2,
 
 
 @dataclass(frozen=True)
-class SuiteConfig:
+class SuiteConfig(SuiteRules):
     """Everything that decides what the suite runs; validated on construction.
 
     The encoder defaults are BERT-base / ALBERT-base reduced: 4 layers instead of 12, hidden 256 instead of 768,
@@ -129,32 +129,21 @@ class SuiteConfig:
     timeout: float = 600.0
     """seconds per launch"""
     quick: bool = True
+    SUITE: ClassVar[str] = SUITE
+    FLAGS: ClassVar[dict[str, str]] = {"networks": "--network"}
 
     def __post_init__(self) -> None:
-        def bad(option: str, value: Any, rule: str) -> ValueError:
-            return ValueError(f"{SUITE}({option}={value!r}): {rule}")
-
-        for option, values, allowed in (("--network", self.networks, NETWORKS), ("--models", self.models, MODELS),
-                                        ("--configs", self.configs, CONFIGS), ("--rates", self.rates, None),
-                                        ("--world-sizes", self.world_sizes, (2, 4))):  # fmt: skip
-            if not values or len(set(values)) != len(values):
-                raise bad(option, values, "give at least one value, none repeated")
-            if allowed is not None and any(v not in allowed for v in values):
-                raise bad(option, values, f"each value must be one of {allowed}")
+        bad = self.bad
+        for name, allowed in (("networks", NETWORKS), ("models", MODELS), ("configs", CONFIGS), ("rates", None),
+                              ("world_sizes", (2, 4))):  # fmt: skip
+            self.distinct(name, allowed)
         for rate in self.rates:
             try:
                 parse_rate(rate)
             except (TypeError, ValueError):
                 raise bad("--rates", rate, "each rate must look like '100mbit' or '1gbit'") from None
-        for option, value in (("--hidden-size", self.hidden_size), ("--num-layers", self.num_layers),
-                              ("--num-heads", self.num_heads), ("--intermediate-size", self.intermediate_size),
-                              ("--vocab-size", self.vocab_size), ("--embedding-size", self.embedding_size),
-                              ("--seq-len", self.seq_len), ("--global-batch", self.global_batch),
-                              ("--vgg-global-batch", self.vgg_global_batch), ("--warmup-steps", self.warmup_steps),
-                              ("--steps", self.steps), ("--reviews-per-class", self.reviews_per_class),
-                              ("--repeats", self.repeats)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise bad(option, value, "must be an int >= 1")
+        self.ints("hidden_size", "num_layers", "num_heads", "intermediate_size", "vocab_size", "embedding_size", "seq_len",
+                  "global_batch", "vgg_global_batch", "warmup_steps", "steps", "reviews_per_class", "repeats")  # fmt: skip
         if self.vocab_size < 3:
             raise bad("--vocab-size", self.vocab_size, "must be >= 3 (padding, unknown, one word)")
         if self.hidden_size % self.num_heads:
@@ -175,11 +164,8 @@ class SuiteConfig:
         if self.reviews_per_class * 2 * 0.9 < self.global_batch * (self.warmup_steps + self.steps):
             raise bad("--reviews-per-class", self.reviews_per_class, "too few: the run needs "
                       f"{self.global_batch * (self.warmup_steps + self.steps)} training reviews (90% of 2 x this)")  # fmt: skip
-        for option, value in (("--lr", self.lr), ("--timeout", self.timeout)):
-            if not value > 0:
-                raise bad(option, value, "must be > 0")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise bad("--seed", self.seed, "must be an int >= 0")
+        self.positive("lr", "timeout")
+        self.ints("seed", low=0)
 
     def encoder_kwargs(self) -> dict[str, Any]:
         """``EncoderClassifier`` keywords (besides the family) of the BERT and ALBERT runs."""
@@ -703,7 +689,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
 # -- command line ----------------------------------------------------------------------------------------
 
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="tensor_parallel.json, tensor_parallel.png and docs_section.md",
-               flags={"networks": "--network"}, either={"networks": NETWORKS})  # fmt: skip
+               either={"networks": NETWORKS})  # fmt: skip
 
 
 def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
