@@ -52,8 +52,8 @@ from lightning_pdist.bench import overhead as overhead_bench
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import Launcher, emulated_network
 from lightning_pdist.bench.netns import LOOPBACK, parse_rate
-from lightning_pdist.bench.report import (check_rows, command_line, markdown_table, new_document, output_dir,
-                                          save_figure, write_json)
+from lightning_pdist.bench.report import (check_rows, command_line, markdown_table, network_lines, new_document,
+                                          output_dir, save_figure, write_json)
 from lightning_pdist.bench.worker import PERIODIC, STRATEGIES
 
 SUITE = "averaging"
@@ -584,16 +584,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
     Everything here is read from ``doc``; ``json_path`` only names where the file was written.
     """
     host = doc["host"]
-    nets = "\n".join(
-        f"- {info['detail'] if 'detail' in info else name + ' skipped: ' + info['skipped']}"
-        + (
-            f" (burst {info['burst_bytes']} B; TCP goodput host 0 → 1 measured at "
-            f"{info['measured_tcp_goodput_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s)"
-            if "measured_tcp_goodput_bytes_per_s" in info
-            else ""
-        )
-        for name, info in doc["networks"].items()
-    )
+    nets = "\n".join(network_lines(doc, named=False))
     first = doc["rows"][0] if doc["rows"] else {}
     lines = [
         f"Command: `{doc['command']}`  ",

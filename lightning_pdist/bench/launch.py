@@ -18,13 +18,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, LaunchError, Loopback, launch_ranks, measure_link_rate
+from lightning_pdist.bench.report import check_spec_keys
 
-__all__ = ["Launched", "Launcher", "busy_cpu_s", "emulated_network", "free_port", "own_cpu_s", "read_results",
+__all__ = ["Launched", "Launcher", "WorkerSpec", "busy_cpu_s", "emulated_network", "free_port", "own_cpu_s", "read_results",
            "worker_env", "worker_main"]  # fmt: skip
 
 LINK_PROBE_BYTES = 4 << 20
@@ -127,6 +128,37 @@ def emulated_network(suite: str, doc: dict[str, Any], key: str, num_hosts: int, 
                                 "measured_tcp_goodput_bytes_per_s": round(goodput)}  # fmt: skip
         log(f"{suite}: {net.describe()}; TCP goodput host 0 -> 1: {goodput * 8 / 1e6:.1f} Mbit/s")
         yield net
+
+
+class WorkerSpec:
+    """Base of a worker's spec: a frozen dataclass whose fields are the keys of the JSON object the worker receives.
+
+    :meth:`check` validates such an object (every key, no other, each value by the subclass's ``__post_init__``)
+    and returns it: the workers read the plain dict, as it travels on the command line.
+    """
+
+    WHO: ClassVar[str]
+
+    @classmethod
+    def check(cls, spec: dict[str, Any]) -> dict[str, Any]:
+        """``spec`` if it is a valid spec; ``ValueError`` naming the missing or unknown keys, or the bad value."""
+        check_spec_keys(spec, [f.name for f in fields(cls)], cls.WHO)  # type: ignore[arg-type]
+        cls(**spec)
+        return spec
+
+    def bad(self, key: str, rule: str) -> ValueError:
+        return ValueError(f"{self.WHO} spec({key}={getattr(self, key)!r}): {rule}")
+
+    def ints(self, *keys: str, low: int = 1, why: str = "") -> None:
+        """Each of ``keys`` is an int (not a bool) >= ``low``."""
+        for key in keys:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise self.bad(key, f"{key} must be an int >= {low}{why}")
+
+    def one_of(self, key: str, allowed: Sequence[Any]) -> None:
+        if getattr(self, key) not in allowed:
+            raise self.bad(key, f"{key} must be one of {tuple(allowed)}")
 
 
 def worker_main(module: str, doc: str | None, check: Callable[[dict[str, Any]], Any], run: Callable[..., Any],

@@ -47,8 +47,8 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import Launcher, emulated_network
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, parse_rate
-from lightning_pdist.bench.report import (check_rows, finish_suite, markdown_table, new_document, output_dir,
-                                          run_documented_suite, run_lines, save_figure)
+from lightning_pdist.bench.report import (check_rows, finish_suite, markdown_table, network_lines, new_document,
+                                          output_dir, run_documented_suite, run_lines, save_figure)
 
 SUITE = "pipeline"
 PARTS = ("throughput", "bubble", "stash", "convergence")
@@ -515,8 +515,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         *run_lines(doc, json_path),
     ]
     if doc["rows"]:
-        nets = "\n".join(f"- {name}: {info.get('detail', 'skipped: ' + str(info.get('skipped')))}"
-                         for name, info in doc["networks"].items())  # fmt: skip
+        nets = "\n".join(network_lines(doc, goodput=None))
         lines += ["", "### Throughput", "", f"MLP: {cfg['depth']} × Linear({cfg['width']}, {cfg['width']}), batch "
                   f"{cfg['batch_size']} in {cfg['num_microbatches']} micro-batches, {cfg['warmup_steps']} untimed + "
                   f"{cfg['steps']} timed steps (median of the slowest stage). More processes than CPUs means "

@@ -177,6 +177,27 @@ def run_lines(doc: Mapping[str, Any], json_path: str) -> list[str]:
     ]
 
 
+def network_lines(doc: Mapping[str, Any], named: bool = True, goodput: str | None = "burst") -> list[str]:
+    """One markdown bullet per network of ``doc``: its detail (or why it was skipped), with its measured goodput.
+
+    ``named`` starts each with the network's key; ``goodput`` is ``"burst"`` (the tbf burst and the measured TCP
+    goodput host 0 → 1), ``"short"`` (the goodput alone) or ``None``.
+    """
+    lines = []
+    for name, info in doc["networks"].items():
+        if named:
+            what = f"{name}: {info.get('detail', 'skipped: ' + str(info.get('skipped')))}"
+        else:
+            what = info["detail"] if "detail" in info else f"{name} skipped: {info['skipped']}"
+        rate = info.get("measured_tcp_goodput_bytes_per_s")
+        if rate and goodput == "burst":
+            what += f" (burst {info['burst_bytes']} B; TCP goodput host 0 → 1 measured at {rate * 8 / 1e6:.1f} Mbit/s)"
+        elif rate and goodput == "short":
+            what += f" (TCP goodput {rate * 8 / 1e6:.1f} Mbit/s)"
+        lines.append(f"- {what}")
+    return lines
+
+
 def finish_suite(doc: dict[str, Any], out: Path, suite: str, started: float, plot: Callable[[dict, Path], Any]) -> dict[str, Any]:
     """Stamp the suite's wall time (since ``started``, a ``time.perf_counter()``), write its JSON and plot."""
     import time

@@ -37,8 +37,8 @@ from typing import Any, ClassVar
 
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import (finish_suite, markdown_table, new_document, output_dir, run_documented_suite,
-                                          run_lines, save_figure)
+from lightning_pdist.bench.report import (finish_suite, markdown_table, network_lines, new_document, output_dir,
+                                          run_documented_suite, run_lines, save_figure)
 from lightning_pdist.bench.sign_repro import BATCH_MODES, DATASETS
 from lightning_pdist.bench.sign_worker import HOOKS
 
@@ -301,13 +301,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
             lines += ["", "Why (error rates of one worker's sign, measured at the trained signSGD-MV model, 30 draws):",
                       "", *diagnosis_lines(repro)]  # fmt: skip
     if doc.get("rows") or doc.get("networks"):
-        nets = "\n".join(
-            f"- {name}: {info.get('detail', 'skipped: ' + str(info.get('skipped')))}"
-            + (f" (burst {info['burst_bytes']} B; TCP goodput host 0 → 1 measured at "
-               f"{info['measured_tcp_goodput_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s)"
-               if "measured_tcp_goodput_bytes_per_s" in info else "")
-            for name, info in doc["networks"].items()
-        )  # fmt: skip
+        nets = "\n".join(network_lines(doc))
         first = doc["rows"][0] if doc["rows"] else {}
         lines += [
             "", "### Part B: comm hooks, bytes and time per step (real processes, plain DDP on gloo)", "",

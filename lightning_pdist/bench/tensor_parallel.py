@@ -56,8 +56,8 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import Launcher, emulated_network
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, parse_rate
-from lightning_pdist.bench.report import (check_rows, finish_suite, markdown_table, new_document, output_dir,
-                                          run_documented_suite, run_lines, save_figure)
+from lightning_pdist.bench.report import (check_rows, finish_suite, markdown_table, network_lines, new_document,
+                                          output_dir, run_documented_suite, run_lines, save_figure)
 
 SUITE = "tensor_parallel"
 MODELS = ("bert", "albert", "vgg")
@@ -576,10 +576,7 @@ CROSS_COLUMNS = (
 def docs_section(doc: dict[str, Any], json_path: str) -> str:
     """The suite's figures as markdown; everything is read from ``doc``."""
     cfg, facts = doc["config"], doc["models"]
-    nets = [f"- {name}: {info.get('detail', 'skipped: ' + str(info.get('skipped')))}"
-            + (f" (TCP goodput {info['measured_tcp_goodput_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s)"
-               if info.get("measured_tcp_goodput_bytes_per_s") else "")
-            for name, info in doc["networks"].items()]  # fmt: skip
+    nets = network_lines(doc, goodput="short")
     models = [f"- {name}: {f['params']:,} parameters" + (
         f", {f['num_layers']} layers, hidden {f['hidden_size']}, {f['num_heads']} heads, FFN {f['intermediate_size']}, "
         f"vocabulary {f['vocab_size']}, {f['seq_len']} tokens, global batch {f['global_batch']}"

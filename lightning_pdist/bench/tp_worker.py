@@ -32,47 +32,55 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from lightning_pdist.bench.report import check_spec_keys
-from lightning_pdist.bench.launch import worker_main
+from lightning_pdist.bench.launch import WorkerSpec, worker_main
 
 CONFIGS = ("dp", "tp", "dp_tp", "hybrid")
 MODELS = ("bert", "albert", "vgg")
-SPEC_KEYS = ("config", "model", "world_size", "tp_size", "global_batch", "seq_len", "model_kwargs", "vgg_width",
-             "warmup_steps", "steps", "seed", "lr", "data_dir")  # fmt: skip
 
 
-def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    """Validate a run spec (a plain dict, as it travels on the command line); return it.
+@dataclass(frozen=True)
+class Spec(WorkerSpec):
+    """One tensor-parallel run: ``config`` on ``model``, ``steps`` timed steps of ``global_batch`` after ``warmup_steps``."""
 
-    Raises:
-        ValueError: a key is missing or unknown, or a value breaks its rule (the message names it).
-    """
-    check_spec_keys(spec, SPEC_KEYS, "tp_worker")
-    bad = lambda key, rule: ValueError(f"tp_worker spec({key}={spec[key]!r}): {rule}")  # noqa: E731
-    if spec["config"] not in CONFIGS:
-        raise bad("config", f"config must be one of {CONFIGS}")
-    if spec["model"] not in MODELS:
-        raise bad("model", f"model must be one of {MODELS}")
-    for key in ("world_size", "tp_size", "global_batch", "seq_len", "warmup_steps", "steps"):
-        if isinstance(spec[key], bool) or not isinstance(spec[key], int) or spec[key] < 1:
-            raise bad(key, f"{key} must be an int >= 1")
-    ws, tp, config = spec["world_size"], spec["tp_size"], spec["config"]
-    allowed = ("dp", "hybrid") if spec["model"] == "vgg" else ("dp", "tp", "dp_tp")
-    if config not in allowed:
-        raise bad("config", f"model {spec['model']!r} runs one of {allowed}")
-    expected_tp = {"dp": 1, "tp": ws, "hybrid": ws}.get(config)
-    if expected_tp is not None and tp != expected_tp:
-        raise bad("tp_size", f"config {config!r} on world_size={ws} ranks has tp_size={expected_tp}")
-    if config == "dp_tp" and (ws % tp or not 1 < tp < ws):
-        raise bad("tp_size", f"dp_tp needs 1 < tp_size < world_size ({ws}), dividing it")
-    if spec["global_batch"] % ws:
-        raise bad("global_batch", f"global_batch must be a multiple of world_size ({ws}): every rank's share is whole")
-    if not spec["lr"] > 0:
-        raise bad("lr", "lr must be > 0")
-    return spec
+    WHO: ClassVar[str] = "tp_worker"
+    config: str
+    model: str
+    world_size: int
+    tp_size: int
+    global_batch: int
+    seq_len: int
+    model_kwargs: dict
+    vgg_width: float
+    warmup_steps: int
+    steps: int
+    seed: int
+    lr: float
+    data_dir: str
+
+    def __post_init__(self) -> None:
+        self.one_of("config", CONFIGS)
+        self.one_of("model", MODELS)
+        self.ints("world_size", "tp_size", "global_batch", "seq_len", "warmup_steps", "steps")
+        ws, tp, config = self.world_size, self.tp_size, self.config
+        allowed = ("dp", "hybrid") if self.model == "vgg" else ("dp", "tp", "dp_tp")
+        if config not in allowed:
+            raise self.bad("config", f"model {self.model!r} runs one of {allowed}")
+        expected_tp = {"dp": 1, "tp": ws, "hybrid": ws}.get(config)
+        if expected_tp is not None and tp != expected_tp:
+            raise self.bad("tp_size", f"config {config!r} on world_size={ws} ranks has tp_size={expected_tp}")
+        if config == "dp_tp" and (ws % tp or not 1 < tp < ws):
+            raise self.bad("tp_size", f"dp_tp needs 1 < tp_size < world_size ({ws}), dividing it")
+        if self.global_batch % ws:
+            raise self.bad("global_batch", f"global_batch must be a multiple of world_size ({ws}): every rank's share is whole")
+        if not self.lr > 0:
+            raise self.bad("lr", "lr must be > 0")
+
+
+check_spec = Spec.check
 
 
 def loader_batch(spec: dict[str, Any]) -> int:

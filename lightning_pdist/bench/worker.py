@@ -31,44 +31,48 @@ import hashlib
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from lightning_pdist.bench.report import check_spec_keys
-from lightning_pdist.bench.launch import worker_main
+from lightning_pdist.bench.launch import WorkerSpec, worker_main
 
 STRATEGIES = ("pdist_ddp", "local_sgd", "bmuf", "easgd", "simuparallel_sgd")
 PERIODIC = ("local_sgd", "bmuf", "easgd")
-SPEC_KEYS = ("strategy", "period", "world_size", "steps", "batch_size", "lr", "momentum", "width", "seed")
 
 
-def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    """Validate a run spec (a plain dict, as it travels on the command line); return it.
+@dataclass(frozen=True)
+class Spec(WorkerSpec):
+    """One run of the averaging suite: a strategy at a period, ``steps`` optimizer steps of ``batch_size`` per rank."""
 
-    Raises:
-        ValueError: a key is missing or unknown, or a value breaks its rule (the message says which).
-    """
-    check_spec_keys(spec, SPEC_KEYS, "worker")
-    if spec["strategy"] not in STRATEGIES:
-        raise ValueError(f"worker spec(strategy={spec['strategy']!r}): strategy must be one of {STRATEGIES}")
-    period = spec["period"]
-    if spec["strategy"] in PERIODIC:
-        if not isinstance(period, int) or period < 1:
-            raise ValueError(f"worker spec(period={period!r}): {spec['strategy']} needs an int period >= 1")
-    elif spec["strategy"] == "pdist_ddp" and period != 1:
-        raise ValueError(f"worker spec(period={period!r}): pdist_ddp communicates every step; period must be 1")
-    elif spec["strategy"] == "simuparallel_sgd" and period is not None:
-        raise ValueError(f"worker spec(period={period!r}): simuparallel_sgd averages once; period must be None")
-    for key in ("world_size", "steps", "batch_size", "width"):
-        if not isinstance(spec[key], int) or spec[key] < 1:
-            raise ValueError(f"worker spec({key}={spec[key]!r}): {key} must be an int >= 1")
-    if not isinstance(spec["seed"], int) or spec["seed"] < 0:
-        raise ValueError(f"worker spec(seed={spec['seed']!r}): seed must be an int >= 0")
-    if not spec["lr"] > 0:
-        raise ValueError(f"worker spec(lr={spec['lr']!r}): lr must be > 0")
-    if not 0 <= spec["momentum"] < 1:
-        raise ValueError(f"worker spec(momentum={spec['momentum']!r}): momentum must be in [0, 1)")
-    return spec
+    WHO: ClassVar[str] = "worker"
+    strategy: str
+    period: int | None
+    world_size: int
+    steps: int
+    batch_size: int
+    lr: float
+    momentum: float
+    width: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        self.one_of("strategy", STRATEGIES)
+        if self.strategy in PERIODIC and (not isinstance(self.period, int) or self.period < 1):
+            raise self.bad("period", f"{self.strategy} needs an int period >= 1")
+        if self.strategy == "pdist_ddp" and self.period != 1:
+            raise self.bad("period", "pdist_ddp communicates every step; period must be 1")
+        if self.strategy == "simuparallel_sgd" and self.period is not None:
+            raise self.bad("period", "simuparallel_sgd averages once; period must be None")
+        self.ints("world_size", "steps", "batch_size", "width")
+        self.ints("seed", low=0)
+        if not self.lr > 0:
+            raise self.bad("lr", "lr must be > 0")
+        if not 0 <= self.momentum < 1:
+            raise self.bad("momentum", "momentum must be in [0, 1)")
+
+
+check_spec = Spec.check
 
 
 def read_tx(ifname: str | None) -> tuple[int, int] | None:
