@@ -50,7 +50,7 @@ from typing import Any, ClassVar, Literal
 
 from lightning_pdist.bench import overhead as overhead_bench
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
-from lightning_pdist.bench.launch import Launcher, emulated_network
+from lightning_pdist.bench.launch import Launched, Launcher, emulated_network
 from lightning_pdist.bench.netns import LOOPBACK, parse_rate
 from lightning_pdist.bench.report import (check_rows, command_line, markdown_table, network_lines, new_document,
                                           output_dir, save_figure, write_json)
@@ -180,15 +180,6 @@ def plan_runs(config: SuiteConfig) -> list[dict[str, Any]]:
 
 
 
-@dataclass
-class RunTiming:
-    """Wall and CPU time of one launch: whole-run wall, our CPU, and the CPU others used meanwhile."""
-
-    wall_s: float
-    ours_cpu_s: float
-    other_cpu_s: float | None
-
-
 # -- rows ---------------------------------------------------------------------------------------
 
 
@@ -197,7 +188,7 @@ def build_row(
     ranks: Sequence[dict[str, Any]],
     network: str,
     network_detail: str,
-    timing: RunTiming,
+    timing: Launched,
     rate: str | None = None,
     kernel_tx: Sequence[int] | None = None,
 ) -> dict[str, Any]:
@@ -245,7 +236,7 @@ def build_row(
         "process_wall_s": round(timing.wall_s, 3),
         "ranks_cpu_s": round(timing.ours_cpu_s, 2),
         "other_cpu_s": None if timing.other_cpu_s is None else round(timing.other_cpu_s, 2),
-        "other_load_cores": None if timing.other_cpu_s is None else round(timing.other_cpu_s / timing.wall_s, 2),
+        "other_load_cores": timing.other_load_cores,
         "replicas_agree": len({r["param_digest"] for r in ranks}) == 1,
         "kernel_tx_bytes_per_rank": None,
         "kernel_tx_phases_by_rank": None,
@@ -380,12 +371,10 @@ class _Networks:
         net, ws = self.nets[network], spec["world_size"]
         emulated = network == "emulated"
         got = self.launcher.run("lightning_pdist.bench.worker", spec, ws, net, kernel_hosts=ws if emulated else 0)
-        timing = RunTiming(got.wall_s, got.ours_cpu_s, got.other_cpu_s)
         detail = self.doc["networks"][network]["detail"]
         if not emulated:
-            return build_row(spec, got.results, network, detail, timing)
-        kernel = [tx for _, tx in got.kernel]
-        return build_row(spec, got.results, network, detail, timing, rate=self.config.rate, kernel_tx=kernel)
+            return build_row(spec, got.results, network, detail, got)
+        return build_row(spec, got.results, network, detail, got, rate=self.config.rate, kernel_tx=[tx for _, tx in got.kernel])
 
 
 def result_name(config: SuiteConfig) -> str:
@@ -394,17 +383,19 @@ def result_name(config: SuiteConfig) -> str:
     return f"{SUITE}_overhead.json" if config.overhead == "only" else f"{SUITE}.json"
 
 
-def run_overhead(config: SuiteConfig, out_dir: Path, log: Callable[[str], None] = print,
-                 steps: int | None = None, repeats: int | None = None) -> dict[str, Any]:  # fmt: skip
+def run_overhead(config: SuiteConfig, out_dir: Path, log: Callable[[str], None] = print, steps: int | None = None,
+                 repeats: int | None = None, warmup_steps: int | None = None) -> dict[str, Any]:  # fmt: skip
     """The overhead row (:mod:`lightning_pdist.bench.overhead`): one loopback launch of the smallest world size.
 
-    Returns ``{"spec", "rows", "wall_s", "other_load_cores"}``; ``steps`` and ``repeats`` override the steps per fit
-    and the repeats (tests).
+    Returns ``{"spec", "rows", "wall_s", "other_load_cores"}``; ``steps``, ``repeats`` and ``warmup_steps`` override
+    the timed steps per fit, the repeats and the untimed steps (tests).
     """
     spec = overhead_bench.overhead_spec(world_size=min(config.world_sizes), seed=config.seed,
                                         repeats=repeats or overhead_bench.OVERHEAD["repeats"])  # fmt: skip
     if steps is not None:
         spec["steps"] = {k: steps for k in spec["steps"]}
+    if warmup_steps is not None:
+        spec["warmup_steps"] = warmup_steps
 
     got = Launcher(SUITE, out_dir, config.timeout).run("lightning_pdist.bench.overhead", spec, spec["world_size"],
                                                      files=[("overhead", spec["world_size"])])  # fmt: skip

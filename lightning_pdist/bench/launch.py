@@ -162,11 +162,12 @@ class WorkerSpec:
 
 
 def worker_main(module: str, doc: str | None, check: Callable[[dict[str, Any]], Any], run: Callable[..., Any],
-                argv: Sequence[str] | None = None, hosts: bool = False) -> int:  # fmt: skip
+                argv: Sequence[str] | None = None, hosts: bool = False, prefix: str = "rank") -> int:  # fmt: skip
     """The command line of a worker module: ``--spec JSON --out-dir DIR`` (and ``--hosts IP,IP,...``).
 
     ``check`` validates the spec (``ValueError`` names the bad key); ``run(spec, out_dir)`` (``run(spec, hosts,
-    out_dir)`` with ``hosts``) is one process of the launch.
+    out_dir)`` with ``hosts``) is one process of the launch, and what it returns (unless ``None``) is written to
+    ``DIR/<prefix><RANK>.json``.
     """
     parser = argparse.ArgumentParser(prog=f"python -m {module}", description=(doc or module).splitlines()[0])
     parser.add_argument("--spec", required=True, help="the run spec as a JSON object")
@@ -181,10 +182,10 @@ def worker_main(module: str, doc: str | None, check: Callable[[dict[str, Any]], 
     if not isinstance(spec, dict):
         parser.error(f"--spec {args.spec!r}: must be a JSON object")
     spec = check(spec)
-    if hosts:
-        run(spec, args.hosts.split(","), args.out_dir)
-    else:
-        run(spec, args.out_dir)
+    result = run(spec, args.hosts.split(","), args.out_dir) if hosts else run(spec, args.out_dir)
+    if result is not None:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / f"{prefix}{os.environ.get('RANK', '0')}.json").write_text(json.dumps(result))
     return 0
 
 

@@ -24,7 +24,6 @@ rank's CPU time per step (``ratio_cpu``, the process's threads included) the lea
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -106,8 +105,6 @@ def run_rank(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
                              "step_ms": [round(1000 * (b - a), 4) for a, b in zip(ends, ends[1:])],
                              "cpu_ms_per_step": 1000 * (cpu[-1] - cpu[0]) / max(1, len(cpu) - 1)})  # fmt: skip
     result = {"rank": rank, "fits": fits}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"overhead{rank}.json").write_text(json.dumps(result))
     return result
 
 
@@ -153,9 +150,5 @@ def overhead_rows(ranks: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    return worker_main("lightning_pdist.bench.overhead", __doc__, lambda spec: spec, run_rank, argv)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(worker_main("lightning_pdist.bench.overhead", __doc__, lambda spec: spec, run_rank, prefix="overhead"))

@@ -25,7 +25,6 @@ Every rank uses one thread (``torch.set_num_threads(1)``): the ranks already sha
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -506,20 +505,14 @@ JOBS = {"engines": job_engines, "deepspeed": job_deepspeed, "fairscale": job_fai
         "stash": job_stash, "converge": job_converge}  # fmt: skip
 
 
-def run(spec: dict[str, Any], out_dir: Path) -> None:
-    """One stage (rank) of the launch: run the spec's job, write ``rank<r>.json``."""
+def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """One stage (rank) of the launch: run the spec's job; its result (``rank<r>.json``)."""
     import torch
 
     torch.set_num_threads(1)  # one core per rank; the ranks already share the machine
     rank = int(os.environ.get("RANK", "0"))
-    result = {"rank": rank, "job": spec["job"], **JOBS[spec["job"]](spec, rank)}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
-
-
-def main(argv: list[str] | None = None) -> int:
-    return worker_main("lightning_pdist.bench.pipeline_worker", __doc__, check_spec, run, argv)
+    return {"rank": rank, "job": spec["job"], **JOBS[spec["job"]](spec, rank)}
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(worker_main("lightning_pdist.bench.pipeline_worker", __doc__, check_spec, run))

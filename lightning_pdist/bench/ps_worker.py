@@ -194,9 +194,5 @@ def run(spec: dict[str, Any], hosts: list[str], out_dir: Path) -> None:
         run_worker(spec, rank - spec["servers"], hosts, out_dir)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return worker_main("lightning_pdist.bench.ps_worker", __doc__, check_spec, run, argv, hosts=True)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(worker_main("lightning_pdist.bench.ps_worker", __doc__, check_spec, run, hosts=True))

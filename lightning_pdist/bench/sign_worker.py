@@ -23,7 +23,6 @@ fp32 all-reduce (no hook) is modelled from the parameter count.
 
 # No ``from __future__ import annotations``: DDP inspects comm hooks' annotations at run time.
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -217,14 +216,8 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         "tx_bytes": None if tx0 is None or tx1 is None else tx1[0] - tx0[0],
         "tx_packets": None if tx0 is None or tx1 is None else tx1[1] - tx0[1],
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    return worker_main("lightning_pdist.bench.sign_worker", __doc__, lambda spec: spec, run, argv)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(worker_main("lightning_pdist.bench.sign_worker", __doc__, lambda spec: spec, run))

@@ -31,7 +31,6 @@ of ``B * world_size / tp_size`` rows. ``tp_size == world_size`` is the pure-TP b
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -253,20 +252,13 @@ def run_rank(family: str, model_kwargs: dict[str, Any], batch_size: int, seq_len
     }  # fmt: skip
 
 
-def run(spec: dict[str, Any], out_dir: Path) -> None:
-    """One rank of the launch: :func:`run_rank` with the spec's keywords; write ``rank<r>.json``."""
+def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """One rank of the launch: :func:`run_rank` with the spec's keywords; its result (``rank<r>.json``)."""
     import torch
 
     torch.set_num_threads(1)  # one core per rank; the ranks already share the machine
-    spec = {**spec, "tp_size": spec.get("tp_size") or int(os.environ["WORLD_SIZE"])}
-    result = run_rank(**spec)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"rank{result['rank']}.json").write_text(json.dumps(result))
-
-
-def main(argv: list[str] | None = None) -> int:
-    return worker_main("lightning_pdist.bench.tp_deepspeed", __doc__, lambda spec: spec, run, argv)
+    return run_rank(**{**spec, "tp_size": spec.get("tp_size") or int(os.environ["WORLD_SIZE"])})
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(worker_main("lightning_pdist.bench.tp_deepspeed", __doc__, lambda spec: spec, run))

@@ -29,7 +29,6 @@ barriers add a few hundred bytes to ``tx``). CPU time barely moves when other wo
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -191,14 +190,8 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         "tx_bytes": None if tx is None else tx[0], "tx_packets": None if tx is None else tx[1],
         "params_full": params_full, "params_local": params_local, "losses": losses, "fit_s": fit_s,
     }  # fmt: skip
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"rank{result['rank']}.json").write_text(json.dumps(result))
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    return worker_main("lightning_pdist.bench.tp_worker", __doc__, lambda spec: spec, run, argv)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(worker_main("lightning_pdist.bench.tp_worker", __doc__, lambda spec: spec, run))

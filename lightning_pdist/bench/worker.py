@@ -28,7 +28,6 @@ into set-up, training-loop and wind-down phases with them.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -218,14 +217,8 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         "tx": {k: v[0] for k, v in tx.items()} if all(tx.values()) else None,
         "tx_packets": {k: v[1] for k, v in tx.items()} if all(tx.values()) else None,
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"rank{result['rank']}.json").write_text(json.dumps(result, indent=1))
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    return worker_main("lightning_pdist.bench.worker", __doc__, check_spec, run, argv)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(worker_main("lightning_pdist.bench.worker", __doc__, check_spec, run))
