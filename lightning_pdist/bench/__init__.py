@@ -1,15 +1,19 @@
 """Benchmarks: ``python -m lightning_pdist.bench <suite> --out DIR``, each suite writing JSON and a plot.
 
-:data:`SUITES` maps a suite's name to the module that implements it. A suite module has a
-docstring (its first line is the description ``--help`` lists), ``configure_parser(parser)``
-adding its options to an ``argparse`` parser, and ``run(args, argv) -> int``. ``argv`` is what the
-user typed after the suite's name, recorded in the JSON as the command; ``run`` validates what
-``argparse`` cannot (ranges, combinations) and answers a bad value with a message naming the
-option, the value and the rule, and exit status 2. Keep a suite module's heavy imports (torch,
-Lightning) inside its functions: ``--help`` imports every suite module.
+:data:`SUITES` maps a suite's name to the module that implements it. A suite module has a docstring (its first
+line is the description ``--help`` lists), a frozen ``SuiteConfig`` dataclass whose fields are its options (each
+field's docstring is its help; ``__post_init__`` checks the rules through :class:`~lightning_pdist.bench.cli.SuiteRules`
+and names the option, the value and the rule), ``CLI`` (:class:`~lightning_pdist.bench.cli.SuiteCli`: the
+``--quick`` and full plans) and ``run(config, out, argv) -> int``; ``argv`` is what the user typed after the
+suite's name, recorded in the JSON as the command. Keep a suite module's heavy imports (torch, Lightning) inside
+its functions: ``--help`` imports every suite module.
 
-:mod:`~lightning_pdist.bench.netns` (emulated networks), :mod:`~lightning_pdist.bench.worker`
-(one rank of a training run) and :mod:`~lightning_pdist.bench.report` (JSON, tables) are shared.
+The harness is shared: :mod:`~lightning_pdist.bench.launch` (one :class:`~lightning_pdist.bench.launch.Launcher`
+for loopback and emulated links, :func:`~lightning_pdist.bench.launch.emulated_network`, ``WorkerSpec`` and
+``worker_main`` for the worker modules), :mod:`~lightning_pdist.bench.netns` (emulated networks and the one
+launcher, ``launch_ranks``), :mod:`~lightning_pdist.bench.cli` (the command line) and
+:mod:`~lightning_pdist.bench.report` (JSON, tables, docs sections). The harness is a guest: it may import any
+family, and nothing in the library imports it.
 """
 
 SUITES: dict[str, str] = {

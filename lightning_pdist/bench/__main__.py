@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from lightning_pdist.bench import SUITES
 from lightning_pdist.extras import require_extra
@@ -19,28 +20,33 @@ def load_suite(name: str) -> ModuleType:
     return importlib.import_module(SUITES[name])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser: one sub-command per suite, each with the suite's own options."""
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_pdist.bench",
-        description="Run a lightning_pdist benchmark suite; each writes DIR/<suite>.json and DIR/<suite>.png.",
-    )
-    subparsers = parser.add_subparsers(dest="suite", metavar="SUITE", required=True)
+def build_parser() -> Any:
+    """The top-level parser: one sub-command per suite, its options generated from the suite's ``CLI``."""
+    from lightning_pdist.bench.cli import suite_parser
+
+    parser = suite_parser("python -m lightning_pdist.bench",
+                          "Run a lightning_pdist benchmark suite; each writes DIR/<suite>.json and DIR/<suite>.png.")  # fmt: skip
+    subcommands = parser.add_subcommands(dest="suite", required=True)
     for name in SUITES:
         module = load_suite(name)
-        summary = (module.__doc__ or name).strip().splitlines()[0]
-        sub = subparsers.add_parser(name, help=summary, description=module.__doc__,
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-        module.configure_parser(sub)
+        sub = suite_parser(f"python -m lightning_pdist.bench {name}", module.__doc__)
+        module.CLI.add_arguments(sub)
+        subcommands.add_subcommand(name, sub, help=(module.__doc__ or name).strip().splitlines()[0])
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    require_extra("bench", f"python -m lightning_pdist.bench {args.suite} (digits data, plots)")
-    return load_suite(args.suite).run(args, argv[argv.index(args.suite) + 1 :])
+    args = build_parser().parse_args(argv)
+    name = args.suite
+    require_extra("bench", f"python -m lightning_pdist.bench {name} (digits data, plots)")
+    module = load_suite(name)
+    try:
+        config = module.CLI.config_of(args[name])
+    except ValueError as err:
+        print(f"python -m lightning_pdist.bench {name}: error: {err}", file=sys.stderr)
+        return 2
+    return module.run(config, Path(args[name].out), argv[argv.index(name) + 1 :])
 
 
 if __name__ == "__main__":

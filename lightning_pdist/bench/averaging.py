@@ -37,31 +37,23 @@ DDP step and the algorithms' savings show in wall time, while the run still take
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from lightning_pdist.bench import overhead as overhead_bench
-from lightning_pdist.bench.launch import busy_cpu_s, free_port, launch_loopback, own_cpu_s, read_results, worker_env
-from lightning_pdist.bench.netns import EmulatedNetwork, launch_ranks, measure_link_rate, parse_rate
-from lightning_pdist.bench.report import (
-    check_rows,
-    cli_config,
-    command_line,
-    markdown_table,
-    new_document,
-    output_dir,
-    save_figure,
-    write_json,
-)
+from lightning_pdist.bench.cli import SuiteCli, SuiteRules
+from lightning_pdist.bench.launch import Launched, Launcher, emulated_network
+from lightning_pdist.bench.netns import LOOPBACK, parse_rate
+from lightning_pdist.bench.report import (check_rows, command_line, markdown_table, network_lines, new_document,
+                                          output_dir, save_figure, write_json)
 from lightning_pdist.bench.worker import PERIODIC, STRATEGIES
 
 SUITE = "averaging"
@@ -82,11 +74,10 @@ DEFAULTS = {
     "timeout": 600.0,
 }
 MAX_WORLD_SIZE = 16
-LINK_PROBE_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
-class SuiteConfig:
+class SuiteConfig(SuiteRules):
     """Everything that decides what the suite runs; validated on construction.
 
     Raises:
@@ -94,72 +85,73 @@ class SuiteConfig:
     """
 
     networks: tuple[str, ...] = NETWORKS
+    """loopback (127.0.0.1), emulated (netns + tbf links, needs root) or both"""
     rate: str = DEFAULTS["rate"]
+    """emulated link rate each way, tc syntax"""
     world_sizes: tuple[int, ...] = QUICK["world_sizes"]
+    """ranks per run, one or more"""
     periods: tuple[int, ...] = QUICK["periods"]
+    """periods of local_sgd/bmuf/easgd"""
     strategies: tuple[str, ...] = STRATEGIES
+    """strategies to run, from pdist_ddp local_sgd bmuf easgd simuparallel_sgd"""
     samples: int = DEFAULTS["samples"]
+    """training samples per run, over all ranks"""
     batch_size: int = DEFAULTS["batch_size"]
+    """per rank"""
     lr: float = DEFAULTS["lr"]
+    """SGD learning rate"""
     momentum: float = DEFAULTS["momentum"]
+    """SGD momentum"""
     width: int = DEFAULTS["width"]
+    """SmallCNN width"""
     seed: int = DEFAULTS["seed"]
+    """seed of weights and data"""
     timeout: float = DEFAULTS["timeout"]
+    """seconds per run"""
     repeats: int = 1
+    """runs per strategy and network; rows keep the fastest"""
     quick: bool = True
     overhead: str = "yes"
+    """the pdist_ddp-vs-ddp step-time row on loopback: yes, no, or only (just that row, about a minute and a half; written to averaging_overhead.json)"""
+    SUITE: ClassVar[str] = SUITE
+    FLAGS: ClassVar[dict[str, str]] = {"networks": "--network", "world_sizes": "--world-size"}
 
     def __post_init__(self) -> None:
-        def bad(option: str, value: Any, rule: str) -> ValueError:
-            return ValueError(f"averaging({option}={value!r}): {rule}")
-
+        bad = self.bad
         if self.overhead not in OVERHEAD_CHOICES:
-            raise bad("--overhead", self.overhead, f"must be one of {OVERHEAD_CHOICES}")
-
+            raise bad("overhead", self.overhead, f"must be one of {OVERHEAD_CHOICES}")
         if not self.networks or any(n not in NETWORKS for n in self.networks):
-            raise bad("--network", self.networks, f"each network must be one of {NETWORKS}")
+            raise bad("networks", self.networks, f"each network must be one of {NETWORKS}")
         parse_rate(self.rate)  # raises with the rule
         if not self.world_sizes:
-            raise bad("--world-size", self.world_sizes, "give at least one world size")
+            raise bad("world_sizes", self.world_sizes, "give at least one world size")
         for ws in self.world_sizes:
             if not isinstance(ws, int) or not 2 <= ws <= MAX_WORLD_SIZE:
-                raise bad(
-                    "--world-size", ws, f"world_size must be an int in [2, {MAX_WORLD_SIZE}] (averaging needs 2+ ranks)"
-                )
+                raise bad("world_sizes", ws, f"world_size must be an int in [2, {MAX_WORLD_SIZE}] (averaging needs 2+ ranks)")
         if len(set(self.world_sizes)) != len(self.world_sizes):
-            raise bad("--world-size", self.world_sizes, "world sizes must not repeat")
+            raise bad("world_sizes", self.world_sizes, "world sizes must not repeat")
         if not self.strategies or any(s not in STRATEGIES for s in self.strategies):
-            raise bad("--strategies", self.strategies, f"each strategy must be one of {STRATEGIES}")
+            raise bad("strategies", self.strategies, f"each strategy must be one of {STRATEGIES}")
         if len(set(self.strategies)) != len(self.strategies):
-            raise bad("--strategies", self.strategies, "strategies must not repeat")
+            raise bad("strategies", self.strategies, "strategies must not repeat")
         if any(s in PERIODIC for s in self.strategies):
             if not self.periods:
-                raise bad("--periods", self.periods, f"{PERIODIC} need at least one period")
+                raise bad("periods", self.periods, f"{PERIODIC} need at least one period")
             for p in self.periods:
                 if not isinstance(p, int) or p < 1:
-                    raise bad("--periods", p, "a period must be an int >= 1")
+                    raise bad("periods", p, "a period must be an int >= 1")
             if len(set(self.periods)) != len(self.periods):
-                raise bad("--periods", self.periods, "periods must not repeat")
-        for option, value in (("--batch-size", self.batch_size), ("--width", self.width)):
-            if not isinstance(value, int) or value < 1:
-                raise bad(option, value, "must be an int >= 1")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise bad("--seed", self.seed, "must be an int >= 0")
-        if not self.lr > 0:
-            raise bad("--lr", self.lr, "must be > 0")
+                raise bad("periods", self.periods, "periods must not repeat")
+        self.ints("batch_size", "width", "repeats")
+        self.ints("seed", low=0)
+        self.positive("lr")
         if not 0 <= self.momentum < 1:
-            raise bad("--momentum", self.momentum, "must be in [0, 1)")
-        if not isinstance(self.repeats, int) or self.repeats < 1:
-            raise bad("--repeats", self.repeats, "must be an int >= 1")
-        if not self.timeout > 0:
-            raise bad("--timeout", self.timeout, "must be > 0 seconds")
+            raise bad("momentum", self.momentum, "must be in [0, 1)")
+        self.positive("timeout", unit=" seconds")
         largest = max(self.world_sizes) * self.batch_size
         if not isinstance(self.samples, int) or self.samples < largest:
-            raise bad(
-                "--samples",
-                self.samples,
-                f"must be an int >= world_size * batch_size = {largest}, so every run takes at least one step",
-            )
+            raise bad("samples", self.samples,
+                      f"must be an int >= world_size * batch_size = {largest}, so every run takes at least one step")  # fmt: skip
 
     def steps(self, world_size: int) -> int:
         """Optimizer steps that process ``samples`` samples with ``world_size`` ranks of ``batch_size``."""
@@ -187,22 +179,6 @@ def plan_runs(config: SuiteConfig) -> list[dict[str, Any]]:
     return specs
 
 
-# -- launching ----------------------------------------------------------------------------------
-
-
-def worker_argv(spec: dict[str, Any], out_dir: Path) -> list[str]:
-    """The command line of one rank of ``spec``."""
-    return [sys.executable, "-m", "lightning_pdist.bench.worker", "--spec", json.dumps(spec), "--out-dir", str(out_dir)]
-
-
-@dataclass
-class RunTiming:
-    """Wall and CPU time of one launch: whole-run wall, our CPU, and the CPU others used meanwhile."""
-
-    wall_s: float
-    ours_cpu_s: float
-    other_cpu_s: float | None
-
 
 # -- rows ---------------------------------------------------------------------------------------
 
@@ -212,7 +188,7 @@ def build_row(
     ranks: Sequence[dict[str, Any]],
     network: str,
     network_detail: str,
-    timing: RunTiming,
+    timing: Launched,
     rate: str | None = None,
     kernel_tx: Sequence[int] | None = None,
 ) -> dict[str, Any]:
@@ -260,7 +236,7 @@ def build_row(
         "process_wall_s": round(timing.wall_s, 3),
         "ranks_cpu_s": round(timing.ours_cpu_s, 2),
         "other_cpu_s": None if timing.other_cpu_s is None else round(timing.other_cpu_s, 2),
-        "other_load_cores": None if timing.other_cpu_s is None else round(timing.other_cpu_s / timing.wall_s, 2),
+        "other_load_cores": timing.other_load_cores,
         "replicas_agree": len({r["param_digest"] for r in ranks}) == 1,
         "kernel_tx_bytes_per_rank": None,
         "kernel_tx_phases_by_rank": None,
@@ -356,17 +332,6 @@ def comm_check(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 # -- running ------------------------------------------------------------------------------------
 
 
-def _run_one(
-    spec: dict[str, Any], launch: Callable[[list[str], int], list[subprocess.CompletedProcess]], out_dir: Path
-) -> tuple[list[dict[str, Any]], RunTiming]:
-    busy0, ours0, t0 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
-    launch(worker_argv(spec, out_dir), spec["world_size"])
-    wall, ours, busy1 = time.perf_counter() - t0, own_cpu_s() - ours0, busy_cpu_s()
-    # Other sessions share this machine's cores; their CPU time during the run says how far to trust wall times.
-    other = None if busy0 is None or busy1 is None else max(0.0, busy1 - busy0 - ours)
-    return read_results(out_dir, "rank", spec["world_size"], SUITE), RunTiming(wall, ours, other)
-
-
 def _describe(row: dict[str, Any]) -> str:
     period = "" if row["period"] is None else f" period={row['period']}"
     kernel = ""
@@ -384,63 +349,32 @@ def _describe(row: dict[str, Any]) -> str:
 class _Networks:
     """The networks of one suite run, each able to launch a spec's ranks; the emulated one is built once."""
 
-    def __init__(self, config: SuiteConfig, doc: dict[str, Any], log: Callable[[str], None]) -> None:
-        self.config, self.doc, self.log = config, doc, log
-        self.net: EmulatedNetwork | None = None
-        self.port = 29500
-        self.names: list[str] = []
+    def __init__(self, config: SuiteConfig, doc: dict[str, Any], scratch: Path, log: Callable[[str], None]) -> None:
+        self.config, self.doc = config, doc
+        self.launcher = Launcher(SUITE, scratch, config.timeout)
+        self.nets: dict[str, Any] = {}
+        self._stack = ExitStack()
         if "loopback" in config.networks:
-            detail = "loopback: every rank a process on this machine, 127.0.0.1 (lo), unshaped"
-            doc["networks"]["loopback"] = {"detail": detail}
-            self.names.append("loopback")
+            doc["networks"]["loopback"] = {"detail": "loopback: " + LOOPBACK.describe()}
+            self.nets["loopback"] = LOOPBACK
         if "emulated" in config.networks:
-            ok, reason = EmulatedNetwork.available()
-            if not ok:
-                doc["networks"]["emulated"] = {"skipped": reason}
-                log(f"averaging: emulated links are not available here, skipping them: {reason}")
-            else:
-                self.net = EmulatedNetwork(num_hosts=max(config.world_sizes), rate=config.rate)
-                try:
-                    goodput = measure_link_rate(self.net, 0, 1, LINK_PROBE_BYTES)
-                except BaseException:
-                    self.close()
-                    raise
-                doc["networks"]["emulated"] = {
-                    "detail": self.net.describe(),
-                    "rate": config.rate,
-                    "burst_bytes": self.net.burst_bytes,
-                    "measured_tcp_goodput_bytes_per_s": round(goodput),
-                }
-                log(f"averaging: {self.net.describe()}; TCP goodput host 0 -> 1: {goodput * 8 / 1e6:.1f} Mbit/s")
-                self.names.append("emulated")
+            net = self._stack.enter_context(emulated_network(SUITE, doc, "emulated", max(config.world_sizes), config.rate, log))
+            if net is not None:
+                self.nets["emulated"] = net
+        self.names = list(self.nets)
 
     def close(self) -> None:
-        if self.net is not None:
-            self.net.close()
+        self._stack.close()
 
-    def run(self, network: str, spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    def run(self, network: str, spec: dict[str, Any]) -> dict[str, Any]:
         """Launch ``spec`` on ``network``; return its row."""
-        config, env = self.config, worker_env()
+        net, ws = self.nets[network], spec["world_size"]
+        emulated = network == "emulated"
+        got = self.launcher.run("lightning_pdist.bench.worker", spec, ws, net, kernel_hosts=ws if emulated else 0)
         detail = self.doc["networks"][network]["detail"]
-        if network == "loopback":
-
-            def launch(argv: list[str], ws: int) -> list[subprocess.CompletedProcess]:
-                return launch_loopback(argv, ws, free_port(), env=env, timeout=config.timeout)
-
-            ranks, timing = _run_one(spec, launch, out_dir)
-            return build_row(spec, ranks, network, detail, timing)
-        net, ws = self.net, spec["world_size"]
-        assert net is not None
-        self.port += 1  # a fresh rendezvous port per run: the last run's sockets may linger in TIME_WAIT
-
-        def launch(argv: list[str], ws: int) -> list[subprocess.CompletedProcess]:
-            return launch_ranks(net, argv, ws, self.port, env=env, timeout=config.timeout)
-
-        before = [net.tx_bytes(i) for i in range(ws)]
-        ranks, timing = _run_one(spec, launch, out_dir)
-        # Read after the ranks exited: tbf queues may still hold bytes while they run.
-        kernel = [a - b for a, b in zip((net.tx_bytes(i) for i in range(ws)), before)]
-        return build_row(spec, ranks, network, detail, timing, rate=config.rate, kernel_tx=kernel)
+        if not emulated:
+            return build_row(spec, got.results, network, detail, got)
+        return build_row(spec, got.results, network, detail, got, rate=self.config.rate, kernel_tx=[tx for _, tx in got.kernel])
 
 
 def result_name(config: SuiteConfig) -> str:
@@ -449,33 +383,29 @@ def result_name(config: SuiteConfig) -> str:
     return f"{SUITE}_overhead.json" if config.overhead == "only" else f"{SUITE}.json"
 
 
-def run_overhead(config: SuiteConfig, out_dir: Path, log: Callable[[str], None] = print,
-                 steps: int | None = None, repeats: int | None = None) -> dict[str, Any]:  # fmt: skip
+def run_overhead(config: SuiteConfig, out_dir: Path, log: Callable[[str], None] = print, steps: int | None = None,
+                 repeats: int | None = None, warmup_steps: int | None = None) -> dict[str, Any]:  # fmt: skip
     """The overhead row (:mod:`lightning_pdist.bench.overhead`): one loopback launch of the smallest world size.
 
-    Returns ``{"spec", "rows", "wall_s", "other_load_cores"}``; ``steps`` and ``repeats`` override the steps per fit
-    and the repeats (tests).
+    Returns ``{"spec", "rows", "wall_s", "other_load_cores"}``; ``steps``, ``repeats`` and ``warmup_steps`` override
+    the timed steps per fit, the repeats and the untimed steps (tests).
     """
     spec = overhead_bench.overhead_spec(world_size=min(config.world_sizes), seed=config.seed,
                                         repeats=repeats or overhead_bench.OVERHEAD["repeats"])  # fmt: skip
     if steps is not None:
         spec["steps"] = {k: steps for k in spec["steps"]}
+    if warmup_steps is not None:
+        spec["warmup_steps"] = warmup_steps
 
-    def launch(argv: list[str], ws: int) -> list[subprocess.CompletedProcess]:
-        return launch_loopback(argv, ws, free_port(), env=worker_env(), timeout=config.timeout)
-
-    busy0, ours0, t0 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
-    launch(overhead_bench.worker_argv(spec, out_dir), spec["world_size"])
-    wall, ours, busy1 = time.perf_counter() - t0, own_cpu_s() - ours0, busy_cpu_s()
-    other = None if busy0 is None or busy1 is None else max(0.0, busy1 - busy0 - ours)
-    rows = overhead_bench.overhead_rows(read_results(out_dir, "overhead", spec["world_size"], SUITE))
+    got = Launcher(SUITE, out_dir, config.timeout).run("lightning_pdist.bench.overhead", spec, spec["world_size"],
+                                                     files=[("overhead", spec["world_size"])])  # fmt: skip
+    rows = overhead_bench.overhead_rows(got.results)
     for row in rows:
         log(f"overhead, width {row['width']}: ddp {row['ddp_ms_per_step']:.3f} ms/step, pdist_ddp "
             f"{row['pdist_ddp_ms_per_step']:.3f} ms/step, ratio {row['ratio']:.3f} (20th percentiles "
             f"{row['ratio_p20']:.3f}, CPU time {row['ratio_cpu']:.3f}; ddp against itself {row['control_ratio']:.3f}; "
             f"by repeat {row['ratio_by_repeat']})")
-    return {"spec": spec, "rows": rows, "wall_s": round(wall, 1),
-            "other_load_cores": None if other is None else round(other / wall, 2)}  # fmt: skip
+    return {"spec": spec, "rows": rows, "wall_s": round(got.wall_s, 1), "other_load_cores": got.other_load_cores}
 
 
 def merge_repeats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -515,7 +445,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
             shutil.rmtree(scratch, ignore_errors=True)
             raise
     only = config.overhead == "only"
-    networks = _Networks(replace(config, networks=("loopback",)) if only else config, doc, log)
+    networks = _Networks(replace(config, networks=("loopback",)) if only else config, doc, scratch, log)
     try:
         specs = plan_runs(config) if not only else []
         total, done = len(specs) * len(networks.names) * config.repeats, 0
@@ -524,7 +454,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
                 repeats = []
                 for _ in range(config.repeats):
                     done += 1
-                    repeats.append(networks.run(network, spec, scratch / f"run{done}"))
+                    repeats.append(networks.run(network, spec))
                     log(f"[{done}/{total}] {_describe(repeats[-1])}")
                 doc["rows"].append(merge_repeats(repeats))
     finally:
@@ -645,16 +575,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
     Everything here is read from ``doc``; ``json_path`` only names where the file was written.
     """
     host = doc["host"]
-    nets = "\n".join(
-        f"- {info['detail'] if 'detail' in info else name + ' skipped: ' + info['skipped']}"
-        + (
-            f" (burst {info['burst_bytes']} B; TCP goodput host 0 → 1 measured at "
-            f"{info['measured_tcp_goodput_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s)"
-            if "measured_tcp_goodput_bytes_per_s" in info
-            else ""
-        )
-        for name, info in doc["networks"].items()
-    )
+    nets = "\n".join(network_lines(doc, named=False))
     first = doc["rows"][0] if doc["rows"] else {}
     lines = [
         f"Command: `{doc['command']}`  ",
@@ -782,73 +703,14 @@ def plot(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "averagi
 
 # -- command line -------------------------------------------------------------------------------
 
-
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the suite's options to ``parser``."""
-    parser.add_argument("--quick", action="store_true",
-                        help=f"the small plan (world sizes {QUICK['world_sizes']}, periods {QUICK['periods']}); "
-                        "under 5 minutes with both networks on 2 cores. Without it: "
-                        f"world sizes {FULL['world_sizes']}, periods {FULL['periods']}")  # fmt: skip
-    parser.add_argument("--out", required=True, type=Path,
-                        help="directory for averaging.json and averaging.png (averaging_overhead.json with "
-                        "--overhead only)")  # fmt: skip
-    parser.add_argument("--network", choices=("loopback", "emulated", "both"), default="both",
-                        help="loopback (127.0.0.1), emulated (netns + tbf links, needs root) "
-                        "or both (default)")  # fmt: skip
-    parser.add_argument("--rate", default=DEFAULTS["rate"],
-                        help="emulated link rate each way, tc syntax (default %(default)s)")  # fmt: skip
-    parser.add_argument("--world-size", type=int, nargs="+", default=None, dest="world_sizes",
-                        help="ranks per run, one or more (default: 2 with --quick, 2 4 without)")  # fmt: skip
-    parser.add_argument("--periods", type=int, nargs="+", default=None,
-                        help="periods of local_sgd/bmuf/easgd (default: 8 with --quick, 2 8 32 without)")  # fmt: skip
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), metavar="NAME",
-                        help=f"strategies to run, from {', '.join(STRATEGIES)} (default: all)")  # fmt: skip
-    parser.add_argument("--samples", type=int, default=DEFAULTS["samples"],
-                        help="training samples per run, over all ranks (default %(default)s)")  # fmt: skip
-    parser.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="per rank (default %(default)s)")
-    parser.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="SGD learning rate (default %(default)s)")
-    parser.add_argument("--momentum", type=float, default=DEFAULTS["momentum"],
-                        help="SGD momentum (default %(default)s)")  # fmt: skip
-    parser.add_argument("--width", type=int, default=DEFAULTS["width"], help="SmallCNN width (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=DEFAULTS["seed"],
-                        help="seed of weights and data (default %(default)s)")  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="runs per strategy and network; rows keep the fastest (default %(default)s)")  # fmt: skip
-    parser.add_argument("--overhead", choices=OVERHEAD_CHOICES, default="yes",
-                        help="the pdist_ddp-vs-ddp step-time row on loopback: yes (default), no, or only "
-                        "(just that row, about a minute and a half)")  # fmt: skip
-    parser.add_argument("--timeout", type=float, default=DEFAULTS["timeout"],
-                        help="seconds per run (default %(default)s)")  # fmt: skip
+CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="averaging.json and averaging.png",
+               either={"networks": NETWORKS},
+               parsers={"overhead": Literal["yes", "no", "only"]})  # fmt: skip
 
 
-def config_from_args(args: argparse.Namespace) -> SuiteConfig:
-    """The validated :class:`SuiteConfig` of parsed arguments (``ValueError`` names a bad option)."""
-    plan = QUICK if args.quick else FULL
-    return SuiteConfig(
-        networks=NETWORKS if args.network == "both" else (args.network,),
-        rate=args.rate,
-        world_sizes=tuple(args.world_sizes) if args.world_sizes else plan["world_sizes"],
-        periods=tuple(args.periods) if args.periods else plan["periods"],
-        strategies=tuple(args.strategies),
-        samples=args.samples,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        momentum=args.momentum,
-        width=args.width,
-        seed=args.seed,
-        timeout=args.timeout,
-        repeats=args.repeats,
-        quick=args.quick,
-        overhead=args.overhead,
-    )
-
-
-def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Run the suite for parsed ``args`` (``argv`` is recorded as the command); print the tables."""
-    config = cli_config(SUITE, config_from_args, args)
-    if config is None:
-        return 2
-    doc = run_suite(config, args.out, command_line(SUITE, argv))
+def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
+    """Run the suite (``argv`` is recorded as the command); print the tables."""
+    doc = run_suite(config, out, command_line(SUITE, argv))
     print()
     if doc["rows"]:
         print(results_table(doc["rows"]))
@@ -860,7 +722,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print()
         print("kernel tx_bytes vs logged bytes (emulated links):")
         print(check_table(doc["comm_check"]))
-    written = [Path(args.out) / result_name(config)] + ([Path(args.out) / f"{SUITE}.png"] if doc["rows"] else [])
+    written = [Path(out) / result_name(config)] + ([Path(out) / f"{SUITE}.png"] if doc["rows"] else [])
     print(f"\nwrote {' and '.join(str(w) for w in written)}", end="")
     print(f" in {doc['suite_wall_s']} s")
     if not doc["rows"] and not doc.get("overhead"):

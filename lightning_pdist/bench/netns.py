@@ -54,7 +54,9 @@ from collections.abc import Sequence
 
 __all__ = [
     "EmulatedNetwork",
+    "LOOPBACK",
     "LaunchError",
+    "Loopback",
     "default_burst_bytes",
     "launch_ranks",
     "measure_link_rate",
@@ -460,23 +462,53 @@ def _tail(text: str, lines: int = 20) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
+class Loopback:
+    """The hosts of a run on this machine: every rank a process on 127.0.0.1 (``lo``), unshaped.
+
+    It answers what :func:`launch_ranks` asks of an :class:`EmulatedNetwork` (``host_ip``, ``ifname``,
+    ``exec_prefix``, ``namespace``), so one launcher runs the same worker on either.
+    """
+
+    num_hosts = 1 << 16
+    closed = False
+
+    def host_ip(self, i: int) -> str:
+        return "127.0.0.1"
+
+    def ifname(self, i: int) -> str:
+        return "lo"
+
+    def exec_prefix(self, i: int) -> list[str]:
+        return []
+
+    def namespace(self, i: int) -> str:
+        return "loopback"
+
+    def describe(self) -> str:
+        return "every rank a process on this machine, 127.0.0.1 (lo), unshaped"
+
+
+LOOPBACK = Loopback()
+
+
 def launch_ranks(
-    net: EmulatedNetwork,
+    net: EmulatedNetwork | Loopback,
     argv: Sequence[str],
     world_size: int,
     master_port: int,
     env: dict[str, str] | None = None,
     timeout: float = 600,
 ) -> list[subprocess.CompletedProcess]:
-    """Run ``argv`` as ``world_size`` ranks, rank ``i`` inside host ``i``, and wait for all of them.
+    """Run ``argv`` as ``world_size`` ranks, rank ``i`` inside host ``i`` of ``net``, and wait for all of them.
 
-    Each rank gets the environment of this process, then ``OMP_NUM_THREADS=1`` and
-    ``PYTHONUNBUFFERED=1`` (``env`` may override these), then ``env``, then the per-rank variables
-    that ``torch.distributed``'s ``env://`` rendezvous and Lightning read:
+    ``net`` is an open :class:`EmulatedNetwork` or :data:`LOOPBACK` (every rank on 127.0.0.1). Each rank
+    gets the environment of this process, then ``OMP_NUM_THREADS=1`` and ``PYTHONUNBUFFERED=1`` (``env``
+    may override these), then ``env``, then the per-rank variables that ``torch.distributed``'s ``env://``
+    rendezvous and Lightning read:
 
     ``RANK=i``, ``WORLD_SIZE``, ``LOCAL_RANK=0``, ``LOCAL_WORLD_SIZE=1``, ``NODE_RANK=i``,
     ``MASTER_ADDR`` (host 0's address), ``MASTER_PORT``, and ``GLOO_SOCKET_IFNAME`` /
-    ``TP_SOCKET_IFNAME`` (host ``i``'s veth, so gloo and TensorPipe bind to the shaped link).
+    ``TP_SOCKET_IFNAME`` (host ``i``'s veth, or ``lo``, so gloo and TensorPipe bind to the shaped link).
 
     One process per host, each its own "node": a Lightning script runs as
     ``Trainer(num_nodes=world_size, devices=1)``. TensorPipe RPC is only shaped with
@@ -485,7 +517,7 @@ def launch_ranks(
     on the same network.
 
     Args:
-        net: An open network with at least ``world_size`` hosts.
+        net: An open network with at least ``world_size`` hosts, or :data:`LOOPBACK`.
         argv: The command, e.g. ``[sys.executable, "rank.py", "--steps", "10"]``.
         world_size: Number of ranks.
         master_port: Port of the rendezvous store on host 0.
@@ -501,8 +533,8 @@ def launch_ranks(
             3 s), so no process outlives the call; the message names the rank and ends with the
             tail of its stderr.
     """
-    if not isinstance(net, EmulatedNetwork):
-        raise TypeError(f"launch_ranks(net={net!r}): net must be an EmulatedNetwork")
+    if not isinstance(net, (EmulatedNetwork, Loopback)):
+        raise TypeError(f"launch_ranks(net={net!r}): net must be an EmulatedNetwork or LOOPBACK")
     if net.closed:
         raise RuntimeError("launch_ranks(net=...): the network is closed")
     if isinstance(argv, (str, bytes)) or not all(isinstance(a, str) for a in argv) or not argv:
@@ -562,7 +594,7 @@ def launch_ranks(
         _stop_all(procs)
 
     results = []
-    for rank, (proc, (out, err)) in enumerate(zip(procs, files)):
+    for proc, (out, err) in zip(procs, files):
         out.seek(0)
         err.seek(0)
         results.append(

@@ -24,17 +24,15 @@ rank's CPU time per step (``ratio_cpu``, the process's threads included) the lea
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from lightning_pdist.bench.report import check_spec_keys
+from lightning_pdist.bench.launch import worker_main
 
 #: ``ddp_again`` is Lightning's ``ddp`` once more: its ratio to ``ddp`` is the noise of the measurement itself.
 STRATEGIES = ("ddp", "pdist_ddp", "ddp_again")
@@ -50,11 +48,6 @@ def overhead_spec(world_size: int = 2, seed: int = 0, widths: Sequence[int] = OV
     return {"world_size": world_size, "widths": list(widths), "repeats": repeats, "seed": seed,
             "steps": {str(w): OVERHEAD["steps"].get(w, max(36, 120 * 16 // w)) for w in widths},
             "warmup_steps": OVERHEAD["warmup_steps"], "batch_size": OVERHEAD["batch_size"]}  # fmt: skip
-
-
-def worker_argv(spec: dict[str, Any], out_dir: Path) -> list[str]:
-    """The command line of one rank."""
-    return [sys.executable, "-m", "lightning_pdist.bench.overhead", "--spec", json.dumps(spec), "--out-dir", str(out_dir)]
 
 
 def _strategy(name: str) -> Any:
@@ -112,8 +105,6 @@ def run_rank(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
                              "step_ms": [round(1000 * (b - a), 4) for a, b in zip(ends, ends[1:])],
                              "cpu_ms_per_step": 1000 * (cpu[-1] - cpu[0]) / max(1, len(cpu) - 1)})  # fmt: skip
     result = {"rank": rank, "fits": fits}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"overhead{rank}.json").write_text(json.dumps(result))
     return result
 
 
@@ -159,14 +150,5 @@ def overhead_rows(ranks: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_pdist.bench.overhead", description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True, help="the spec as a JSON object (keys: %s)" % ", ".join(SPEC_KEYS))
-    parser.add_argument("--out-dir", required=True, type=Path, help="where overhead<r>.json is written")
-    args = parser.parse_args(argv)
-    run_rank(json.loads(args.spec), args.out_dir)
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(worker_main("lightning_pdist.bench.overhead", __doc__, lambda spec: spec, run_rank, prefix="overhead"))

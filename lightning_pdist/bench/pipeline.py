@@ -34,30 +34,21 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from lightning_pdist.bench.launch import busy_cpu_s, free_port, launch_loopback, own_cpu_s, read_results, worker_env
-from lightning_pdist.bench.netns import EmulatedNetwork, LaunchError, launch_ranks, measure_link_rate, parse_rate
-from lightning_pdist.bench.report import (
-    check_rows,
-    finish_suite,
-    markdown_table,
-    new_document,
-    output_dir,
-    run_documented_suite,
-    run_lines,
-    save_figure,
-)
+from lightning_pdist.bench.cli import SuiteCli, SuiteRules
+from lightning_pdist.bench.launch import Launcher, emulated_network
+from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, parse_rate
+from lightning_pdist.bench.report import (check_rows, finish_suite, markdown_table, network_lines, new_document,
+                                          output_dir, run_documented_suite, run_lines, save_figure)
 
 SUITE = "pipeline"
 PARTS = ("throughput", "bubble", "stash", "convergence")
@@ -75,7 +66,7 @@ FULL = {"width": 1024, "steps": 20, "warmup_steps": 3, "epochs": 8, "seeds": (0,
 
 
 @dataclass(frozen=True)
-class SuiteConfig:
+class SuiteConfig(SuiteRules):
     """Everything that decides what the suite runs; validated on construction.
 
     Raises:
@@ -83,84 +74,93 @@ class SuiteConfig:
     """
 
     parts: tuple[str, ...] = PARTS
+    """any of throughput, bubble, stash, convergence (bytes come with convergence)"""
     networks: tuple[str, ...] = NETWORKS
+    """throughput networks"""
     rate: str = "100mbit"
+    """emulated links' rate, both ways"""
     stages: tuple[int, ...] = (2, 4)
+    """stage counts of the throughput part"""
     engines: tuple[str, ...] = ENGINES
+    """throughput engines, any of ours_gpipe ours_1f1b ours_pipedream ours_2bw torch_gpipe torch_1f1b ddp deepspeed fairscale lightning"""
     width: int = QUICK["width"]
+    """MLP width"""
     depth: int = 8
+    """Linear layers of the MLP"""
     batch_size: int = 64
+    """global batch"""
     num_microbatches: int = 4
+    """micro-batches per batch"""
     warmup_steps: int = QUICK["warmup_steps"]
+    """untimed steps"""
     steps: int = QUICK["steps"]
+    """timed steps"""
     lr: float = 1e-3
+    """SGD lr of the throughput MLP"""
     bubble_points: tuple[tuple[int, int], ...] = ((2, 2), (2, 4), (2, 8), (4, 4))
+    """K:m points of the bubble part"""
     bubble_width: int = 1024
+    """MLP width of the bubble part"""
     stash_stages: tuple[int, ...] = (2,)
+    """stage counts of the stash part"""
     stash_width: int = 2048
+    """layer width of the stash part (2048: 16.8 MB a layer)"""
     methods: tuple[str, ...] = METHODS
+    """convergence runs, any of ddp gpipe pipedream pipedream_nostash 2bw"""
     converge_stages: int = 2
+    """ranks of the convergence part"""
     converge_lr: float = 0.2
+    """SGD lr of the convergence part"""
     converge_batch_size: int = 32
+    """global batch of the convergence part"""
     epochs: int = QUICK["epochs"]
+    """epochs of the convergence part"""
     seeds: tuple[int, ...] = QUICK["seeds"]
+    """seeds of the convergence part"""
     timeout: float = 600.0
+    """seconds per launch"""
     quick: bool = True
+    SUITE: ClassVar[str] = SUITE
+    FLAGS: ClassVar[dict[str, str]] = {"networks": "--network", "num_microbatches": "--microbatches"}
 
     @property
     def converge_microbatches(self) -> int:
         return max(4, self.converge_stages)
 
     def __post_init__(self) -> None:
-        def bad(option: str, value: Any, rule: str) -> ValueError:
-            return ValueError(f"{SUITE}({option}={value!r}): {rule}")
-
-        for option, values, allowed in (("--parts", self.parts, PARTS), ("--network", self.networks, NETWORKS),
-                                        ("--engines", self.engines, ENGINES), ("--methods", self.methods, METHODS),
-                                        ("--stages", self.stages, None),
-                                        ("--stash-stages", self.stash_stages, None), ("--seeds", self.seeds, None),
-                                        ("--bubble-points", self.bubble_points, None)):  # fmt: skip
-            if not values or len(set(values)) != len(values):
-                raise bad(option, values, "give at least one value, none repeated")
-            if allowed is not None and any(v not in allowed for v in values):
-                raise bad(option, values, f"each value must be one of {allowed}")
-        for option, values in (("--stages", self.stages), ("--stash-stages", self.stash_stages),
-                               ("--converge-stages", (self.converge_stages,))):  # fmt: skip
+        bad = self.bad
+        for name, allowed in (("parts", PARTS), ("networks", NETWORKS), ("engines", ENGINES), ("methods", METHODS),
+                              ("stages", None), ("stash_stages", None), ("seeds", None), ("bubble_points", None)):  # fmt: skip
+            self.distinct(name, allowed)
+        for name, values in (("stages", self.stages), ("stash_stages", self.stash_stages), ("converge_stages", (self.converge_stages,))):
             if any(isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= 8 for k in values):
-                raise bad(option, values if len(values) > 1 else values[0], "a stage count must be an int in [2, 8]")
-        for option, value in (("--width", self.width), ("--depth", self.depth), ("--batch-size", self.batch_size),
-                              ("--microbatches", self.num_microbatches), ("--warmup-steps", self.warmup_steps),
-                              ("--steps", self.steps), ("--bubble-width", self.bubble_width),
-                              ("--stash-width", self.stash_width), ("--converge-batch-size", self.converge_batch_size),
-                              ("--epochs", self.epochs)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise bad(option, value, "must be an int >= 1")
+                raise bad(name, values if len(values) > 1 else values[0], "a stage count must be an int in [2, 8]")
+        self.ints("width", "depth", "batch_size", "num_microbatches", "warmup_steps", "steps", "bubble_width", "stash_width",
+                  "converge_batch_size", "epochs")  # fmt: skip
         if any(not isinstance(s, int) or s < 0 for s in self.seeds):
-            raise bad("--seeds", self.seeds, "each seed must be an int >= 0")
+            raise bad("seeds", self.seeds, "each seed must be an int >= 0")
         # The throughput and bubble parts' own rules apply only when they run (a tiny stash-only run needs no K:m).
         for k in self.stages if "throughput" in self.parts else ():
             if self.depth % k:
-                raise bad("--depth", self.depth, f"must be a multiple of every stage count (--stages {list(self.stages)})")
+                raise bad("depth", self.depth, f"must be a multiple of every stage count (--stages {list(self.stages)})")
             if self.num_microbatches < k:
-                raise bad("--microbatches", self.num_microbatches, f"must be >= the stage count {k}: 1f1b and 2bw keep K in flight")
+                raise bad("num_microbatches", self.num_microbatches, f"must be >= the stage count {k}: 1f1b and 2bw keep K in flight")
         if "throughput" in self.parts and (self.batch_size % self.num_microbatches or any(self.batch_size % k for k in self.stages)):
-            raise bad("--batch-size", self.batch_size, "must be a multiple of --microbatches and of every stage count "
+            raise bad("batch_size", self.batch_size, "must be a multiple of --microbatches and of every stage count "
                       "(DeepSpeed's micro-batches and DDP's shards are whole)")  # fmt: skip
         for point in self.bubble_points if "bubble" in self.parts else ():
             if len(point) != 2 or not all(isinstance(v, int) for v in point) or not 2 <= point[0] <= 8 or point[1] < point[0]:
-                raise bad("--bubble-points", point, "each point is K:m with K in [2, 8] and m >= K (1f1b and 2bw need it)")
+                raise bad("bubble_points", point, "each point is K:m with K in [2, 8] and m >= K (1f1b and 2bw need it)")
             if self.depth % point[0] or self.batch_size % point[1]:
-                raise bad("--bubble-points", point, f"K must divide --depth ({self.depth}) and m --batch-size ({self.batch_size})")
+                raise bad("bubble_points", point, f"K must divide --depth ({self.depth}) and m --batch-size ({self.batch_size})")
         if self.converge_batch_size % self.converge_microbatches or self.converge_batch_size % self.converge_stages:
-            raise bad("--converge-batch-size", self.converge_batch_size, f"must be a multiple of the {self.converge_microbatches} "
+            raise bad("converge_batch_size", self.converge_batch_size, f"must be a multiple of the {self.converge_microbatches} "
                       "micro-batches and of --converge-stages (DDP's shards of the same global batch are whole)")  # fmt: skip
         try:
             parse_rate(self.rate)
         except ValueError:
-            raise bad("--rate", self.rate, "must look like '100mbit' or '1gbit'") from None
-        for option, value in (("--lr", self.lr), ("--converge-lr", self.converge_lr), ("--timeout", self.timeout)):
-            if not value > 0:
-                raise bad(option, value, "must be > 0")
+            raise bad("rate", self.rate, "must look like '100mbit' or '1gbit'") from None
+        self.positive("lr", "converge_lr", "timeout")
 
 
 # -- the plan --------------------------------------------------------------------------------------------
@@ -222,37 +222,21 @@ def ddp_bytes(steps: int, params: int, ranks: int) -> int:
 
 
 class Runner:
-    """Launches worker runs on loopback or on one emulated network; says how busy the rest of the machine was."""
+    """Launches worker runs on loopback or on one emulated network (``net``); says how busy the rest of the machine was."""
 
     def __init__(self, config: SuiteConfig, scratch: Path, log: Callable[[str], None]) -> None:
-        self.config, self.scratch, self.log = config, scratch, log
-        self.env = worker_env()
-        self.count = 0
-        self.port = 29700
+        self.config, self.log = config, log
+        self.launcher = Launcher(SUITE, scratch, config.timeout, port=29700)
         self.net: EmulatedNetwork | None = None
 
     def launch(self, spec: dict[str, Any], processes: int, network: str, env: dict[str, str] | None = None) -> dict[str, Any]:
         """Run ``spec`` on ``processes`` ranks; their results, or ``{"error": ...}`` when a rank failed."""
-        self.count += 1
-        self.port += 1  # a fresh rendezvous port per run: the last run's sockets may linger in TIME_WAIT
-        out = self.scratch / f"run{self.count}"
-        argv = [sys.executable, "-m", "lightning_pdist.bench.pipeline_worker", "--spec", json.dumps(spec), "--out-dir", str(out)]
-        env = {**self.env, **(env or {})}
-        busy0, ours0, t0 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
-        try:
-            if network == "loopback":
-                launch_loopback(argv, processes, free_port(), env=env, timeout=self.config.timeout)
-            else:
-                launch_ranks(self.net, argv, processes, self.port, env=env, timeout=self.config.timeout)
-        except LaunchError as err:  # the row says why; the launcher already stopped the other ranks
-            lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-            return {"error": " | ".join(dict.fromkeys([lines[0], lines[-1]]))[:500], "ranks": []}
-        wall, ours, busy1 = time.perf_counter() - t0, own_cpu_s() - ours0, busy_cpu_s()
-        # Other sessions share the cores; their CPU time during the run says how far to trust the timings.
-        other = None if busy0 is None or busy1 is None else round(max(0.0, busy1 - busy0 - ours) / wall, 2)
-        ranks = read_results(out, "rank", processes, SUITE)
-        error = next((r["error"] for r in ranks if "error" in r), None)
-        return {"error": error, "ranks": ranks, "wall_s": round(wall, 1), "other_load_cores": other}
+        net = LOOPBACK if network == "loopback" else self.net
+        got = self.launcher.run("lightning_pdist.bench.pipeline_worker", spec, processes, net, env=env, errors=500)
+        if got.error is not None:  # the row says why; the launcher already stopped the other ranks
+            return {"error": got.error, "ranks": []}
+        error = next((r["error"] for r in got.results if "error" in r), None)
+        return {"error": error, "ranks": got.results, "wall_s": round(got.wall_s, 1), "other_load_cores": got.other_load_cores}
 
 
 def throughput_rows(result: dict[str, Any], spec: dict[str, Any], processes: int, network: str, engine: str = "") -> list[dict[str, Any]]:
@@ -458,24 +442,18 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
 
     doc["part_wall_s"] = {}
     if "loopback" in config.networks or set(config.parts) - {"throughput"}:  # bubble, stash and convergence run on it
-        doc["networks"]["loopback"] = {"detail": "every rank a process on this machine, 127.0.0.1 (lo), unshaped"}
+        doc["networks"]["loopback"] = {"detail": LOOPBACK.describe()}
     try:
         if "throughput" in config.parts:
             for network in config.networks:
                 if network == "loopback":
                     doc["rows"] += run_throughput(runner, config, "loopback")
                     continue
-                ok, reason = EmulatedNetwork.available()
                 key = f"emulated {config.rate}"
-                if not ok:
-                    doc["networks"][key] = {"skipped": reason}
-                    log(f"{SUITE}: emulated links are not available here, skipping {key}: {reason}")
-                    continue
-                with EmulatedNetwork(num_hosts=max(config.stages), rate=config.rate) as net:
+                with emulated_network(SUITE, doc, key, max(config.stages), config.rate, log) as net:
+                    if net is None:
+                        continue
                     runner.net = net
-                    goodput = measure_link_rate(net, 0, 1, 4 << 20)
-                    doc["networks"][key] = {"detail": net.describe(), "rate": config.rate, "burst_bytes": net.burst_bytes,
-                                            "measured_tcp_goodput_bytes_per_s": round(goodput)}  # fmt: skip
                     rows = run_throughput(runner, config, key)
                     doc["rows"] += [{**r, "rate": config.rate} if r["network"] == key else r for r in rows]
             if any(r["network"] == "single process" for r in doc["rows"]):
@@ -537,8 +515,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         *run_lines(doc, json_path),
     ]
     if doc["rows"]:
-        nets = "\n".join(f"- {name}: {info.get('detail', 'skipped: ' + str(info.get('skipped')))}"
-                         for name, info in doc["networks"].items())  # fmt: skip
+        nets = "\n".join(network_lines(doc, goodput=None))
         lines += ["", "### Throughput", "", f"MLP: {cfg['depth']} × Linear({cfg['width']}, {cfg['width']}), batch "
                   f"{cfg['batch_size']} in {cfg['num_microbatches']} micro-batches, {cfg['warmup_steps']} untimed + "
                   f"{cfg['steps']} timed steps (median of the slowest stage). More processes than CPUs means "
@@ -649,61 +626,20 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
 # -- command line ----------------------------------------------------------------------------------------
 
 
-def _point(text: str) -> tuple[int, int]:
+def _point(text: Any) -> tuple[int, int]:
+    if isinstance(text, tuple):  # jsonargparse checks a parsed value again
+        return text
     k, sep, m = text.partition(":")
     if not sep or not k.isdigit() or not m.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r} is not K:m (two ints, e.g. 2:4)")
     return int(k), int(m)
 
 
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the suite's options to ``parser``."""
-    d = SuiteConfig()
-    add = parser.add_argument
-    add("--quick", action="store_true", help=f"the small plan ({QUICK}); without it: {FULL}")
-    add("--out", required=True, type=Path, help="directory for pipeline.json, pipeline.png and docs_section.md")
-    add("--parts", nargs="+", default=list(PARTS), help=f"any of {PARTS} (default all; bytes come with convergence)")
-    add("--network", choices=("loopback", "emulated", "both"), default="both", help="throughput networks (default both)")
-    add("--rate", default=d.rate, help="emulated links' rate, both ways (default %(default)s)")
-    add("--stages", type=int, nargs="+", default=list(d.stages), help="stage counts of the throughput part (default %(default)s)")
-    add("--engines", nargs="+", default=list(ENGINES), help=f"any of {ENGINES}")
-    add("--width", type=int, default=None, help="MLP width (default 512 quick, 1024 full)")
-    add("--depth", type=int, default=d.depth, help="Linear layers of the MLP (default %(default)s)")
-    add("--batch-size", type=int, default=d.batch_size, help="global batch (default %(default)s)")
-    add("--microbatches", type=int, default=d.num_microbatches, dest="num_microbatches",
-        help="micro-batches per batch (default %(default)s)")
-    add("--warmup-steps", type=int, default=None, help="untimed steps (default 2 quick, 3 full)")
-    add("--steps", type=int, default=None, help="timed steps (default 5 quick, 20 full)")
-    add("--bubble-points", type=_point, nargs="+", default=list(d.bubble_points),
-        help="K:m points of the bubble part (default 2:2 2:4 2:8 4:4)")
-    add("--bubble-width", type=int, default=d.bubble_width, help="MLP width of the bubble part (default %(default)s)")
-    add("--stash-stages", type=int, nargs="+", default=list(d.stash_stages), help="stage counts of the stash part (default %(default)s)")
-    add("--stash-width", type=int, default=d.stash_width, help="layer width of the stash part (default %(default)s: 16.8 MB a layer)")
-    add("--methods", nargs="+", default=list(METHODS), help=f"convergence runs, any of {METHODS}")
-    add("--converge-stages", type=int, default=d.converge_stages, help="ranks of the convergence part (default %(default)s)")
-    add("--converge-lr", type=float, default=d.converge_lr, help="SGD lr of the convergence part (default %(default)s)")
-    add("--converge-batch-size", type=int, default=d.converge_batch_size, help="global batch of the convergence part (default %(default)s)")
-    add("--epochs", type=int, default=None, help="epochs of the convergence part (default 3 quick, 8 full)")
-    add("--seeds", type=int, nargs="+", default=None, help="seeds of the convergence part (default 0 quick, 0 1 full)")
-    add("--timeout", type=float, default=d.timeout, help="seconds per launch (default %(default)s)")
+CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="pipeline.json, pipeline.png and docs_section.md",
+               either={"networks": NETWORKS},
+               parsers={"bubble_points": _point})  # fmt: skip
 
 
-def config_from_args(args: argparse.Namespace) -> SuiteConfig:
-    """The validated :class:`SuiteConfig` of parsed arguments (``ValueError`` names a bad option)."""
-    plan = QUICK if args.quick else FULL
-    pick = lambda value, key: plan[key] if value is None else value  # noqa: E731
-    return SuiteConfig(
-        parts=tuple(args.parts), networks=NETWORKS if args.network == "both" else (args.network,), rate=args.rate,
-        stages=tuple(args.stages), engines=tuple(args.engines), width=pick(args.width, "width"), depth=args.depth,
-        batch_size=args.batch_size, num_microbatches=args.num_microbatches, warmup_steps=pick(args.warmup_steps, "warmup_steps"),
-        steps=pick(args.steps, "steps"), bubble_points=tuple(args.bubble_points), bubble_width=args.bubble_width,
-        stash_stages=tuple(args.stash_stages), stash_width=args.stash_width, methods=tuple(args.methods),
-        converge_stages=args.converge_stages,
-        converge_lr=args.converge_lr, converge_batch_size=args.converge_batch_size, epochs=pick(args.epochs, "epochs"),
-        seeds=tuple(pick(args.seeds, "seeds")), timeout=args.timeout, quick=args.quick,
-    )  # fmt: skip
-
-
-def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Run the suite for parsed ``args`` (``argv`` is recorded as the command); print the tables."""
-    return run_documented_suite(SUITE, args, argv, config_from_args, run_suite, docs_section)
+def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
+    """Run the suite (``argv`` is recorded as the command); write and print its docs section."""
+    return run_documented_suite(SUITE, config, out, argv, run_suite, docs_section)

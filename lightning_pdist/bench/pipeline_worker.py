@@ -1,7 +1,7 @@
 """One process of the pipeline suite: ``python -m lightning_pdist.bench.pipeline_worker --spec JSON --out-dir DIR``.
 
-Launched once per rank by :func:`~lightning_pdist.bench.launch.launch_loopback` or
-:func:`~lightning_pdist.bench.netns.launch_ranks` (rank ``r`` is pipeline stage ``r``); ``spec["job"]`` says
+Launched once per rank by :func:`~lightning_pdist.bench.netns.launch_ranks` on loopback or emulated
+links (rank ``r`` is pipeline stage ``r``); ``spec["job"]`` says
 what the rank runs, and each rank writes ``DIR/rank<r>.json``:
 
 * ``engines``: every case of ``spec["cases"]`` in turn on the same MLP (:func:`mlp_layers`), the same batches
@@ -25,14 +25,13 @@ Every rank uses one thread (``torch.set_num_threads(1)``): the ranks already sha
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from lightning_pdist.bench.report import check_spec_keys
+from lightning_pdist.bench.launch import worker_main
 
 SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw")
 ENGINES = ("ours", "torch", "ddp")
@@ -506,21 +505,14 @@ JOBS = {"engines": job_engines, "deepspeed": job_deepspeed, "fairscale": job_fai
         "stash": job_stash, "converge": job_converge}  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_pdist.bench.pipeline_worker", description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True, help="the run spec as a JSON object")
-    parser.add_argument("--out-dir", required=True, type=Path, help="where rank<r>.json is written")
-    args = parser.parse_args(argv)
-    spec = check_spec(json.loads(args.spec))
+def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """One stage (rank) of the launch: run the spec's job; its result (``rank<r>.json``)."""
     import torch
 
     torch.set_num_threads(1)  # one core per rank; the ranks already share the machine
     rank = int(os.environ.get("RANK", "0"))
-    result = {"rank": rank, "job": spec["job"], **JOBS[spec["job"]](spec, rank)}
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"rank{rank}.json").write_text(json.dumps(result))
-    return 0
+    return {"rank": rank, "job": spec["job"], **JOBS[spec["job"]](spec, rank)}
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(worker_main("lightning_pdist.bench.pipeline_worker", __doc__, check_spec, run))

@@ -33,28 +33,20 @@ status 1: loopback figures are never passed off as network figures.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from lightning_pdist.bench.launch import read_results, worker_env
-from lightning_pdist.bench.netns import launch_ranks, parse_rate
-from lightning_pdist.bench.report import (
-    finish_suite,
-    markdown_table,
-    new_document,
-    run_documented_suite,
-    run_lines,
-    save_figure,
-)
+from lightning_pdist.bench.cli import SuiteCli, SuiteRules
+from lightning_pdist.bench.launch import Launcher, emulated_network
+from lightning_pdist.bench.netns import parse_rate
+from lightning_pdist.bench.report import (finish_suite, markdown_table, new_document, run_documented_suite, run_lines,
+                                          save_figure)
 
 SUITE = "ps_sharding"
 PARTS = ("sharding", "straggler")
@@ -68,7 +60,7 @@ SERVER_PORT = 29400
 
 
 @dataclass(frozen=True)
-class SuiteConfig:
+class SuiteConfig(SuiteRules):
     """Everything that decides what the suite runs; validated on construction.
 
     Raises:
@@ -76,49 +68,51 @@ class SuiteConfig:
     """
 
     parts: tuple[str, ...] = PARTS
+    """sharding (Part A), straggler (Part B) or both"""
     workers: tuple[int, ...] = (1, 2, 4, 8)
+    """worker counts"""
     shardings: tuple[str, ...] = SHARDINGS
+    """layer, memory or both"""
     workers_per_server: int = 2
+    """servers = ceil(workers / this)"""
     rate: str = "100mbit"
+    """every link's rate, both ways"""
     width: float = QUICK["width"]
+    """vgg16_scaled width"""
     batch_size: int = 32
+    """batch per worker"""
     warmup_steps: int = 2
+    """untimed steps"""
     steps: int = QUICK["steps"]
+    """timed steps of Part A"""
     straggler_workers: int = 4
+    """workers in Part B"""
     straggler_steps: int = QUICK["straggler_steps"]
+    """timed steps of Part B"""
     slow_delay_s: float = 1.0
+    """the straggler's sleep per batch, s"""
     timeout: float = 600.0
+    """seconds per run"""
     quick: bool = True
+    SUITE: ClassVar[str] = SUITE
+    FLAGS: ClassVar[dict[str, str]] = {"slow_delay_s": "--slow-delay"}
 
     def __post_init__(self) -> None:
-        def bad(option: str, value: Any, rule: str) -> ValueError:
-            return ValueError(f"{SUITE}({option}={value!r}): {rule}")
-
-        for option, values, allowed in (("--parts", self.parts, PARTS), ("--shardings", self.shardings, SHARDINGS),
-                                        ("--workers", self.workers, None)):  # fmt: skip
-            if not values or len(set(values)) != len(values):
-                raise bad(option, values, "give at least one value, none repeated")
-            if allowed is not None and any(v not in allowed for v in values):
-                raise bad(option, values, f"each value must be one of {allowed}")
+        self.distinct("parts", PARTS)
+        self.distinct("shardings", SHARDINGS)
+        self.distinct("workers")
         if any(isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 16 for w in self.workers):
-            raise bad("--workers", self.workers, "each worker count must be an int in [1, 16]")
-        for option, value in (("--workers-per-server", self.workers_per_server), ("--batch-size", self.batch_size),
-                              ("--warmup-steps", self.warmup_steps), ("--steps", self.steps),
-                              ("--straggler-steps", self.straggler_steps)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise bad(option, value, "must be an int >= 1")
+            raise self.bad("workers", self.workers, "each worker count must be an int in [1, 16]")
+        self.ints("workers_per_server", "batch_size", "warmup_steps", "steps", "straggler_steps")
         if isinstance(self.straggler_workers, bool) or not isinstance(self.straggler_workers, int) or not 2 <= self.straggler_workers <= 16:
-            raise bad("--straggler-workers", self.straggler_workers, "must be an int in [2, 16] (one straggler and others)")
+            raise self.bad("straggler_workers", self.straggler_workers, "must be an int in [2, 16] (one straggler and others)")
         try:
             parse_rate(self.rate)
         except ValueError:
-            raise bad("--rate", self.rate, "must look like '100mbit' or '1gbit'") from None
+            raise self.bad("rate", self.rate, "must look like '100mbit' or '1gbit'") from None
         if not 0 < self.width <= 1:
-            raise bad("--width", self.width, "must be in (0, 1] (1 is the full VGG-16)")
-        if not self.slow_delay_s > 0:
-            raise bad("--slow-delay", self.slow_delay_s, "must be > 0 seconds")
-        if not self.timeout > 0:
-            raise bad("--timeout", self.timeout, "must be > 0 seconds")
+            raise self.bad("width", self.width, "must be in (0, 1] (1 is the full VGG-16)")
+        self.positive("slow_delay_s", "timeout", unit=" seconds")
 
     def servers_for(self, workers: int) -> int:
         return math.ceil(workers / self.workers_per_server)
@@ -163,27 +157,18 @@ class Runner:
     """Launches runs on one emulated network (servers on the first hosts, workers after them)."""
 
     def __init__(self, net: Any, config: SuiteConfig, scratch: Path, log: Callable[[str], None]) -> None:
-        self.net, self.config, self.scratch, self.log = net, config, scratch, log
-        self.env = worker_env()
-        self.port = 29500
-        self.count = 0
+        self.net, self.config, self.log = net, config, log
+        self.launcher = Launcher(SUITE, scratch, config.timeout)
 
     def launch(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Run ``spec``; return workers' and servers' results, wall time and the servers' kernel bytes."""
-        net, servers, workers = self.net, spec["servers"], spec["workers"]
-        self.count += 1
-        self.port += 1  # a fresh rendezvous port per run: the last run's sockets may linger in TIME_WAIT
-        out = self.scratch / f"run{self.count}"
-        hosts = ",".join(net.host_ip(i) for i in range(servers + workers))
-        argv = [sys.executable, "-m", "lightning_pdist.bench.ps_worker", "--spec", json.dumps(spec),
-                "--hosts", hosts, "--out-dir", str(out)]  # fmt: skip
-        before = [(net.rx_bytes(i), net.tx_bytes(i)) for i in range(servers)]
-        t0 = time.perf_counter()
-        launch_ranks(net, argv, servers + workers, self.port, env=self.env, timeout=self.config.timeout)
-        wall = time.perf_counter() - t0
-        kernel = [net.rx_bytes(i) - b[0] + net.tx_bytes(i) - b[1] for i, b in zip(range(servers), before)]
-        return {"workers": read_results(out, "worker", workers, SUITE), "servers": read_results(out, "server", servers, SUITE),
-                "wall_s": wall, "kernel_server_bytes": kernel}  # fmt: skip
+        servers, workers = spec["servers"], spec["workers"]
+        hosts = ",".join(self.net.host_ip(i) for i in range(servers + workers))
+        got = self.launcher.run("lightning_pdist.bench.ps_worker", spec, servers + workers, self.net,
+                                files=[("worker", workers), ("server", servers)], extra_argv=["--hosts", hosts],
+                                kernel_hosts=servers)  # fmt: skip
+        return {"workers": got.results[:workers], "servers": got.results[workers:], "wall_s": got.wall_s,
+                "kernel_server_bytes": [rx + tx for rx, tx in got.kernel]}  # fmt: skip
 
 
 def build_row(spec: dict[str, Any], result: dict[str, Any], config: SuiteConfig, network: str) -> dict[str, Any]:
@@ -290,7 +275,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
 
     Returns ``None`` (and writes nothing) when network namespaces are not available here.
     """
-    from lightning_pdist.bench.netns import EmulatedNetwork, measure_link_rate
+    from lightning_pdist.bench.netns import EmulatedNetwork
 
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -306,12 +291,8 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
     t_suite = time.perf_counter()
     scratch = Path(tempfile.mkdtemp(prefix="pdist-ps-"))
     try:
-        with EmulatedNetwork(num_hosts=hosts, rate=config.rate) as net:
-            goodput = measure_link_rate(net, 0, 1, 4 << 20)
-            network = f"emulated {config.rate}"
-            doc["networks"][network] = {"detail": net.describe(), "rate": config.rate, "burst_bytes": net.burst_bytes,
-                                        "measured_tcp_goodput_bytes_per_s": round(goodput)}  # fmt: skip
-            log(f"{SUITE}: {net.describe()}; TCP goodput host 0 -> 1: {goodput * 8 / 1e6:.1f} Mbit/s")
+        network = f"emulated {config.rate}"
+        with emulated_network(SUITE, doc, network, hosts, config.rate, log) as net:
             runner = Runner(net, config, scratch, log)
             doc["ratios"], doc["straggler"] = {}, None
             if "sharding" in config.parts:
@@ -423,41 +404,9 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
 
 # -- command line -------------------------------------------------------------------------------
 
-
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the suite's options to ``parser``."""
-    d = SuiteConfig()
-    add = parser.add_argument
-    add("--quick", action="store_true", help=f"the small plan ({QUICK}). Without it: {FULL}")
-    add("--out", required=True, type=Path, help="directory for ps_sharding.json and ps_sharding.png")
-    add("--parts", nargs="+", default=list(PARTS), help="sharding (Part A), straggler (Part B) or both (default)")
-    add("--workers", type=int, nargs="+", default=list(d.workers), help="worker counts (default %(default)s)")
-    add("--shardings", nargs="+", default=list(d.shardings), help="layer, memory or both (default)")
-    add("--workers-per-server", type=int, default=d.workers_per_server, help="servers = ceil(workers / this) (default %(default)s)")
-    add("--rate", default=d.rate, help="every link's rate, both ways (default %(default)s)")
-    add("--width", type=float, default=None, help="vgg16_scaled width (default: 1/16 quick, 1/8 full)")
-    add("--batch-size", type=int, default=d.batch_size, help="batch per worker (default %(default)s)")
-    add("--warmup-steps", type=int, default=d.warmup_steps, help="untimed steps (default %(default)s)")
-    add("--steps", type=int, default=None, help="timed steps of Part A (default: 6 quick, 12 full)")
-    add("--straggler-workers", type=int, default=d.straggler_workers, help="workers in Part B (default %(default)s)")
-    add("--straggler-steps", type=int, default=None, help="timed steps of Part B (default: 8 quick, 16 full)")
-    add("--slow-delay", type=float, default=None, dest="slow_delay_s", help="the straggler's sleep per batch, s (default: 1 quick, 3 full)")
-    add("--timeout", type=float, default=d.timeout, help="seconds per run (default %(default)s)")
+CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="ps_sharding.json and ps_sharding.png")
 
 
-def config_from_args(args: argparse.Namespace) -> SuiteConfig:
-    """The validated :class:`SuiteConfig` of parsed arguments (``ValueError`` names a bad option)."""
-    plan = QUICK if args.quick else FULL
-    pick = lambda value, key: plan[key] if value is None else value  # noqa: E731
-    return SuiteConfig(
-        parts=tuple(args.parts), workers=tuple(args.workers), shardings=tuple(args.shardings),
-        workers_per_server=args.workers_per_server, rate=args.rate, width=float(pick(args.width, "width")),
-        batch_size=args.batch_size, warmup_steps=args.warmup_steps, steps=pick(args.steps, "steps"),
-        straggler_workers=args.straggler_workers, straggler_steps=pick(args.straggler_steps, "straggler_steps"),
-        slow_delay_s=float(pick(args.slow_delay_s, "slow_delay_s")), timeout=args.timeout, quick=args.quick,
-    )  # fmt: skip
-
-
-def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Run the suite for parsed ``args`` (``argv`` is recorded as the command); print the tables."""
-    return run_documented_suite(SUITE, args, argv, config_from_args, run_suite, docs_section)
+def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
+    """Run the suite (``argv`` is recorded as the command); write and print its docs section."""
+    return run_documented_suite(SUITE, config, out, argv, run_suite, docs_section)

@@ -24,47 +24,53 @@ per emulated host, and numbers them by ``RANK``. The role follows from it:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from lightning_pdist.bench.report import check_spec_keys
+from lightning_pdist.bench.launch import WorkerSpec, worker_main
 
 MODES = ("sync", "async", "ssp")
 SHARDINGS = ("layer", "memory")
-SPEC_KEYS = ("workers", "servers", "sharding", "mode", "width", "batch_size", "warmup_steps", "steps",
-             "server_port", "slow_worker", "slow_delay_s", "seed", "subnet")  # fmt: skip
 
 
-def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    """Validate a run spec (a plain dict, as it travels on the command line); return it.
+@dataclass(frozen=True)
+class Spec(WorkerSpec):
+    """One parameter-server run: ``servers`` servers and ``workers`` workers, timed ``steps`` after ``warmup_steps``."""
 
-    Raises:
-        ValueError: a key is missing or unknown, or a value breaks its rule (the message says which).
-    """
-    check_spec_keys(spec, SPEC_KEYS, "ps_worker")
-    if spec["mode"] not in MODES:
-        raise ValueError(f"ps_worker spec(mode={spec['mode']!r}): mode must be one of {MODES}")
-    if spec["sharding"] not in SHARDINGS:
-        raise ValueError(f"ps_worker spec(sharding={spec['sharding']!r}): sharding must be one of {SHARDINGS}")
-    for key in ("workers", "servers", "batch_size", "steps", "server_port"):
-        if not isinstance(spec[key], int) or spec[key] < 1:
-            raise ValueError(f"ps_worker spec({key}={spec[key]!r}): {key} must be an int >= 1")
-    if not isinstance(spec["warmup_steps"], int) or spec["warmup_steps"] < 1:
-        raise ValueError(f"ps_worker spec(warmup_steps={spec['warmup_steps']!r}): warmup_steps must be an int >= 1 (the clock starts after it)")
-    for key in ("seed",):
-        if not isinstance(spec[key], int) or spec[key] < 0:
-            raise ValueError(f"ps_worker spec({key}={spec[key]!r}): {key} must be an int >= 0")
-    if not isinstance(spec["width"], float) or not 0 < spec["width"] <= 1:
-        raise ValueError(f"ps_worker spec(width={spec['width']!r}): width must be a float in (0, 1]")
-    if spec["slow_worker"] is not None and not (isinstance(spec["slow_worker"], int) and 0 <= spec["slow_worker"] < spec["workers"]):
-        raise ValueError(f"ps_worker spec(slow_worker={spec['slow_worker']!r}): slow_worker must be None or in [0, {spec['workers']})")
-    if not isinstance(spec["slow_delay_s"], (int, float)) or spec["slow_delay_s"] < 0:
-        raise ValueError(f"ps_worker spec(slow_delay_s={spec['slow_delay_s']!r}): slow_delay_s must be >= 0")
-    return spec
+    WHO: ClassVar[str] = "ps_worker"
+    workers: int
+    servers: int
+    sharding: str
+    mode: str
+    width: float
+    batch_size: int
+    warmup_steps: int
+    steps: int
+    server_port: int
+    slow_worker: int | None
+    slow_delay_s: float
+    seed: int
+    subnet: str
+
+    def __post_init__(self) -> None:
+        self.one_of("mode", MODES)
+        self.one_of("sharding", SHARDINGS)
+        self.ints("workers", "servers", "batch_size", "steps", "server_port")
+        self.ints("warmup_steps", why=" (the clock starts after it)")
+        self.ints("seed", low=0)
+        if not isinstance(self.width, float) or not 0 < self.width <= 1:
+            raise self.bad("width", "width must be a float in (0, 1]")
+        if self.slow_worker is not None and not (isinstance(self.slow_worker, int) and 0 <= self.slow_worker < self.workers):
+            raise self.bad("slow_worker", f"slow_worker must be None or in [0, {self.workers})")
+        if not isinstance(self.slow_delay_s, (int, float)) or self.slow_delay_s < 0:
+            raise self.bad("slow_delay_s", "slow_delay_s must be >= 0")
+
+
+check_spec = Spec.check
 
 
 def run_server(spec: dict[str, Any], index: int, host: str, out_dir: Path) -> dict[str, Any]:
@@ -179,21 +185,14 @@ def _compute_ms(model: Any, data: Any, batch_size: int) -> float:
     return 1000 * sum(times[1:]) / 3
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_pdist.bench.ps_worker")
-    parser.add_argument("--spec", required=True, help="the run spec as JSON")
-    parser.add_argument("--hosts", required=True, help="comma-separated addresses of hosts 0, 1, ... (servers first)")
-    parser.add_argument("--out-dir", required=True, type=Path)
-    args = parser.parse_args(argv)
-    spec = check_spec(json.loads(args.spec))
-    hosts = args.hosts.split(",")
+def run(spec: dict[str, Any], hosts: list[str], out_dir: Path) -> None:
+    """One process of the launch: a server (``RANK < servers``) or a worker."""
     rank = int(os.environ["RANK"])
     if rank < spec["servers"]:
-        run_server(spec, rank, hosts[rank], args.out_dir)
+        run_server(spec, rank, hosts[rank], out_dir)
     else:
-        run_worker(spec, rank - spec["servers"], hosts, args.out_dir)
-    return 0
+        run_worker(spec, rank - spec["servers"], hosts, out_dir)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(worker_main("lightning_pdist.bench.ps_worker", __doc__, check_spec, run, hosts=True))

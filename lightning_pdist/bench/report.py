@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_rows", "cli_config", "command_line", "host_info", "markdown_table", "new_document", "run_documented_suite",
+__all__ = ["check_rows", "command_line", "host_info", "markdown_table", "new_document", "run_documented_suite",
            "utc_now", "write_json"]
 
 
@@ -133,35 +133,22 @@ def check_spec_keys(spec: dict[str, Any], keys: Sequence[str], who: str) -> None
         raise ValueError(f"{who} spec={spec!r}: missing keys {missing}, unknown keys {unknown}; keys are {tuple(keys)}")
 
 
-def cli_config(suite: str, config_from_args: Callable[[Any], Any], args: Any) -> Any | None:
-    """The suite's validated config, or ``None`` after printing the ``ValueError`` (the CLI then exits with 2)."""
-    try:
-        return config_from_args(args)
-    except ValueError as err:
-        print(f"python -m lightning_pdist.bench {suite}: error: {err}", file=sys.stderr)
-        return None
-
-
 def run_documented_suite(
     suite: str,
-    args: Any,
+    config: Any,
+    out: Path,
     argv: Sequence[str],
-    config_from_args: Callable[[Any], Any],
     run_suite: Callable[[Any, Path, str], dict[str, Any] | None],
     docs_section: Callable[[dict[str, Any], str], str],
 ) -> int:
-    """A suite's ``run``: validate, run, write ``DIR/docs_section.md`` and print it.
+    """A suite's ``run``: run it, write ``DIR/docs_section.md`` and print it.
 
-    Returns the exit status: 2 for a bad option, 1 when ``run_suite`` returned ``None`` (it could not run
-    here and said why), 0 otherwise.
+    Returns the exit status: 1 when ``run_suite`` returned ``None`` (it could not run here and said why), 0 otherwise.
     """
-    config = cli_config(suite, config_from_args, args)
-    if config is None:
-        return 2
-    doc = run_suite(config, args.out, command_line(suite, argv))
+    doc = run_suite(config, out, command_line(suite, argv))
     if doc is None:
         return 1
-    out = Path(args.out)
+    out = Path(out)
     section = docs_section(doc, str(out / f"{suite}.json"))
     (out / "docs_section.md").write_text(section + "\n")
     print()
@@ -188,6 +175,27 @@ def run_lines(doc: Mapping[str, Any], json_path: str) -> list[str]:
         f"(1-min load average {host['loadavg_1m_at_start']} at the start), torch {host['torch']}.  ",
         f"Output: `{json_path}`",
     ]
+
+
+def network_lines(doc: Mapping[str, Any], named: bool = True, goodput: str | None = "burst") -> list[str]:
+    """One markdown bullet per network of ``doc``: its detail (or why it was skipped), with its measured goodput.
+
+    ``named`` starts each with the network's key; ``goodput`` is ``"burst"`` (the tbf burst and the measured TCP
+    goodput host 0 → 1), ``"short"`` (the goodput alone) or ``None``.
+    """
+    lines = []
+    for name, info in doc["networks"].items():
+        if named:
+            what = f"{name}: {info.get('detail', 'skipped: ' + str(info.get('skipped')))}"
+        else:
+            what = info["detail"] if "detail" in info else f"{name} skipped: {info['skipped']}"
+        rate = info.get("measured_tcp_goodput_bytes_per_s")
+        if rate and goodput == "burst":
+            what += f" (burst {info['burst_bytes']} B; TCP goodput host 0 → 1 measured at {rate * 8 / 1e6:.1f} Mbit/s)"
+        elif rate and goodput == "short":
+            what += f" (TCP goodput {rate * 8 / 1e6:.1f} Mbit/s)"
+        lines.append(f"- {what}")
+    return lines
 
 
 def finish_suite(doc: dict[str, Any], out: Path, suite: str, started: float, plot: Callable[[dict, Path], Any]) -> dict[str, Any]:

@@ -27,25 +27,18 @@ root/iproute2 the emulated part is skipped with the reason.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import (
-    finish_suite,
-    markdown_table,
-    new_document,
-    output_dir,
-    run_documented_suite,
-    run_lines,
-    save_figure,
-)
+from lightning_pdist.bench.report import (finish_suite, markdown_table, network_lines, new_document, output_dir,
+                                          run_documented_suite, run_lines, save_figure)
 from lightning_pdist.bench.sign_repro import BATCH_MODES, DATASETS
 from lightning_pdist.bench.sign_worker import HOOKS
 
@@ -63,7 +56,7 @@ FULL = {"seeds": (0, 1, 2, 3, 4), "rounds": 500, "eval_every": 25, "world_sizes"
 
 
 @dataclass(frozen=True)
-class SuiteConfig:
+class SuiteConfig(SuiteRules):
     """Everything that decides what the suite runs; validated on construction.
 
     Raises:
@@ -71,37 +64,63 @@ class SuiteConfig:
     """
 
     parts: tuple[str, ...] = PARTS
+    """repro (Part A), comm (Part B) or both"""
     # Part A
     datasets: tuple[str, ...] = ("digits",)
+    """Part A datasets (with --data-dir and no --datasets: digits mnist cifar10)"""
     data_dir: str | None = None
+    """folder with MNIST/CIFAR-10 files; each found set is added to Part A"""
     batch_modes: tuple[int, ...] = tuple(BATCH_MODES)
+    """paper's batch modes, 1-4"""
     seeds: tuple[int, ...] = QUICK["seeds"]
+    """Part A seeds"""
     rounds: int = QUICK["rounds"]
+    """Part A rounds"""
     eval_every: int = QUICK["eval_every"]
+    """rounds between evaluations"""
     num_workers: int = 15
+    """logical workers M"""
     small_batch: int = 4
+    """small batch B"""
     large_batch: int = 64
+    """the other workers' batch"""
     lr: float = 0.002
+    """step size δ"""
     hidden: int = 128
+    """Part A MLP hidden units"""
     warmup_rounds: int = 10
+    """IT-signSGD majority rounds"""
     estimator: str = "worker"
+    """IT-signSGD estimator, one of coordinate tensor worker"""
     # Part B
     networks: tuple[str, ...] = NETWORKS
+    """Part B networks"""
     rates: tuple[str, ...] = QUICK["rates"]
+    """emulated link rates"""
     world_sizes: tuple[int, ...] = QUICK["world_sizes"]
+    """Part B ranks"""
     hooks: tuple[str, ...] = HOOKS
+    """Part B hooks"""
     steps: int = QUICK["steps"]
+    """Part B timed steps"""
     warmup_steps: int = 3
+    """Part B untimed steps"""
     batch_size: int = 32
+    """Part B batch per rank"""
     in_features: int = 1024
+    """Part B MLP input features"""
     comm_hidden: int = 4096
+    """Part B MLP hidden units"""
     powersgd_rank: int = 4
+    """PowerSGD rank"""
     timeout: float = 600.0
+    """seconds per Part B run"""
     quick: bool = True
+    SUITE: ClassVar[str] = SUITE
+    FLAGS: ClassVar[dict[str, str]] = {"networks": "--network", "world_sizes": "--world-size"}
 
     def __post_init__(self) -> None:
-        def bad(option: str, value: Any, rule: str) -> ValueError:
-            return ValueError(f"sign({option}={value!r}): {rule}")
+        bad = self.bad
 
         def distinct(option: str, values: tuple, allowed: Sequence | None = None) -> None:
             if not values:
@@ -119,20 +138,14 @@ class SuiteConfig:
         distinct("--seeds", self.seeds)
         if any(not isinstance(s, int) or s < 0 for s in self.seeds):
             raise bad("--seeds", self.seeds, "each seed must be an int >= 0")
-        for option, value in (("--rounds", self.rounds), ("--eval-every", self.eval_every),
-                              ("--large-batch", self.large_batch), ("--small-batch", self.small_batch),
-                              ("--hidden", self.hidden), ("--steps", self.steps), ("--batch-size", self.batch_size),
-                              ("--comm-hidden", self.comm_hidden),
-                              ("--powersgd-rank", self.powersgd_rank)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise bad(option, value, "must be an int >= 1")
+        self.ints("rounds", "eval_every", "large_batch", "small_batch", "hidden", "steps", "batch_size", "comm_hidden",
+                  "powersgd_rank")  # fmt: skip
         if not isinstance(self.num_workers, int) or self.num_workers < max(BATCH_MODES.values()) + 1:
             raise bad("--num-workers", self.num_workers, f"must be an int >= {max(BATCH_MODES.values()) + 1} "
                       "(batch mode 4 puts 14 workers at the small batch and needs one more)")  # fmt: skip
         if self.eval_every > self.rounds:
             raise bad("--eval-every", self.eval_every, f"must be <= --rounds ({self.rounds})")
-        if not self.lr > 0:
-            raise bad("--lr", self.lr, "must be > 0")
+        self.positive("lr")
         if not isinstance(self.warmup_rounds, int) or self.warmup_rounds < 0:
             raise bad("--warmup-rounds", self.warmup_rounds, "must be an int >= 0")
         if self.estimator not in ESTIMATORS:
@@ -153,8 +166,7 @@ class SuiteConfig:
             raise bad("--warmup-steps", self.warmup_steps, "must be >= 3 with powersgd (it compresses from step 2)")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise bad("--warmup-steps", self.warmup_steps, "must be an int >= 0")
-        if not self.timeout > 0:
-            raise bad("--timeout", self.timeout, "must be > 0 seconds")
+        self.positive("timeout", unit=" seconds")
 
 
 def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -289,13 +301,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
             lines += ["", "Why (error rates of one worker's sign, measured at the trained signSGD-MV model, 30 draws):",
                       "", *diagnosis_lines(repro)]  # fmt: skip
     if doc.get("rows") or doc.get("networks"):
-        nets = "\n".join(
-            f"- {name}: {info.get('detail', 'skipped: ' + str(info.get('skipped')))}"
-            + (f" (burst {info['burst_bytes']} B; TCP goodput host 0 → 1 measured at "
-               f"{info['measured_tcp_goodput_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s)"
-               if "measured_tcp_goodput_bytes_per_s" in info else "")
-            for name, info in doc["networks"].items()
-        )  # fmt: skip
+        nets = "\n".join(network_lines(doc))
         first = doc["rows"][0] if doc["rows"] else {}
         lines += [
             "", "### Part B: comm hooks, bytes and time per step (real processes, plain DDP on gloo)", "",
@@ -355,58 +361,18 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
 # -- command line -------------------------------------------------------------------------------
 
 
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the suite's options to ``parser``."""
-    d = SuiteConfig()
-    add = parser.add_argument
-    add("--quick", action="store_true",
-        help=f"the small plan ({QUICK}); under 10 minutes on 2 cores. Without it: {FULL}")  # fmt: skip
-    add("--out", required=True, type=Path, help="directory for sign.json and sign.png")
-    add("--parts", nargs="+", default=list(PARTS), help="repro (Part A), comm (Part B) or both (default)")
-    add("--data-dir", default=None, help="folder with MNIST/CIFAR-10 files; each found set is added to Part A")
-    add("--datasets", nargs="+", default=None,
-        help="Part A datasets (default: digits, plus mnist cifar10 with --data-dir)")  # fmt: skip
-    add("--batch-modes", type=int, nargs="+", default=list(d.batch_modes), help="paper's batch modes, 1-4")
-    add("--seeds", type=int, nargs="+", default=None, help="Part A seeds (default: 0 1 quick, 0-4 full)")
-    add("--rounds", type=int, default=None, help="Part A rounds (default: 200 quick, 500 full)")
-    add("--eval-every", type=int, default=None, help="rounds between evaluations (default: 20 quick, 25 full)")
-    add("--num-workers", type=int, default=d.num_workers, help="logical workers M (default %(default)s)")
-    add("--small-batch", type=int, default=d.small_batch, help="small batch B (default %(default)s)")
-    add("--large-batch", type=int, default=d.large_batch, help="the other workers' batch (default %(default)s)")
-    add("--lr", type=float, default=d.lr, help="step size δ (default %(default)s)")
-    add("--hidden", type=int, default=d.hidden, help="Part A MLP hidden units (default %(default)s)")
-    add("--warmup-rounds", type=int, default=d.warmup_rounds, help="IT-signSGD majority rounds (default %(default)s)")
-    add("--estimator", default=d.estimator, help=f"IT-signSGD estimator, one of {ESTIMATORS} (default %(default)s)")
-    add("--network", choices=("loopback", "emulated", "both"), default="both", help="Part B networks (default both)")
-    add("--rates", nargs="+", default=None, help="emulated link rates (default: 100mbit quick, 100mbit 1gbit full)")
-    add("--world-size", type=int, nargs="+", default=None, dest="world_sizes", help="Part B ranks (2 quick; 2 4 full)")
-    add("--hooks", nargs="+", default=list(HOOKS), help=f"Part B hooks from {', '.join(HOOKS)} (default all)")
-    add("--steps", type=int, default=None, help="Part B timed steps (default: 5 quick, 10 full)")
-    add("--warmup-steps", type=int, default=d.warmup_steps, help="Part B untimed steps (default %(default)s)")
-    add("--batch-size", type=int, default=d.batch_size, help="Part B batch per rank (default %(default)s)")
-    add("--comm-hidden", type=int, default=d.comm_hidden, help="Part B MLP hidden units (default %(default)s)")
-    add("--powersgd-rank", type=int, default=d.powersgd_rank, help="PowerSGD rank (default %(default)s)")
-    add("--timeout", type=float, default=d.timeout, help="seconds per Part B run (default %(default)s)")
+def _datasets(kwargs: dict[str, Any], given: set[str]) -> dict[str, Any]:
+    """With ``--data-dir`` and no ``--datasets``, Part A adds MNIST and CIFAR-10."""
+    if kwargs["data_dir"] and "datasets" not in given:
+        kwargs["datasets"] = ("digits", "mnist", "cifar10")
+    return kwargs
 
 
-def config_from_args(args: argparse.Namespace) -> SuiteConfig:
-    """The validated :class:`SuiteConfig` of parsed arguments (``ValueError`` names a bad option)."""
-    plan = QUICK if args.quick else FULL
-    pick = lambda value, key: plan[key] if value is None else value  # noqa: E731
-    datasets = args.datasets or (["digits", "mnist", "cifar10"] if args.data_dir else ["digits"])
-    return SuiteConfig(
-        parts=tuple(args.parts), datasets=tuple(datasets), data_dir=args.data_dir,
-        batch_modes=tuple(args.batch_modes), seeds=tuple(pick(args.seeds, "seeds")),
-        rounds=pick(args.rounds, "rounds"), eval_every=pick(args.eval_every, "eval_every"),
-        num_workers=args.num_workers, small_batch=args.small_batch, large_batch=args.large_batch, lr=args.lr,
-        hidden=args.hidden, warmup_rounds=args.warmup_rounds, estimator=args.estimator,
-        networks=NETWORKS if args.network == "both" else (args.network,), rates=tuple(pick(args.rates, "rates")),
-        world_sizes=tuple(pick(args.world_sizes, "world_sizes")), hooks=tuple(args.hooks),
-        steps=pick(args.steps, "steps"), warmup_steps=args.warmup_steps, batch_size=args.batch_size,
-        comm_hidden=args.comm_hidden, powersgd_rank=args.powersgd_rank, timeout=args.timeout, quick=args.quick,
-    )  # fmt: skip
+CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="sign.json and sign.png",
+               either={"networks": NETWORKS},
+               derive=_datasets)  # fmt: skip
 
 
-def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Run the suite for parsed ``args`` (``argv`` is recorded as the command); print the tables."""
-    return run_documented_suite(SUITE, args, argv, config_from_args, run_suite, docs_section)
+def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
+    """Run the suite (``argv`` is recorded as the command); write and print its docs section."""
+    return run_documented_suite(SUITE, config, out, argv, run_suite, docs_section)

@@ -10,19 +10,13 @@ against the logged bytes. Loopback rows carry no kernel figure (``lo`` is shared
 
 from __future__ import annotations
 
-import json
-import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_pdist.bench.launch import busy_cpu_s, free_port, launch_loopback, own_cpu_s, read_results, worker_env
-from lightning_pdist.bench.netns import EmulatedNetwork, launch_ranks, measure_link_rate
+from lightning_pdist.bench.launch import Launcher, emulated_network
+from lightning_pdist.bench.netns import LOOPBACK
 from lightning_pdist.bench.sign_worker import HOOKS, check_spec
-
-LINK_PROBE_BYTES = 4 << 20
-
 
 def comm_plan(config: Any) -> list[dict[str, Any]]:
     """The worker specs of ``config`` (a :class:`~lightning_pdist.bench.sign.SuiteConfig`), world size by hook."""
@@ -99,14 +93,6 @@ def add_speedups(rows: list[dict[str, Any]]) -> None:
         row["speedup_vs_fp32"] = round(base["ms_per_step"] / row["ms_per_step"], 3) if base else None
 
 
-def _timed(launch: Callable[[], Any]) -> float | None:
-    busy0, ours0, t0 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
-    launch()
-    wall, ours, busy1 = time.perf_counter() - t0, own_cpu_s() - ours0, busy_cpu_s()
-    # Other sessions share the cores; their CPU time during the run says how far to trust the timings.
-    return None if busy0 is None or busy1 is None else round(max(0.0, busy1 - busy0 - ours) / wall, 2)
-
-
 def run_comm(config: Any, scratch: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run Part B: every spec on loopback and on each emulated rate requested; return rows and networks.
 
@@ -114,56 +100,32 @@ def run_comm(config: Any, scratch: Path, log: Callable[[str], None] = print) -> 
     are never relabelled as network figures.
     """
     specs = comm_plan(config)
-    argv = lambda spec, out: [sys.executable, "-m", "lightning_pdist.bench.sign_worker",  # noqa: E731
-                              "--spec", json.dumps(spec), "--out-dir", str(out)]  # fmt: skip
-    env = worker_env()
+    launcher = Launcher("sign", scratch, config.timeout, port=29599)
     rows: list[dict[str, Any]] = []
-    networks: dict[str, dict[str, Any]] = {}
-    count = 0
+    doc: dict[str, Any] = {"networks": {}}
     total = len(specs) * (("loopback" in config.networks) + len(config.rates) * ("emulated" in config.networks))
 
-    def one(spec: dict[str, Any], network: str, rate: str | None, detail: str, launch: Callable) -> dict[str, Any]:
-        nonlocal count
-        count += 1
-        out = scratch / f"comm{count}"
-        load = _timed(lambda: launch(argv(spec, out), spec["world_size"]))
-        row = build_comm_row(spec, read_results(out, "rank", spec["world_size"], "sign"), network, rate, detail, load)
-        kernel = row["kernel_tx_bytes_per_rank_per_step"]
-        log(f"[B {count}/{total}] {network_key(network, rate)} {spec['hook']} n={spec['world_size']}: "
-            f"{row['ms_per_step']:.1f} ms/step, {row['bytes_per_rank_per_step'] / 1e6:.3f} MB/rank/step logged"
-            + ("" if kernel is None else f", kernel tx {kernel / 1e6:.3f} MB "
-               f"({row['kernel_tx_ratio']:.3f}x)"))  # fmt: skip
-        return row
+    def run_all(net: Any, network: str, rate: str | None, detail: str) -> None:
+        for spec in specs:
+            got = launcher.run("lightning_pdist.bench.sign_worker", spec, spec["world_size"], net)
+            row = build_comm_row(spec, got.results, network, rate, detail, got.other_load_cores)
+            rows.append(row)
+            kernel = row["kernel_tx_bytes_per_rank_per_step"]
+            log(f"[B {len(rows)}/{total}] {network_key(network, rate)} {spec['hook']} n={spec['world_size']}: "
+                f"{row['ms_per_step']:.1f} ms/step, {row['bytes_per_rank_per_step'] / 1e6:.3f} MB/rank/step logged"
+                + ("" if kernel is None else f", kernel tx {kernel / 1e6:.3f} MB "
+                   f"({row['kernel_tx_ratio']:.3f}x)"))  # fmt: skip
 
     if "loopback" in config.networks:
-        detail = "loopback: every rank a process on this machine, 127.0.0.1 (lo), unshaped"
-        networks["loopback"] = {"detail": detail}
-        def on_loopback(a: list[str], ws: int) -> Any:
-            return launch_loopback(a, ws, free_port(), env=env, timeout=config.timeout)
-
-        for spec in specs:
-            rows.append(one(spec, "loopback", None, detail, on_loopback))
-    if "emulated" in config.networks:
-        ok, reason = EmulatedNetwork.available()
-        for rate in config.rates:
-            key = network_key("emulated", rate)
-            if not ok:
-                networks[key] = {"skipped": reason}
-                log(f"sign: emulated links are not available here, skipping {key}: {reason}")
-                continue
-            with EmulatedNetwork(num_hosts=max(config.world_sizes), rate=rate) as net:
-                goodput = measure_link_rate(net, 0, 1, LINK_PROBE_BYTES)
-                networks[key] = {"detail": net.describe(), "rate": rate, "burst_bytes": net.burst_bytes,
-                                 "measured_tcp_goodput_bytes_per_s": round(goodput)}  # fmt: skip
-                log(f"sign: {net.describe()}; TCP goodput host 0 -> 1: {goodput * 8 / 1e6:.1f} Mbit/s")
-                for port, spec in enumerate(specs, 29600):
-                    # a fresh rendezvous port per run: the last run's sockets may linger in TIME_WAIT
-                    def on_links(a: list[str], ws: int, p: int = port, n: EmulatedNetwork = net) -> Any:
-                        return launch_ranks(n, a, ws, p, env=env, timeout=config.timeout)
-
-                    rows.append(one(spec, "emulated", rate, net.describe(), on_links))
+        detail = "loopback: " + LOOPBACK.describe()
+        doc["networks"]["loopback"] = {"detail": detail}
+        run_all(LOOPBACK, "loopback", None, detail)
+    for rate in config.rates if "emulated" in config.networks else ():
+        with emulated_network("sign", doc, network_key("emulated", rate), max(config.world_sizes), rate, log) as net:
+            if net is not None:
+                run_all(net, "emulated", rate, net.describe())
     add_speedups(rows)
-    return {"rows": rows, "networks": networks}
+    return {"rows": rows, "networks": doc["networks"]}
 
 
 def check_failures(rows: Sequence[dict[str, Any]]) -> list[str]:

@@ -2,8 +2,8 @@
 --out-dir DIR``.
 
 Plain ``torch.nn.parallel.DistributedDataParallel`` on gloo (no Lightning): the launcher
-(:func:`~lightning_pdist.bench.launch.launch_loopback` or
-:func:`~lightning_pdist.bench.netns.launch_ranks`) sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+(:func:`~lightning_pdist.bench.netns.launch_ranks` (loopback or
+emulated links)) sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT`` and ``GLOO_SOCKET_IFNAME``. The rank trains ``MLP(in_features, hidden)`` on
 synthetic batches with one of :data:`HOOKS` registered, and times ``steps`` optimizer steps after
 ``warmup_steps`` untimed ones (DDP's bucket rebuild, PowerSGD's vanilla start and IT-signSGD's
@@ -23,41 +23,43 @@ fp32 all-reduce (no hook) is modelled from the parameter count.
 
 # No ``from __future__ import annotations``: DDP inspects comm hooks' annotations at run time.
 
-import argparse
-import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from lightning_pdist.bench.report import check_spec_keys
+from lightning_pdist.bench.launch import WorkerSpec, worker_main
 
 HOOKS = ("fp32_allreduce", "fp16_compress", "powersgd", "signsgd_mv", "it_signsgd")
-SPEC_KEYS = ("hook", "world_size", "warmup_steps", "steps", "batch_size", "in_features", "hidden", "seed",
-             "powersgd_rank", "it_warmup_rounds")  # fmt: skip
 
 
-def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    """Validate a run spec (a plain dict, as it travels on the command line); return it.
+@dataclass(frozen=True)
+class Spec(WorkerSpec):
+    """One comm-hook run: plain DDP with ``hook``, ``steps`` timed steps after ``warmup_steps``."""
 
-    Raises:
-        ValueError: a key is missing or unknown, or a value breaks its rule (the message says which).
-    """
-    check_spec_keys(spec, SPEC_KEYS, "sign_worker")
-    if spec["hook"] not in HOOKS:
-        raise ValueError(f"sign_worker spec(hook={spec['hook']!r}): hook must be one of {HOOKS}")
-    for key in ("world_size", "steps", "batch_size", "in_features", "hidden", "powersgd_rank"):
-        if not isinstance(spec[key], int) or spec[key] < 1:
-            raise ValueError(f"sign_worker spec({key}={spec[key]!r}): {key} must be an int >= 1")
-    for key in ("warmup_steps", "seed", "it_warmup_rounds"):
-        if not isinstance(spec[key], int) or spec[key] < 0:
-            raise ValueError(f"sign_worker spec({key}={spec[key]!r}): {key} must be an int >= 0")
-    if spec["hook"] == "powersgd" and spec["warmup_steps"] < 3:
-        raise ValueError(
-            f"sign_worker spec(warmup_steps={spec['warmup_steps']}): powersgd starts compressing at step 2, "
-            "so warmup_steps must be >= 3 for the timed steps to be compressed"
-        )
-    return spec
+    WHO: ClassVar[str] = "sign_worker"
+    hook: str
+    world_size: int
+    warmup_steps: int
+    steps: int
+    batch_size: int
+    in_features: int
+    hidden: int
+    seed: int
+    powersgd_rank: int
+    it_warmup_rounds: int
+
+    def __post_init__(self) -> None:
+        self.one_of("hook", HOOKS)
+        self.ints("world_size", "steps", "batch_size", "in_features", "hidden", "powersgd_rank")
+        self.ints("warmup_steps", "seed", "it_warmup_rounds", low=0)
+        if self.hook == "powersgd" and self.warmup_steps < 3:
+            raise self.bad("warmup_steps", "powersgd starts compressing at step 2, so warmup_steps must be >= 3 for the "
+                           "timed steps to be compressed")  # fmt: skip
+
+
+check_spec = Spec.check
 
 
 def powersgd_bytes(shapes: list, world_size: int, rank: int, min_compression_rate: float = 2) -> dict[str, int]:
@@ -214,19 +216,8 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         "tx_bytes": None if tx0 is None or tx1 is None else tx1[0] - tx0[0],
         "tx_packets": None if tx0 is None or tx1 is None else tx1[1] - tx0[1],
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_pdist.bench.sign_worker")
-    parser.add_argument("--spec", required=True, help="the run spec as JSON")
-    parser.add_argument("--out-dir", required=True, type=Path)
-    args = parser.parse_args(argv)
-    run(json.loads(args.spec), args.out_dir)
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(worker_main("lightning_pdist.bench.sign_worker", __doc__, lambda spec: spec, run))

@@ -44,30 +44,20 @@ Networks: ``loopback`` (127.0.0.1, unshaped) and emulated links (:class:`~lightn
 
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from lightning_pdist.bench.launch import busy_cpu_s, free_port, launch_loopback, own_cpu_s, read_results, worker_env
-from lightning_pdist.bench.netns import EmulatedNetwork, LaunchError, launch_ranks, measure_link_rate, parse_rate
-from lightning_pdist.bench.report import (
-    check_rows,
-    finish_suite,
-    markdown_table,
-    new_document,
-    output_dir,
-    run_documented_suite,
-    run_lines,
-    save_figure,
-)
+from lightning_pdist.bench.cli import SuiteCli, SuiteRules
+from lightning_pdist.bench.launch import Launcher, emulated_network
+from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, parse_rate
+from lightning_pdist.bench.report import (check_rows, finish_suite, markdown_table, network_lines, new_document,
+                                          output_dir, run_documented_suite, run_lines, save_figure)
 
 SUITE = "tensor_parallel"
 MODELS = ("bert", "albert", "vgg")
@@ -83,7 +73,7 @@ FULL = {"rates": ("1gbit", "100mbit"), "world_sizes": (2, 4), "warmup_steps": 2,
 
 
 @dataclass(frozen=True)
-class SuiteConfig:
+class SuiteConfig(SuiteRules):
     """Everything that decides what the suite runs; validated on construction.
 
     The encoder defaults are BERT-base / ALBERT-base reduced: 4 layers instead of 12, hidden 256 instead of 768,
@@ -95,54 +85,65 @@ class SuiteConfig:
     """
 
     networks: tuple[str, ...] = NETWORKS
+    """loopback (127.0.0.1), emulated (netns + tbf links, needs root) or both"""
     rates: tuple[str, ...] = QUICK["rates"]
+    """emulated link rates"""
     models: tuple[str, ...] = MODELS
+    """any of bert albert vgg"""
     configs: tuple[str, ...] = CONFIGS
+    """any of dp tp deepspeed_tp dp_tp hybrid (dp_tp runs with --world-sizes 4)"""
     world_sizes: tuple[int, ...] = QUICK["world_sizes"]
+    """2 and/or 4"""
     hidden_size: int = 256
+    """encoder hidden_size"""
     num_layers: int = 4
+    """encoder num_layers"""
     num_heads: int = 4
+    """encoder num_heads"""
     intermediate_size: int = 1024
+    """encoder intermediate_size"""
     vocab_size: int = 8000
+    """encoder vocab_size"""
     embedding_size: int = 64
+    """encoder embedding_size (ALBERT)"""
     seq_len: int = 64
+    """encoder seq_len"""
     global_batch: int = 8
+    """encoder samples per step, all ranks"""
     vgg_width: float = 0.125
+    """vgg16_scaled width"""
     vgg_global_batch: int = 16
+    """VGG images per step, all ranks"""
     warmup_steps: int = QUICK["warmup_steps"]
+    """untimed steps"""
     steps: int = QUICK["steps"]
+    """timed steps"""
     reviews_per_class: int = 250
+    """generated reviews per class and split"""
     lr: float = 0.01
+    """SGD learning rate"""
     seed: int = 0
+    """seed of the data and the models"""
     repeats: int = QUICK["repeats"]
+    """runs of the plan per network; each row keeps its fastest"""
     timeout: float = 600.0
+    """seconds per launch"""
     quick: bool = True
+    SUITE: ClassVar[str] = SUITE
+    FLAGS: ClassVar[dict[str, str]] = {"networks": "--network"}
 
     def __post_init__(self) -> None:
-        def bad(option: str, value: Any, rule: str) -> ValueError:
-            return ValueError(f"{SUITE}({option}={value!r}): {rule}")
-
-        for option, values, allowed in (("--network", self.networks, NETWORKS), ("--models", self.models, MODELS),
-                                        ("--configs", self.configs, CONFIGS), ("--rates", self.rates, None),
-                                        ("--world-sizes", self.world_sizes, (2, 4))):  # fmt: skip
-            if not values or len(set(values)) != len(values):
-                raise bad(option, values, "give at least one value, none repeated")
-            if allowed is not None and any(v not in allowed for v in values):
-                raise bad(option, values, f"each value must be one of {allowed}")
+        bad = self.bad
+        for name, allowed in (("networks", NETWORKS), ("models", MODELS), ("configs", CONFIGS), ("rates", None),
+                              ("world_sizes", (2, 4))):  # fmt: skip
+            self.distinct(name, allowed)
         for rate in self.rates:
             try:
                 parse_rate(rate)
             except (TypeError, ValueError):
                 raise bad("--rates", rate, "each rate must look like '100mbit' or '1gbit'") from None
-        for option, value in (("--hidden-size", self.hidden_size), ("--num-layers", self.num_layers),
-                              ("--num-heads", self.num_heads), ("--intermediate-size", self.intermediate_size),
-                              ("--vocab-size", self.vocab_size), ("--embedding-size", self.embedding_size),
-                              ("--seq-len", self.seq_len), ("--global-batch", self.global_batch),
-                              ("--vgg-global-batch", self.vgg_global_batch), ("--warmup-steps", self.warmup_steps),
-                              ("--steps", self.steps), ("--reviews-per-class", self.reviews_per_class),
-                              ("--repeats", self.repeats)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise bad(option, value, "must be an int >= 1")
+        self.ints("hidden_size", "num_layers", "num_heads", "intermediate_size", "vocab_size", "embedding_size", "seq_len",
+                  "global_batch", "vgg_global_batch", "warmup_steps", "steps", "reviews_per_class", "repeats")  # fmt: skip
         if self.vocab_size < 3:
             raise bad("--vocab-size", self.vocab_size, "must be >= 3 (padding, unknown, one word)")
         if self.hidden_size % self.num_heads:
@@ -163,11 +164,8 @@ class SuiteConfig:
         if self.reviews_per_class * 2 * 0.9 < self.global_batch * (self.warmup_steps + self.steps):
             raise bad("--reviews-per-class", self.reviews_per_class, "too few: the run needs "
                       f"{self.global_batch * (self.warmup_steps + self.steps)} training reviews (90% of 2 x this)")  # fmt: skip
-        for option, value in (("--lr", self.lr), ("--timeout", self.timeout)):
-            if not value > 0:
-                raise bad(option, value, "must be > 0")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise bad("--seed", self.seed, "must be an int >= 0")
+        self.positive("lr", "timeout")
+        self.ints("seed", low=0)
 
     def encoder_kwargs(self) -> dict[str, Any]:
         """``EncoderClassifier`` keywords (besides the family) of the BERT and ALBERT runs."""
@@ -199,21 +197,21 @@ def plan_runs(config: SuiteConfig) -> list[dict[str, Any]]:
     return runs
 
 
-def worker_argv(config: SuiteConfig, run: dict[str, Any], data_dir: Path, out: Path) -> list[str]:
-    """The command of one rank of ``run``: :mod:`~lightning_pdist.bench.tp_deepspeed` or :mod:`~lightning_pdist.bench.tp_worker`."""
+def worker_spec(config: SuiteConfig, run: dict[str, Any], data_dir: Path) -> tuple[str, dict[str, Any]]:
+    """The worker module and spec of ``run``: :mod:`~lightning_pdist.bench.tp_deepspeed` or :mod:`~lightning_pdist.bench.tp_worker`."""
     if run["config"] == "deepspeed_tp":
-        return [sys.executable, "-m", "lightning_pdist.bench.tp_deepspeed", "--family", run["model"],
-                "--model-kwargs", json.dumps(config.encoder_kwargs()), "--batch-size", str(config.global_batch),
-                "--seq-len", str(config.seq_len), "--steps", str(config.steps), "--warmup-steps", str(config.warmup_steps),
-                "--tp-size", str(run["tp_size"]), "--seed", str(config.seed), "--lr", str(config.lr), "--out-dir", str(out)]  # fmt: skip
+        return "lightning_pdist.bench.tp_deepspeed", {
+            "family": run["model"], "model_kwargs": config.encoder_kwargs(), "batch_size": config.global_batch,
+            "seq_len": config.seq_len, "steps": config.steps, "warmup_steps": config.warmup_steps, "tp_size": run["tp_size"],
+            "seed": config.seed, "lr": config.lr}  # fmt: skip
     from lightning_pdist.bench.tp_worker import check_spec
 
     vgg = run["model"] == "vgg"
-    spec = check_spec({"config": run["config"], "model": run["model"], "world_size": run["world_size"], "tp_size": run["tp_size"],
-                       "global_batch": config.vgg_global_batch if vgg else config.global_batch, "seq_len": config.seq_len,
-                       "model_kwargs": config.encoder_kwargs(), "vgg_width": config.vgg_width, "warmup_steps": config.warmup_steps,
-                       "steps": config.steps, "seed": config.seed, "lr": config.lr, "data_dir": str(data_dir)})  # fmt: skip
-    return [sys.executable, "-m", "lightning_pdist.bench.tp_worker", "--spec", json.dumps(spec), "--out-dir", str(out)]
+    return "lightning_pdist.bench.tp_worker", check_spec({
+        "config": run["config"], "model": run["model"], "world_size": run["world_size"], "tp_size": run["tp_size"],
+        "global_batch": config.vgg_global_batch if vgg else config.global_batch, "seq_len": config.seq_len,
+        "model_kwargs": config.encoder_kwargs(), "vgg_width": config.vgg_width, "warmup_steps": config.warmup_steps,
+        "steps": config.steps, "seed": config.seed, "lr": config.lr, "data_dir": str(data_dir)})  # fmt: skip
 
 
 # -- the byte model of every run -------------------------------------------------------------------------
@@ -273,36 +271,18 @@ class Runner:
     def __init__(self, config: SuiteConfig, scratch: Path, facts: dict[str, dict[str, Any]], log: Callable[[str], None]):
         from lightning_pdist.data.imdb_synthetic import write_imdb_like
 
-        self.config, self.scratch, self.facts, self.log = config, scratch, facts, log
+        self.config, self.facts, self.log = config, facts, log
         self.data_dir = write_imdb_like(scratch / "imdb", config.reviews_per_class, config.seed)
-        self.env, self.count, self.port = worker_env(), 0, 29800
+        self.launcher = Launcher(SUITE, scratch, config.timeout, port=29800)
 
     def launch(self, run: dict[str, Any], network: str, net: EmulatedNetwork | None) -> dict[str, Any]:
         """One row: ``run`` on ``network`` (``net`` for emulated links), or its error."""
-        self.count += 1
-        self.port += 1  # a fresh rendezvous port per run: the last run's sockets may linger in TIME_WAIT
-        out = self.scratch / f"run{self.count}"
-        argv = worker_argv(self.config, run, self.data_dir, out)
-        ws, timeout = run["world_size"], self.config.timeout
-        busy0, ours0, t0 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
-        error, ranks = None, []
-        try:
-            if net is None:
-                launch_loopback(argv, ws, free_port(), env=self.env, timeout=timeout)
-            else:
-                launch_ranks(net, argv, ws, self.port, env=self.env, timeout=timeout)
-            ranks = read_results(out, "rank", ws, SUITE)
-        except (LaunchError, RuntimeError) as err:  # the row says why; the launcher already stopped the other ranks
-            lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-            error = " | ".join(dict.fromkeys([lines[0], lines[-1]]))[:600]
-        wall, ours, busy1 = time.perf_counter() - t0, own_cpu_s() - ours0, busy_cpu_s()
-        # Other sessions share the cores; their CPU time during the run says how far to trust the timings.
-        other = None if busy0 is None or busy1 is None else round(max(0.0, busy1 - busy0 - ours) / wall, 2)
-        row = build_row(run, ranks, self.facts[run["model"]], self.config.steps, network, error)
-        row.update(process_wall_s=round(wall, 1), other_load_cores=other)
+        module, spec = worker_spec(self.config, run, self.data_dir)
+        got = self.launcher.run(module, spec, run["world_size"], net or LOOPBACK, errors=600)
+        row = build_row(run, got.results, self.facts[run["model"]], self.config.steps, network, got.error)
+        row.update(process_wall_s=round(got.wall_s, 1), other_load_cores=got.other_load_cores)
         self.log(describe(row))
         return row
-
 
     def launch_all(self, runs: Sequence[dict[str, Any]], network: str, net: EmulatedNetwork | None) -> list[dict[str, Any]]:
         """Every run on ``network``, the whole plan ``repeats`` times over; per run the row of its fastest repeat.
@@ -552,20 +532,13 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
     try:
         runner = Runner(config, scratch, facts, log)
         if "loopback" in config.networks:
-            doc["networks"]["loopback"] = {"detail": "every rank a process on this machine, 127.0.0.1 (lo), unshaped"}
+            doc["networks"]["loopback"] = {"detail": LOOPBACK.describe()}
             doc["rows"] += runner.launch_all(runs, "loopback", None)
-        ok, reason = EmulatedNetwork.available() if "emulated" in config.networks else (False, "")
         for rate in config.rates if "emulated" in config.networks else ():
             name = f"emulated {rate}"
-            if not ok:
-                doc["networks"][name] = {"skipped": reason}
-                log(f"{SUITE}: emulated links are not available here, skipping {name}: {reason}")
-                continue
-            with EmulatedNetwork(num_hosts=max(r["world_size"] for r in runs), rate=rate) as net:
-                goodput = measure_link_rate(net, 0, 1, 4 << 20)
-                doc["networks"][name] = {"detail": net.describe(), "rate": rate, "burst_bytes": net.burst_bytes,
-                                         "measured_tcp_goodput_bytes_per_s": round(goodput)}  # fmt: skip
-                log(f"{SUITE}: {net.describe()}; TCP goodput host 0 -> 1: {goodput * 8 / 1e6:.1f} Mbit/s")
+            with emulated_network(SUITE, doc, name, max(r["world_size"] for r in runs), rate, log) as net:
+                if net is None:
+                    continue
                 doc["rows"] += runner.launch_all(runs, name, net)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -603,10 +576,7 @@ CROSS_COLUMNS = (
 def docs_section(doc: dict[str, Any], json_path: str) -> str:
     """The suite's figures as markdown; everything is read from ``doc``."""
     cfg, facts = doc["config"], doc["models"]
-    nets = [f"- {name}: {info.get('detail', 'skipped: ' + str(info.get('skipped')))}"
-            + (f" (TCP goodput {info['measured_tcp_goodput_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s)"
-               if info.get("measured_tcp_goodput_bytes_per_s") else "")
-            for name, info in doc["networks"].items()]  # fmt: skip
+    nets = network_lines(doc, goodput="short")
     models = [f"- {name}: {f['params']:,} parameters" + (
         f", {f['num_layers']} layers, hidden {f['hidden_size']}, {f['num_heads']} heads, FFN {f['intermediate_size']}, "
         f"vocabulary {f['vocab_size']}, {f['seq_len']} tokens, global batch {f['global_batch']}"
@@ -715,48 +685,10 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
 
 # -- command line ----------------------------------------------------------------------------------------
 
-
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the suite's options to ``parser``."""
-    d = SuiteConfig()
-    add = parser.add_argument
-    add("--quick", action="store_true", help=f"the small plan ({QUICK}); without it: {FULL}")
-    add("--out", required=True, type=Path, help="directory for tensor_parallel.json, tensor_parallel.png and docs_section.md")
-    add("--network", choices=("loopback", "emulated", "both"), default="both", help="networks (default both)")
-    add("--rates", nargs="+", default=None, help="emulated links' rates, both ways (default 100mbit quick, 1gbit 100mbit full)")
-    add("--models", nargs="+", default=list(MODELS), help=f"any of {MODELS}")
-    add("--configs", nargs="+", default=list(CONFIGS), help=f"any of {CONFIGS} (dp_tp runs with --world-sizes 4)")
-    add("--world-sizes", type=int, nargs="+", default=None, help="2 and/or 4 (default 2 quick, 2 4 full)")
-    for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "vocab_size", "embedding_size", "seq_len"):
-        add(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name), help="encoder %(dest)s (default %(default)s)")
-    add("--global-batch", type=int, default=d.global_batch, help="encoder samples per step, all ranks (default %(default)s)")
-    add("--vgg-width", type=float, default=d.vgg_width, help="vgg16_scaled width (default %(default)s)")
-    add("--vgg-global-batch", type=int, default=d.vgg_global_batch, help="VGG images per step, all ranks (default %(default)s)")
-    add("--warmup-steps", type=int, default=None, help="untimed steps (default 1 quick, 2 full)")
-    add("--steps", type=int, default=None, help="timed steps (default 3 quick, 6 full)")
-    add("--reviews-per-class", type=int, default=d.reviews_per_class, help="generated reviews per class and split (default %(default)s)")
-    add("--lr", type=float, default=d.lr, help="SGD learning rate (default %(default)s)")
-    add("--seed", type=int, default=d.seed, help="seed of the data and the models (default %(default)s)")
-    add("--repeats", type=int, default=None, help="runs of the plan per network; each row keeps its fastest (default 1 quick, 2 full)")
-    add("--timeout", type=float, default=d.timeout, help="seconds per launch (default %(default)s)")
+CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="tensor_parallel.json, tensor_parallel.png and docs_section.md",
+               either={"networks": NETWORKS})  # fmt: skip
 
 
-def config_from_args(args: argparse.Namespace) -> SuiteConfig:
-    """The validated :class:`SuiteConfig` of parsed arguments (``ValueError`` names a bad option)."""
-    plan = QUICK if args.quick else FULL
-    pick = lambda value, key: plan[key] if value is None else value  # noqa: E731
-    return SuiteConfig(
-        networks=NETWORKS if args.network == "both" else (args.network,), rates=tuple(pick(args.rates, "rates")),
-        models=tuple(args.models), configs=tuple(args.configs), world_sizes=tuple(pick(args.world_sizes, "world_sizes")),
-        hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
-        intermediate_size=args.intermediate_size, vocab_size=args.vocab_size, embedding_size=args.embedding_size,
-        seq_len=args.seq_len, global_batch=args.global_batch, vgg_width=args.vgg_width,
-        vgg_global_batch=args.vgg_global_batch, warmup_steps=pick(args.warmup_steps, "warmup_steps"),
-        steps=pick(args.steps, "steps"), reviews_per_class=args.reviews_per_class, lr=args.lr, seed=args.seed,
-        repeats=pick(args.repeats, "repeats"), timeout=args.timeout, quick=args.quick,
-    )  # fmt: skip
-
-
-def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Run the suite for parsed ``args`` (``argv`` is recorded as the command); print the tables."""
-    return run_documented_suite(SUITE, args, argv, config_from_args, run_suite, docs_section)
+def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
+    """Run the suite (``argv`` is recorded as the command); write and print its docs section."""
+    return run_documented_suite(SUITE, config, out, argv, run_suite, docs_section)

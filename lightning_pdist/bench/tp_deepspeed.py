@@ -1,8 +1,8 @@
 """One rank of a DeepSpeed AutoTP training run (paper 003's tensor-parallel baseline) on CPU over gloo.
 
-``python -m lightning_pdist.bench.tp_deepspeed --family bert --steps 5 --out-dir DIR`` is started once per rank by
-:func:`~lightning_pdist.bench.launch.launch_loopback`, :func:`~lightning_pdist.bench.netns.launch_ranks` or
-``torchrun``; :func:`run_rank` trains :class:`~lightning_pdist.models.encoder.EncoderClassifier` (transformers'
+``python -m lightning_pdist.bench.tp_deepspeed --spec JSON --out-dir DIR`` (the spec: :func:`run_rank`'s keywords,
+``tp_size`` ``null`` for ``WORLD_SIZE``) is started once per rank by :func:`~lightning_pdist.bench.netns.launch_ranks`
+or ``torchrun``; :func:`run_rank` trains :class:`~lightning_pdist.models.encoder.EncoderClassifier` (transformers'
 BERT or ALBERT) under ``{"tensor_parallel": {"autotp_size": tp_size}}`` and each rank writes ``DIR/rank<r>.json``
 (read them with :func:`~lightning_pdist.bench.launch.read_results` ``(DIR, "rank", world_size, suite)``).
 
@@ -31,14 +31,13 @@ of ``B * world_size / tp_size`` rows. ``tp_size == world_size`` is the pure-TP b
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+from lightning_pdist.bench.launch import worker_main
 from lightning_pdist.bench.worker import read_tx
 
 OPTIMIZERS = ("sgd", "adam")
@@ -253,35 +252,13 @@ def run_rank(family: str, model_kwargs: dict[str, Any], batch_size: int, seq_len
     }  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_pdist.bench.tp_deepspeed",
-                                     description=__doc__.splitlines()[0])  # fmt: skip
-    parser.add_argument("--family", choices=("bert", "albert"), default="bert")
-    parser.add_argument("--model-kwargs", type=json.loads, default={},
-                        help='EncoderClassifier keywords as JSON, e.g. \'{"hidden_size": 32, "dropout": 0.0}\'')
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
-    parser.add_argument("--warmup-steps", type=int, default=1, help="untimed optimizer steps before them")
-    parser.add_argument("--tp-size", type=int, default=None, help="AutoTP degree (default: WORLD_SIZE, pure TP)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--zero-stage", type=int, default=0)
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
-    parser.add_argument("--lr", type=float, default=0.01)
-    parser.add_argument("--gradient-clipping", type=float, default=0.0, help="max gradient norm; 0 = off")
-    parser.add_argument("--out-dir", required=True, type=Path, help="where rank<r>.json is written")
-    args = parser.parse_args(argv)
+def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """One rank of the launch: :func:`run_rank` with the spec's keywords; its result (``rank<r>.json``)."""
     import torch
 
     torch.set_num_threads(1)  # one core per rank; the ranks already share the machine
-    tp_size = args.tp_size if args.tp_size is not None else int(os.environ["WORLD_SIZE"])
-    result = run_rank(args.family, args.model_kwargs, args.batch_size, args.seq_len, args.steps, args.warmup_steps,
-                      tp_size, args.seed, zero_stage=args.zero_stage, optimizer=args.optimizer, lr=args.lr,
-                      gradient_clipping=args.gradient_clipping)  # fmt: skip
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"rank{result['rank']}.json").write_text(json.dumps(result))
-    return 0
+    return run_rank(**{**spec, "tp_size": spec.get("tp_size") or int(os.environ["WORLD_SIZE"])})
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(worker_main("lightning_pdist.bench.tp_deepspeed", __doc__, lambda spec: spec, run))

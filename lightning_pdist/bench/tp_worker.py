@@ -1,7 +1,7 @@
 """One rank of the tensor-parallel suite: ``python -m lightning_pdist.bench.tp_worker --spec JSON --out-dir DIR``.
 
-Started once per rank by :func:`~lightning_pdist.bench.launch.launch_loopback` or
-:func:`~lightning_pdist.bench.netns.launch_ranks` (each rank its own Lightning "node": ``Trainer(devices=1,
+Started once per rank by :func:`~lightning_pdist.bench.netns.launch_ranks` on loopback or emulated links
+(each rank its own Lightning "node": ``Trainer(devices=1,
 num_nodes=world_size)``). ``spec["config"]`` picks the strategy:
 
 * ``dp``: ``PdistStrategy`` (Lightning's DDP plus byte accounting), every rank ``global_batch / world_size`` samples;
@@ -29,50 +29,57 @@ barriers add a few hundred bytes to ``tx``). CPU time barely moves when other wo
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from lightning_pdist.bench.report import check_spec_keys
+from lightning_pdist.bench.launch import WorkerSpec, worker_main
 
 CONFIGS = ("dp", "tp", "dp_tp", "hybrid")
 MODELS = ("bert", "albert", "vgg")
-SPEC_KEYS = ("config", "model", "world_size", "tp_size", "global_batch", "seq_len", "model_kwargs", "vgg_width",
-             "warmup_steps", "steps", "seed", "lr", "data_dir")  # fmt: skip
 
 
-def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    """Validate a run spec (a plain dict, as it travels on the command line); return it.
+@dataclass(frozen=True)
+class Spec(WorkerSpec):
+    """One tensor-parallel run: ``config`` on ``model``, ``steps`` timed steps of ``global_batch`` after ``warmup_steps``."""
 
-    Raises:
-        ValueError: a key is missing or unknown, or a value breaks its rule (the message names it).
-    """
-    check_spec_keys(spec, SPEC_KEYS, "tp_worker")
-    bad = lambda key, rule: ValueError(f"tp_worker spec({key}={spec[key]!r}): {rule}")  # noqa: E731
-    if spec["config"] not in CONFIGS:
-        raise bad("config", f"config must be one of {CONFIGS}")
-    if spec["model"] not in MODELS:
-        raise bad("model", f"model must be one of {MODELS}")
-    for key in ("world_size", "tp_size", "global_batch", "seq_len", "warmup_steps", "steps"):
-        if isinstance(spec[key], bool) or not isinstance(spec[key], int) or spec[key] < 1:
-            raise bad(key, f"{key} must be an int >= 1")
-    ws, tp, config = spec["world_size"], spec["tp_size"], spec["config"]
-    allowed = ("dp", "hybrid") if spec["model"] == "vgg" else ("dp", "tp", "dp_tp")
-    if config not in allowed:
-        raise bad("config", f"model {spec['model']!r} runs one of {allowed}")
-    expected_tp = {"dp": 1, "tp": ws, "hybrid": ws}.get(config)
-    if expected_tp is not None and tp != expected_tp:
-        raise bad("tp_size", f"config {config!r} on world_size={ws} ranks has tp_size={expected_tp}")
-    if config == "dp_tp" and (ws % tp or not 1 < tp < ws):
-        raise bad("tp_size", f"dp_tp needs 1 < tp_size < world_size ({ws}), dividing it")
-    if spec["global_batch"] % ws:
-        raise bad("global_batch", f"global_batch must be a multiple of world_size ({ws}): every rank's share is whole")
-    if not spec["lr"] > 0:
-        raise bad("lr", "lr must be > 0")
-    return spec
+    WHO: ClassVar[str] = "tp_worker"
+    config: str
+    model: str
+    world_size: int
+    tp_size: int
+    global_batch: int
+    seq_len: int
+    model_kwargs: dict
+    vgg_width: float
+    warmup_steps: int
+    steps: int
+    seed: int
+    lr: float
+    data_dir: str
+
+    def __post_init__(self) -> None:
+        self.one_of("config", CONFIGS)
+        self.one_of("model", MODELS)
+        self.ints("world_size", "tp_size", "global_batch", "seq_len", "warmup_steps", "steps")
+        ws, tp, config = self.world_size, self.tp_size, self.config
+        allowed = ("dp", "hybrid") if self.model == "vgg" else ("dp", "tp", "dp_tp")
+        if config not in allowed:
+            raise self.bad("config", f"model {self.model!r} runs one of {allowed}")
+        expected_tp = {"dp": 1, "tp": ws, "hybrid": ws}.get(config)
+        if expected_tp is not None and tp != expected_tp:
+            raise self.bad("tp_size", f"config {config!r} on world_size={ws} ranks has tp_size={expected_tp}")
+        if config == "dp_tp" and (ws % tp or not 1 < tp < ws):
+            raise self.bad("tp_size", f"dp_tp needs 1 < tp_size < world_size ({ws}), dividing it")
+        if self.global_batch % ws:
+            raise self.bad("global_batch", f"global_batch must be a multiple of world_size ({ws}): every rank's share is whole")
+        if not self.lr > 0:
+            raise self.bad("lr", "lr must be > 0")
+
+
+check_spec = Spec.check
 
 
 def loader_batch(spec: dict[str, Any]) -> int:
@@ -183,19 +190,8 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         "tx_bytes": None if tx is None else tx[0], "tx_packets": None if tx is None else tx[1],
         "params_full": params_full, "params_local": params_local, "losses": losses, "fit_s": fit_s,
     }  # fmt: skip
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"rank{result['rank']}.json").write_text(json.dumps(result))
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_pdist.bench.tp_worker", description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True, help="the run spec as a JSON object (keys: %s)" % ", ".join(SPEC_KEYS))
-    parser.add_argument("--out-dir", required=True, type=Path, help="where rank<r>.json is written")
-    args = parser.parse_args(argv)
-    run(json.loads(args.spec), args.out_dir)
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(worker_main("lightning_pdist.bench.tp_worker", __doc__, lambda spec: spec, run))

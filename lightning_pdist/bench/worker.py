@@ -1,7 +1,7 @@
 """One rank of a benchmark run: ``python -m lightning_pdist.bench.worker --spec JSON --out-dir DIR``.
 
-The launchers (:func:`lightning_pdist.bench.launch.launch_loopback` on 127.0.0.1, or
-:func:`lightning_pdist.bench.netns.launch_ranks` inside emulated hosts) start this module once per
+The launchers (:func:`lightning_pdist.bench.netns.launch_ranks`, on 127.0.0.1 or inside
+emulated hosts) start this module once per
 rank with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK=0``, ``NODE_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT`` and ``GLOO_SOCKET_IFNAME`` set, so each rank is its own Lightning "node":
 ``Trainer(accelerator="cpu", devices=1, num_nodes=world_size)``. Lightning sees ``LOCAL_RANK`` and
@@ -27,48 +27,51 @@ into set-up, training-loop and wind-down phases with them.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from lightning_pdist.bench.report import check_spec_keys
+from lightning_pdist.bench.launch import WorkerSpec, worker_main
 
 STRATEGIES = ("pdist_ddp", "local_sgd", "bmuf", "easgd", "simuparallel_sgd")
 PERIODIC = ("local_sgd", "bmuf", "easgd")
-SPEC_KEYS = ("strategy", "period", "world_size", "steps", "batch_size", "lr", "momentum", "width", "seed")
 
 
-def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    """Validate a run spec (a plain dict, as it travels on the command line); return it.
+@dataclass(frozen=True)
+class Spec(WorkerSpec):
+    """One run of the averaging suite: a strategy at a period, ``steps`` optimizer steps of ``batch_size`` per rank."""
 
-    Raises:
-        ValueError: a key is missing or unknown, or a value breaks its rule (the message says which).
-    """
-    check_spec_keys(spec, SPEC_KEYS, "worker")
-    if spec["strategy"] not in STRATEGIES:
-        raise ValueError(f"worker spec(strategy={spec['strategy']!r}): strategy must be one of {STRATEGIES}")
-    period = spec["period"]
-    if spec["strategy"] in PERIODIC:
-        if not isinstance(period, int) or period < 1:
-            raise ValueError(f"worker spec(period={period!r}): {spec['strategy']} needs an int period >= 1")
-    elif spec["strategy"] == "pdist_ddp" and period != 1:
-        raise ValueError(f"worker spec(period={period!r}): pdist_ddp communicates every step; period must be 1")
-    elif spec["strategy"] == "simuparallel_sgd" and period is not None:
-        raise ValueError(f"worker spec(period={period!r}): simuparallel_sgd averages once; period must be None")
-    for key in ("world_size", "steps", "batch_size", "width"):
-        if not isinstance(spec[key], int) or spec[key] < 1:
-            raise ValueError(f"worker spec({key}={spec[key]!r}): {key} must be an int >= 1")
-    if not isinstance(spec["seed"], int) or spec["seed"] < 0:
-        raise ValueError(f"worker spec(seed={spec['seed']!r}): seed must be an int >= 0")
-    if not spec["lr"] > 0:
-        raise ValueError(f"worker spec(lr={spec['lr']!r}): lr must be > 0")
-    if not 0 <= spec["momentum"] < 1:
-        raise ValueError(f"worker spec(momentum={spec['momentum']!r}): momentum must be in [0, 1)")
-    return spec
+    WHO: ClassVar[str] = "worker"
+    strategy: str
+    period: int | None
+    world_size: int
+    steps: int
+    batch_size: int
+    lr: float
+    momentum: float
+    width: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        self.one_of("strategy", STRATEGIES)
+        if self.strategy in PERIODIC and (not isinstance(self.period, int) or self.period < 1):
+            raise self.bad("period", f"{self.strategy} needs an int period >= 1")
+        if self.strategy == "pdist_ddp" and self.period != 1:
+            raise self.bad("period", "pdist_ddp communicates every step; period must be 1")
+        if self.strategy == "simuparallel_sgd" and self.period is not None:
+            raise self.bad("period", "simuparallel_sgd averages once; period must be None")
+        self.ints("world_size", "steps", "batch_size", "width")
+        self.ints("seed", low=0)
+        if not self.lr > 0:
+            raise self.bad("lr", "lr must be > 0")
+        if not 0 <= self.momentum < 1:
+            raise self.bad("momentum", "momentum must be in [0, 1)")
+
+
+check_spec = Spec.check
 
 
 def read_tx(ifname: str | None) -> tuple[int, int] | None:
@@ -214,25 +217,8 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         "tx": {k: v[0] for k, v in tx.items()} if all(tx.values()) else None,
         "tx_packets": {k: v[1] for k, v in tx.items()} if all(tx.values()) else None,
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"rank{result['rank']}.json").write_text(json.dumps(result, indent=1))
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_pdist.bench.worker", description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True, help="the run spec as a JSON object (keys: %s)" % ", ".join(SPEC_KEYS))
-    parser.add_argument("--out-dir", required=True, type=Path, help="where rank<r>.json is written")
-    args = parser.parse_args(argv)
-    try:
-        spec = json.loads(args.spec)
-    except json.JSONDecodeError as err:
-        parser.error(f"--spec {args.spec!r}: must be a JSON object ({err})")
-    if not isinstance(spec, dict):
-        parser.error(f"--spec {args.spec!r}: must be a JSON object")
-    run(spec, args.out_dir)
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(worker_main("lightning_pdist.bench.worker", __doc__, check_spec, run))

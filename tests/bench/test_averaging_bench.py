@@ -10,7 +10,6 @@ from lightning_pdist.bench import SUITES
 from lightning_pdist.bench.__main__ import build_parser, load_suite, main
 from lightning_pdist.bench.averaging import (
     ROW_KEYS,
-    RunTiming,
     SuiteConfig,
     build_row,
     comm_check,
@@ -20,6 +19,7 @@ from lightning_pdist.bench.averaging import (
     results_table,
     run_suite,
 )
+from lightning_pdist.bench.launch import Launched
 from lightning_pdist.bench.report import check_rows, markdown_table
 from lightning_pdist.bench.worker import check_spec
 
@@ -35,7 +35,7 @@ def _rank(rank, comm=1000, loop_s=2.0, digest="d", tx=None, loop_comm=None, step
             "tx_packets": packets or ({k: v // 1000 for k, v in tx.items()} if tx else None)}  # fmt: skip
 
 
-TIMING = RunTiming(wall_s=9.0, ours_cpu_s=12.0, other_cpu_s=0.9)
+TIMING = Launched(results=[], wall_s=9.0, ours_cpu_s=12.0, other_cpu_s=0.9)
 
 
 def test_plan_runs_gives_every_strategy_the_same_samples():
@@ -76,7 +76,7 @@ def test_cli_lists_suites_and_answers_bad_values_with_exit_status_2(tmp_path, ca
     assert "averaging" in build_parser().format_help()
     for name in SUITES:
         module = load_suite(name)
-        assert callable(module.configure_parser) and callable(module.run)
+        assert callable(module.CLI.add_arguments) and callable(module.run)
     with pytest.raises(ValueError, match=r"suite='nope'\): suite must be one of"):
         load_suite("nope")
     assert main(["averaging", "--quick", "--out", str(tmp_path), "--world-size", "1"]) == 2
@@ -210,7 +210,7 @@ def test_real_overhead_row_times_ddp_and_pdist_ddp_in_the_same_processes(tmp_pat
     config = SuiteConfig(networks=("loopback",), overhead="only")
     from lightning_pdist.bench.averaging import run_overhead
 
-    result = run_overhead(config, tmp_path / "overhead", log=lambda line: None, steps=16, repeats=2)
+    result = run_overhead(config, tmp_path / "overhead", log=lambda line: None, steps=6, repeats=2, warmup_steps=2)
     assert [r["width"] for r in result["rows"]] == [16, 64]
     for row in result["rows"]:
         assert row["ddp_ms_per_step"] > 0 and row["pdist_ddp_ms_per_step"] > 0 and len(row["ratio_by_repeat"]) == 2

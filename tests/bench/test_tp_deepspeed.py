@@ -1,11 +1,13 @@
 """DeepSpeed AutoTP baseline: argument rules, and two real gloo ranks that shard BERT and match one process."""
 
+import json
 import sys
 
 import pytest
 import torch.distributed as dist
 
-from lightning_pdist.bench.launch import free_port, launch_loopback, read_results, worker_env
+from lightning_pdist.bench.launch import free_port, read_results, worker_env
+from lightning_pdist.bench.netns import LOOPBACK, launch_ranks
 from lightning_pdist.bench.tp_deepspeed import reference_losses, run_rank
 
 TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64, "max_len": 16, "vocab_size": 100,
@@ -50,13 +52,12 @@ def test_two_gloo_ranks_shard_bert_and_reproduce_the_one_process_losses(tmp_path
     """AutoTP on 2 gloo ranks halves BERT's attention/FFN weights per rank and gives the one-process losses."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("transformers")
-    argv = [sys.executable, "-m", "lightning_pdist.bench.tp_deepspeed", "--family", "bert", "--model-kwargs",
-            '{"hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64, "max_len": 16, '
-            '"vocab_size": 100, "dropout": 0.0}', "--batch-size", "4", "--seq-len", "16", "--steps", "3",
-            "--warmup-steps", "0", "--out-dir", str(tmp_path)]  # fmt: skip
+    spec = {"family": "bert", "model_kwargs": TINY, "batch_size": 4, "seq_len": 16, "steps": 3, "warmup_steps": 0,
+            "tp_size": None, "seed": 0}  # fmt: skip
+    argv = [sys.executable, "-m", "lightning_pdist.bench.tp_deepspeed", "--spec", json.dumps(spec), "--out-dir", str(tmp_path)]
     # A file rendezvous: no port is listened on, so none can collide (MASTER_PORT is set but unused).
     env = {**worker_env(), "PDIST_INIT_METHOD": f"file://{tmp_path}/rendezvous"}
-    launch_loopback(argv, 2, free_port(), env=env, timeout=120)
+    launch_ranks(LOOPBACK, argv, 2, free_port(), env=env, timeout=120)
     ranks = read_results(tmp_path, "rank", 2, "test_tp_deepspeed")
     expected = reference_losses("bert", TINY, 4, 16, 3, 0, 0)
     query = "encoder.bert.encoder.layer.0.attention.self.query.weight"

@@ -1,0 +1,97 @@
+"""The shared harness: one launcher on loopback, the Launcher's files, timing and failures, worker_main, and the
+command line generated from a suite's SuiteConfig (its fields, their docstrings, the quick and full plans)."""
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+from lightning_pdist.bench.__main__ import build_parser, load_suite
+from lightning_pdist.bench.launch import Launcher, worker_main
+from lightning_pdist.bench.netns import LOOPBACK, LaunchError, launch_ranks
+
+# A worker module: worker_main reads --spec, checks it, runs, writes rank<RANK>.json. A rank told to fail exits
+# before importing anything (importing lightning_pdist imports Lightning: seconds per process on these cores).
+WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+
+    if json.loads(sys.argv[sys.argv.index("--spec") + 1])["fail_rank"] == int(os.environ["RANK"]):
+        sys.exit("rank failed on purpose")
+
+    from lightning_pdist.bench.launch import worker_main
+
+    def run(spec, out_dir):
+        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+        return {"env": {k: os.environ[k] for k in keys}, "spec": spec}
+
+    raise SystemExit(worker_main("fake_worker", __doc__, lambda spec: spec, run))
+    """
+)
+
+
+def test_loopback_launch_gives_each_rank_the_per_rank_environment(tmp_path):
+    """LOOPBACK answers the launcher like a network: every rank on 127.0.0.1 and lo, ranks numbered as nodes."""
+    code = "import json, os; print(json.dumps({k: os.environ[k] for k in ('RANK', 'NODE_RANK', 'MASTER_ADDR', 'GLOO_SOCKET_IFNAME')}))"
+    results = launch_ranks(LOOPBACK, [sys.executable, "-c", code], 2, 29999, timeout=60)
+    assert [json.loads(r.stdout) for r in results] == [
+        {"RANK": str(r), "NODE_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"} for r in (0, 1)]
+    with pytest.raises(LaunchError, match=r"launch_ranks: rank 1 \(on loopback\) exited with code 3"):
+        launch_ranks(LOOPBACK, [sys.executable, "-c", "import os, sys; sys.exit(3 * int(os.environ['RANK']))"], 2, 29999)
+
+
+def test_launcher_reads_every_ranks_file_and_turns_a_failure_into_its_reason(tmp_path, monkeypatch):
+    """One launch per run in its own folder; the files worker_main wrote, in rank order; a failure raises, or with
+    ``errors`` becomes the row's reason (first and last line of the message)."""
+    (tmp_path / "fake_worker.py").write_text(WORKER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{':'.join(sys.path)}")
+    launcher = Launcher("test", tmp_path / "scratch", timeout=60)
+    got = launcher.run("fake_worker", {"fail_rank": None}, 2)
+    assert [r["env"]["RANK"] for r in got.results] == ["0", "1"] and got.error is None and got.kernel is None
+    assert all(r["env"]["TP_SOCKET_IFNAME"] == "lo" and r["spec"] == {"fail_rank": None} for r in got.results)
+    assert got.wall_s > 0 and (got.other_load_cores is None or got.other_load_cores >= 0)
+    failed = launcher.run("fake_worker", {"fail_rank": 0}, 1, errors=300)
+    assert failed.results == [] and failed.error.startswith("launch_ranks: rank 0 (on loopback) exited with code 1")
+    assert failed.error.endswith("rank failed on purpose") and len(failed.error) <= 300
+    with pytest.raises(LaunchError, match="rank 0"):
+        launcher.run("fake_worker", {"fail_rank": 0}, 1)
+    assert launcher.count == 3 and sorted(p.name for p in (tmp_path / "scratch" / "run1").iterdir()) == ["rank0.json", "rank1.json"]
+
+
+def test_worker_main_refuses_a_spec_that_is_not_a_json_object(tmp_path, capsys):
+    """--spec must be a JSON object; a bad one exits with status 2 and says so, before running anything."""
+    for spec in ("[1, 2]", "{nope"):
+        with pytest.raises(SystemExit) as exc:
+            worker_main("w", None, lambda s: s, lambda s, o: pytest.fail("ran"), ["--spec", spec, "--out-dir", str(tmp_path)])
+        assert exc.value.code == 2 and "must be a JSON object" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suite", ["averaging", "sign", "ps_sharding", "pipeline", "tensor_parallel"])
+def test_every_config_field_is_an_option_with_its_docstring_and_plan(suite):
+    """The CLI is the config: one option per SuiteConfig field, helped by the field's docstring; --quick and its
+    absence pick the plans' values for the fields they name and the dataclass defaults for the others."""
+    from dataclasses import fields
+
+    from lightning_pdist.bench.cli import field_help, suite_parser
+
+    module = load_suite(suite)
+    cli, config = module.CLI, module.SuiteConfig
+    sub = suite_parser(suite, None)
+    cli.add_arguments(sub)
+    helps = {opt: action.help for action in sub._actions for opt in action.option_strings}
+    docs = field_help(config)
+    for f in fields(config):
+        if f.name != "quick":
+            assert docs.get(f.name), f"{suite}: SuiteConfig.{f.name} has no docstring (it is the option's help)"
+            assert helps[cli.flag(f.name)].startswith(docs[f.name].replace("%", "%%"))
+    parser = build_parser()
+    quick = cli.config_of(parser.parse_args([suite, "--quick", "--out", "x"])[suite])
+    full = cli.config_of(parser.parse_args([suite, "--out", "x"])[suite])
+    assert quick.quick and not full.quick
+    for f in fields(config):
+        if f.name in cli.quick:
+            assert (getattr(quick, f.name), getattr(full, f.name)) == (cli.quick[f.name], cli.full[f.name])
+        elif f.name != "quick":
+            assert getattr(quick, f.name) == getattr(full, f.name) == f.default
