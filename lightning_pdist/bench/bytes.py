@@ -196,7 +196,65 @@ def compute(command: str = "python -m lightning_pdist.bench bytes --out docs/res
             row[policy] = [[step_bytes(name, kwargs, model, t, r, policy) for t in range(1, steps + 1)]
                            for r in range(WORLD)]  # fmt: skip
         doc["rows"].append(row)
+    doc["sign_examples"] = sign_examples()
+    doc["pipeline_replicas"] = pipeline_replicas()
+    doc["tensor_parallel_recipe"] = tensor_parallel_recipe()
     return doc
+
+
+def tensor_parallel_recipe() -> dict[str, Any]:
+    """``recipes/tensor_parallel.yaml`` (BERT-like, 2 layers, hidden 128, batch 16 × 128 tokens, t = 2): TP's
+    activation all-reduces (:func:`~lightning_pdist.tensor_parallel.cost.tp_encoder_bytes`) plus the non-finite
+    flag, against DP's gradient all-reduce of the same model. Needs ``transformers`` (the ``encoders`` extra) for the
+    parameter count; without it, ``None``."""
+    from lightning_pdist.tensor_parallel.cost import dp_bytes, tp_encoder_bytes
+
+    try:
+        from lightning_pdist.models import ClassifierModule
+        from lightning_pdist.models.encoder import EncoderClassifier
+
+        encoder = EncoderClassifier(family="bert", vocab_size=5000, max_len=128, hidden_size=128, num_layers=2,
+                                    num_heads=4, intermediate_size=512, dropout=0.1)  # fmt: skip
+        params = sum(p.numel() for p in ClassifierModule(model=encoder, num_classes=2, vocab_size=5000).parameters())
+    except ImportError:
+        return {}
+    tp = tp_encoder_bytes(16, 128, 128, 2, 2).total
+    return {"params": params, "dp": dp_bytes(params, 2).total, "tp": tp, "flag": _flag_bytes(2), "tp_raise": tp + _flag_bytes(2)}
+
+
+def sign_examples() -> list[dict[str, Any]]:
+    """The sign card's table: :func:`~lightning_pdist.sign.hooks.sign_hook_bytes` by collective for one bucket of
+    ``d`` coordinates in ``T`` tensors on ``M`` ranks, against the fp32 ring all-reduce of the same gradient."""
+    from lightning_pdist.core.accounting import all_reduce_bytes
+    from lightning_pdist.sign.hooks import sign_hook_bytes
+
+    rows = []
+    for model, d, tensors, world in (("TinyRegression", 58, 4, 3), ("SmallCNN", 19178, 8, 2), ("SmallCNN", 19178, 8, 15)):
+        row: dict[str, Any] = {"model": model, "d": d, "tensors": tensors, "world_size": world,
+                               "fp32_all_reduce": all_reduce_bytes(4 * d, world)}  # fmt: skip
+        for name, estimator in (("signsgd_mv", None), ("it_signsgd", "worker")):
+            kinds = sign_hook_bytes(d, world, tensors, estimator=estimator)
+            row[name] = {**kinds, "total": sum(kinds.values()), "fp32_over_sign": row["fp32_all_reduce"] / sum(kinds.values())}
+        rows.append(row)
+    return rows
+
+
+def pipeline_replicas() -> dict[str, Any]:
+    """``recipes/pipeline.yaml`` with ``--trainer.devices=4``: 2 stages × 2 replicas; per stage, a steady step's bytes
+    (the activations or gradients across the cut, the replicas' all-reduce of the stage's gradient, the flag of 4)."""
+    from lightning_pdist.core.accounting import all_reduce_bytes
+    from lightning_pdist.pipeline.partition import find_network, list_layers, partition
+
+    module = _module("cnn")
+    path, network = find_network(module)
+    layers = list_layers(network, path)
+    cut = partition(layers, 2)
+    params = [sum(p.numel() for _, layer in layers[a:b] for p in layer.parameters()) for a, b in cut.bounds]
+    p2p = _pipeline("pipeline_1f1b", module, 2, "propagate")
+    replicas = [all_reduce_bytes(4 * n, 2) for n in params]
+    flag = _flag_bytes(4)
+    return {"stage_params": params, "p2p": p2p, "replica_all_reduce": replicas, "flag": flag,
+            "total": [p2p + r + flag for r in replicas]}  # fmt: skip
 
 
 def _summary(per_step: list[list[int]]) -> str:
