@@ -54,7 +54,8 @@ SOURCES: dict[str, tuple[str, ...]] = {
 MARKERS = ("paper", "published", "default", "chosen", "by hand", "recipe run", "simulated")
 COMMENT = re.compile(r"<!--\s*(.*?)-->")
 
-FIGURE = re.compile(r"(?<![\w.,/])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+)(?![\w]|[.,]\d)")
+# not part of a word, a version (2.13.0), a longer number or a path; a trailing "x" (1.20x) is a ratio's sign
+FIGURE = re.compile(r"(?<![\w.,/])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+)(?![^\Wx]|x\w|[.,]\d)")
 UNIT = re.compile(r"\s?(MB|kB|GB|MiB|KiB|ms|µs|%)(?![A-Za-z])")
 SCALES = {"MB": (1e-6,), "kB": (1e-3,), "GB": (1e-9,), "MiB": (2.0**-20,), "KiB": (2.0**-10,), "ms": (1e3,),
           "µs": (1e6,), "%": (100.0,)}  # fmt: skip
