@@ -12,8 +12,9 @@ must be, at the precision shown:
 2. **computed** by a named command: ``docs/results/bytes.json`` (``python -m lightning_pdist.bench bytes``, the byte
    models) is a source of every document;
 3. **worked out in the text**: the result of an arithmetic identity written in the line, ``a × b = c``,
-   ``a + b + c = d`` (``×``, ``·``, ``*``, ``+``, ``−``, ``/`` between plain numbers): the identity must hold exactly
-   (the operands are figures themselves and are checked by these rules);
+   ``a + b + c = d``, ``40.76 ms / 34.03 ms = 1.20`` (``×``, ``·``, ``*``, ``+``, ``−``, ``/`` between numbers, each
+   optionally with its unit): the identity must hold at the result's precision (the operands are figures
+   themselves and are checked by these rules);
 4. **cited or set by hand**, and marked so: the figure stands inside a bracket that opens with a marker word,
    ``(paper 003: 0.705)``, ``(published: ...)``, ``(default: 0.5)``, ``(chosen: ...)``, ``(by hand: ...)`` (the
    marker is the bracket's first word; a nested bracket inherits it), or on a line (a table row) carrying an HTML
@@ -48,7 +49,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "docs/algorithms/simuparallel_sgd.md": AVERAGING,
     "docs/algorithms/signsgd.md": ("sign.json", "sign_estimator_coordinate.json", "sign_estimator_tensor.json", "sign_lr.json"),
     "docs/algorithms/parameter_server.md": ("ps_sharding.json",),
-    "docs/algorithms/pipeline.md": ("pipeline.json",),
+    "docs/algorithms/pipeline.md": ("pipeline.json", "pipeline_run1.json"),
     "docs/algorithms/tensor_parallel.md": ("tensor_parallel.json",),
 }
 MARKERS = ("paper", "published", "default", "chosen", "by hand", "recipe run", "simulated")
@@ -60,7 +61,8 @@ UNIT = re.compile(r"\s?(MB|kB|GB|MiB|KiB|ms|µs|%)(?![A-Za-z])")
 SCALES = {"MB": (1e-6,), "kB": (1e-3,), "GB": (1e-9,), "MiB": (2.0**-20,), "KiB": (2.0**-10,), "ms": (1e3,),
           "µs": (1e6,), "%": (100.0,)}  # fmt: skip
 NUMBER = r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"
-IDENTITY = re.compile(rf"((?:{NUMBER})(?:\s*[×·*+−\-/]\s*\(?(?:{NUMBER})\)?)+)\s*=\s*({NUMBER})")
+UNITS = r"(?:\s?(?:MB|kB|GB|MiB|KiB|ms|µs|B))?"  # an operand may carry its unit: 40.76 ms / 34.03 ms = 1.20
+IDENTITY = re.compile(rf"((?:{NUMBER}){UNITS}(?:\s*[×·*+−\-/]\s*\(?(?:{NUMBER}){UNITS}\)?)+)\s*=\s*({NUMBER})")
 
 
 def _numbers(value, out: list[float]) -> None:
@@ -109,6 +111,7 @@ def _value(token: str) -> float:
 
 
 def _evaluate(expression: str) -> float | None:
+    expression = re.sub(r"(?<=\d)\s?(?:MB|kB|GB|MiB|KiB|ms|µs|B)\b", "", expression)
     python = re.sub(NUMBER, lambda m: repr(_value(m.group())), expression)
     python = python.replace("×", "*").replace("·", "*").replace("−", "-")
     if not re.fullmatch(r"[\d.\s*+\-/()e]+", python):
@@ -188,13 +191,17 @@ def test_every_card_is_checked():
 
 
 def test_a_changed_figure_fails():
-    """One figure changed by hand (the pipeline card's bytes per step, a measured ratio) is caught; the rules hold."""
+    """A figure changed by hand in a card is caught: the pipeline card's bytes per step (computed) and the first
+    three measured figures of its "Measured" section, each with its last digit changed; the rules hold too."""
     doc = "docs/algorithms/pipeline.md"
     text = (ROOT / doc).read_text()
     assert not unsupported(doc, text)
-    for original in ("66,056", "0.786"):
-        assert original in text
-        changed = text.replace(original, original[:-1] + str((int(original[-1]) + 1) % 10), 1)
-        assert any(original[:-1] in b for b in unsupported(doc, changed)), original
+    measured_at = text.index("## Measured")
+    first = [m for m in FIGURE.finditer(text, measured_at)][:3]
+    targets = [(text.index("**66,056 bytes**") + 2, "66,056")] + [(m.start(1), m.group(1)) for m in first]
+    for start, figure in targets:
+        changed = figure[:-1] + str((int(figure[-1]) + 1) % 10)
+        edited = text[:start] + changed + text[start + len(figure) :]
+        assert any(f": {changed}  (" in b for b in unsupported(doc, edited)), f"{figure} -> {changed} not caught"
     assert worked_out("4 × 2,402 = 9,608") and not worked_out("4 × 2,402 = 9,609")
     assert marked("BERT (paper 003: 0.705) vs", 17) and not marked("BERT (measured: 0.705)", 17)
