@@ -21,7 +21,7 @@ except ``tensor_parallel``, which refuses that CNN (nothing to shard) and runs o
   gradients, then a model all-reduce after step ``t`` when ``(t − warm-up) % period == 0``);
 * sign votes: :func:`~lightning_pdist.sign.hooks.sign_hook_bytes` for the one DDP bucket;
 * parameter server: each worker's ``PUSHPULL`` message as :func:`~lightning_pdist.parameter_server.wire.encode_message`
-  frames it (header, JSON metadata, the gradient);
+  frames it (header, JSON metadata with the request's ``patience``, the gradient);
 * pipeline: per micro-batch one frame (:data:`~lightning_pdist.pipeline.p2p.HEADER_BYTES` + the tensor) across the
   cut, plus a header-only frame announcing the shape the first time each peer sees it;
 * tensor parallelism: one all-reduce of each row-wise layer's ``(B, out)`` output (the column-wise layer's input,
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -115,6 +116,7 @@ def _parameter_server(kwargs: dict, module, step: int, rank: int) -> int:
     pull returned, which depends on arrival order but stays a one-digit number for the steps listed here, so the
     frame's length does not (its JSON is what varies; only its length counts).
     """
+    from lightning_pdist.parameter_server import ParameterServerStrategy
     from lightning_pdist.parameter_server.layout import numeric_hparams
     from lightning_pdist.parameter_server.wire import Kind, encode_message
 
@@ -123,8 +125,10 @@ def _parameter_server(kwargs: dict, module, step: int, rank: int) -> int:
     params = [p for p in module.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     version = step - 1 if kwargs["mode"] == "sync" else 0
+    patience = float(inspect.signature(ParameterServerStrategy).parameters["server_timeout"].default)
     meta = {"worker": rank, "version": version, "hparams": [numeric_hparams(g) for g in optimizer.param_groups],
-            "optimizer": 0, "present": "1" * len(params)}  # fmt: skip
+            "optimizer": 0, "present": "1" * len(params),
+            "patience": patience}  # a waiting request tells the server how long the worker waits (client.request)
     head, _ = encode_message(Kind.PUSHPULL, meta)
     return len(head) + 4 * numel
 
@@ -206,7 +210,7 @@ def tensor_parallel_recipe() -> dict[str, Any]:
     """``recipes/tensor_parallel.yaml`` (BERT-like, 2 layers, hidden 128, batch 16 × 128 tokens, t = 2): TP's
     activation all-reduces (:func:`~lightning_pdist.tensor_parallel.cost.tp_encoder_bytes`) plus the non-finite
     flag, against DP's gradient all-reduce of the same model. Needs ``transformers`` (the ``encoders`` extra) for the
-    parameter count; without it, ``None``."""
+    parameter count; without it, ``{}``."""
     from lightning_pdist.tensor_parallel.cost import dp_bytes, tp_encoder_bytes
 
     try:

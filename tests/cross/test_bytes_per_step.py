@@ -69,6 +69,13 @@ def test_bytes_json_is_what_the_byte_models_give_today():
     assert json.loads(RESULTS.read_text()) == json.loads(json.dumps(today))
 
 
+def test_the_docs_show_the_table():
+    """docs/benchmarks.md holds the table the renderer makes from bytes.json (rerun the command, paste its section)."""
+    doc = json.loads(RESULTS.read_text())
+    table = byte_models.docs_section(doc, "docs/results/bytes.json").split("\n\n", 1)[1].strip()
+    assert table in (ROOT / "docs" / "benchmarks.md").read_text()
+
+
 @pytest.mark.parametrize("name", [n for n, *_ in byte_models.CASES])
 def test_logged_bytes_equal_the_byte_models_every_step(name, tmp_path):
     row = ROWS[name]
