@@ -88,21 +88,24 @@ def source_numbers(names: Iterable[str]) -> list[float]:
 
 
 def prose_lines(text: str) -> list[tuple[int, str]]:
-    """``(line number, text)`` outside fenced blocks, with code spans and link targets blanked (same length)."""
-    lines, fenced = [], False
-    for number, line in enumerate(text.splitlines(), 1):
+    """``(line number, text)`` outside fenced blocks, with code spans (also across lines), link targets and URLs blanked
+    (same length); a line whose HTML comment opens with a marker word is left out as a whole."""
+    kept, fenced = [], False
+    for line in text.splitlines():
         if line.lstrip().startswith("```"):
             fenced = not fenced
+            kept.append("")
             continue
-        if fenced:
-            continue
-        line = re.sub(r"`[^`]*`", lambda m: " " * len(m.group()), line)
+        kept.append("" if fenced else line)
+    blank = lambda m: re.sub(r"[^\n]", " ", m.group())  # noqa: E731
+    prose = re.sub(r"`[^`]*`", blank, "\n".join(kept))
+    lines = []
+    for number, line in enumerate(prose.split("\n"), 1):
         if any(c.lower().startswith(MARKERS) for c in COMMENT.findall(line)):
             continue  # a line marked as a whole
-        line = re.sub(r"\]\([^)]*\)", lambda m: " " * len(m.group()), line)
-        line = re.sub(r"https?://\S+", lambda m: " " * len(m.group()), line)
-        line = COMMENT.sub(lambda m: " " * len(m.group()), line)
-        lines.append((number, line))
+        line = re.sub(r"\]\([^)]*\)", blank, line)
+        line = re.sub(r"https?://\S+", blank, line)
+        lines.append((number, COMMENT.sub(blank, line)))
     return lines
 
 
