@@ -22,6 +22,7 @@ SUITES: dict[str, str] = {
     "ps_sharding": "lightning_pdist.bench.ps_sharding",
     "pipeline": "lightning_pdist.bench.pipeline",
     "tensor_parallel": "lightning_pdist.bench.tensor_parallel",
+    "bytes": "lightning_pdist.bench.bytes",
 }
 
 __all__ = ["SUITES"]
