@@ -30,17 +30,18 @@ except ``tensor_parallel``, which refuses that CNN (nothing to shard) and runs o
 
 from __future__ import annotations
 
-import argparse
 import functools
 import inspect
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_pdist.bench.cli import SuiteCli
 from lightning_pdist.bench.report import command_line, markdown_table, new_document, write_json
 
-__all__ = ["CASES", "POLICIES", "compute", "configure_parser", "docs_section", "run", "step_bytes"]
+__all__ = ["CASES", "POLICIES", "CLI", "SuiteConfig", "compute", "docs_section", "run", "step_bytes"]
 
 SUITE = "bytes"
 WORLD = 2
@@ -289,13 +290,19 @@ def docs_section(doc: dict[str, Any], path: str) -> str:
     return f"Command: `{doc['command']}`  \nOutput: `{path}`\n\n{table}\n"
 
 
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, help="directory for bytes.json and docs_section.md")
+@dataclass(frozen=True)
+class SuiteConfig:
+    """No options: every figure is computed from the code's byte models, nothing is timed."""
+
+    quick: bool = False
 
 
-def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+CLI = SuiteCli(config=SuiteConfig, quick={}, full={}, out="bytes.json and docs_section.md")
+
+
+def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
+    """Compute the figures, write bytes.json and the docs section, print the table."""
     doc = compute(command_line(SUITE, argv))
-    out = Path(args.out)
     write_json(doc, out / f"{SUITE}.json")
     section = docs_section(doc, str(out / f"{SUITE}.json"))
     (out / "docs_section.md").write_text(section)
