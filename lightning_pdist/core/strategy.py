@@ -100,6 +100,9 @@ class PdistStrategy(DDPStrategy):
     def __init__(self, nonfinite: str = "raise", compression: Any = None, **kwargs: Any) -> None:
         check_keywords(type(self), kwargs, wraps_in_ddp=self.wraps_in_ddp)
         self.nonfinite_guard = NonFiniteGuard(nonfinite, type(self).__name__)
+        if compression is not None and "compression" not in inspect.signature(type(self).__init__).parameters:
+            raise TypeError(f"{type(self).__name__}(compression={compression!r}): unknown argument; "
+                            f"{type(self).__name__} owns its communication and takes no compression")  # fmt: skip
         self.compression = refuse_compression(type(self).__name__, compression, self.compression_use)
         self.compression_state: CompressionState | None = None
         hook = kwargs.get("ddp_comm_hook")
