@@ -6,6 +6,7 @@ from typing import Any
 
 from lightning_pdist.averaging.bmuf import BMUFRule
 from lightning_pdist.averaging.strategy import ModelAveragingStrategy
+from lightning_pdist.core.compression import Compressor
 
 __all__ = ["BMUFStrategy"]
 
@@ -53,7 +54,7 @@ class BMUFStrategy(ModelAveragingStrategy):
         nesterov: bool = True,
         warmup_steps: int = 0,
         nonfinite: str = "raise",
-        compression: Any = None,
+        compression: Compressor | None = None,
         **kwargs: Any,
     ) -> None:
         rule = BMUFRule(period=period, block_momentum=block_momentum, block_lr=block_lr, nesterov=nesterov,

@@ -6,6 +6,7 @@ from typing import Any
 
 from lightning_pdist.averaging.rules import LocalSGDRule
 from lightning_pdist.averaging.strategy import ModelAveragingStrategy
+from lightning_pdist.core.compression import Compressor
 
 __all__ = ["LocalSGDStrategy"]
 
@@ -39,7 +40,7 @@ class LocalSGDStrategy(ModelAveragingStrategy):
     strategy_name = "local_sgd"
     sync_changes = "the average replaces the replicas"
 
-    def __init__(self, period: int = 8, warmup_steps: int = 0, nonfinite: str = "raise", compression: Any = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, period: int = 8, warmup_steps: int = 0, nonfinite: str = "raise",
+                 compression: Compressor | None = None, **kwargs: Any) -> None:
         rule = LocalSGDRule(period=period, warmup_steps=warmup_steps, owner=type(self).__name__)
         super().__init__(rule=rule, nonfinite=nonfinite, compression=compression, **kwargs)

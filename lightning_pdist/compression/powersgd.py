@@ -14,7 +14,7 @@ initial bucket layout, not the rebuilt one, so a resumed PowerSGD run is close t
 uninterrupted one (torch's limitation).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: DDP checks the hook's annotations at run time.
 
 from typing import Callable, Hashable
 

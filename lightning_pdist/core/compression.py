@@ -14,7 +14,7 @@ bucket index, so DDP's bucket rebuild after the first step, or any bucket layout
 error feedback applied and the bytes this rank sends counted in ``meter``.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: DDP checks the hook's annotations at run time.
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field

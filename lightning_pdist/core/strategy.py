@@ -55,7 +55,7 @@ from typing_extensions import override
 from lightning_pdist.core.nonfinite import culprit_ranks, grads_finite, one_hot_flag
 from lightning_pdist.core.accounting import CommMeter
 from lightning_pdist.core.collectives import all_reduce_sum_, rank_world
-from lightning_pdist.core.compression import CompressionState, refuse_compression
+from lightning_pdist.core.compression import CompressionState, Compressor, refuse_compression
 from lightning_pdist.core.hooks import AllReduceState, allreduce_hook
 from lightning_pdist.core import lifetime, rank_files
 from lightning_pdist.core.multinode import check_gloo_interface
@@ -97,7 +97,7 @@ class PdistStrategy(DDPStrategy):
     #: What ``compression=`` compresses here (``core.compression.USES``).
     compression_use = "gradients"
 
-    def __init__(self, nonfinite: str = "raise", compression: Any = None, **kwargs: Any) -> None:
+    def __init__(self, nonfinite: str = "raise", compression: Compressor | None = None, **kwargs: Any) -> None:
         check_keywords(type(self), kwargs, wraps_in_ddp=self.wraps_in_ddp)
         self.nonfinite_guard = NonFiniteGuard(nonfinite, type(self).__name__)
         if compression is not None and "compression" not in inspect.signature(type(self).__init__).parameters:
