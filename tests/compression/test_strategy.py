@@ -123,3 +123,22 @@ def test_registered_names_carry_their_compressors():
         assert entry["strategy"] is PdistStrategy and isinstance(entry["init_params"]["compression"], kind)
     for name in ("qsgd", "terngrad", "powersgd", "topk_spawn", "dgc_find_unused_parameters_true"):
         assert name in StrategyRegistry
+
+
+def test_powersgd_and_qsgd_train_by_name_with_their_bytes_counted(tmp_path):
+    """``strategy="powersgd"`` (torch's hook underneath) and ``strategy="qsgd"`` train; both ranks end equal; PowerSGD's
+    logged bytes are the flag plus plain all-reduce for step 1 (start_iter=2) and P/Q/raw all-reduces after."""
+    from lightning_pdist.compression.powersgd import powersgd_bytes
+    from lightning_pdist.core.accounting import all_reduce_bytes
+
+    for name in ("powersgd", "qsgd"):
+        out = tmp_path / name
+        out.mkdir()
+        trainer = fit(f"{name}_fork", TinyRegression(), max_steps=4, callbacks=[SnapshotParams(out)])
+        final = [load_snapshot(out, r, "final") for r in range(2)]
+        assert torch.isfinite(final[0]).all() and torch.equal(final[0], final[1])
+        if name == "powersgd":
+            shapes = [p.shape for p in make_net().parameters()]
+            flag = all_reduce_bytes(4, 2)
+            expected = 2 * (flag + all_reduce_bytes(4 * sum(SIZES), 2)) + 2 * (flag + powersgd_bytes(shapes, 1, 2.0, 2))
+            assert float(trainer.callback_metrics["pdist/comm_bytes_total"]) == expected
