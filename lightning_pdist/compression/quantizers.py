@@ -51,6 +51,7 @@ class _Scaled(GatheredCompressor):
         scales, levels, own = [], [], []
         for x in xs:
             scale, lv = self.levels_of(x, generator)
+            scale = struct.unpack("<f", struct.pack("<f", scale))[0]  # what receivers read: every rank decodes alike
             scales.append(scale), levels.append(lv.cpu()), own.append(self.values_of(scale, lv).view(x.shape))
         if generator is not None:
             state.extra["pending_generator"] = generator.get_state()

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import zstandard
 from _ranks import run_ranks
 
-from lightning_pdist.compression import BF16, DGC, FP16, RandomK, Sign, TernGrad, TopK
+from lightning_pdist.compression import BF16, DGC, FP16, QSGD, RandomK, Sign, TernGrad, TopK
 from lightning_pdist.core.accounting import CommMeter
 
 SHAPES = [(5, 7), (3,)]
@@ -91,9 +91,15 @@ def checks(rank, world):
     models = {TernGrad(): (world - 1) * (16 + 4 * T + math.ceil(d / 4)), Sign(): (world - 1) * (16 + 4 * T + math.ceil(d / 8)),
               RandomK(0.25): 2 * (world - 1) * 4 * (k + 1) // world, FP16(): 2 * (world - 1) * 2 * (d + 1) // world,
               BF16(): 2 * (world - 1) * 2 * (d + 1) // world}  # fmt: skip
-    for c, per_step in models.items():
-        _, _, meter = run(c, rank)
-        assert meter.total_bytes == STEPS * per_step, (c, meter.total_bytes, per_step)
+    for c, per_step in {**models, QSGD(4): None}.items():
+        outs, _, meter = run(c, rank)
+        if per_step is not None:
+            assert meter.total_bytes == STEPS * per_step, (c, meter.total_bytes, per_step)
+        for out in outs:  # every rank decodes the same aggregate (its own payload included)
+            for o in out:
+                other = o.clone()
+                dist.broadcast(other, src=0)
+                assert torch.equal(o, other), c
     # a NaN on rank 1 at step 2: None on every rank, the residual left as it was
     outs, state, _ = run(TopK(0.3), rank, steps=3, bad_at=(1, 2))
     assert outs[2] is None and outs[1] is not None
