@@ -4,12 +4,13 @@ Importing the package registers every strategy name with Lightning's ``StrategyR
 ``Trainer(strategy="bmuf")`` works after ``import lightning_pdist``; the Lightning Fabric strategies
 (:mod:`lightning_pdist.fabric`) register with Fabric's own registry, so ``Fabric(strategy="bmuf")`` works too.
 
-One folder per family (averaging, sign, parameter_server, pipeline, tensor_parallel) over :mod:`lightning_pdist.core`;
+One folder per family (averaging, compression, sign, parameter_server, pipeline, tensor_parallel) over :mod:`lightning_pdist.core`;
 ``docs/architecture.md`` draws the house.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_pdist.compression.strategy import register_strategies as _register_compression
 from lightning_pdist.averaging import BMUFStrategy, EASGDStrategy, LocalSGDStrategy, SimuParallelSGDStrategy
 from lightning_pdist.core.strategy import PdistStrategy
 from lightning_pdist.parameter_server import ParameterServerStrategy
@@ -26,5 +27,6 @@ for _strategy in (PdistStrategy, LocalSGDStrategy, SimuParallelSGDStrategy, BMUF
 ParameterServerStrategy.register_strategies(StrategyRegistry)
 PipelineStrategy.register_strategies(StrategyRegistry)
 TensorParallelStrategy.register_strategies(StrategyRegistry)
+_register_compression(StrategyRegistry)  # topk, dgc, qsgd, terngrad, powersgd: PdistStrategy(compression=...)
 
 from lightning_pdist import fabric  # noqa: E402, F401  (registers the Fabric strategy names with Fabric's registry)

@@ -22,13 +22,15 @@ FAMILIES = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__in
 MATH = {
     "core": {"flat", "nonfinite", "accounting", "config"},
     "averaging": {"schedule", "rules", "bmuf", "easgd"},
+    "compression": {"sparse", "quantize"},
     "sign": {"vote", "llr", "simulator"},
     "parameter_server": {"sharding", "rules"},
     "pipeline": {"schedule", "partition"},
     "tensor_parallel": {"plan", "cost"},
 }
 TRANSPORT = {
-    "core": {"collectives", "hooks", "liveness", "forking"},
+    "core": {"collectives", "hooks", "liveness", "forking", "compression"},
+    "compression": {"codec", "exchange", "base", "sparsifiers", "quantizers", "powersgd"},
     "averaging": {"replicas"},
     "sign": {"bits", "stats", "participation", "overflow", "hooks", "config"},
     "parameter_server": {"wire", "auth", "shard", "layout", "loop", "server", "process", "client", "workers"},
@@ -102,7 +104,7 @@ def _package_files():
 
 
 def test_the_families_are_the_folders():
-    assert FAMILIES == ["averaging", "parameter_server", "pipeline", "sign", "tensor_parallel"]
+    assert FAMILIES == ["averaging", "compression", "parameter_server", "pipeline", "sign", "tensor_parallel"]
     for folder in (*FAMILIES, "core"):
         stems = {p.stem for p in (PACKAGE / folder).glob("*.py")}
         listed = MATH.get(folder, set()) | TRANSPORT.get(folder, set())

@@ -6,6 +6,7 @@ from typing import Any
 
 from lightning_pdist.averaging.bmuf import BMUFRule
 from lightning_pdist.averaging.strategy import ModelAveragingStrategy
+from lightning_pdist.core.compression import Compressor
 
 __all__ = ["BMUFStrategy"]
 
@@ -31,6 +32,8 @@ class BMUFStrategy(ModelAveragingStrategy):
         warmup_steps: leading steps that run as plain DDP; the first block starts after them.
         nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what every rank does when a step's
             gradients, or the replicas at a synchronization, hold NaN/Inf (see the method card).
+        compression: a compressor from :mod:`lightning_pdist.compression` (e.g. ``TopK(0.01)``) for the model delta
+            since the last synchronization, with error feedback per rank (``docs/algorithms/compression.md``).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`, e.g. ``timeout``: how long the
             rendezvous and every collective wait for a stopped or hung rank (default 30 min); then the waiting ranks
             fail naming the rank whose heartbeat stopped (method card, "Timeouts, hung and dead ranks").
@@ -51,11 +54,12 @@ class BMUFStrategy(ModelAveragingStrategy):
         nesterov: bool = True,
         warmup_steps: int = 0,
         nonfinite: str = "raise",
+        compression: Compressor | None = None,
         **kwargs: Any,
     ) -> None:
         rule = BMUFRule(period=period, block_momentum=block_momentum, block_lr=block_lr, nesterov=nesterov,
                         warmup_steps=warmup_steps, owner=type(self).__name__)  # fmt: skip
-        super().__init__(rule=rule, nonfinite=nonfinite, **kwargs)
+        super().__init__(rule=rule, nonfinite=nonfinite, compression=compression, **kwargs)
 
     @property
     def block_momentum(self) -> float:

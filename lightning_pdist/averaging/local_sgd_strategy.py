@@ -6,6 +6,7 @@ from typing import Any
 
 from lightning_pdist.averaging.rules import LocalSGDRule
 from lightning_pdist.averaging.strategy import ModelAveragingStrategy
+from lightning_pdist.core.compression import Compressor
 
 __all__ = ["LocalSGDStrategy"]
 
@@ -25,6 +26,8 @@ class LocalSGDStrategy(ModelAveragingStrategy):
             warming up until the first learning-rate decay.
         nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what every rank does when a step's
             gradients, or the replicas at a synchronization, hold NaN/Inf (see the method card).
+        compression: a compressor from :mod:`lightning_pdist.compression` (e.g. ``TopK(0.01)``) for the model delta
+            since the last synchronization, with error feedback per rank (``docs/algorithms/compression.md``).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`, e.g. ``timeout``: how long the
             rendezvous and every collective wait for a stopped or hung rank (default 30 min); then the waiting ranks
             fail naming the rank whose heartbeat stopped (method card, "Timeouts, hung and dead ranks").
@@ -37,6 +40,7 @@ class LocalSGDStrategy(ModelAveragingStrategy):
     strategy_name = "local_sgd"
     sync_changes = "the average replaces the replicas"
 
-    def __init__(self, period: int = 8, warmup_steps: int = 0, nonfinite: str = "raise", **kwargs: Any) -> None:
+    def __init__(self, period: int = 8, warmup_steps: int = 0, nonfinite: str = "raise",
+                 compression: Compressor | None = None, **kwargs: Any) -> None:
         rule = LocalSGDRule(period=period, warmup_steps=warmup_steps, owner=type(self).__name__)
-        super().__init__(rule=rule, nonfinite=nonfinite, **kwargs)
+        super().__init__(rule=rule, nonfinite=nonfinite, compression=compression, **kwargs)

@@ -60,12 +60,13 @@ from typing import Any, Callable
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+import torch
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pdist.core.flat import averaged_tensors, relative_distance
+from lightning_pdist.core.flat import averaged_tensors, flatten, relative_distance
 from lightning_pdist.core.nonfinite import all_finite, culprit_ranks, nonfinite_error, one_hot_flag
 from lightning_pdist.averaging.replicas import RuleShell
 from lightning_pdist.averaging.rules import AveragingRule
@@ -91,6 +92,8 @@ class ModelAveragingStrategy(RuleShell, PdistStrategy):
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
 
+    #: ``compression=`` (BMUF, local SGD) compresses the model delta since the last synchronization.
+    compression_use = "deltas"
     #: What the rule does with one rank, for the one-rank warning.
     one_rank_behaviour = "the result is plain single-process training"
 
@@ -106,6 +109,7 @@ class ModelAveragingStrategy(RuleShell, PdistStrategy):
         self._evaluating_backup: Tensor | None = None
         self._finalized = False
         self._step_open = False  # several optimizers: an optimizer stepped in the current batch
+        self._anchor: Tensor | None = None  # with compression: the model every rank held after the last sync
 
     @property
     @abstractmethod
@@ -132,6 +136,25 @@ class ModelAveragingStrategy(RuleShell, PdistStrategy):
         divergence = relative_distance(self.averaged_tensors, self.rule.replica_mean(combined))
         self._diagnostics.note("pdist/avg/divergence", divergence)
         self.rule.apply(combined, self)
+        self._refresh_anchor()
+
+    def reduce_replicas(self) -> Tensor:
+        """The synchronization's mean; with ``compression``, ``a + mean_i C(w_i − a + e_i)`` per tensor, where ``a``
+        is the model every rank held after the last synchronization and ``e_i`` this rank's residual."""
+        if self.compression is None:
+            return super().reduce_replicas()
+        local = self.local_vector()
+        tensors = averaged_tensors(self.replica_module())
+        deltas = list(torch.split(local - self._anchor, [t.numel() for t in tensors]))
+        out = self.compression.mean(deltas, list(range(len(deltas))), self.compression_state, None, self.comm_meter,
+                                    "delta_" + self.compression.name)  # fmt: skip
+        if out is None:  # some rank's replica was not finite: refuse_nonfinite names it
+            return torch.full_like(local, float("nan"))
+        return self._anchor + flatten(out)
+
+    def _refresh_anchor(self) -> None:
+        if self.compression is not None:
+            self._anchor = self.local_vector()
 
     def nonfinite_ranks(self, optimizer: Optimizer) -> list[int] | None:
         """The step's check: during warm-up DDP's (see the base); afterwards each rank's own gradients, agreed
@@ -200,6 +223,9 @@ class ModelAveragingStrategy(RuleShell, PdistStrategy):
         self._step_open = False
         self._set_phase()
         self.rule.start(self, world_size)
+        if self.compression is not None:
+            self.compression_state = self.compression.new_state()
+            self._refresh_anchor()
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
@@ -224,6 +250,7 @@ class ModelAveragingStrategy(RuleShell, PdistStrategy):
         if self.averages_gradients(self.step):
             self._count_buffer_broadcast()
             self.rule.after_warmup(self)
+            self._refresh_anchor()
         elif self.syncs_after(self.step):
             self.synchronize()
         self._set_phase()
@@ -307,12 +334,26 @@ class ModelAveragingStrategy(RuleShell, PdistStrategy):
     @override
     def pdist_state_dict(self) -> dict:
         self._close_training_step()
-        return super().pdist_state_dict()
+        state = super().pdist_state_dict()
+        if self._anchor is not None:
+            state["compression_anchor"] = self._anchor.detach().cpu().clone()
+        return state
+
+    @override
+    def load_pdist_state_dict(self, state: dict) -> None:
+        super().load_pdist_state_dict(state)
+        if self.compression is not None and "compression_anchor" in state:
+            self._anchor = state["compression_anchor"].to(self.root_device)
 
     @override
     def pdist_rank_state(self) -> dict | None:
         # After fit every rank holds the consensus: nothing of its own is left to keep.
-        return None if self._finalized else self._own_replica()
+        if self._finalized:
+            return None
+        own = self._own_replica()
+        if self.compression_state is not None:
+            own["compression"] = self.compression_state.state_dict()  # this rank's residual
+        return own
 
     @override
     def load_pdist_rank_state(self, state: dict | None, reason: str = "") -> None:
@@ -324,6 +365,7 @@ class ModelAveragingStrategy(RuleShell, PdistStrategy):
             )
             return
         self.lightning_module.load_state_dict(state["model"])
+        super().load_pdist_rank_state(state, reason)  # the compressor's state (PdistStrategy)
         self._pending_optimizer_states = state["optimizer_states"]
 
     @override

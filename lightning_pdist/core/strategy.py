@@ -55,6 +55,7 @@ from typing_extensions import override
 from lightning_pdist.core.nonfinite import culprit_ranks, grads_finite, one_hot_flag
 from lightning_pdist.core.accounting import CommMeter
 from lightning_pdist.core.collectives import all_reduce_sum_, rank_world
+from lightning_pdist.core.compression import CompressionState, Compressor, refuse_compression
 from lightning_pdist.core.hooks import AllReduceState, allreduce_hook
 from lightning_pdist.core import lifetime, rank_files
 from lightning_pdist.core.multinode import check_gloo_interface
@@ -78,20 +79,36 @@ class PdistStrategy(DDPStrategy):
     Args:
         nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what every rank does when a step's
             gradients hold NaN/Inf (:mod:`lightning_pdist.core.nonfinite`; module docstring, point 4).
+        compression: a compressor from :mod:`lightning_pdist.compression` (``TopK(0.01)``, ``DGC()``, ...) that
+            every step's gradients go through, per parameter tensor, instead of the all-reduce (None: DDP's
+            all-reduce). Its error-feedback residuals are checkpointed per rank. Registered as ``topk``, ``dgc``,
+            ``qsgd``, ``terngrad``, ``powersgd`` (``docs/algorithms/compression.md``).
 
     Example::
 
         trainer = Trainer(accelerator="cpu", devices=2, strategy="pdist_ddp")
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=PdistStrategy(compression=TopK(0.01)))
     """
 
     strategy_name = "pdist_ddp"
     #: Whether the model is wrapped in DistributedDataParallel (and so has a ``find_unused_parameters`` switch).
     wraps_in_ddp = True
 
-    def __init__(self, nonfinite: str = "raise", **kwargs: Any) -> None:
+    #: What ``compression=`` compresses here (``core.compression.USES``).
+    compression_use = "gradients"
+
+    def __init__(self, nonfinite: str = "raise", compression: Compressor | None = None, **kwargs: Any) -> None:
         check_keywords(type(self), kwargs, wraps_in_ddp=self.wraps_in_ddp)
         self.nonfinite_guard = NonFiniteGuard(nonfinite, type(self).__name__)
+        if compression is not None and "compression" not in inspect.signature(type(self).__init__).parameters:
+            raise TypeError(f"{type(self).__name__}(compression={compression!r}): unknown argument; "
+                            f"{type(self).__name__} owns its communication and takes no compression")  # fmt: skip
+        self.compression = refuse_compression(type(self).__name__, compression, self.compression_use)
+        self.compression_state: CompressionState | None = None
         hook = kwargs.get("ddp_comm_hook")
+        if hook is not None and self.compression is not None:
+            raise ValueError(f"{type(self).__name__}(compression={compression!r}): compression owns the comm hook; "
+                             "ddp_comm_hook must be left unset")  # fmt: skip
         if hook is not None and not callable(hook):
             raise TypeError(f"{type(self).__name__}(ddp_comm_hook={hook!r}): ddp_comm_hook must be a callable "
                             "(state, bucket) -> Future, e.g. torch.distributed.algorithms.ddp_comm_hooks.default_hooks"
@@ -141,6 +158,12 @@ class PdistStrategy(DDPStrategy):
     # ------------------------------------------------------------------ comm hooks
     def _default_comm_hook(self) -> tuple[object, Callable] | None:
         """(state, hook) registered when the user gives no ``ddp_comm_hook``."""
+        if self.compression is not None:
+            keys = {id(p): i for i, p in enumerate(self.model.parameters())}  # stable across bucket rebuilds
+            self.compression_state = self.compression.new_state()
+            self._hook_state, hook = self.compression.ddp_hook(self.compression_state, self.comm_meter, keys,
+                                                               self.nonfinite != "propagate")  # fmt: skip
+            return self._hook_state, hook
         self._hook_state = AllReduceState(meter=self.comm_meter, track_nonfinite=self.nonfinite != "propagate")
         return self._hook_state, allreduce_hook
 
@@ -278,15 +301,17 @@ class PdistStrategy(DDPStrategy):
     def pdist_rank_state(self) -> dict | None:
         """This rank's own state, written to its own file next to the checkpoint (None: nothing per rank).
 
-        Must be None on every rank or on none (the decision is collective).
+        Must be None on every rank or on none (the decision is collective). Here: the compressor's state.
         """
-        return None
+        return None if self.compression_state is None else {"compression": self.compression_state.state_dict()}
 
     def load_pdist_rank_state(self, state: dict | None, reason: str = "") -> None:
         """Restore :meth:`pdist_rank_state`'s output (after :meth:`load_pdist_state_dict`).
 
         ``state`` is None when the checkpoint has no file for this rank; ``reason`` then says why.
         """
+        if self.compression_state is not None and state is not None and "compression" in state:
+            self.compression_state.load_state_dict(state["compression"], device=self.root_device)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:

@@ -31,6 +31,8 @@ STRATEGIES: dict[str, tuple[str, dict, bool, str]] = {
     "easgd": ("easgd", {"period": 3}, True, "EASGD, period 3"),
     "signsgd_mv": ("signsgd_mv", {}, True, "signSGD with majority vote"),
     "it_signsgd": ("it_signsgd", {"warmup_rounds": 2}, True, "IT-signSGD (LLR vote)"),
+    "topk": ("topk", {}, True, "top-k 1 % with error feedback (compressed DDP)"),
+    "dgc": ("dgc", {}, True, "Deep Gradient Compression 0.1 %"),
     "parameter_server": ("parameter_server", {"server_timeout": 60.0}, True, "parameter server, sync"),
     "parameter_server_async": ("parameter_server_async", {"server_timeout": 60.0}, False, "parameter server, async"),
     # 2 micro-batches of 2: BatchNorm cannot train on micro-batches of one sample
