@@ -26,6 +26,7 @@ MATH = {
     "parameter_server": {"sharding", "rules"},
     "pipeline": {"schedule", "partition"},
     "tensor_parallel": {"plan", "cost"},
+    "diloco": {"outer", "fragments", "quantize"},
 }
 TRANSPORT = {
     "core": {"collectives", "hooks", "liveness", "forking"},
@@ -34,6 +35,7 @@ TRANSPORT = {
     "parameter_server": {"wire", "auth", "shard", "layout", "loop", "server", "process", "client", "workers"},
     "pipeline": {"p2p", "executor"},
     "tensor_parallel": {"meter"},
+    "diloco": {"exchange", "rounds"},
 }
 
 
