@@ -11,11 +11,13 @@ every inner step ``t`` they call :meth:`Rounds.after_step`, which starts the exc
 
 ``θ_global`` and every outer optimizer's state are the same on every replica (they change only through the same
 means); each replica's own parameters and inner optimizer state are its own. The *global model* (every fragment's
-``θ_global`` and mean buffers) is what evaluation sees and what training outputs; reading it costs no collective.
+``θ_global`` and mean buffers, an exchange in flight completed on a copy) is what evaluation sees, what checkpoints
+hold in ``state_dict`` and what training outputs; reading it costs no collective (at most the wait for an exchange).
 """
 
 from __future__ import annotations
 
+import copy as copy_module
 from dataclasses import dataclass
 from typing import Callable
 
@@ -113,8 +115,20 @@ class Rounds:
 
     # ------------------------------------------------------------------ the global model
     def global_vector(self) -> Tensor:
-        """Every fragment's ``θ_global`` and mean buffers, flat, in fragment order (no collective)."""
-        return torch.cat([torch.cat([p.global_params.detach(), p.global_buffers]) for p in self.parts])
+        """The global model: every fragment's ``θ_global`` and mean buffers, flat, in fragment order, with any
+        exchange in flight waited for and its outer step taken on a copy (what :meth:`finish` would make of it)."""
+        out = []
+        for part in self.parts:
+            params, buffers = part.global_params.detach(), part.global_buffers
+            if part.pending is not None:
+                mean_delta, buffers = part.pending.wait()
+                copy = nn.Parameter(params.clone())
+                optimizer = self.outer.build(copy)
+                optimizer.load_state_dict(copy_module.deepcopy(part.optimizer.state_dict()))
+                outer_step_(optimizer, copy, mean_delta)
+                params = copy.detach()
+            out.append(torch.cat([params, buffers]))
+        return torch.cat(out)
 
     def local_vector(self) -> Tensor:
         """This replica's tensors in the order of :meth:`global_vector`."""
