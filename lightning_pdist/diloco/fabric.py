@@ -27,7 +27,7 @@ from typing_extensions import override
 
 from lightning_pdist.core.fabric import PdistFabricStrategy
 from lightning_pdist.core.hooks import AllReduceState, periodic_allreduce_hook
-from lightning_pdist.diloco.fragments import StreamingSchedule
+from lightning_pdist.diloco.fragments import ScheduleFields, StreamingSchedule
 from lightning_pdist.diloco.outer import OuterConfig
 from lightning_pdist.diloco.rounds import Rounds
 from lightning_pdist.diloco.streaming_strategy import check_fragments
@@ -35,7 +35,7 @@ from lightning_pdist.diloco.streaming_strategy import check_fragments
 __all__ = ["DiLoCoFabricStrategy", "StreamingDiLoCoFabricStrategy"]
 
 
-class DiLoCoFabricStrategy(PdistFabricStrategy):
+class DiLoCoFabricStrategy(ScheduleFields, PdistFabricStrategy):
     """DiLoCo under Fabric: ``H`` inner steps, then the outer step on ``θ_global − mean_r θ_r`` (see
     :class:`~lightning_pdist.diloco.strategy.DiLoCoStrategy` for the rule and the arguments).
 

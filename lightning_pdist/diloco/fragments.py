@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["StreamingSchedule", "fragment_modules", "layer_names"]
+__all__ = ["ScheduleFields", "StreamingSchedule", "fragment_modules", "fragment_tensors", "layer_names"]
 
 QUANTIZE = (None, "int8", "int4")
 
@@ -65,6 +65,32 @@ class StreamingSchedule:
     def merges_after(self, step: int) -> list[int]:
         """Fragments whose outer step and merge come after inner step ``step`` (started ``τ`` steps before)."""
         return self.starts_after(step - self.overlap_steps)
+
+
+class ScheduleFields:
+    """Mixin: the schedule's settings read as the strategy's own attributes (``strategy.sync_every``, ...)."""
+
+    schedule: StreamingSchedule
+
+    @property
+    def sync_every(self) -> int:
+        return self.schedule.sync_every
+
+    @property
+    def num_fragments(self) -> int:
+        return self.schedule.num_fragments
+
+    @property
+    def overlap_steps(self) -> int:
+        return self.schedule.overlap_steps
+
+    @property
+    def fragment_alpha(self) -> float:
+        return self.schedule.fragment_alpha
+
+    @property
+    def quantize(self) -> str | None:
+        return self.schedule.quantize
 
 
 def layer_names(module: nn.Module) -> list[str]:

@@ -39,14 +39,14 @@ from lightning_pdist.core.guard import global_step, optimizer_grads
 from lightning_pdist.core.hooks import AllReduceState, periodic_allreduce_hook
 from lightning_pdist.core.nonfinite import all_finite, culprit_ranks, nonfinite_error, one_hot_flag
 from lightning_pdist.core.strategy import PdistStrategy
-from lightning_pdist.diloco.fragments import StreamingSchedule
+from lightning_pdist.diloco.fragments import ScheduleFields, StreamingSchedule
 from lightning_pdist.diloco.outer import OuterConfig
 from lightning_pdist.diloco.rounds import Rounds
 
 __all__ = ["DiLoCoStrategy"]
 
 
-class DiLoCoStrategy(PdistStrategy):
+class DiLoCoStrategy(ScheduleFields, PdistStrategy):
     """DiLoCo: ``H`` local steps of the module's optimizer, then an outer optimizer step on the pseudo-gradient.
 
     Douillard et al., *DiLoCo: Distributed Low-Communication Training of Language Models*, arXiv 2311.08105. Every
