@@ -55,7 +55,8 @@ class DiLoCoFabricStrategy(ScheduleFields, PdistFabricStrategy):
     def _init_rounds(self, schedule: StreamingSchedule, outer_optimizer: Any, outer_lr: float, outer_momentum: float,
                      outer_kwargs: dict | None, fragments: list[list[str]] | None, kwargs: dict) -> None:  # fmt: skip
         owner = type(self).__name__
-        self.config = OuterConfig(outer_optimizer, outer_lr, outer_momentum, dict(outer_kwargs or {}), owner=owner)
+        kwargs_in = {} if outer_kwargs is None else outer_kwargs
+        self.config = OuterConfig(outer_optimizer, outer_lr, outer_momentum, kwargs_in, owner=owner)
         self.schedule = schedule
         super().__init__(**kwargs)
         self.rounds = Rounds(schedule, self.config, fragments, owner)

@@ -64,7 +64,8 @@ class OuterConfig:
         if not _is_number(self.outer_momentum) or not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(f"{o}(outer_momentum={self.outer_momentum!r}): outer_momentum must be a number in [0, 1)")
         if not isinstance(self.outer_kwargs, dict):
-            raise TypeError(f"{o}(outer_kwargs={self.outer_kwargs!r}): outer_kwargs must be a dict")
+            raise TypeError(f"{o}(outer_kwargs={self.outer_kwargs!r}): outer_kwargs must be a dict or None")
+        object.__setattr__(self, "outer_kwargs", dict(self.outer_kwargs))  # the caller's dict stays the caller's
         spec = self.outer_optimizer
         if isinstance(spec, str) and spec in _NAMED:
             if spec == "nesterov" and self.outer_momentum == 0:

@@ -87,7 +87,8 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
                      outer_kwargs: dict | None, fragments: list[list[str]] | None, nonfinite: str,
                      kwargs: dict) -> None:  # fmt: skip
         owner = type(self).__name__
-        self.config = OuterConfig(outer_optimizer, outer_lr, outer_momentum, dict(outer_kwargs or {}), owner=owner)
+        kwargs_in = {} if outer_kwargs is None else outer_kwargs
+        self.config = OuterConfig(outer_optimizer, outer_lr, outer_momentum, kwargs_in, owner=owner)
         self.schedule = schedule
         refuse_owned_ddp_args(owner, kwargs, f"{owner} owns communication (it never all-reduces gradients)")
         super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
