@@ -27,6 +27,7 @@ MATH = {
     "parameter_server": {"sharding", "rules"},
     "pipeline": {"schedule", "partition"},
     "tensor_parallel": {"plan", "cost"},
+    "diloco": {"outer", "fragments", "quantize"},
 }
 TRANSPORT = {
     "core": {"collectives", "hooks", "liveness", "forking", "compression"},
@@ -36,6 +37,7 @@ TRANSPORT = {
     "parameter_server": {"wire", "auth", "shard", "layout", "loop", "server", "process", "client", "workers"},
     "pipeline": {"p2p", "executor"},
     "tensor_parallel": {"meter"},
+    "diloco": {"exchange", "rounds"},
 }
 
 
@@ -104,7 +106,7 @@ def _package_files():
 
 
 def test_the_families_are_the_folders():
-    assert FAMILIES == ["averaging", "compression", "parameter_server", "pipeline", "sign", "tensor_parallel"]
+    assert FAMILIES == ["averaging", "compression", "diloco", "parameter_server", "pipeline", "sign", "tensor_parallel"]
     for folder in (*FAMILIES, "core"):
         stems = {p.stem for p in (PACKAGE / folder).glob("*.py")}
         listed = MATH.get(folder, set()) | TRANSPORT.get(folder, set())

@@ -38,6 +38,9 @@ STRATEGIES: dict[str, tuple[str, dict, bool, str]] = {
     # 2 micro-batches of 2: BatchNorm cannot train on micro-batches of one sample
     "pipeline": ("pipeline", {"num_microbatches": 2}, True, "pipeline, 2 stages, 1F1B, 2 micro-batches"),
     "tensor_parallel": ("tensor_parallel", {}, True, "tensor parallelism, t=2, plan='auto'"),
+    "diloco": ("diloco", {"sync_every": 3}, True, "DiLoCo, H=3, Nesterov outer step"),
+    "streaming_diloco": ("streaming_diloco", {"sync_every": 4, "num_fragments": 2, "overlap_steps": 1, "quantize": "int8"},
+                         True, "Streaming DiLoCo, H=4, P=2, τ=1, int8"),
 }
 
 
@@ -65,6 +68,9 @@ _TP_NOTHING = (r"TensorParallelStrategy\(plan='auto'\): plan_for\(\w+\): found n
                "elementwise modules between them, or a data-parallel column (a network this small gains nothing "
                "from sharding)")  # fmt: skip
 REFUSALS: dict[tuple[str, str], tuple[str, str]] = {
+    ("streaming_diloco", "boring"): (
+        r"StreamingDiLoCoStrategy\(num_fragments=2\): the model has 1 layers with parameters; num_fragments must not",
+        "num_fragments=1 (one fragment: DiLoCo) or fragments=[[...], [...]] naming submodules, or a deeper network"),
     ("pipeline", "boring"): _NO_SEQUENTIAL,
     ("pipeline", "transformer_lm"): _NO_SEQUENTIAL,
     ("pipeline", "hf_bert"): _NO_SEQUENTIAL,

@@ -1,0 +1,251 @@
+"""DiLoCo as a Lightning strategy; :mod:`.streaming_strategy` adds Streaming DiLoCo's fragments on top.
+
+Lifecycle (every rank):
+
+* ``setup``: the model is wrapped in DDP (which broadcasts rank 0's weights) with the counted
+  :func:`~lightning_pdist.core.hooks.periodic_allreduce_hook` switched off (no gradient is ever all-reduced) and
+  ``broadcast_buffers`` off; ``θ_global`` and the outer optimizer(s) are built from the synchronized weights
+  (:class:`~lightning_pdist.diloco.rounds.Rounds`).
+* each training step ``t`` (1-based; with several optimizers, a batch in which one stepped): the module's own
+  (inner) optimizer steps on this rank's gradients, its state stays local; then the rounds run the exchanges and
+  outer steps the schedule names.
+* validation/test/predict during ``fit`` see the **global model** (``θ_global`` and the mean buffers), swapped in and
+  out again; at the end of ``fit`` every rank loads it (exchanges in flight completed first). Mid-round that
+  discards the unfinished round's local steps: the module holds the last outer step's result.
+* checkpoints: ``state_dict`` holds the global model; ``checkpoint["pdist"]`` holds the step, ``θ_global``, the
+  outer optimizers' state and the drained result of an exchange in flight; each rank's own replica and inner
+  optimizer state go to its own file (:mod:`~lightning_pdist.core.rank_files`): resuming is exact, mid-round and
+  mid-overlap included.
+* non-finite values: each step's gradients are this rank's own, so one all-reduce of ``world_size`` flags per step
+  (``nonfinite_flag``) makes every rank agree (``"raise"``/``"skip_step"``); the exchange's mean is checked before
+  an outer step applies it (the same on every rank: no collective); ``"propagate"`` checks neither.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_pdist.core.collectives import all_reduce_sum_
+from lightning_pdist.core.config import refuse_owned_ddp_args
+from lightning_pdist.core.guard import global_step, optimizer_grads
+from lightning_pdist.core.hooks import AllReduceState, periodic_allreduce_hook
+from lightning_pdist.core.nonfinite import all_finite, culprit_ranks, nonfinite_error, one_hot_flag
+from lightning_pdist.core.strategy import PdistStrategy
+from lightning_pdist.diloco.fragments import ScheduleFields, StreamingSchedule
+from lightning_pdist.diloco.outer import OuterConfig
+from lightning_pdist.diloco.rounds import Rounds
+
+__all__ = ["DiLoCoStrategy"]
+
+
+class DiLoCoStrategy(ScheduleFields, PdistStrategy):
+    """DiLoCo: ``H`` local steps of the module's optimizer, then an outer optimizer step on the pseudo-gradient.
+
+    Douillard et al., *DiLoCo: Distributed Low-Communication Training of Language Models*, arXiv 2311.08105. Every
+    replica starts a round from ``θ_global`` and takes ``sync_every = H`` steps of its own optimizer (whose state
+    stays local across rounds), reaching ``θ_r``; then::
+
+        Δ = θ_global − mean_r θ_r                      (one all-reduce)
+        θ_global ← OuterOpt(θ_global, grad = Δ)       (SGD(lr=0.7, momentum=0.9, nesterov=True) by default)
+        every replica loads θ_global; float buffers ← mean_r of the replicas' buffers
+
+    Outer ``"sgd"`` with ``outer_lr=1, outer_momentum=0`` is local SGD with period ``H`` (and with ``H = 1`` and an
+    SGD inner optimizer, synchronous DDP). Communication: one all-reduce of the model every ``H`` steps.
+
+    Args:
+        sync_every: ``H``, inner steps per round (>= 1; default 100).
+        outer_optimizer: ``"nesterov"`` (default), ``"sgd"`` (plain momentum), or a ``torch.optim.Optimizer`` class or
+            dotted path (``"torch.optim.Adam"``) built as ``cls([θ_global], lr=outer_lr, **outer_kwargs)``.
+        outer_lr: the outer learning rate (0.7, the paper's).
+        outer_momentum: the outer momentum for ``"nesterov"``/``"sgd"`` (0.9, the paper's).
+        outer_kwargs: further keyword arguments of an optimizer class (``{"betas": (0.9, 0.95)}``).
+        nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"`` (see the method card).
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`, e.g. ``timeout``.
+
+    Example::
+
+        Trainer(accelerator="cpu", devices=4, strategy=DiLoCoStrategy(sync_every=50))
+    """
+
+    strategy_name = "diloco"
+
+    def __init__(self, sync_every: int = 100, outer_optimizer: Any = "nesterov", outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, outer_kwargs: dict | None = None, nonfinite: str = "raise",
+                 **kwargs: Any) -> None:  # fmt: skip
+        schedule = StreamingSchedule(sync_every=sync_every, owner=type(self).__name__)
+        self._init_rounds(schedule, outer_optimizer, outer_lr, outer_momentum, outer_kwargs, None, nonfinite, kwargs)
+
+    def _init_rounds(self, schedule: StreamingSchedule, outer_optimizer: Any, outer_lr: float, outer_momentum: float,
+                     outer_kwargs: dict | None, fragments: list[list[str]] | None, nonfinite: str,
+                     kwargs: dict) -> None:  # fmt: skip
+        owner = type(self).__name__
+        kwargs_in = {} if outer_kwargs is None else outer_kwargs
+        self.config = OuterConfig(outer_optimizer, outer_lr, outer_momentum, kwargs_in, owner=owner)
+        self.schedule = schedule
+        refuse_owned_ddp_args(owner, kwargs, f"{owner} owns communication (it never all-reduces gradients)")
+        super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
+                         model_averaging_period=None, **kwargs)  # fmt: skip
+        self.rounds = Rounds(schedule, self.config, fragments, owner)
+        self.rounds.check = self._refuse_nonfinite_mean
+        self.rounds.note = lambda norm: self._diagnostics.note("pdist/diloco/outer_grad_norm", norm)
+        self.step = 0  # training steps taken (1-based count of the last finished one)
+        self._hook_state = AllReduceState(meter=self.comm_meter, allreduce=False)
+        self._backup: Tensor | None = None  # this rank's replica while the module holds the global model
+        self._finalized = False
+        self._step_open = False  # several optimizers: an optimizer stepped in the current batch
+
+    @property
+    def outer_optimizer(self) -> str:
+        return self.config.describe()
+
+    # ------------------------------------------------------------------ setup and steps
+    @override
+    def _default_comm_hook(self) -> tuple[object, Callable]:
+        return self._hook_state, periodic_allreduce_hook  # allreduce=False: every rank keeps its own gradient
+
+    @override
+    def setup_algorithm(self) -> None:
+        _, world_size = self.rank_world
+        if world_size == 1:
+            rank_zero_warn(f"{type(self).__name__}: world_size == 1: the outer optimizer still acts on the one "
+                           "replica's pseudo-gradient (Lookahead-like); there is nothing to average")  # fmt: skip
+        if isinstance(self.model, DistributedDataParallel):
+            self.model.broadcast_buffers = False  # buffers are averaged at the rounds, never broadcast from rank 0
+        self._finalized, self._step_open, self._backup = False, False, None
+        self.rounds.start(self.lightning_module, self.comm_meter)
+
+    @override
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        if len(self.optimizers) > 1:
+            self._step_open = True  # closed at the next batch, evaluation, checkpoint or the end of fit
+            return
+        self._end_training_step()
+
+    def _close_training_step(self) -> None:
+        if self._step_open:
+            self._step_open = False
+            self._end_training_step()
+
+    def _end_training_step(self) -> None:
+        self.step += 1
+        self.rounds.after_step(self.step)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._close_training_step()
+        super().on_train_batch_start(batch, batch_idx)
+
+    # ------------------------------------------------------------------ non-finite policy
+    @override
+    def nonfinite_ranks(self, optimizer: Optimizer) -> list[int] | None:
+        """Each rank's own gradients, agreed through one all-reduce of ``world_size`` flags (``nonfinite_flag``)."""
+        bad = not all_finite(optimizer_grads(optimizer))
+        rank, world_size = self.rank_world
+        flags = all_reduce_sum_(one_hot_flag(bad, rank, world_size, device=self.root_device), meter=self.comm_meter,
+                                kind="nonfinite_flag")  # fmt: skip
+        return culprit_ranks(flags) or None
+
+    def _refuse_nonfinite_mean(self, mean_delta: Tensor, mean_buffers: Tensor) -> None:
+        if self.nonfinite == "propagate" or all_finite([mean_delta, mean_buffers]):
+            return
+        raise nonfinite_error(type(self).__name__, "mean pseudo-gradient or buffers", [],
+                              global_step(self.lightning_module), "the outer step", self.nonfinite,
+                              "A replica's weights became non-finite (a diverging inner learning rate); skipping an "
+                              "outer step cannot bring them back.", skippable=False)  # fmt: skip
+
+    # ------------------------------------------------------------------ the global model
+    def _swap_in_global(self) -> None:
+        if self._backup is None:
+            self._backup = self.rounds.local_vector()
+            self.rounds.load_vector(self.rounds.global_vector())
+
+    def _swap_out_global(self) -> None:
+        if self._backup is not None:
+            self.rounds.load_vector(self._backup)
+            self._backup = None
+
+    def _fitting(self) -> bool:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return trainer is not None and trainer.state.fn == TrainerFn.FITTING and not self._finalized
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._close_training_step()
+        if self._fitting():
+            self._swap_in_global()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._swap_out_global()
+        super().on_validation_end()
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self._close_training_step()
+        if not self._finalized:
+            self._swap_out_global()
+            self.rounds.finish()
+            self.rounds.load_vector(self.rounds.global_vector())
+            self._finalized = True
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._fitting() or self._backup is not None:
+            return super().lightning_module_state_dict()
+        self._close_training_step()
+        self._swap_in_global()
+        try:
+            return {k: v.detach().clone() for k, v in super().lightning_module_state_dict().items()}
+        finally:
+            self._swap_out_global()
+
+    @override
+    def pdist_state_dict(self) -> dict:
+        self._close_training_step()
+        state = super().pdist_state_dict()
+        state.update(step=self.step, rounds=self.rounds.state_dict())
+        return state
+
+    @override
+    def load_pdist_state_dict(self, state: dict) -> None:
+        super().load_pdist_state_dict(state)
+        self.step = int(state.get("step", 0))
+        self.rounds.load_state_dict(state["rounds"])
+
+    @override
+    def pdist_rank_state(self) -> dict | None:
+        if self._finalized:
+            return None  # every rank holds the global model: nothing of its own is left
+        own = self.rounds.local_vector() if self._backup is None else self._backup
+        return {"replica": own.cpu(), "optimizer_states": [move_data_to_device(o.state_dict(), "cpu") for o in self.optimizers]}
+
+    @override
+    def load_pdist_rank_state(self, state: dict | None, reason: str = "") -> None:
+        self._pending_optimizer_states = None
+        if state is None:
+            rank_zero_warn(f"{type(self).__name__}: {reason}; every rank resumes from the global model in state_dict "
+                           "and rank 0's optimizer state.")  # fmt: skip
+            return
+        self.rounds.load_vector(state["replica"].to(self.root_device))
+        self._pending_optimizer_states = state["optimizer_states"]
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pending = getattr(self, "_pending_optimizer_states", None)
+        if pending is None:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        for optimizer, opt_state in zip(self.optimizers, pending):
+            optimizer.load_state_dict(opt_state)
+        self._pending_optimizer_states = None
