@@ -33,7 +33,6 @@ from typing import Any, Callable, Iterator
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pdist.averaging.replicas import RuleShell
@@ -135,13 +134,7 @@ class ModelAveragingFabricStrategy(RuleShell, PdistFabricStrategy):
         # Written at once (before the consensus is swapped in for the main file), so no copies are needed.
         if self.module is None:
             return None
-        own = {}
-        for key, obj in objects.items():
-            if isinstance(obj, Module):
-                own[key] = self.get_module_state_dict(obj)
-            elif isinstance(obj, Optimizer):
-                own[key] = obj.state_dict()
-        return {"objects": own}
+        return self.replica_objects_state(objects)
 
     @override
     def load_rank_state(self, state: dict | None, objects: dict[str, Any], reason: str) -> None:
@@ -149,9 +142,4 @@ class ModelAveragingFabricStrategy(RuleShell, PdistFabricStrategy):
             rank_zero_warn(f"{type(self).__name__}: {reason}; every rank resumes from the consensus model and rank 0's "
                            "optimizer state")  # fmt: skip
             return
-        for key, saved in state["objects"].items():
-            obj = objects.get(key)
-            if isinstance(obj, Module):
-                self.load_module_state_dict(obj, saved)
-            elif isinstance(obj, Optimizer):
-                obj.load_state_dict(saved)
+        self.load_replica_objects_state(state, objects)

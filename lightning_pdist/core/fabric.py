@@ -25,6 +25,7 @@ from typing import Any, Callable
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
+from torch.optim import Optimizer
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -130,6 +131,25 @@ class PdistFabricStrategy(DDPStrategy):
 
     def load_rank_state(self, state: dict | None, objects: dict[str, Any], reason: str) -> None:
         """Restore :meth:`rank_state`'s output into ``objects``; ``state`` is None (``reason`` says why) without one."""
+
+    def replica_objects_state(self, objects: dict[str, Any]) -> dict:
+        """This replica's own modules and optimizers of ``objects`` (for strategies whose replicas differ)."""
+        own = {}
+        for key, obj in objects.items():
+            if isinstance(obj, Module):
+                own[key] = self.get_module_state_dict(obj)
+            elif isinstance(obj, Optimizer):
+                own[key] = obj.state_dict()
+        return {"objects": own}
+
+    def load_replica_objects_state(self, state: dict, objects: dict[str, Any]) -> None:
+        """Restore :meth:`replica_objects_state`'s output into ``objects``."""
+        for key, saved in state["objects"].items():
+            obj = objects.get(key)
+            if isinstance(obj, Module):
+                self.load_module_state_dict(obj, saved)
+            elif isinstance(obj, Optimizer):
+                obj.load_state_dict(saved)
 
     def checkpoint_weights(self) -> Any:
         """Context in which the module holds the weights ``fabric.save`` writes as the model (a collective)."""

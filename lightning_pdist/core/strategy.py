@@ -314,6 +314,18 @@ class PdistStrategy(DDPStrategy):
             self.compression_state.load_state_dict(state["compression"], device=self.root_device)
 
     @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Per-rank optimizer states a subclass's :meth:`load_pdist_rank_state` left in ``_pending_optimizer_states``
+        (replicas whose optimizers differ) win over the main file's rank-0 states."""
+        pending = getattr(self, "_pending_optimizer_states", None)
+        if pending is None:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        for optimizer, opt_state in zip(self.optimizers, pending):
+            optimizer.load_state_dict(opt_state)
+        self._pending_optimizer_states = None
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         # Runs on every rank (Trainer.save_checkpoint), so pdist_state_dict may use collectives.
         checkpoint["pdist"] = self.pdist_state_dict()

@@ -21,8 +21,6 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from torch import Tensor
-from torch.nn import Module
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pdist.core.fabric import PdistFabricStrategy
@@ -124,24 +122,13 @@ class DiLoCoFabricStrategy(ScheduleFields, PdistFabricStrategy):
     def rank_state(self, objects: dict[str, Any]) -> dict | None:
         if self.module is None:
             return None
-        own = {}
-        for key, obj in objects.items():
-            if isinstance(obj, Module):
-                own[key] = self.get_module_state_dict(obj)
-            elif isinstance(obj, Optimizer):
-                own[key] = obj.state_dict()
-        return {"objects": own}
+        return self.replica_objects_state(objects)
 
     @override
     def load_rank_state(self, state: dict | None, objects: dict[str, Any], reason: str) -> None:
         if state is None:
             return  # every rank resumes from the global model the main file holds
-        for key, saved in state["objects"].items():
-            obj = objects.get(key)
-            if isinstance(obj, Module):
-                self.load_module_state_dict(obj, saved)
-            elif isinstance(obj, Optimizer):
-                obj.load_state_dict(saved)
+        self.load_replica_objects_state(state, objects)
 
 
 class StreamingDiLoCoFabricStrategy(DiLoCoFabricStrategy):

@@ -239,13 +239,3 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
             return
         self.rounds.load_vector(state["replica"].to(self.root_device))
         self._pending_optimizer_states = state["optimizer_states"]
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pending = getattr(self, "_pending_optimizer_states", None)
-        if pending is None:
-            super().load_optimizer_state_dict(checkpoint)
-            return
-        for optimizer, opt_state in zip(self.optimizers, pending):
-            optimizer.load_state_dict(opt_state)
-        self._pending_optimizer_states = None
