@@ -332,7 +332,9 @@ class ParameterServerStrategy(PdistStrategy):
         self.client.hello()
         shards, metas = self.client.pull(record=True)
         self._load_shards(shards, metas)
-        self._server_seen = [(m["bytes_in"], m["bytes_out"]) for m in metas]
+        # Counted from the servers' start: the first logged interval holds every worker's set-up requests (INIT,
+        # HELLO, first pull), whichever order they came in, so every interval is exact, the first one included.
+        self._server_seen = [(0, 0) for _ in metas]
         self._server_now = list(self._server_seen)
         if metas and all("histogram" in m for m in metas):
             self.staleness_histogram = [sum(h) for h in zip(*(m["histogram"] for m in metas))]
