@@ -8,29 +8,46 @@ One folder per family (averaging, compression, sign, parameter_server, pipeline,
 ``docs/architecture.md`` draws the house.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+import os
 
-from lightning_pdist.compression.strategy import register_strategies as _register_compression
-from lightning_pdist.averaging import BMUFStrategy, EASGDStrategy, LocalSGDStrategy, SimuParallelSGDStrategy
-from lightning_pdist.core.strategy import PdistStrategy
-from lightning_pdist.diloco import DiLoCoStrategy, StreamingDiLoCoStrategy
-from lightning_pdist.parameter_server import ParameterServerStrategy
-from lightning_pdist.pipeline import PipelineStrategy
-from lightning_pdist.sign import SignSGDStrategy
-from lightning_pdist.tensor_parallel import TensorParallelStrategy
+from lightning_pdist.core.lazy import lazy_names
+
+__version__ = "0.1.0"
+
+#: Set to "1" in a process that imports only transport and math (the benchmark harness sets it for its ranks):
+#: importing the package then neither imports Lightning nor registers the strategy names.
+NO_LIGHTNING_ENV = "PDIST_NO_LIGHTNING"
+
+__getattr__, __dir__ = lazy_names(__name__, {
+    "PdistStrategy": "core.strategy",
+    "BMUFStrategy": "averaging",
+    "EASGDStrategy": "averaging",
+    "LocalSGDStrategy": "averaging",
+    "SimuParallelSGDStrategy": "averaging",
+    "SignSGDStrategy": "sign",
+    "ParameterServerStrategy": "parameter_server",
+    "PipelineStrategy": "pipeline",
+    "TensorParallelStrategy": "tensor_parallel",
+    "DiLoCoStrategy": "diloco",
+    "StreamingDiLoCoStrategy": "diloco",
+})
 
 __all__ = ["BMUFStrategy", "EASGDStrategy", "LocalSGDStrategy", "PdistStrategy", "SignSGDStrategy", "SimuParallelSGDStrategy"]
 __all__ += ["ParameterServerStrategy", "PipelineStrategy", "TensorParallelStrategy"]
 __all__ += ["DiLoCoStrategy", "StreamingDiLoCoStrategy"]
-__version__ = "0.1.0"
 
-for _strategy in (PdistStrategy, LocalSGDStrategy, SimuParallelSGDStrategy, BMUFStrategy, EASGDStrategy, SignSGDStrategy):
-    _strategy.register_strategies(StrategyRegistry)
-ParameterServerStrategy.register_strategies(StrategyRegistry)
-PipelineStrategy.register_strategies(StrategyRegistry)
-TensorParallelStrategy.register_strategies(StrategyRegistry)
-_register_compression(StrategyRegistry)  # topk, dgc, qsgd, terngrad, powersgd: PdistStrategy(compression=...)
-DiLoCoStrategy.register_strategies(StrategyRegistry)
-StreamingDiLoCoStrategy.register_strategies(StrategyRegistry)
 
-from lightning_pdist import fabric  # noqa: E402, F401  (registers the Fabric strategy names with Fabric's registry)
+def _register() -> None:
+    """Every strategy name into Lightning's ``StrategyRegistry`` (and, through :mod:`lightning_pdist.fabric`, Fabric's)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_pdist import fabric  # noqa: F401  (registers the Fabric strategy names with Fabric's registry)
+    from lightning_pdist.compression.strategy import register_strategies as register_compression
+
+    for name in __all__:
+        __getattr__(name).register_strategies(StrategyRegistry)
+    register_compression(StrategyRegistry)  # topk, dgc, qsgd, terngrad, powersgd: PdistStrategy(compression=...)
+
+
+if os.environ.get(NO_LIGHTNING_ENV) != "1":
+    _register()

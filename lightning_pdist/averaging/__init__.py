@@ -5,18 +5,32 @@ shells). Transport: :mod:`.replicas`. Lightning wiring: :mod:`.strategy` (+ one 
 :mod:`.fabric` (+ one file per Fabric strategy). Cards: ``docs/algorithms/{local_sgd,bmuf,easgd}.md``.
 """
 
-from lightning_pdist.averaging.bmuf import BMUFConfig, BMUFRule, BMUFState, bmuf_block_update_, bmuf_global_model
-from lightning_pdist.averaging.bmuf_fabric import BMUFFabricStrategy
-from lightning_pdist.averaging.bmuf_strategy import BMUFStrategy
-from lightning_pdist.averaging.easgd import EASGDConfig, EASGDRule, EASGDState, easgd_update_
-from lightning_pdist.averaging.easgd_fabric import EASGDFabricStrategy
-from lightning_pdist.averaging.easgd_strategy import EASGDStrategy
-from lightning_pdist.averaging.local_sgd_fabric import LocalSGDFabricStrategy
-from lightning_pdist.averaging.local_sgd_strategy import LocalSGDStrategy
-from lightning_pdist.averaging.rules import AveragingRule, LocalSGDRule, SimuParallelRule
-from lightning_pdist.averaging.schedule import OneShotSchedule, PeriodicSchedule
-from lightning_pdist.averaging.simuparallel_fabric import SimuParallelSGDFabricStrategy
-from lightning_pdist.averaging.simuparallel_strategy import SimuParallelSGDStrategy
+from lightning_pdist.core.lazy import lazy_names
+
+__getattr__, __dir__ = lazy_names(__name__, {  # imported on first use: importing a transport module stays Lightning-free
+    "BMUFConfig": "bmuf",
+    "BMUFRule": "bmuf",
+    "BMUFState": "bmuf",
+    "bmuf_block_update_": "bmuf",
+    "bmuf_global_model": "bmuf",
+    "BMUFFabricStrategy": "bmuf_fabric",
+    "BMUFStrategy": "bmuf_strategy",
+    "EASGDConfig": "easgd",
+    "EASGDRule": "easgd",
+    "EASGDState": "easgd",
+    "easgd_update_": "easgd",
+    "EASGDFabricStrategy": "easgd_fabric",
+    "EASGDStrategy": "easgd_strategy",
+    "LocalSGDFabricStrategy": "local_sgd_fabric",
+    "LocalSGDStrategy": "local_sgd_strategy",
+    "AveragingRule": "rules",
+    "LocalSGDRule": "rules",
+    "SimuParallelRule": "rules",
+    "OneShotSchedule": "schedule",
+    "PeriodicSchedule": "schedule",
+    "SimuParallelSGDFabricStrategy": "simuparallel_fabric",
+    "SimuParallelSGDStrategy": "simuparallel_strategy",
+})
 
 __all__ = ["AveragingRule", "BMUFConfig", "BMUFFabricStrategy", "BMUFRule", "BMUFState", "BMUFStrategy", "EASGDConfig",
            "EASGDFabricStrategy", "EASGDRule", "EASGDState", "EASGDStrategy", "LocalSGDFabricStrategy", "LocalSGDRule",

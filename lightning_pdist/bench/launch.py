@@ -199,11 +199,11 @@ def free_port() -> int:
 
 
 def worker_env() -> dict[str, str]:
-    """``PYTHONPATH`` with this checkout first: the ranks import it even when it is not installed."""
-    # The ranks must import this checkout even when it is not installed; warnings stay in their logs.
+    """``PYTHONPATH`` with this checkout first (the ranks import it even when it is not installed), and
+    ``PDIST_NO_LIGHTNING=1``: a rank imports Lightning only if its row trains with it (~6 s of CPU saved per rank)."""
     root = str(Path(__file__).resolve().parents[2])
     path = os.environ.get("PYTHONPATH")
-    return {"PYTHONPATH": root if not path else f"{root}{os.pathsep}{path}"}
+    return {"PYTHONPATH": root if not path else f"{root}{os.pathsep}{path}", "PDIST_NO_LIGHTNING": "1"}
 
 
 def busy_cpu_s() -> float | None:

@@ -5,8 +5,18 @@
 :class:`lightning_pdist.core.compression.Compressor`.
 """
 
-from lightning_pdist.compression.powersgd import PowerSGD
-from lightning_pdist.compression.quantizers import BF16, FP16, QSGD, Sign, TernGrad
-from lightning_pdist.compression.sparsifiers import DGC, RandomK, TopK
+from lightning_pdist.core.lazy import lazy_names
+
+__getattr__, __dir__ = lazy_names(__name__, {  # imported on first use: importing a transport module stays Lightning-free
+    "PowerSGD": "powersgd",
+    "BF16": "quantizers",
+    "FP16": "quantizers",
+    "QSGD": "quantizers",
+    "Sign": "quantizers",
+    "TernGrad": "quantizers",
+    "DGC": "sparsifiers",
+    "RandomK": "sparsifiers",
+    "TopK": "sparsifiers",
+})
 
 __all__ = ["BF16", "DGC", "FP16", "PowerSGD", "QSGD", "RandomK", "Sign", "TernGrad", "TopK"]

@@ -6,10 +6,15 @@ on one replica, shared by both shells). Lightning wiring: :mod:`.strategy`, :mod
 :mod:`.fabric`. Card: ``docs/algorithms/diloco.md``.
 """
 
-from lightning_pdist.diloco.fragments import StreamingSchedule
-from lightning_pdist.diloco.outer import OuterConfig, outer_step_
-from lightning_pdist.diloco.rounds import Rounds
-from lightning_pdist.diloco.strategy import DiLoCoStrategy
-from lightning_pdist.diloco.streaming_strategy import StreamingDiLoCoStrategy
+from lightning_pdist.core.lazy import lazy_names
+
+__getattr__, __dir__ = lazy_names(__name__, {  # imported on first use: importing a transport module stays Lightning-free
+    "StreamingSchedule": "fragments",
+    "OuterConfig": "outer",
+    "outer_step_": "outer",
+    "Rounds": "rounds",
+    "DiLoCoStrategy": "strategy",
+    "StreamingDiLoCoStrategy": "streaming_strategy",
+})
 
 __all__ = ["DiLoCoStrategy", "OuterConfig", "Rounds", "StreamingDiLoCoStrategy", "StreamingSchedule", "outer_step_"]

@@ -5,8 +5,13 @@ Math: :mod:`.sharding`, :mod:`.rules`. Transport: :mod:`.wire`, :mod:`.auth`, :m
 hand), :mod:`.client`, :mod:`.workers`. Wiring: :mod:`.config`, :mod:`.precision`, :mod:`.strategy`. Card: ``docs/algorithms/parameter_server.md``.
 """
 
-from lightning_pdist.parameter_server.config import ParameterServerConfig
-from lightning_pdist.parameter_server.sharding import ShardingPlan, plan_sharding
-from lightning_pdist.parameter_server.strategy import ParameterServerStrategy
+from lightning_pdist.core.lazy import lazy_names
+
+__getattr__, __dir__ = lazy_names(__name__, {  # imported on first use: importing a transport module stays Lightning-free
+    "ParameterServerConfig": "config",
+    "ShardingPlan": "sharding",
+    "plan_sharding": "sharding",
+    "ParameterServerStrategy": "strategy",
+})
 
 __all__ = ["ParameterServerConfig", "ParameterServerStrategy", "ShardingPlan", "plan_sharding"]

@@ -5,8 +5,15 @@ Transport: :mod:`.p2p`, :mod:`.executor`. Wiring: :mod:`.config`, :mod:`.stages`
 :mod:`.precision`, :mod:`.strategy`. Card: ``docs/algorithms/pipeline.md``.
 """
 
-from lightning_pdist.pipeline.config import PipelineConfig
-from lightning_pdist.pipeline.schedule import Action, Schedule, ScheduleSpec, build_schedule
-from lightning_pdist.pipeline.strategy import PipelineStrategy
+from lightning_pdist.core.lazy import lazy_names
+
+__getattr__, __dir__ = lazy_names(__name__, {  # imported on first use: importing a transport module stays Lightning-free
+    "PipelineConfig": "config",
+    "Action": "schedule",
+    "Schedule": "schedule",
+    "ScheduleSpec": "schedule",
+    "build_schedule": "schedule",
+    "PipelineStrategy": "strategy",
+})
 
 __all__ = ["Action", "PipelineConfig", "PipelineStrategy", "Schedule", "ScheduleSpec", "build_schedule"]

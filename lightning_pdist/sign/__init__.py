@@ -6,10 +6,18 @@ settings and advice both strategies share). Wiring: :mod:`.precision`,
 :mod:`.strategy`, :mod:`.fabric`. Card: ``docs/algorithms/signsgd.md``.
 """
 
-from lightning_pdist.sign.config import SignSGDConfig
-from lightning_pdist.sign.fabric import SignSGDFabricStrategy
-from lightning_pdist.sign.hooks import ITSignSGDState, SignSGDState, it_signsgd_hook, sign_hook_bytes, signsgd_mv_hook
-from lightning_pdist.sign.strategy import SignSGDStrategy
+from lightning_pdist.core.lazy import lazy_names
+
+__getattr__, __dir__ = lazy_names(__name__, {  # imported on first use: importing a transport module stays Lightning-free
+    "SignSGDConfig": "config",
+    "SignSGDFabricStrategy": "fabric",
+    "ITSignSGDState": "hooks",
+    "SignSGDState": "hooks",
+    "it_signsgd_hook": "hooks",
+    "sign_hook_bytes": "hooks",
+    "signsgd_mv_hook": "hooks",
+    "SignSGDStrategy": "strategy",
+})
 
 __all__ = ["ITSignSGDState", "SignSGDConfig", "SignSGDFabricStrategy", "SignSGDState", "SignSGDStrategy",
            "it_signsgd_hook", "sign_hook_bytes", "signsgd_mv_hook"]  # fmt: skip

@@ -4,7 +4,12 @@ Math: :mod:`.plan`, :mod:`.cost`. Transport: :mod:`.meter`. Wiring: :mod:`.clip`
 ``docs/algorithms/tensor_parallel.md``.
 """
 
-from lightning_pdist.tensor_parallel.plan import TPPlan, plan_for
-from lightning_pdist.tensor_parallel.strategy import TensorParallelStrategy
+from lightning_pdist.core.lazy import lazy_names
+
+__getattr__, __dir__ = lazy_names(__name__, {  # imported on first use: importing a transport module stays Lightning-free
+    "TPPlan": "plan",
+    "plan_for": "plan",
+    "TensorParallelStrategy": "strategy",
+})
 
 __all__ = ["TPPlan", "TensorParallelStrategy", "plan_for"]

@@ -1,0 +1,56 @@
+"""Importing a family's transport or math never imports Lightning; importing the package registers every name.
+
+The benchmark ranks rely on the first (``PDIST_NO_LIGHTNING=1``, set by the harness): Lightning's import costs ~6 s
+of CPU per process here. Users rely on the second: ``import lightning_pdist`` then ``Trainer(strategy="bmuf")``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+TRANSPORT_AND_MATH = [
+    "lightning_pdist.pipeline.executor", "lightning_pdist.pipeline.p2p", "lightning_pdist.parameter_server.client",
+    "lightning_pdist.parameter_server.process", "lightning_pdist.tensor_parallel.plan", "lightning_pdist.sign.hooks",
+    "lightning_pdist.averaging.rules", "lightning_pdist.compression.sparsifiers", "lightning_pdist.diloco.outer",
+    "lightning_pdist.core.accounting", "lightning_pdist.bench.launch",
+]  # fmt: skip
+
+
+def _run(code: str, **env: str) -> dict:
+    environ = {k: v for k, v in os.environ.items() if k != "PDIST_NO_LIGHTNING"} | env
+    out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_transport_and_math_import_without_lightning_and_the_names_resolve_on_use():
+    code = f"""
+import json, sys
+for name in {TRANSPORT_AND_MATH!r}:
+    __import__(name)
+light = "lightning" not in sys.modules and "lightning.pytorch" not in sys.modules
+import lightning_pdist
+from lightning_pdist.pipeline import PipelineStrategy, build_schedule
+from lightning.pytorch.strategies import StrategyRegistry
+print(json.dumps({{"light": light, "cls": PipelineStrategy.__module__, "registered": "bmuf" in StrategyRegistry}}))
+"""
+    got = _run(code, PDIST_NO_LIGHTNING="1")
+    assert got == {"light": True, "cls": "lightning_pdist.pipeline.strategy", "registered": False}
+
+
+def test_importing_the_package_registers_every_trainer_and_fabric_name():
+    code = """
+import json
+import lightning_pdist
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+print(json.dumps({"trainer": sorted(StrategyRegistry), "fabric": sorted(STRATEGY_REGISTRY), "all": lightning_pdist.__all__,
+                  "dir": [n for n in lightning_pdist.__all__ if n not in dir(lightning_pdist)]}))
+"""
+    got = _run(code)
+    for name in ("bmuf", "easgd", "local_sgd", "signsgd_mv", "parameter_server", "pipeline", "tensor_parallel", "topk",
+                 "powersgd", "diloco", "streaming_diloco", "pdist_ddp"):  # fmt: skip
+        assert name in got["trainer"], name
+    for name in ("bmuf", "signsgd_mv", "diloco_fork"):
+        assert name in got["fabric"], name
+    assert got["dir"] == [] and "DiLoCoStrategy" in got["all"]
