@@ -58,8 +58,8 @@ def check_ft_args(owner: str, fault_tolerant: Any, lighthouse: str | None, repli
         raise ValueError(f"{owner}(fault_tolerant={fault_tolerant!r}): must be True or False")
     if not isinstance(min_replicas, int) or isinstance(min_replicas, bool) or min_replicas < 1:
         raise ValueError(f"{owner}(min_replicas={min_replicas!r}): must be an integer >= 1")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"{owner}(ft_timeout={timeout!r}): must be a number of seconds > 0")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e6:
+        raise ValueError(f"{owner}(ft_timeout={timeout!r}): must be a number of seconds in (0, 1e6)")
     if not fault_tolerant:
         for name, value in (("lighthouse", lighthouse), ("replica_id", replica_id)):
             if value is not None:

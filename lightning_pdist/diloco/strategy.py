@@ -97,7 +97,8 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
         schedule = StreamingSchedule(sync_every=sync_every, owner=type(self).__name__)
         self.ft_settings = check_ft_args(type(self).__name__, fault_tolerant, lighthouse, replica_id, min_replicas,
                                          ft_timeout)  # fmt: skip
-        self.fault_tolerant = bool(fault_tolerant)
+        self.fault_tolerant, self.lighthouse, self.replica_id = fault_tolerant, lighthouse, replica_id
+        self.min_replicas, self.ft_timeout = min_replicas, ft_timeout
         self._init_rounds(schedule, outer_optimizer, outer_lr, outer_momentum, outer_kwargs, None, nonfinite, kwargs)
 
     def _init_rounds(self, schedule: StreamingSchedule, outer_optimizer: Any, outer_lr: float, outer_momentum: float,
