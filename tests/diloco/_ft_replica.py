@@ -1,8 +1,9 @@
 """One DiLoCo replica of the fault-tolerance test: ``python _ft_replica.py DIR REPLICA LIFE`` (env: the lighthouse).
 
 Its batch at step ``t`` is :func:`ft_batch` (a function of the replica and the run's step, so a restarted replica
-sees what the reference gives it). Files in ``DIR``: ``ready{r}.{life}`` (first lives wait for all three, so the
-first quorum has everyone), ``stalled`` (the victim's first life stops mid-round there, to be SIGKILLed),
+sees what the reference gives it). Files in ``DIR``: ``ready{r}.{life}`` and ``manager{r}`` (first lives wait for
+all three before setup and again, with their torchft Managers heartbeating, before the first quorum: the lighthouse
+then waits for everyone, so the first round has all three), ``stalled`` (the victim's first life stops mid-round there, to be SIGKILLed),
 ``rejoining`` (the restarted victim; the survivors wait for it after the kill round, then slow down so it catches
 a round), ``rounds{r}.jsonl`` (this replica's torchft rounds, written as they happen), ``final{r}.pt``.
 """
@@ -88,8 +89,17 @@ def main() -> None:
         def train_dataloader(self):
             return DataLoader(list(range(1000)), batch_size=1)
 
+    class Strategy(DiLoCoStrategy):
+        def _ft_round(self, contribute):
+            if life == 1 and not self.ft_history:  # the join: every first life's Manager heartbeats before it
+                (out / f"manager{r}").touch()
+                for other in range(3):
+                    _wait_for(out / f"manager{other}")
+                time.sleep(0.5)  # a few heartbeats (every 0.1 s) reach the lighthouse
+            super()._ft_round(contribute)
+
     model = Replica()
-    strategy = DiLoCoStrategy(sync_every=H, fault_tolerant=True, replica_id=f"replica_{r}", ft_timeout=20.0)
+    strategy = Strategy(sync_every=H, fault_tolerant=True, replica_id=f"replica_{r}", ft_timeout=20.0)
     trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=STEPS, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     trainer.fit(model)

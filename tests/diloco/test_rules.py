@@ -135,3 +135,10 @@ def test_fault_tolerance_settings_default_to_torchfts_environment(monkeypatch):
     assert DiLoCoStrategy(fault_tolerant=True).ft_settings == {
         "lighthouse": "http://lighthouse:29510", "replica_id": "3", "min_replicas": 1, "timeout": 60.0}
     assert DiLoCoStrategy().ft_settings is None
+
+
+def test_fault_tolerance_refuses_a_lightning_world_of_several_processes():
+    strategy = DiLoCoStrategy(fault_tolerant=True, lighthouse="http://h:1", replica_id="0")
+    with pytest.raises(ValueError, match=r"DiLoCoStrategy\(fault_tolerant=True\): each process is one replica "
+                                         r"\(devices=1, num_nodes=1\); this run has world_size=2"):
+        strategy._setup_fault_tolerant(2)
