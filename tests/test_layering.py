@@ -37,7 +37,7 @@ TRANSPORT = {
     "parameter_server": {"wire", "auth", "shard", "layout", "loop", "server", "process", "client", "workers"},
     "pipeline": {"p2p", "executor"},
     "tensor_parallel": {"meter"},
-    "diloco": {"exchange", "rounds"},
+    "diloco": {"exchange", "rounds", "fault_tolerance"},
 }
 
 

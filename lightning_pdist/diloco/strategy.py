@@ -19,6 +19,9 @@ Lifecycle (every rank):
 * non-finite values: each step's gradients are this rank's own, so one all-reduce of ``world_size`` flags per step
   (``nonfinite_flag``) makes every rank agree (``"raise"``/``"skip_step"``); the exchange's mean is checked before
   an outer step applies it (the same on every rank: no collective); ``"propagate"`` checks neither.
+* ``fault_tolerant=True``: each process is one replica (``devices=1``) and the rounds go through torchft
+  (:mod:`.fault_tolerance`): at setup the replica joins (and heals from a live peer if it is behind), every round
+  end averages the replicas present; a healed replica ends ``fit`` when its healed step reaches ``max_steps``.
 """
 
 from __future__ import annotations
@@ -35,10 +38,13 @@ from typing_extensions import override
 
 from lightning_pdist.core.collectives import all_reduce_sum_
 from lightning_pdist.core.config import refuse_owned_ddp_args
+from lightning_pdist.core.flat import flatten
 from lightning_pdist.core.guard import global_step, optimizer_grads
 from lightning_pdist.core.hooks import AllReduceState, periodic_allreduce_hook
 from lightning_pdist.core.nonfinite import all_finite, culprit_ranks, nonfinite_error, one_hot_flag
 from lightning_pdist.core.strategy import PdistStrategy
+from lightning_pdist.diloco.exchange import Exchange
+from lightning_pdist.diloco.fault_tolerance import FaultTolerantReplica, RoundOutcome, check_ft_args
 from lightning_pdist.diloco.fragments import ScheduleFields, StreamingSchedule
 from lightning_pdist.diloco.outer import OuterConfig
 from lightning_pdist.diloco.rounds import Rounds
@@ -68,6 +74,13 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
         outer_momentum: the outer momentum for ``"nesterov"``/``"sgd"`` (0.9, the paper's).
         outer_kwargs: further keyword arguments of an optimizer class (``{"betas": (0.9, 0.95)}``).
         nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"`` (see the method card).
+        fault_tolerant: run the rounds on torchft (one process per replica, started and restarted on its own): a
+            replica that dies is left out of the rounds it misses, a restarted one loads ``θ_global``, the outer
+            optimizer state and the step from a live peer and rejoins at the next round end (see the card).
+        lighthouse: the torchft lighthouse address (default ``TORCHFT_LIGHTHOUSE``); ``fault_tolerant`` only.
+        replica_id: this replica's id, kept across its restarts (default ``REPLICA_GROUP_ID``).
+        min_replicas: a round commits only with at least this many replicas in the quorum (1).
+        ft_timeout: seconds for torchft's collectives, commit and state transfer (60; the quorum waits 10×).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`, e.g. ``timeout``.
 
     Example::
@@ -79,8 +92,13 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
 
     def __init__(self, sync_every: int = 100, outer_optimizer: Any = "nesterov", outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, outer_kwargs: dict | None = None, nonfinite: str = "raise",
-                 **kwargs: Any) -> None:  # fmt: skip
+                 fault_tolerant: bool = False, lighthouse: str | None = None, replica_id: str | None = None,
+                 min_replicas: int = 1, ft_timeout: float = 60.0, **kwargs: Any) -> None:  # fmt: skip
         schedule = StreamingSchedule(sync_every=sync_every, owner=type(self).__name__)
+        self.ft_settings = check_ft_args(type(self).__name__, fault_tolerant, lighthouse, replica_id, min_replicas,
+                                         ft_timeout)  # fmt: skip
+        self.fault_tolerant, self.lighthouse, self.replica_id = fault_tolerant, lighthouse, replica_id
+        self.min_replicas, self.ft_timeout = min_replicas, ft_timeout
         self._init_rounds(schedule, outer_optimizer, outer_lr, outer_momentum, outer_kwargs, None, nonfinite, kwargs)
 
     def _init_rounds(self, schedule: StreamingSchedule, outer_optimizer: Any, outer_lr: float, outer_momentum: float,
@@ -101,6 +119,9 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
         self._backup: Tensor | None = None  # this rank's replica while the module holds the global model
         self._finalized = False
         self._step_open = False  # several optimizers: an optimizer stepped in the current batch
+        self._ft: FaultTolerantReplica | None = None
+        #: fault_tolerant: one record per torchft round on this replica (step, contributors, participants, ...).
+        self.ft_history: list[dict] = []
 
     @property
     def outer_optimizer(self) -> str:
@@ -114,6 +135,8 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
     @override
     def setup_algorithm(self) -> None:
         _, world_size = self.rank_world
+        if getattr(self, "ft_settings", None) is not None:
+            return self._setup_fault_tolerant(world_size)
         if world_size == 1:
             rank_zero_warn(f"{type(self).__name__}: world_size == 1: the outer optimizer still acts on the one "
                            "replica's pseudo-gradient (Lookahead-like); there is nothing to average")  # fmt: skip
@@ -136,7 +159,54 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
 
     def _end_training_step(self) -> None:
         self.step += 1
-        self.rounds.after_step(self.step)
+        if self._ft is None:
+            self.rounds.after_step(self.step)
+            return
+        if self.step % self.schedule.sync_every == 0:
+            self._ft_round(contribute=True)
+        trainer = self.lightning_module.trainer
+        if trainer.max_steps > 0 and self.step >= trainer.max_steps:
+            trainer.should_stop = True  # a healed replica's Lightning step lags the run's
+
+    # ------------------------------------------------------------------ fault tolerance (torchft)
+    def _setup_fault_tolerant(self, world_size: int) -> None:
+        owner = type(self).__name__
+        if world_size != 1:
+            raise ValueError(f"{owner}(fault_tolerant=True): each process is one replica (devices=1, num_nodes=1); "
+                             f"this run has world_size={world_size}. Start one process per replica.")  # fmt: skip
+        self._finalized, self._step_open, self._backup = False, False, None
+        self.rounds.start(self.lightning_module, self.comm_meter)
+        self.ft_history = []
+        self._ft = FaultTolerantReplica(**self.ft_settings, state_dict=self._ft_state, load_state_dict=self._ft_load)
+        self._ft_round(contribute=False)  # join: the first quorum, where a restarted replica heals
+
+    def _ft_state(self) -> dict:
+        return {"step": self.step, "rounds": self.rounds.state_dict()}
+
+    def _ft_load(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.rounds.load_state_dict(state["rounds"])
+
+    def _ft_round(self, contribute: bool) -> None:
+        """One round end on torchft: the mean over the replicas present, the outer step, every replica loads it."""
+        part = self.rounds.parts[0]
+        sizes = (part.global_params.numel(), part.global_buffers.numel())
+        own = lambda: (part.global_params.detach() - flatten(part.params), flatten(part.buffers))  # noqa: E731
+        out: RoundOutcome = self._ft.average(own if contribute else (lambda: None), sizes, self.comm_meter)
+        if out.mean_delta is not None:
+            part.pending = Exchange.done(out.mean_delta, out.mean_buffers)
+            self.rounds.merge(0)
+        else:  # not committed, or nobody ran this round: back to θ_global, the local steps are discarded
+            self.rounds.load_vector(self.rounds.global_vector())
+        self.ft_history.append({"step": self.step, "contributors": out.contributors, "participants": out.participants,
+                                "committed": out.committed, "healed": out.healed, "contributed": out.contributed})  # fmt: skip
+
+    @override
+    def teardown(self) -> None:
+        if self._ft is not None:
+            self._ft.shutdown()
+            self._ft = None
+        super().teardown()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -111,3 +111,34 @@ def test_diloco_refusals_name_its_class():
         DiLoCoStrategy(sync_every=-1)
     with pytest.raises(ValueError, match=r"DiLoCoStrategy\(ddp_comm_hook=.*must be left unset"):
         DiLoCoStrategy(ddp_comm_hook=lambda s, b: None)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"fault_tolerant": "yes"}, r"\(fault_tolerant='yes'\): must be True or False"),
+    ({"min_replicas": 0}, r"\(min_replicas=0\): must be an integer >= 1"),
+    ({"ft_timeout": -1}, r"\(ft_timeout=-1\): must be a number of seconds in \(0, 1e6\)"),
+    ({"lighthouse": "http://h:1"}, r"\(lighthouse='http://h:1'\): only used with fault_tolerant=True"),
+    ({"replica_id": "r0"}, r"\(replica_id='r0'\): only used with fault_tolerant=True"),
+    ({"fault_tolerant": True, "replica_id": "r0"}, r"\(lighthouse=None\): fault_tolerant=True needs the address"),
+    ({"fault_tolerant": True, "lighthouse": "http://h:1"}, r"\(replica_id=None\): fault_tolerant=True needs one id"),
+])  # fmt: skip
+def test_fault_tolerance_refusals_at_construction(kwargs, message, monkeypatch):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
+    with pytest.raises(ValueError, match=r"DiLoCoStrategy" + message):
+        DiLoCoStrategy(**kwargs)
+
+
+def test_fault_tolerance_settings_default_to_torchfts_environment(monkeypatch):
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lighthouse:29510")
+    monkeypatch.setenv("REPLICA_GROUP_ID", "3")
+    assert DiLoCoStrategy(fault_tolerant=True).ft_settings == {
+        "lighthouse": "http://lighthouse:29510", "replica_id": "3", "min_replicas": 1, "timeout": 60.0}
+    assert DiLoCoStrategy().ft_settings is None
+
+
+def test_fault_tolerance_refuses_a_lightning_world_of_several_processes():
+    strategy = DiLoCoStrategy(fault_tolerant=True, lighthouse="http://h:1", replica_id="0")
+    with pytest.raises(ValueError, match=r"DiLoCoStrategy\(fault_tolerant=True\): each process is one replica "
+                                         r"\(devices=1, num_nodes=1\); this run has world_size=2"):
+        strategy._setup_fault_tolerant(2)

@@ -1,0 +1,119 @@
+"""DiLoCo on torchft: 3 replica processes, one SIGKILLed mid-round and restarted; against a plain-torch DiLoCo.
+
+The reference (written here from the paper's rule, no lightning_pdist import) runs each round over the replicas that
+contributed to it in the real run (read from their round records): each starts from θ_global, takes H SGD steps on
+its batches (inner momentum kept within a process's life, fresh after a restart), then θ_global takes a Nesterov step
+on the mean pseudo-gradient of those replicas only.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _helpers import make_net, regression_data
+from torch import nn
+
+torchft = pytest.importorskip("torchft")
+from diloco._ft_replica import H, STALL_AT, STEPS, VICTIM, ft_batch  # noqa: E402
+
+WORKER = Path(__file__).with_name("_ft_replica.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _reference(contributors: dict[int, list[tuple[int, int]]]) -> torch.Tensor:
+    """θ_global after the rounds; ``contributors[s]`` = the (replica, life) that contributed to the round ending at s."""
+    data = regression_data(64)
+    flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()])  # noqa: E731
+    glob = nn.Parameter(flat(make_net()).clone())
+    outer = torch.optim.SGD([glob], lr=0.7, momentum=0.9, nesterov=True)
+    nets, inner, lives = {}, {}, {}
+    for s in range(H, STEPS + 1, H):
+        deltas = []
+        for r, life in contributors[s]:
+            if lives.get(r) != life:  # a new process: a fresh inner optimizer
+                nets[r] = make_net()
+                inner[r] = torch.optim.SGD(nets[r].parameters(), lr=0.1, momentum=0.9)
+                lives[r] = life
+            torch.nn.utils.vector_to_parameters(glob.detach().clone(), nets[r].parameters())
+            for t in range(s - H + 1, s + 1):
+                x, y = ft_batch(data, r, t)
+                inner[r].zero_grad()
+                nn.functional.mse_loss(nets[r](x), y).backward()
+                inner[r].step()
+            deltas.append(glob.detach() - flat(nets[r]))
+        glob.grad = torch.stack(deltas).mean(0)
+        outer.step()
+    return glob.detach()
+
+
+def _start(tmp_path, r, life, env):
+    log = open(tmp_path / f"log{r}.{life}", "w")
+    return subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), str(r), str(life)], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def _wait(path: Path, procs, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} did not appear in {timeout}s"
+        assert all(p.poll() is None for p in procs), "a replica ended early"
+        time.sleep(0.02)
+
+
+def test_a_killed_replica_is_left_out_and_a_restarted_one_heals_and_catches_up(tmp_path):
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=3000, heartbeat_timeout_ms=1000)
+    env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse.address(), PYTHONPATH=str(ROOT), LOGLEVEL="WARNING")
+    procs = [_start(tmp_path, r, 1, env) for r in range(3)]
+    try:
+        _wait(tmp_path / "stalled", procs, 120)
+        os.kill(procs[VICTIM].pid, signal.SIGKILL)  # mid-round 3, while the others finish it
+        procs[VICTIM].wait(10)
+        procs.append(_start(tmp_path, VICTIM, 2, env))
+        live = [procs[0], procs[1], procs[3]]
+        for p in live:
+            p.wait(120)
+        logs = {f.name: f.read_text()[-3000:] for f in tmp_path.glob("log*")}
+        assert [p.returncode for p in live] == [0, 0, 0], logs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        lighthouse.shutdown()
+
+    records = {r: [json.loads(line) for line in (tmp_path / f"rounds{r}.jsonl").read_text().splitlines()] for r in range(3)}
+    assert all(rec["committed"] for rs in records.values() for rec in rs)
+    contributors = {s: [] for s in range(H, STEPS + 1, H)}
+    for r, rs in records.items():
+        for rec in rs:
+            if rec["contributed"]:
+                contributors[rec["step"]].append((r, rec["life"]))
+            assert rec["contributors"] <= rec["participants"] <= 3
+    kill_round = (STALL_AT + H - 1) // H * H
+    # before the kill every replica contributed; the kill round was finished by the two survivors alone
+    for s in range(H, kill_round, H):
+        assert [r for r, _ in contributors[s]] == [0, 1, 2], s
+    assert [r for r, _ in contributors[kill_round]] == [0, 1]
+    # the restarted victim healed (from a live peer, at a round end after the kill) and contributed afterwards
+    (healed,) = [rec for rec in records[VICTIM] if rec["healed"] and rec["life"] == 2]
+    assert kill_round < healed["step"] < STEPS and healed["participants"] == 3
+    assert healed["contributors"] == 2
+    assert [r for r, _ in contributors[STEPS]] == [0, 1, 2]
+    for s, rs in contributors.items():
+        counts = {rec["contributors"] for recs in records.values() for rec in recs if rec["step"] == s}
+        assert counts == {len(rs)}, (s, counts, rs)
+
+    expected = _reference(contributors)
+    finals = [torch.load(tmp_path / f"final{r}.pt") for r in range(3)]
+    for r, final in enumerate(finals):
+        assert final["step"] == STEPS
+        torch.testing.assert_close(final["params"], expected, atol=1e-5, rtol=0, msg=lambda m: f"replica {r}: {m}")
+    assert finals[VICTIM]["global_step"] == STEPS - healed["step"]  # the restarted replica trained only what was left
