@@ -641,6 +641,14 @@ class ParameterServerStrategy(ElasticWorkerMixin, PdistStrategy):
         return (module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
                 and self.client is not None and not self._finalized)  # fmt: skip
 
+    def _meet_for_center(self) -> None:
+        """``easgd``: wait until every worker's exchanges so far have landed, so every worker pulls the same center.
+
+        (An exchange is answered only once applied, so a worker at this barrier has none in flight.) ``async`` and
+        ``ssp`` snapshot the servers as each worker finds them (the method card's consistency caveats)."""
+        if self.elastic and self.workers is not None and self.world_size > 1:
+            self.workers.barrier()
+
     def _servers_params(self) -> Tensor:
         """The servers' current parameters as a flat vector (a pull that does not count as the worker's)."""
         shards, _ = self.client.pull(record=False)
@@ -660,6 +668,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, PdistStrategy):
         if self._fitting():
             self._close_local_step()
         if self._fitting() and self._eval_backup is None:
+            self._meet_for_center()
             self._average_buffers(meeting=True)  # every worker validates at the same step
             servers = self._servers_params()
             self._eval_backup = self._flat_params()
@@ -693,6 +702,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, PdistStrategy):
         if not self._fitting() or self._eval_backup is not None:  # after fit / during validation: the module holds them
             return super().lightning_module_state_dict()
         self._close_local_step()
+        self._meet_for_center()
         self._average_buffers(meeting=True)  # Lightning saves a checkpoint on every rank: they all meet here
         own = self._flat_params()
         self._set_flat_params(self._servers_params())

@@ -6,6 +6,7 @@ two workers: the module holds the center at validation, checkpoints and the end,
 """
 
 import math
+import socket
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,11 @@ from lightning_pdist.parameter_server.process import start_server
 from lightning_pdist.parameter_server.wire import HEADER, MAGIC, Kind, dumps_state, loads_state, recv_message
 
 TIMEOUT = 10.0
+SECRET = bytes(range(32))
 
 
-def init(address, alpha, center, num_workers=2, mode="easgd"):
-    admin = ServerConnection(0, address, timeout=TIMEOUT)
+def init(address, alpha, center, num_workers=2, mode="easgd", secret=None):
+    admin = ServerConnection(0, address, timeout=TIMEOUT, secret=secret)
     meta = {"mode": mode, "num_workers": num_workers, "dtype": "torch.float32", "segments": [[-1, -1, center.numel()]],
             "alpha": alpha}  # fmt: skip
     if mode != "easgd":
@@ -37,8 +39,8 @@ def center_of(admin) -> torch.Tensor:
     return loads_state(admin.request(Kind.GET_STATE, {})[1])["shard"]["values"]
 
 
-def worker(address, index):
-    client = ParameterServerClient([address], index, timeout=TIMEOUT)
+def worker(address, index, secret=None):
+    client = ParameterServerClient([address], index, timeout=TIMEOUT, secret=secret)
     client.hello()
     return client
 
@@ -48,15 +50,21 @@ def worker(address, index):
 
 def test_each_exchange_conserves_the_sum_and_alpha_one_swaps():
     """Two workers in turn: e = α(x_i − x̃) against the center as it is then, x̃ + e on the server and x_i − e on the
-    worker (the same e bit for bit), so x_i + x̃ is conserved; with α = 1 worker and center trade places exactly."""
+    worker (the same e bit for bit), so x_i + x̃ is conserved; with α = 1 worker and center trade places exactly.
+    The server has a secret: an ELASTIC from a peer that skipped the handshake is dropped and moves nothing."""
     g = torch.Generator().manual_seed(0)
     c0, xs = torch.randn(6, generator=g), [torch.randn(6, generator=g) for _ in range(2)]
-    server = start_server(0)
+    server = start_server(0, secret=SECRET)
     try:
-        admin = init(server.address, 0.3, c0)
+        admin = init(server.address, 0.3, c0, secret=SECRET)
         center = c0.clone()
+        host, _, port = server.address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:  # no handshake
+            sock.sendall(HEADER.pack(MAGIC, int(Kind.ELASTIC), 12, 24) + b'{"worker":0}' + bytes(24))
+            assert closed_by_server(sock)
+        assert torch.equal(center_of(admin), c0)
         for i, x in enumerate(xs):
-            (e,), (meta,) = worker(server.address, i).elastic([x])
+            (e,), (meta,) = worker(server.address, i, SECRET).elastic([x])
             expected = (x - center) * 0.3  # written out here: the rule of Zhang et al. 2015, Algorithm 1
             assert torch.equal(e, expected)
             new_center = center_of(admin)
@@ -66,8 +74,8 @@ def test_each_exchange_conserves_the_sum_and_alpha_one_swaps():
             center = new_center
         # α = 1 on dyadic values (every difference exact): the worker gets the center, the center the worker
         c, x = torch.tensor([0.5, 4.0, -1.25, 3.0]), torch.tensor([1.5, -2.25, 8.0, 3.0])
-        admin = init(server.address, 1.0, c, num_workers=1)
-        (e,), _ = worker(server.address, 0).elastic([x])
+        admin = init(server.address, 1.0, c, num_workers=1, secret=SECRET)
+        (e,), _ = worker(server.address, 0, SECRET).elastic([x])
         assert torch.equal(x - e, c) and torch.equal(center_of(admin), x)
     finally:
         server.stop(timeout=5)
@@ -83,8 +91,6 @@ def test_malformed_elastic_frames_and_bad_init_are_refused_and_the_server_lives(
         admin = init(server.address, 0.5, c, num_workers=1)
         good = worker(server.address, 0)
         host, _, port = server.address.rpartition(":")
-        import socket
-
         with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:  # 1 element more than the shard
             sock.sendall(HEADER.pack(MAGIC, int(Kind.ELASTIC), 2, 28) + b"{}" + bytes(28))
             kind, meta, _, _ = recv_message(sock, timeout=TIMEOUT)
@@ -214,6 +220,7 @@ class Watch(Callback):
 
     def on_train_start(self, trainer, pl_module):
         if self.resumed:
+            trainer.strategy.barrier()  # no worker has taken a step (nor exchanged) yet
             x, momentum = torch.load(self.out / f"own{trainer.global_rank}.pt")
             now_x, now_momentum = self._own(trainer, pl_module)
             assert torch.equal(now_x, x) and all(map(torch.equal, now_momentum, momentum))
@@ -221,7 +228,7 @@ class Watch(Callback):
             saved = torch.load(self.out / "epoch=0-step=3.ckpt", weights_only=False)
             center = torch.cat([v.reshape(-1) for v in saved["state_dict"].values()])
             assert torch.equal(trainer.strategy._servers_params(), center)
-
+            trainer.strategy.barrier()  # every worker has read the servers before any exchanges
     def on_fit_end(self, trainer, pl_module):
         torch.save(flat(pl_module), self.out / f"end{trainer.global_rank}{'r' if self.resumed else ''}.pt")
 
