@@ -77,10 +77,10 @@ class ParameterServerStrategy(ElasticWorkerMixin, PdistStrategy):
     run the user's optimizer on their shard; workers compute gradients and exchange shards with every server.
     Modes: ``sync`` (with ``backup_workers``), ``async`` (Downpour), ``ssp``; DC-ASGD with ``delay_compensation``
     (rules: :mod:`~lightning_pdist.parameter_server.rules`); ``easgd``: asynchronous EASGD/EAMSGD, where the module's
-    optimizer steps on each worker and the servers hold the elastic center
-    (:mod:`~lightning_pdist.parameter_server.elastic`, :mod:`~lightning_pdist.parameter_server.elastic_worker`). The method card, ``docs/algorithms/parameter_server.md``,
-    describes the modes, several optimizers, parameters without gradients, buffers, fp16 with a GradScaler,
-    non-finite values, evaluation, checkpoints and the logged metrics.
+    optimizer steps on each worker and the servers hold the elastic center (:mod:`~.elastic`, :mod:`~.elastic_worker`).
+    The method card, ``docs/algorithms/parameter_server.md``, describes the modes, several optimizers, parameters
+    without gradients, buffers, fp16 with a GradScaler, non-finite values, evaluation, checkpoints and the logged
+    metrics.
 
     Args:
         num_servers: servers ``S >= 1``; ``None``: ``ceil(N / 2)``, one per two workers (paper 000).
@@ -306,10 +306,8 @@ class ParameterServerStrategy(ElasticWorkerMixin, PdistStrategy):
     @override
     def setup_algorithm(self) -> None:
         owner = type(self).__name__
-        for k, optimizer in enumerate(self.optimizers):
+        for k, optimizer in enumerate([] if self.elastic else self.optimizers):  # easgd: they step on the workers
             name = type(optimizer).__name__
-            if self.elastic:
-                break  # the module's optimizers step on the workers: any optimizer will do
             if name not in ELEMENTWISE_OPTIMIZERS or type(optimizer) is not getattr(torch.optim, name):
                 raise ValueError(
                     f"{owner}: configure_optimizers returned {type(optimizer).__module__}.{type(optimizer).__qualname__}"
@@ -386,18 +384,18 @@ class ParameterServerStrategy(ElasticWorkerMixin, PdistStrategy):
             offset += p.numel()
 
     def _init_requests(self) -> tuple[list[dict], list[Tensor]]:
-        optimizers = [
-            {"name": type(o).__name__,
-             "param_groups": [group_hparams(g, f"{type(self).__name__}: optimizer {k} param group {i}")
-                              for i, g in enumerate(o.param_groups)]}
-            for k, o in enumerate(self.optimizers)
-        ]  # fmt: skip
         flat = self._flat_params()
         if self.elastic:  # no optimizer on the servers: each holds its shard of the center
             metas = [{"mode": "easgd", "num_workers": self.world_size, "dtype": str(flat.dtype),
                       "segments": [[-1, -1, self.plan.numel_per_server[server]]],
                       "alpha": self.config.alpha_for(self.world_size)} for server in range(self.plan.num_servers)]  # fmt: skip
             return metas, [self.plan.gather(flat, server) for server in range(self.plan.num_servers)]
+        optimizers = [
+            {"name": type(o).__name__,
+             "param_groups": [group_hparams(g, f"{type(self).__name__}: optimizer {k} param group {i}")
+                              for i, g in enumerate(o.param_groups)]}
+            for k, o in enumerate(self.optimizers)
+        ]  # fmt: skip
         metas = [{
             "mode": self.config.mode, "num_workers": self.world_size, "dtype": str(flat.dtype),
             "segments": self.layout.segments(server), "optimizers": optimizers,
