@@ -24,7 +24,7 @@ MATH = {
     "averaging": {"schedule", "rules", "bmuf", "easgd"},
     "compression": {"sparse", "quantize"},
     "sign": {"vote", "llr", "simulator"},
-    "parameter_server": {"sharding", "rules"},
+    "parameter_server": {"sharding", "rules", "elastic", "parallax"},
     "pipeline": {"schedule", "partition"},
     "tensor_parallel": {"plan", "cost"},
     "diloco": {"outer", "fragments", "quantize"},

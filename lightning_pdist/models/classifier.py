@@ -71,6 +71,7 @@ class ClassifierModule(LightningModule):
         optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"``.
         lr: learning rate. SGD on the digits CNN trains well at 0.05-0.1; Adam wants about 1e-3.
         momentum: SGD momentum (heavy ball); only for ``optimizer="sgd"``.
+        nesterov: Nesterov momentum instead of heavy ball (``optimizer="sgd"``, ``momentum > 0``; EAMSGD's local step).
         weight_decay: L2 penalty (decoupled for AdamW).
         lr_scheduler: ``None``, ``"cosine"`` (to zero over the run, stepped every optimizer step) or
             ``"step"`` (times ``lr_gamma`` every ``lr_step_size`` epochs).
@@ -91,6 +92,7 @@ class ClassifierModule(LightningModule):
         optimizer: str = "sgd",
         lr: float = 0.05,
         momentum: float = 0.0,
+        nesterov: bool = False,
         weight_decay: float = 0.0,
         lr_scheduler: str | None = None,
         lr_step_size: int = 30,
@@ -110,6 +112,8 @@ class ClassifierModule(LightningModule):
             raise ValueError(
                 f"ClassifierModule(momentum={momentum}): momentum applies to optimizer='sgd' only, not {optimizer!r}"
             )
+        if nesterov and not momentum:
+            raise ValueError(f"ClassifierModule(nesterov={nesterov!r}): nesterov needs optimizer='sgd' with momentum > 0")
         if weight_decay < 0:
             raise ValueError(f"ClassifierModule(weight_decay={weight_decay}): weight_decay must be >= 0")
         if lr_scheduler is not None and lr_scheduler not in LR_SCHEDULERS:
@@ -167,7 +171,8 @@ class ClassifierModule(LightningModule):
         """The optimizer named by ``optimizer``, and the ``lr_scheduler`` if one is set."""
         hp = self.hparams
         if hp.optimizer == "sgd":
-            opt = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+            opt = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay,
+                                  nesterov=hp.get("nesterov", False))  # fmt: skip
         elif hp.optimizer == "adam":
             opt = torch.optim.Adam(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
         else:

@@ -254,6 +254,14 @@ class ParameterServerClient:
             return None, metas
         return [bytes_to_tensor(p, m["dtype"]) for m, p in replies], metas
 
+    def elastic(self, shards: list[Tensor]) -> tuple[list[Tensor], list[dict]]:
+        """One elastic exchange with every server (``mode="easgd"``): send ``x_i``'s shards, get each ``e = α(x_i − x̃)``.
+
+        Each server has already added its ``e`` to its center when it answers; the caller subtracts the same ``e``.
+        """
+        replies = self.map(Kind.ELASTIC, [{"worker": self.worker}] * self.num_servers, shards)
+        return [bytes_to_tensor(p, m["dtype"]) for m, p in replies], [m for m, _ in replies]
+
     def bye(self) -> None:
         for connection in self.connections:
             try:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from lightning_pdist.parameter_server.sharding import SHARDINGS
 from lightning_pdist.parameter_server.auth import read_secret_file
+from lightning_pdist.parameter_server.elastic import default_alpha
 from lightning_pdist.parameter_server.server import MAX_PATIENCE, MODES
 from lightning_pdist.parameter_server.wire import parse_networks
 from lightning_pdist.core.config import ConfigErrors, is_int
@@ -33,6 +34,8 @@ class ParameterServerConfig(ConfigErrors):
     server_secret_file: str | None = None
     allowed_networks: str | None = None
     server_timeout: float = 300.0
+    easgd_period: int | None = None
+    easgd_alpha: float | None = None
     owner: str = "ParameterServerStrategy"
 
     def __post_init__(self) -> None:
@@ -69,6 +72,10 @@ class ParameterServerConfig(ConfigErrors):
             self._fail("delay_compensation", "delay_compensation must be a float", TypeError)
         if not dc >= 0:
             self._fail("delay_compensation", "delay_compensation (DC-ASGD's lambda) must be >= 0")
+        if dc > 0 and self.mode == "easgd":
+            self._fail("delay_compensation", "delay compensation corrects stale gradients of mode='async' or 'ssp'; "
+                                             "mode='easgd' pushes no gradients")  # fmt: skip
+        self._check_easgd()
         if dc > 0 and self.mode == "sync":
             self._fail("delay_compensation", "delay compensation corrects stale gradients of mode='async' or 'ssp'; "
                                              "sync gradients are never stale")  # fmt: skip
@@ -126,6 +133,33 @@ class ParameterServerConfig(ConfigErrors):
         except ValueError as err:  # "allowed_networks='...': rule" -> "Owner(allowed_networks='...'): rule"
             argument, _, rule = str(err).partition(": ")
             raise ValueError(f"{self.owner}({argument}): {rule}") from None
+
+    def _check_easgd(self) -> None:
+        period, alpha = self.easgd_period, self.easgd_alpha
+        for arg, value in (("easgd_period", period), ("easgd_alpha", alpha)):
+            if value is not None and self.mode != "easgd":
+                self._fail(arg, f"{arg} applies to mode='easgd' (asynchronous elastic averaging); mode is {self.mode!r}")
+        if period is not None:
+            if not is_int(period):
+                self._fail("easgd_period", "easgd_period (τ, local steps between elastic exchanges) must be an int "
+                                           "or None (4)", TypeError)  # fmt: skip
+            if period < 1:
+                self._fail("easgd_period", "easgd_period (τ, local steps between elastic exchanges) must be >= 1")
+        if alpha is not None:
+            if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+                self._fail("easgd_alpha", "easgd_alpha (α) must be a number in (0, 1] or None (0.9 / workers)", TypeError)
+            if not 0.0 < alpha <= 1.0:  # NaN fails too
+                self._fail("easgd_alpha", "easgd_alpha (α, the elastic coefficient) must be in (0, 1] "
+                                          "(None: 0.9 / workers, the paper's β = Nα = 0.9)")  # fmt: skip
+
+    @property
+    def period(self) -> int:
+        """``τ``: local steps between a worker's elastic exchanges (``mode="easgd"``; default 4)."""
+        return self.easgd_period if self.easgd_period is not None else 4
+
+    def alpha_for(self, world_size: int) -> float:
+        """``α``: the given one, or ``0.9 / N`` (the paper's ``β = N·α = 0.9``)."""
+        return float(self.easgd_alpha) if self.easgd_alpha is not None else default_alpha(world_size)
 
     @property
     def steps_together(self) -> bool:

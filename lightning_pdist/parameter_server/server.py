@@ -10,6 +10,9 @@ the optimizers' class names and param-group hyperparameters, the mode); then it 
            applied once; a pull that waits for step ``t`` is answered once step ``t`` closed.
 ``async``  each push is one optimizer step on ``g / N`` on arrival; pulls are answered at once.
 ``ssp``    as ``async``, but a pull is answered only when :class:`SSPClock` lets the worker start its next clock.
+``easgd``  no optimizer here: the shard is the center ``x̃`` of asynchronous elastic averaging; an ``ELASTIC`` request
+           carries a worker's ``x_i`` and is answered with ``e = α(x_i − x̃)`` after ``x̃ ← x̃ + e``
+           (:class:`~lightning_pdist.parameter_server.elastic.ElasticCenter`); pushes are refused.
 
 ``delay_compensation = λ > 0`` (async/ssp) first turns ``g`` into ``g + λ·g⊙g⊙(w - w_bak(m))``
 (:class:`DelayCompensation`). Every request is checked field by field before it touches any state
@@ -35,6 +38,7 @@ from lightning_pdist.parameter_server.rules import (
     SSPClock,
     StalenessTracker,
 )
+from lightning_pdist.parameter_server.elastic import ElasticCenter
 from lightning_pdist.parameter_server.loop import Connection, ConnectionLoop, RequestRefused, ServerLimits
 from lightning_pdist.parameter_server.shard import ELEMENTWISE_OPTIMIZERS, ParameterShard, parse_present
 from lightning_pdist.parameter_server.wire import Kind, bytes_to_tensor, dumps_state, loads_state, tensor_bytes
@@ -49,7 +53,7 @@ __all__ = [
     "ShardServer",
 ]
 
-MODES = ("sync", "async", "ssp")
+MODES = ("sync", "async", "ssp", "easgd")
 STALENESS_BUCKETS = 16  # histogram bins 0..15, the last one also counts everything staler
 DTYPES = ("torch.float32", "torch.float64", "torch.float16", "torch.bfloat16")
 MAX_WORKERS = 1 << 16  # per-worker bookkeeping is allocated from INIT's num_workers: bound it
@@ -154,6 +158,7 @@ class ShardServer:
         self.aggregator: BackupWorkerAggregator | None = None
         self.clock: SSPClock | None = None
         self.dc: DelayCompensation | None = None
+        self.elastic: ElasticCenter | None = None  # mode="easgd": the center x̃ (the shard) and its exchanges
         self.open_step: tuple[int, list[bool]] | None = None  # sync: (optimizer, present) of the open step
         self.peers: dict[int, str] = {}  # worker -> "pid P on host H, connected from A" (its last HELLO)
         self.last_heard: dict[int, float] = {}  # worker -> when its last push or pull arrived (monotonic)
@@ -194,6 +199,8 @@ class ShardServer:
         shard_bytes = self.shard.flat.numel() * self.shard.flat.element_size()
         if kind in (Kind.PUSH, Kind.PUSHPULL):
             return shard_bytes
+        if kind == Kind.ELASTIC:  # a worker's x_i, this shard's size; no other mode takes one
+            return shard_bytes if self.elastic is not None else 0
         if kind == Kind.SET_STATE:  # values, up to 3 optimizer moments, one DC backup per worker, and overhead
             return (int(self.config["num_workers"]) + 6) * shard_bytes + (64 << 20)
         return 0
@@ -253,6 +260,11 @@ class ShardServer:
         elif kind == Kind.SET_STATE:
             self.load_state_dict(loads_state(payload))
             self._reply(conn, Kind.REPLY, {"version": self.version})
+        elif kind == Kind.ELASTIC:
+            self._elastic(conn, meta, payload)
+        elif kind in (Kind.PUSH, Kind.PUSHPULL) and self.elastic is not None:
+            raise RequestRefused(f"{kind.name}: this server runs mode='easgd', which takes ELASTIC exchanges of the "
+                                 "workers' parameters, not gradients")  # fmt: skip
         elif kind in (Kind.PUSH, Kind.PUSHPULL, Kind.PULL):
             worker = self._worker_of(conn, kind, meta)
             wait = _field(meta, "wait_version", kind.name, "null or an int >= 0", lambda v: v is None or (_is_int(v) and v >= 0), None)
@@ -273,6 +285,25 @@ class ShardServer:
         else:
             raise RequestRefused(f"unexpected message kind {kind.name}")
 
+    def _elastic(self, conn: Connection, meta: dict, payload: bytearray) -> None:
+        """One elastic exchange: the worker's ``x_i`` in, ``e = α(x_i − x̃)`` out, ``x̃ ← x̃ + e`` (checked first)."""
+        worker = self._worker_of(conn, Kind.ELASTIC, meta)
+        if self.elastic is None:
+            raise RequestRefused(f"ELASTIC: this server runs mode={self.config['mode']!r}; elastic exchanges need "
+                                 "mode='easgd'")  # fmt: skip
+        dtype = self.config["dtype"]
+        _field(meta, "dtype", "ELASTIC", f"{dtype!r}, the shard's dtype", lambda v: v == dtype, dtype)
+        try:
+            local = bytes_to_tensor(payload, dtype)
+        except ValueError as err:
+            raise RequestRefused(f"ELASTIC: {err}") from None
+        if local.numel() != self.shard.flat.numel():
+            raise RequestRefused(f"ELASTIC: x_i of {local.numel()} elements; this shard holds {self.shard.flat.numel()}")
+        self.last_heard[worker] = time.monotonic()
+        e = self.elastic.exchange(local)
+        self.version += 1
+        self._reply(conn, Kind.REPLY, {"version": self.version, "dtype": dtype, **self._stats()}, tensor_bytes(e))
+
     def _worker_of(self, conn: Connection, kind: Kind, meta: dict) -> int:
         if conn.worker is None:
             raise RuntimeError("send HELLO before PUSH/PULL")
@@ -289,7 +320,14 @@ class ShardServer:
         segments = _field(meta, "segments", "INIT", "a list of [optimizer, group, numel] (or [group, numel]) ints, numel >= 0",
                           lambda v: isinstance(v, list) and all(isinstance(s, list) and len(s) in (2, 3)
                                                                 and all(_is_int(x) for x in s) and s[-1] >= 0 for s in v))  # fmt: skip
-        if "optimizers" in meta:
+        alpha = None
+        if mode == "easgd":  # the workers step locally: no optimizer here, every element is the center's
+            alpha = _field(meta, "alpha", "INIT", "a number in (0, 1]", lambda v: _is_finite_number(v) and 0 < v <= 1)
+            optimizers = []
+            if any(s[0] != -1 for s in segments if len(s) == 3) or any(len(s) != 3 for s in segments):
+                raise RequestRefused(f"INIT: segments={_show(segments)}: mode='easgd' segments must be [-1, -1, numel] "
+                                     "(no server optimizer)")  # fmt: skip
+        elif "optimizers" in meta:
             optimizers = _field(meta, "optimizers", "INIT", "a non-empty list of {'name': str, 'param_groups': [object, ...]}",
                                 lambda v: isinstance(v, list) and v and all(
                                     isinstance(o, dict) and isinstance(o.get("name"), str)
@@ -312,12 +350,17 @@ class ShardServer:
         values = bytes_to_tensor(payload, dtype).clone()
         if not torch.isfinite(values).all():
             raise RequestRefused("INIT: the initial shard holds non-finite values; they must be finite")
-        shard = ParameterShard(values, segments, optimizers)
+        try:
+            shard = ParameterShard(values, segments, optimizers)
+        except ValueError as err:
+            raise RequestRefused(f"INIT: {err}") from None
+        elastic = ElasticCenter(shard.flat, float(alpha)) if alpha is not None else None
         aggregator = BackupWorkerAggregator(num_workers, backup) if mode == "sync" else None
         clock = SSPClock(num_workers, staleness) if mode == "ssp" else None
         tracker = StalenessTracker(num_workers)
         dc = DelayCompensation.starting_from(shard.flat, num_workers, float(lam)) if lam > 0 else None
         self.shard, self.aggregator, self.clock, self.tracker, self.dc = shard, aggregator, clock, tracker, dc
+        self.elastic = elastic
         self.open_step = None
         self.config = dict(meta)
         self.version = 0
@@ -471,6 +514,8 @@ class ShardServer:
         stats = {"bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
         if self.config.get("mode") == "sync":
             stats["step_bytes_in"], stats["step_bytes_out"] = self.closed_bytes
+        elif self.elastic is not None:
+            stats["exchanges"] = self.elastic.exchanges
         else:
             stats["histogram"] = list(self.histogram)
         return stats
@@ -511,6 +556,7 @@ class ShardServer:
             "tracker": self.tracker.state_dict(),
             "dc": self.dc.state_dict() if self.dc is not None else None,
             "histogram": list(self.histogram),
+            "elastic": self.elastic.state_dict() if self.elastic is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -538,3 +584,5 @@ class ShardServer:
         if self.dc is not None and state.get("dc") is not None:
             self.dc.load_state_dict(state["dc"])
         self.histogram = [int(c) for c in state.get("histogram", self.histogram)]
+        if self.elastic is not None and state.get("elastic") is not None:
+            self.elastic.load_state_dict(state["elastic"])

@@ -1,4 +1,4 @@
-"""Parameter-server training (sync, backup workers, Downpour async, SSP, DC-ASGD) as a Lightning strategy.
+"""Parameter-server training (sync, backup workers, Downpour async, SSP, DC-ASGD, async EASGD) as a Lightning strategy.
 
 Process layout (one node; on several, server ``i`` runs on node ``i mod num_nodes``)::
 
@@ -54,6 +54,7 @@ from lightning_pdist.parameter_server.sharding import ShardingPlan, param_specs,
 from lightning_pdist.core.accounting import all_reduce_bytes
 from lightning_pdist.parameter_server.auth import read_secret_file
 from lightning_pdist.parameter_server.client import ParameterServerClient
+from lightning_pdist.parameter_server.elastic_worker import ElasticWorkerMixin
 from lightning_pdist.parameter_server.layout import OptimizerLayout, accumulate_grads, group_hparams, numeric_hparams
 from lightning_pdist.parameter_server.placement import check_placement, placed_nodes, start_servers, stop_servers
 from lightning_pdist.parameter_server.process import ServerProcess
@@ -69,20 +70,22 @@ from lightning_pdist.core.run_logging import log_histogram
 
 __all__ = ["ParameterServerConfig", "ParameterServerStrategy"]
 
-class ParameterServerStrategy(PdistStrategy):
+class ParameterServerStrategy(ElasticWorkerMixin, PdistStrategy):
     """Data-parallel training through dedicated parameter-server processes.
 
     Servers hold the parameters, sharded by :func:`~lightning_pdist.parameter_server.sharding.plan_sharding`, and
     run the user's optimizer on their shard; workers compute gradients and exchange shards with every server.
     Modes: ``sync`` (with ``backup_workers``), ``async`` (Downpour), ``ssp``; DC-ASGD with ``delay_compensation``
-    (rules: :mod:`~lightning_pdist.parameter_server.rules`). The method card, ``docs/algorithms/parameter_server.md``,
-    describes the modes, several optimizers, parameters without gradients, buffers, fp16 with a GradScaler,
-    non-finite values, evaluation, checkpoints and the logged metrics.
+    (rules: :mod:`~lightning_pdist.parameter_server.rules`); ``easgd``: asynchronous EASGD/EAMSGD, where the module's
+    optimizer steps on each worker and the servers hold the elastic center (:mod:`~.elastic`, :mod:`~.elastic_worker`).
+    The method card, ``docs/algorithms/parameter_server.md``, describes the modes, several optimizers, parameters
+    without gradients, buffers, fp16 with a GradScaler, non-finite values, evaluation, checkpoints and the logged
+    metrics.
 
     Args:
         num_servers: servers ``S >= 1``; ``None``: ``ceil(N / 2)``, one per two workers (paper 000).
         sharding: ``"memory"`` (equal-byte ranges; balanced) or ``"layer"`` (whole layers, greedy).
-        mode: ``"sync"``, ``"async"`` or ``"ssp"``.
+        mode: ``"sync"``, ``"async"``, ``"ssp"`` or ``"easgd"``.
         staleness: SSP bound in steps (``mode="ssp"`` only).
         backup_workers: ``b`` in ``[0, N - 1]`` (``mode="sync"`` only).
         push_every: async: steps between pushes of the accumulated (summed) gradient.
@@ -111,6 +114,8 @@ class ParameterServerStrategy(PdistStrategy):
             (``WorkerStalled: ... worker 1 (pid 4242 on host node3, ...) has not pushed step 17 for 300 s: it is
             stopped, hung or dead; parameter server 0 is alive``); a server that has not answered 10 s later is
             blamed itself. A server that dies fails its workers at once. Worker ``m`` is global rank ``m``.
+        easgd_period: ``τ >= 1``, local steps between a worker's elastic exchanges (``mode="easgd"``; ``None``: 4).
+        easgd_alpha: ``α`` in ``(0, 1]``, the elastic coefficient (``mode="easgd"``; ``None``: ``0.9 / N``).
         nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what the workers do when a gradient
             holds NaN/Inf before its push (the method card's "Non-finite values").
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (``start_method``,
@@ -140,6 +145,8 @@ class ParameterServerStrategy(PdistStrategy):
         server_secret_file: str | None = None,
         allowed_networks: str | None = None,
         server_timeout: float = 300.0,
+        easgd_period: int | None = None,
+        easgd_alpha: float | None = None,
         nonfinite: str = "raise",
         **kwargs: Any,
     ) -> None:
@@ -150,7 +157,8 @@ class ParameterServerStrategy(PdistStrategy):
             push_every=push_every, pull_every=pull_every, delay_compensation=delay_compensation,
             partition_bytes=partition_bytes, server_host=server_host, server_port=server_port,
             server_addresses=_addresses(server_addresses, owner), server_secret_file=server_secret_file,
-            allowed_networks=allowed_networks, server_timeout=server_timeout, owner=owner,
+            allowed_networks=allowed_networks, server_timeout=server_timeout, easgd_period=easgd_period,
+            easgd_alpha=easgd_alpha, owner=owner,
         )  # fmt: skip
         super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
                          model_averaging_period=None, **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
@@ -161,6 +169,7 @@ class ParameterServerStrategy(PdistStrategy):
         self.num_servers, self.sharding, self.mode = num_servers, sharding, mode
         self.staleness, self.backup_workers, self.delay_compensation = staleness, backup_workers, delay_compensation
         self.push_every, self.pull_every = push_every, pull_every
+        self.easgd_period, self.easgd_alpha = easgd_period, easgd_alpha
         self.servers: list[ServerProcess] = []  # the servers this process started (a node's local rank 0)
         self.server_addresses: list[str] = []
         self._secret: bytes | None = None  # the servers' shared secret for this fit (never logged or checkpointed)
@@ -297,7 +306,7 @@ class ParameterServerStrategy(PdistStrategy):
     @override
     def setup_algorithm(self) -> None:
         owner = type(self).__name__
-        for k, optimizer in enumerate(self.optimizers):
+        for k, optimizer in enumerate([] if self.elastic else self.optimizers):  # easgd: they step on the workers
             name = type(optimizer).__name__
             if name not in ELEMENTWISE_OPTIMIZERS or type(optimizer) is not getattr(torch.optim, name):
                 raise ValueError(
@@ -306,14 +315,17 @@ class ParameterServerStrategy(PdistStrategy):
                     "on each shard, which is exact only for element-wise optimizers: "
                     f"torch.optim.{', torch.optim.'.join(ELEMENTWISE_OPTIMIZERS)}"
                 )
-        self._use_loss_scaling(owner)
+        if not self.elastic:  # easgd: Lightning's precision plugin runs the local step, its scaler included
+            self._use_loss_scaling(owner)
         params = self._params()
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"{owner}: the model's parameters have dtypes {sorted(map(str, dtypes))}; the servers need one")
         world_size, rank = self.world_size, self.global_rank
         if world_size == 1:
-            rank_zero_warn(f"{owner}: world_size == 1: one worker and its servers; this is the local optimizer, remotely.")
+            rank_zero_warn(f"{owner}: world_size == 1: one worker and its servers; " + (
+                "its elastic exchanges pull it and the center together." if self.elastic else
+                "this is the local optimizer, remotely."))  # fmt: skip
         self.plan = self._plan(len(self.server_addresses) or self.config.servers_for(world_size))
         self.layout = OptimizerLayout(list(self.lightning_module.named_parameters()), self.optimizers, self.plan, owner)
         self.client = ParameterServerClient(self.server_addresses, rank, timeout=self.config.server_timeout,
@@ -341,6 +353,10 @@ class ParameterServerStrategy(PdistStrategy):
         self._histogram_logged = list(self.staleness_histogram)
         self._accumulated = {}
         self._finalized = False
+        self._elastic_start()
+        if self.elastic and self._loaded_pdist_state is not None:
+            self._load_elastic_rank_state(*self._loaded_rank_state)
+        self._loaded_rank_state = (None, "")
 
     def _use_loss_scaling(self, owner: str) -> None:
         """Swap a ``MixedPrecision`` with a scaler for :class:`ParameterServerMixedPrecision` (the same scaler)."""
@@ -370,13 +386,18 @@ class ParameterServerStrategy(PdistStrategy):
             offset += p.numel()
 
     def _init_requests(self) -> tuple[list[dict], list[Tensor]]:
+        flat = self._flat_params()
+        if self.elastic:  # no optimizer on the servers: each holds its shard of the center
+            metas = [{"mode": "easgd", "num_workers": self.world_size, "dtype": str(flat.dtype),
+                      "segments": [[-1, -1, self.plan.numel_per_server[server]]],
+                      "alpha": self.config.alpha_for(self.world_size)} for server in range(self.plan.num_servers)]  # fmt: skip
+            return metas, [self.plan.gather(flat, server) for server in range(self.plan.num_servers)]
         optimizers = [
             {"name": type(o).__name__,
              "param_groups": [group_hparams(g, f"{type(self).__name__}: optimizer {k} param group {i}")
                               for i, g in enumerate(o.param_groups)]}
             for k, o in enumerate(self.optimizers)
         ]  # fmt: skip
-        flat = self._flat_params()
         metas = [{
             "mode": self.config.mode, "num_workers": self.world_size, "dtype": str(flat.dtype),
             "segments": self.layout.segments(server), "optimizers": optimizers,
@@ -419,6 +440,8 @@ class ParameterServerStrategy(PdistStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self.client is None:
             raise RuntimeError(f"{type(self).__name__}.optimizer_step: the servers are not set up (call within Trainer.fit)")
+        if self.elastic:
+            return self._elastic_optimizer_step(optimizer, closure, model, **kwargs)
         model = model if model is not None else self.lightning_module
         plugin = self.precision_plugin
         scaled = isinstance(plugin, ParameterServerMixedPrecision)
@@ -618,6 +641,14 @@ class ParameterServerStrategy(PdistStrategy):
         return (module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
                 and self.client is not None and not self._finalized)  # fmt: skip
 
+    def _meet_for_center(self) -> None:
+        """``easgd``: wait until every worker's exchanges so far have landed, so every worker pulls the same center.
+
+        (An exchange is answered only once applied, so a worker at this barrier has none in flight.) ``async`` and
+        ``ssp`` snapshot the servers as each worker finds them (the method card's consistency caveats)."""
+        if self.elastic and self.workers is not None and self.world_size > 1:
+            self.workers.barrier()
+
     def _servers_params(self) -> Tensor:
         """The servers' current parameters as a flat vector (a pull that does not count as the worker's)."""
         shards, _ = self.client.pull(record=False)
@@ -627,9 +658,17 @@ class ParameterServerStrategy(PdistStrategy):
         return flat
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._close_local_step()  # easgd with several optimizers: the previous batch's local step is over
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
+        if self._fitting():
+            self._close_local_step()
         if self._fitting() and self._eval_backup is None:
+            self._meet_for_center()
             self._average_buffers(meeting=True)  # every worker validates at the same step
             servers = self._servers_params()
             self._eval_backup = self._flat_params()
@@ -647,6 +686,7 @@ class ParameterServerStrategy(PdistStrategy):
         super().on_train_end()
         if not self._fitting():
             return
+        self._close_local_step()
         for k in sorted(self._accumulated):  # async: push what push_every left over
             self._push(k, self._accumulated.pop(k), pull=False)
         self.client.bye()  # this worker pushes no more: SSP stops waiting for it, backup workers stop counting on it
@@ -661,6 +701,8 @@ class ParameterServerStrategy(PdistStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if not self._fitting() or self._eval_backup is not None:  # after fit / during validation: the module holds them
             return super().lightning_module_state_dict()
+        self._close_local_step()
+        self._meet_for_center()
         self._average_buffers(meeting=True)  # Lightning saves a checkpoint on every rank: they all meet here
         own = self._flat_params()
         self._set_flat_params(self._servers_params())
@@ -679,6 +721,17 @@ class ParameterServerStrategy(PdistStrategy):
             replies = self.client.map(Kind.GET_STATE, [{}] * self.client.num_servers)
             state["servers"] = [loads_state(payload) for _, payload in replies]
         return state
+
+    @property
+    @override
+    def rank_world(self) -> tuple[int, int]:
+        """The workers' ranks (the default process group is never initialized here)."""
+        return self.global_rank, self.world_size
+
+    @override
+    def pdist_rank_state(self) -> dict | None:
+        """``mode="easgd"`` during fit: this worker's ``x_i``, optimizer state and local steps (its own file)."""
+        return self._elastic_rank_state() if self.elastic and self._fitting() else None
 
     def _restore_servers(self, state: dict) -> None:
         servers = state.get("servers")
@@ -729,7 +782,7 @@ class ParameterServerStrategy(PdistStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         super().register_strategies(strategy_registry)
-        for mode in ("async", "ssp"):
+        for mode in ("async", "ssp", "easgd"):
             strategy_registry.register(
                 f"{cls.strategy_name}_{mode}", cls, description=f"parameter server, mode={mode!r}", mode=mode, override=True
             )

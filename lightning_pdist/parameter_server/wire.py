@@ -89,6 +89,7 @@ class Kind(enum.IntEnum):
     BYE = 9  # worker -> server: this worker is done (no reply)
     CHALLENGE = 10  # server -> client, first on a connection to a server with a secret: payload = nonce
     AUTH = 11  # client -> server, the answer: payload = HMAC proof, {"nonce"}; reply {"proof"} (parameter_server/auth.py)
+    ELASTIC = 12  # worker -> server, mode="easgd": payload = its x_i shard; reply payload = e = α(x_i − x̃) (elastic.py)
     REPLY = 20
     ERROR = 21
 

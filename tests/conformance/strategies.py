@@ -35,6 +35,9 @@ STRATEGIES: dict[str, tuple[str, dict, bool, str]] = {
     "dgc": ("dgc", {}, True, "Deep Gradient Compression 0.1 %"),
     "parameter_server": ("parameter_server", {"server_timeout": 60.0}, True, "parameter server, sync"),
     "parameter_server_async": ("parameter_server_async", {"server_timeout": 60.0}, False, "parameter server, async"),
+    # exchanges land in arrival order (no barrier): the resumed state is exact, the resumed run is not reproducible
+    "parameter_server_easgd": ("parameter_server_easgd", {"server_timeout": 60.0, "easgd_period": 3}, False,
+                               "parameter server, asynchronous EASGD, τ=3"),
     # 2 micro-batches of 2: BatchNorm cannot train on micro-batches of one sample
     "pipeline": ("pipeline", {"num_microbatches": 2}, True, "pipeline, 2 stages, 1F1B, 2 micro-batches"),
     "tensor_parallel": ("tensor_parallel", {}, True, "tensor parallelism, t=2, plan='auto'"),

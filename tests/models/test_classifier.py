@@ -91,8 +91,9 @@ def test_optimizer_by_name(name, cls):
 
 
 def test_sgd_momentum_is_passed_through():
-    """momentum reaches SGD."""
+    """momentum (and nesterov, EAMSGD's local step) reach SGD."""
     assert ClassifierModule(momentum=0.9).configure_optimizers().defaults["momentum"] == 0.9
+    assert ClassifierModule(momentum=0.9, nesterov=True).configure_optimizers().defaults["nesterov"] is True
 
 
 def test_cosine_schedule_anneals_over_the_run():
@@ -130,6 +131,7 @@ def test_cosine_without_horizon_raises():
         (dict(lr=0.0), ValueError, r"lr=0.0\): lr must be > 0"),
         (dict(momentum=1.0), ValueError, r"momentum=1.0\): momentum must be in \[0, 1\)"),
         (dict(momentum=0.9, optimizer="adam"), ValueError, r"momentum=0.9\): momentum .*'sgd' only, not 'adam'"),
+        (dict(nesterov=True), ValueError, r"nesterov=True\): nesterov needs optimizer='sgd' with momentum > 0"),
         (dict(weight_decay=-1.0), ValueError, r"weight_decay=-1.0\): weight_decay must be >= 0"),
         (dict(lr_scheduler="linear"), ValueError, r"lr_scheduler='linear'\): lr_scheduler must be None or one of"),
         (dict(lr_step_size=0), ValueError, r"lr_step_size=0\): lr_step_size must be >= 1"),
