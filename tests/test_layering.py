@@ -28,6 +28,7 @@ MATH = {
     "pipeline": {"schedule", "partition"},
     "tensor_parallel": {"plan", "cost"},
     "diloco": {"outer", "fragments", "quantize"},
+    "decentralized": {"topology", "config"},
 }
 TRANSPORT = {
     "core": {"collectives", "hooks", "liveness", "forking", "compression"},
@@ -38,6 +39,7 @@ TRANSPORT = {
     "pipeline": {"p2p", "executor"},
     "tensor_parallel": {"meter"},
     "diloco": {"exchange", "rounds"},
+    "decentralized": {"gossip"},
 }
 
 
