@@ -389,3 +389,11 @@ class DecentralizedStrategy(PdistStrategy):
         if "rng" in state:
             self._rng.setstate(state["rng"])
         self._pending_optimizer_states = state["optimizer_states"]
+
+    @override
+    def run_settings(self) -> dict[str, Any]:
+        settings = super().run_settings()
+        settings["topology"] = self.config.name
+        if self.config.implicit_momentum == "compensate":
+            settings["momentum_lowered_by"] = implicit_momentum(self.world_size)  # 1 − 1/M, floored at 0 per group
+        return settings
