@@ -3,7 +3,7 @@
 Construction refuses what is wrong whatever the world size (an unknown topology, a mixing matrix that is not doubly
 stochastic, a torus shape with a side below 2, ``implicit_momentum`` on the synchronous mode). What depends on the
 number of ranks (a torus on a prime number of ranks, a matrix of another size, fewer ranks than the graph needs, an
-AD-PSGD graph without active–passive edges) is refused by :meth:`DecentralizedConfig.plan`: the strategy calls it
+AD-PSGD graph without active–passive edges; one rank is accepted by every named graph: nothing to exchange) is refused by :meth:`DecentralizedConfig.plan`: the strategy calls it
 when the ``Trainer`` is built (``devices × num_nodes`` is known then, before any process starts) and again at setup.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_pdist.core.config import ConfigErrors, is_int
@@ -95,6 +96,8 @@ class DecentralizedConfig(ConfigErrors):
                 raise ValueError(f"{where}: the mixing matrix is {self.matrix.shape[0]} × {self.matrix.shape[1]} but the "
                                  f"run has {world_size} ranks (devices × num_nodes); give an n × n matrix for n ranks")  # fmt: skip
             w = self.matrix
+        elif world_size == 1:  # nothing to exchange: plain SGD (the strategy warns)
+            return torch.ones(1, 1, dtype=torch.float64)
         else:
             need = min_ranks(self.topology)
             if self.torus_shape is not None:
@@ -109,7 +112,7 @@ class DecentralizedConfig(ConfigErrors):
                 raise ValueError(f"{where}: {world_size} ranks cannot form an r × c torus with r, c >= 2 ({world_size} is "
                                  "prime); use 'ring' or 'exponential', or a number of ranks with a factorization")  # fmt: skip
             w = mixing_matrix(self.topology, world_size, self.torus_shape)
-        if self.mode == "async":
+        if self.mode == "async" and world_size > 1:
             edges = bipartite_edges(w)
             if world_size < 2 or any(not e for e in edges) or not is_connected(edges):
                 raise ValueError(f"{where}, mode='async': AD-PSGD averages only across the even (active) / odd (passive) "

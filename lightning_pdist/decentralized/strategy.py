@@ -137,6 +137,9 @@ class DecentralizedStrategy(PdistStrategy):
     def setup_algorithm(self) -> None:
         rank, world_size = self.rank_world
         self.plan = self.config.plan(rank, world_size)
+        if world_size == 1:
+            rank_zero_warn(f"{type(self).__name__}: world_size == 1, so there are no neighbours; each step is the "
+                           "optimizer's plain step on this one model.")  # fmt: skip
         if self._group is None or dist.get_world_size(self._group) != world_size:
             self._group = dist.new_group(list(range(world_size)))  # the gossip's own group (every rank calls this)
         self._exchange = NeighbourExchange(self._group, self.plan.send_to, self.plan.recv_from, self.comm_meter)
@@ -222,6 +225,8 @@ class DecentralizedStrategy(PdistStrategy):
 
     def _active_step(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Any:
         output = closure()  # the gradient at the model this rank read
+        if not self.plan.partners:  # one rank: nobody to average with
+            return output
         tensors = self._params_of(optimizer) + self._float_buffers()
         partner = pick_partner(self._rng, self.plan.partners)
         index = next(k for k, opt in enumerate(self.optimizers) if opt is optimizer)

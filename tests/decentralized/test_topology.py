@@ -75,7 +75,6 @@ def test_ddp_only_arguments_are_refused():
     (3, dict(topology="torus"), r"topology=.torus.\): needs at least 4 ranks; the run has 3"),
     (5, dict(topology="torus"), r"5 ranks cannot form an r × c torus .* \(5 is prime\)"),
     (4, dict(topology="torus", torus_shape=(2, 3)), r"a 2 × 3 torus needs exactly 6 ranks; the run has 4"),
-    (1, dict(topology="ring"), r"topology='ring'\): needs at least 2 ranks; the run has 1"),
     (2, dict(topology=torch.full((3, 3), 1 / 3)), r"the mixing matrix is 3 × 3 but the run has 2 ranks"),
     (2, dict(topology=torch.eye(2), mode="async"), r"mode='async': AD-PSGD averages only across the even"),
 ])  # fmt: skip
