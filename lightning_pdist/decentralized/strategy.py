@@ -144,12 +144,18 @@ class DecentralizedStrategy(PdistStrategy):
             self._group = dist.new_group(list(range(world_size)))  # the gossip's own group (every rank calls this)
         self._exchange = NeighbourExchange(self._group, self.plan.send_to, self.plan.recv_from, self.comm_meter)
         self._broadcast_from_rank_zero()
-        self.step, self._finalized, self._evaluating_backup = 0, False, None
+        self.step, self._finalized, self._evaluating_backup, self._server = 0, False, None, None
         self._rng = random.Random(self.config.seed * 1_000_003 + rank)
         self._compensate_momentum(world_size)
-        if self.mode == "async" and not self.plan.active:
-            self._server = PassiveServer(self._group, self.plan.partners, self._tensors_of_index, self._lock)
-            self._server.start()
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        # After a resumed run loaded its own model: the passive ranks start answering only now.
+        if trainer.state.fn == TrainerFn.FITTING and self.mode == "async" and self.plan is not None and not self.plan.active:
+            if self.plan.partners:
+                self._server = PassiveServer(self._group, self.plan.partners, self._tensors_of_index, self._lock)
+                self._server.start()
 
     def _broadcast_from_rank_zero(self) -> None:
         # Every x_i(0) is rank 0's (setup traffic, not counted); a resumed run then loads its own model.
