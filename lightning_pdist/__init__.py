@@ -4,7 +4,7 @@ Importing the package registers every strategy name with Lightning's ``StrategyR
 ``Trainer(strategy="bmuf")`` works after ``import lightning_pdist``; the Lightning Fabric strategies
 (:mod:`lightning_pdist.fabric`) register with Fabric's own registry, so ``Fabric(strategy="bmuf")`` works too.
 
-One folder per family (averaging, compression, sign, parameter_server, pipeline, tensor_parallel, diloco) over :mod:`lightning_pdist.core`;
+One folder per family (averaging, compression, sign, parameter_server, pipeline, tensor_parallel, diloco, decentralized) over :mod:`lightning_pdist.core`;
 ``docs/architecture.md`` draws the house.
 """
 
@@ -30,11 +30,12 @@ __getattr__, __dir__ = lazy_names(__name__, {
     "TensorParallelStrategy": "tensor_parallel",
     "DiLoCoStrategy": "diloco",
     "StreamingDiLoCoStrategy": "diloco",
+    "DecentralizedStrategy": "decentralized",
 })
 
 __all__ = ["BMUFStrategy", "EASGDStrategy", "LocalSGDStrategy", "PdistStrategy", "SignSGDStrategy", "SimuParallelSGDStrategy"]
 __all__ += ["ParameterServerStrategy", "PipelineStrategy", "TensorParallelStrategy"]
-__all__ += ["DiLoCoStrategy", "StreamingDiLoCoStrategy"]
+__all__ += ["DiLoCoStrategy", "StreamingDiLoCoStrategy", "DecentralizedStrategy"]
 
 
 def _register() -> None:

@@ -192,6 +192,7 @@ class PdistStrategy(DDPStrategy):
         if guard.consulted(self.precision_plugin):
             module = model if model is not None else self.lightning_module
             closure = guard.wrap(closure, lambda: self.nonfinite_ranks(optimizer), module)
+        closure = self.wrap_step_closure(optimizer, closure)
         try:
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         except SkipStep:
@@ -201,6 +202,11 @@ class PdistStrategy(DDPStrategy):
         guard.step_done()
         self._log_comm_bytes()
         return output
+
+    def wrap_step_closure(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """The closure the optimizer step runs (forward, backward, the non-finite check); a subclass may wrap it to act
+        between the gradients and the update (decentralized SGD mixes the models there). The base returns it as is."""
+        return closure
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         """Run the algorithm's per-step work (averaging, elastic steps); nothing for plain DDP."""
