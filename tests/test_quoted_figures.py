@@ -53,6 +53,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "docs/algorithms/tensor_parallel.md": ("tensor_parallel.json",),
     "docs/algorithms/compression.md": (),  # no benchmark yet: computed, worked-out or marked figures only
     "docs/algorithms/diloco.md": (),
+    "docs/algorithms/dpsgd.md": (),  # no benchmark yet
 }
 MARKERS = ("paper", "published", "default", "chosen", "by hand", "recipe run", "simulated")
 COMMENT = re.compile(r"<!--\s*(.*?)-->")
