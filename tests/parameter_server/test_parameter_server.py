@@ -181,9 +181,11 @@ class Crash(Callback):
 
 
 def test_a_worker_crash_ends_the_run_without_hanging():
-    """A worker that raises mid-fit in sync mode: the run fails (no hang) and the servers exit."""
+    """A worker that raises mid-fit in sync mode: the run fails (no hang) and the servers exit. The other worker
+    waits for the crashed one's gradient check for server_timeout (5 s here; Lightning's SIGTERM handler defers the
+    launcher's SIGTERM until then, and the launcher SIGKILLs after 30 s with the 300 s default)."""
     with pytest.raises(Exception, match="crashed on purpose|worker 1 disconnected"):
-        fit(ps(), TinyRegression(), max_steps=20, callbacks=[Crash()])
+        fit(ps(server_timeout=5), TinyRegression(), max_steps=20, callbacks=[Crash()])
 
 
 # ---------------------------------------------------------------------- bad input
