@@ -2,13 +2,15 @@
 
 Importing ``lightning_pdist`` registers the names with Fabric's ``STRATEGY_REGISTRY`` (a registry of its own, apart
 from the Trainer's): ``local_sgd``, ``simuparallel_sgd``, ``bmuf``, ``easgd``, ``signsgd_mv``, ``it_signsgd``, ``diloco`` and ``streaming_diloco``,
-each with ``_fork`` and ``_spawn`` variants and ``_find_unused_parameters_true`` forms. ``docs/fabric.md`` has a
+and the compression names ``topk``, ``dgc``, ``qsgd``, ``terngrad``, ``powersgd``
+(:class:`PdistFabricStrategy` with ``compression=``), each with ``_fork`` and ``_spawn`` variants and ``_find_unused_parameters_true`` forms. ``docs/fabric.md`` has a
 whole training loop, and says per strategy why the parameter server, the pipeline and tensor parallelism have no
 Fabric form.
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
+from lightning_pdist.compression.strategy import register_fabric_strategies
 from lightning_pdist.core.fabric import PdistFabricStrategy
 from lightning_pdist.averaging.bmuf_fabric import BMUFFabricStrategy
 from lightning_pdist.averaging.easgd_fabric import EASGDFabricStrategy
@@ -24,3 +26,4 @@ __all__ = ["BMUFFabricStrategy", "EASGDFabricStrategy", "LocalSGDFabricStrategy"
 for _strategy in (LocalSGDFabricStrategy, SimuParallelSGDFabricStrategy, BMUFFabricStrategy, EASGDFabricStrategy,
                   SignSGDFabricStrategy, DiLoCoFabricStrategy, StreamingDiLoCoFabricStrategy):  # fmt: skip
     _strategy.register_strategies(STRATEGY_REGISTRY)
+register_fabric_strategies(STRATEGY_REGISTRY)

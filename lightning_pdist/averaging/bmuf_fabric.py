@@ -6,6 +6,7 @@ from typing import Any
 
 from lightning_pdist.averaging.bmuf import BMUFRule
 from lightning_pdist.averaging.fabric import ModelAveragingFabricStrategy
+from lightning_pdist.core.compression import Compressor
 
 __all__ = ["BMUFFabricStrategy"]
 
@@ -28,6 +29,8 @@ class BMUFFabricStrategy(ModelAveragingFabricStrategy):
         block_lr: ``ζ > 0`` (1.0).
         nesterov: start blocks from the look-ahead ``W_g - η·Δ`` (True, the paper's NBM).
         warmup_steps: leading steps that run as plain DDP; the first block starts after them.
+        compression: a compressor from :mod:`lightning_pdist.compression` (e.g. ``TopK(0.01)``) for the model delta
+            since the last synchronization, with error feedback per rank (``docs/algorithms/compression.md``).
         **kwargs: passed to Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`.
     """
 
@@ -41,11 +44,12 @@ class BMUFFabricStrategy(ModelAveragingFabricStrategy):
         block_lr: float = 1.0,
         nesterov: bool = True,
         warmup_steps: int = 0,
+        compression: Compressor | None = None,
         **kwargs: Any,
     ) -> None:
         rule = BMUFRule(period=period, block_momentum=block_momentum, block_lr=block_lr, nesterov=nesterov,
                         warmup_steps=warmup_steps, owner=type(self).__name__)  # fmt: skip
-        super().__init__(rule=rule, **kwargs)
+        super().__init__(rule=rule, compression=compression, **kwargs)
 
     @property
     def block_momentum(self) -> float:

@@ -23,6 +23,9 @@ the calls of a Fabric loop:
 * Floating-point buffers (BatchNorm statistics) are averaged with the parameters; DDP's ``broadcast_buffers``
   applies during warm-up only. Non-finite values are not checked (the Trainer strategies' ``nonfinite=`` is not
   available here): check your loss if a run can diverge.
+* ``compression=`` (BMUF, local SGD): a synchronization sends the compressed model delta since the last one, with
+  error feedback per rank (:meth:`~lightning_pdist.averaging.replicas.RuleShell.reduce_replicas`); each rank's
+  residual goes to its own checkpoint file, the anchor to ``"pdist"``.
 """
 
 from __future__ import annotations
@@ -51,8 +54,12 @@ class ModelAveragingFabricStrategy(RuleShell, PdistFabricStrategy):
 
     Args:
         rule: the algorithm (schedule, update, state).
-        **kwargs: passed to Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`.
+        **kwargs: passed to Fabric's :class:`~lightning.fabric.strategies.DDPStrategy` (and ``compression``, where the
+            leaf class names it).
     """
+
+    #: ``compression=`` (BMUF, local SGD) compresses the model delta since the last synchronization.
+    compression_use = "deltas"
 
     def __init__(self, rule: AveragingRule, **kwargs: Any) -> None:
         self._user_broadcast_buffers = bool(kwargs.get("broadcast_buffers", True))
@@ -107,14 +114,17 @@ class ModelAveragingFabricStrategy(RuleShell, PdistFabricStrategy):
         self.step = 0
         self._set_phase()
         self.rule.start(self, self.rank_world[1])
+        self.start_compression()
 
     @override
     def after_optimizer_step(self) -> None:
         self.step += 1
         if self.schedule.averages_gradients(self.step):
             self.rule.after_warmup(self)
+            self.refresh_anchor()
         elif self.schedule.syncs_after(self.step):
             self.rule.apply(self.reduce_replicas(), self)
+            self.refresh_anchor()
         self._set_phase()
 
     def _set_phase(self) -> None:
@@ -134,7 +144,10 @@ class ModelAveragingFabricStrategy(RuleShell, PdistFabricStrategy):
         # Written at once (before the consensus is swapped in for the main file), so no copies are needed.
         if self.module is None:
             return None
-        return self.replica_objects_state(objects)
+        own = self.replica_objects_state(objects)
+        if self.compression_state is not None:
+            own["compression"] = self.compression_state.state_dict()  # this rank's residual
+        return own
 
     @override
     def load_rank_state(self, state: dict | None, objects: dict[str, Any], reason: str) -> None:
@@ -143,3 +156,4 @@ class ModelAveragingFabricStrategy(RuleShell, PdistFabricStrategy):
                            "optimizer state")  # fmt: skip
             return
         self.load_replica_objects_state(state, objects)
+        super().load_rank_state(state, objects, reason)  # the compressor's state

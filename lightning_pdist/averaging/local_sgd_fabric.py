@@ -6,6 +6,7 @@ from typing import Any
 
 from lightning_pdist.averaging.rules import LocalSGDRule
 from lightning_pdist.averaging.fabric import ModelAveragingFabricStrategy
+from lightning_pdist.core.compression import Compressor
 
 __all__ = ["LocalSGDFabricStrategy"]
 
@@ -20,6 +21,8 @@ class LocalSGDFabricStrategy(ModelAveragingFabricStrategy):
     Args:
         period: local steps between averages (8).
         warmup_steps: leading steps that run as plain DDP (0).
+        compression: a compressor from :mod:`lightning_pdist.compression` (e.g. ``TopK(0.01)``) for the model delta
+            since the last synchronization, with error feedback per rank (``docs/algorithms/compression.md``).
         **kwargs: passed to Fabric's :class:`~lightning.fabric.strategies.DDPStrategy`.
 
     Example::
@@ -29,6 +32,7 @@ class LocalSGDFabricStrategy(ModelAveragingFabricStrategy):
 
     strategy_name = "local_sgd"
 
-    def __init__(self, period: int = 8, warmup_steps: int = 0, **kwargs: Any) -> None:
+    def __init__(self, period: int = 8, warmup_steps: int = 0, compression: Compressor | None = None,
+                 **kwargs: Any) -> None:
         rule = LocalSGDRule(period=period, warmup_steps=warmup_steps, owner=type(self).__name__)
-        super().__init__(rule=rule, **kwargs)
+        super().__init__(rule=rule, compression=compression, **kwargs)

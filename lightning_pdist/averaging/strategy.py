@@ -109,7 +109,6 @@ class ModelAveragingStrategy(RuleShell, PdistStrategy):
         self._evaluating_backup: Tensor | None = None
         self._finalized = False
         self._step_open = False  # several optimizers: an optimizer stepped in the current batch
-        self._anchor: Tensor | None = None  # with compression: the model every rank held after the last sync
 
     @property
     @abstractmethod
@@ -136,25 +135,7 @@ class ModelAveragingStrategy(RuleShell, PdistStrategy):
         divergence = relative_distance(self.averaged_tensors, self.rule.replica_mean(combined))
         self._diagnostics.note("pdist/avg/divergence", divergence)
         self.rule.apply(combined, self)
-        self._refresh_anchor()
-
-    def reduce_replicas(self) -> Tensor:
-        """The synchronization's mean; with ``compression``, ``a + mean_i C(w_i − a + e_i)`` per tensor, where ``a``
-        is the model every rank held after the last synchronization and ``e_i`` this rank's residual."""
-        if self.compression is None:
-            return super().reduce_replicas()
-        local = self.local_vector()
-        tensors = averaged_tensors(self.replica_module())
-        deltas = list(torch.split(local - self._anchor, [t.numel() for t in tensors]))
-        out = self.compression.mean(deltas, list(range(len(deltas))), self.compression_state, None, self.comm_meter,
-                                    "delta_" + self.compression.name)  # fmt: skip
-        if out is None:  # some rank's replica was not finite: refuse_nonfinite names it
-            return torch.full_like(local, float("nan"))
-        return self._anchor + flatten(out)
-
-    def _refresh_anchor(self) -> None:
-        if self.compression is not None:
-            self._anchor = self.local_vector()
+        self.refresh_anchor()
 
     def nonfinite_ranks(self, optimizer: Optimizer) -> list[int] | None:
         """The step's check: during warm-up DDP's (see the base); afterwards each rank's own gradients, agreed
@@ -223,9 +204,7 @@ class ModelAveragingStrategy(RuleShell, PdistStrategy):
         self._step_open = False
         self._set_phase()
         self.rule.start(self, world_size)
-        if self.compression is not None:
-            self.compression_state = self.compression.new_state()
-            self._refresh_anchor()
+        self.start_compression()
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
@@ -250,7 +229,7 @@ class ModelAveragingStrategy(RuleShell, PdistStrategy):
         if self.averages_gradients(self.step):
             self._count_buffer_broadcast()
             self.rule.after_warmup(self)
-            self._refresh_anchor()
+            self.refresh_anchor()
         elif self.syncs_after(self.step):
             self.synchronize()
         self._set_phase()
@@ -334,16 +313,7 @@ class ModelAveragingStrategy(RuleShell, PdistStrategy):
     @override
     def pdist_state_dict(self) -> dict:
         self._close_training_step()
-        state = super().pdist_state_dict()
-        if self._anchor is not None:
-            state["compression_anchor"] = self._anchor.detach().cpu().clone()
-        return state
-
-    @override
-    def load_pdist_state_dict(self, state: dict) -> None:
-        super().load_pdist_state_dict(state)
-        if self.compression is not None and "compression_anchor" in state:
-            self._anchor = state["compression_anchor"].to(self.root_device)
+        return super().pdist_state_dict()
 
     @override
     def pdist_rank_state(self) -> dict | None:

@@ -23,6 +23,7 @@ SUITES: dict[str, str] = {
     "pipeline": "lightning_pdist.bench.pipeline",
     "tensor_parallel": "lightning_pdist.bench.tensor_parallel",
     "bytes": "lightning_pdist.bench.bytes",
+    "compression": "lightning_pdist.bench.compression",
 }
 
 __all__ = ["SUITES"]

@@ -25,7 +25,19 @@ except ``tensor_parallel``, which refuses that CNN (nothing to shard) and runs o
 * pipeline: per micro-batch one frame (:data:`~lightning_pdist.pipeline.p2p.HEADER_BYTES` + the tensor) across the
   cut, plus a header-only frame announcing the shape the first time each peer sees it;
 * tensor parallelism: one all-reduce of each row-wise layer's ``(B, out)`` output (the column-wise layer's input,
-  the data, needs no gradient, so no backward all-reduce).
+  the data, needs no gradient, so no backward all-reduce);
+* compression (the registered names at their defaults, one DDP bucket): TernGrad's gathered payload (the
+  ``(length, flag)`` header, a 4-byte scale per tensor, 2 bits per entry;
+  :func:`~lightning_pdist.compression.exchange.gather_wire_bytes`); PowerSGD's 4-byte flag all-reduce per bucket, then a
+  plain all-reduce for its first ``start_iter`` steps and :func:`~lightning_pdist.compression.powersgd.powersgd_bytes`
+  after; the flag is in both policies (it is the exchange's own header);
+* DiLoCo / streaming DiLoCo: the flag every step, and at each fragment's exchange (the schedule's ``starts_after``)
+  an all-reduce of its fp32 delta and float buffers, or with ``quantize`` an all-gather of its codes and scales
+  (:func:`~lightning_pdist.diloco.quantize.code_bytes`).
+
+Top-k, DGC and QSGD send a Zstandard code whose length depends on the gradients, so no byte model gives it exactly:
+:data:`CODED_CASES` rows (``doc["coded_rows"]``) hold per step the exact part (header, length prefix, fp32 values or
+scales) and the payload uncoded (raw int32 indices, raw int8 levels); the logged bytes lie strictly between.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +79,18 @@ CASES: tuple[tuple[str, dict[str, Any], str, int], ...] = (
     ("pipedream", {"num_stages": 2, "schedule": "pipedream"}, "cnn", 3),
     ("pipedream_2bw", {"num_stages": 2, "schedule": "2bw"}, "cnn", 3),
     ("tensor_parallel", {"tensor_parallel_size": 2}, "mlp", 3),
+    ("terngrad", {}, "cnn", 3),
+    ("powersgd", {}, "cnn", 4),
+    ("diloco", {"sync_every": 20, "outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9}, "cnn", 21),
+    ("streaming_diloco", {"sync_every": 20, "num_fragments": 2, "overlap_steps": 2, "fragment_alpha": 0.0,
+                          "quantize": "int4", "outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9},
+     "cnn", 21),
+)
+#: The registered compressors whose payload is Zstandard-coded (data-dependent length): bounded, not exact.
+CODED_CASES: tuple[tuple[str, dict[str, Any], str, int], ...] = (
+    ("topk", {}, "cnn", 3),
+    ("dgc", {}, "cnn", 3),
+    ("qsgd", {}, "cnn", 3),
 )
 
 
@@ -170,6 +195,70 @@ def _tensor_parallel(module, policy: str) -> int:
     return sent + (0 if policy == "propagate" else _flag_bytes(WORLD))
 
 
+def _shapes(module) -> list:
+    return [tuple(p.shape) for p in module.parameters() if p.requires_grad]
+
+
+def _compressed(name: str, module, step: int) -> int:
+    """TernGrad and PowerSGD at the registered defaults (one DDP bucket), per step."""
+    from lightning_pdist.compression.exchange import gather_wire_bytes
+    from lightning_pdist.compression.powersgd import powersgd_bytes
+    from lightning_pdist.compression.strategy import REGISTERED
+    from lightning_pdist.core.accounting import all_reduce_bytes
+
+    compressor, shapes = REGISTERED[name][0], _shapes(module)
+    numel = sum(math.prod(s) for s in shapes)
+    if name == "terngrad":
+        return gather_wire_bytes(4 * len(shapes) + math.ceil(2 * numel / 8), WORLD)
+    flag = all_reduce_bytes(4, WORLD)
+    if step <= compressor.start_iter:  # torch's iter counts from 0: steps 1..start_iter all-reduce plainly
+        return flag + all_reduce_bytes(4 * numel, WORLD)
+    return flag + powersgd_bytes(shapes, compressor.rank, compressor.min_compression_rate, WORLD)
+
+
+def coded_bounds(name: str, module, step: int) -> tuple[int, int]:
+    """(exact part, payload uncoded) of a :data:`CODED_CASES` step: the logged bytes lie strictly between."""
+    from lightning_pdist.compression.exchange import gather_wire_bytes
+    from lightning_pdist.compression.sparse import dgc_density, keep_count
+    from lightning_pdist.compression.strategy import REGISTERED
+
+    compressor, shapes = REGISTERED[name][0], _shapes(module)
+    numels = [math.prod(s) for s in shapes]
+    if name == "qsgd":
+        scales = 4 * len(shapes) + 4  # a scale per tensor, the code's length prefix
+        return gather_wire_bytes(scales, WORLD), gather_wire_bytes(scales + sum(numels), WORLD)  # int8 levels
+    density = compressor.ratio
+    if name == "dgc":
+        density = dgc_density(compressor.ratio, step - 1, compressor.warmup_steps, compressor.warmup_stages)
+    k = sum(keep_count(density, d) for d in numels)
+    return gather_wire_bytes(4 + 4 * k, WORLD), gather_wire_bytes(4 + 8 * k, WORLD)  # prefix, fp32 values, int32 indices
+
+
+def _diloco(name: str, kwargs: dict, module, step: int, policy: str) -> int:
+    """The flag every step (each rank's own gradients), plus each fragment exchange the schedule starts after ``step``."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_pdist.core.accounting import all_gather_bytes, all_reduce_bytes
+    from lightning_pdist.diloco.fragments import fragment_modules, fragment_tensors
+    from lightning_pdist.diloco.quantize import code_bytes
+
+    strategy = StrategyRegistry[name]["strategy"](**kwargs)
+    schedule = strategy.schedule
+    groups = fragment_modules(module, schedule.num_fragments, None, name)
+    parts = fragment_tensors(module, groups)
+    sent = 0 if policy == "propagate" else _flag_bytes(WORLD)
+    for p in schedule.starts_after(step):
+        params, buffers = parts[p]
+        n = sum(t.numel() for t in params)
+        b = sum(t.numel() for t in buffers if t.is_floating_point())
+        if schedule.quantize is None:
+            sent += all_reduce_bytes(4 * (n + b), WORLD)
+        else:
+            sent += all_gather_bytes(sum(code_bytes(n, schedule.quantize)), WORLD)
+            sent += all_reduce_bytes(4 * b, WORLD) if b else 0
+    return sent
+
+
 def step_bytes(name: str, kwargs: dict, model: str, step: int, rank: int, policy: str) -> int:
     """Bytes rank ``rank`` sends in optimizer step ``step`` (1-based) of strategy ``name`` at ``kwargs``."""
     module = _module(model)
@@ -184,6 +273,10 @@ def step_bytes(name: str, kwargs: dict, model: str, step: int, rank: int, policy
         return _pipeline(name, module, step, policy)
     if name == "tensor_parallel":
         return _tensor_parallel(module, policy)
+    if name in ("terngrad", "powersgd"):
+        return _compressed(name, module, step)
+    if name in ("diloco", "streaming_diloco"):
+        return _diloco(name, kwargs, module, step, policy)
     raise ValueError(f"step_bytes(name={name!r}): no byte model for this strategy")
 
 
@@ -201,6 +294,13 @@ def compute(command: str = "python -m lightning_pdist.bench bytes --out docs/res
             row[policy] = [[step_bytes(name, kwargs, model, t, r, policy) for t in range(1, steps + 1)]
                            for r in range(WORLD)]  # fmt: skip
         doc["rows"].append(row)
+    doc["coded_rows"] = []
+    for name, kwargs, model, steps in CODED_CASES:
+        module = _module(model)
+        bounds = [coded_bounds(name, module, t) for t in range(1, steps + 1)]
+        doc["coded_rows"].append({"strategy": name, "settings": kwargs, "model": model,
+                                  "params": sum(p.numel() for p in module.parameters()), "steps": steps,
+                                  "exact_part": [b[0] for b in bounds], "uncoded": [b[1] for b in bounds]})  # fmt: skip
     doc["sign_examples"] = sign_examples()
     doc["pipeline_replicas"] = pipeline_replicas()
     doc["tensor_parallel_recipe"] = tensor_parallel_recipe()
@@ -287,7 +387,15 @@ def docs_section(doc: dict[str, Any], path: str) -> str:
                                   ("model (params)", "model", None),
                                   ('B/step, nonfinite="raise" (steps)', "raise", None),
                                   ('B/step, nonfinite="propagate" (steps)', "propagate", None)])  # fmt: skip
-    return f"Command: `{doc['command']}`  \nOutput: `{path}`\n\n{table}\n"
+    coded = [{"strategy": r["strategy"], "model": f"{r['model']} ({r['params']:,})",
+              "exact": _summary([r["exact_part"]]), "uncoded": _summary([r["uncoded"]])} for r in doc.get("coded_rows", [])]
+    coded_table = markdown_table(coded, [("strategy (registered defaults)", "strategy", None),
+                                         ("model (params)", "model", None),
+                                         ("exact part, B/step (steps)", "exact", None),
+                                         ("uncoded payload, B/step (steps)", "uncoded", None)])  # fmt: skip
+    return (f"Command: `{doc['command']}`  \nOutput: `{path}`\n\n{table}\n\nZstandard-coded payloads (both policies; "
+            f"the logged bytes lie strictly between the two figures, the code's length depending on the gradients):"
+            f"\n\n{coded_table}\n")
 
 
 @dataclass(frozen=True)

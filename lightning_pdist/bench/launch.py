@@ -156,6 +156,13 @@ class WorkerSpec:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise self.bad(key, f"{key} must be an int >= {low}{why}")
 
+    def sgd(self) -> None:
+        """``lr`` > 0 and ``momentum`` in [0, 1) (the SGD of the digits workers)."""
+        if not self.lr > 0:  # type: ignore[attr-defined]
+            raise self.bad("lr", "lr must be > 0")
+        if not 0 <= self.momentum < 1:  # type: ignore[attr-defined]
+            raise self.bad("momentum", "momentum must be in [0, 1)")
+
     def one_of(self, key: str, allowed: Sequence[Any]) -> None:
         if getattr(self, key) not in allowed:
             raise self.bad(key, f"{key} must be one of {tuple(allowed)}")

@@ -65,10 +65,7 @@ class Spec(WorkerSpec):
             raise self.bad("period", "simuparallel_sgd averages once; period must be None")
         self.ints("world_size", "steps", "batch_size", "width")
         self.ints("seed", low=0)
-        if not self.lr > 0:
-            raise self.bad("lr", "lr must be > 0")
-        if not 0 <= self.momentum < 1:
-            raise self.bad("momentum", "momentum must be in [0, 1)")
+        self.sgd()
 
 
 check_spec = Spec.check

@@ -2,7 +2,9 @@
 
 Each is :class:`~lightning_pdist.core.strategy.PdistStrategy` (DDP) with ``compression=`` set to the compressor's
 defaults (:data:`REGISTERED`); any other setting is a value away:
-``Trainer(strategy=PdistStrategy(compression=TopK(0.001)))``.
+``Trainer(strategy=PdistStrategy(compression=TopK(0.001)))``. The same names in Fabric's registry
+(:func:`register_fabric_strategies`) are :class:`~lightning_pdist.core.fabric.PdistFabricStrategy` with the same
+compressors: ``Fabric(strategy="topk")``.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from lightning_pdist.compression.powersgd import PowerSGD
 from lightning_pdist.compression.quantizers import QSGD, TernGrad
 from lightning_pdist.compression.sparsifiers import DGC, TopK
 from lightning_pdist.core.compression import Compressor
+from lightning_pdist.core.fabric import PdistFabricStrategy
 from lightning_pdist.core.strategy import PdistStrategy, register_variants
 
-__all__ = ["REGISTERED", "register_strategies"]
+__all__ = ["REGISTERED", "register_fabric_strategies", "register_strategies"]
 
 #: name -> (compressor at its defaults, description)
 REGISTERED: dict[str, tuple[Compressor, str]] = {
@@ -31,4 +34,12 @@ def register_strategies(registry: Any) -> None:
     """Register every name of :data:`REGISTERED` with its variants (PdistStrategy with ``compression=``)."""
     for name, (compressor, description) in REGISTERED.items():
         register_variants(registry, PdistStrategy, name, f"{description}: PdistStrategy(compression={compressor!r})",
+                          compression=compressor)  # fmt: skip
+
+
+def register_fabric_strategies(registry: Any) -> None:
+    """Register every name of :data:`REGISTERED` with Fabric's registry (PdistFabricStrategy with ``compression=``)."""
+    for name, (compressor, description) in REGISTERED.items():
+        register_variants(registry, PdistFabricStrategy, name,
+                          f"{description} (Lightning Fabric): PdistFabricStrategy(compression={compressor!r})",
                           compression=compressor)  # fmt: skip

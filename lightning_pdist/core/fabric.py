@@ -15,9 +15,16 @@ Fabric has no training loop, so a strategy learns about training only from the c
 
 Bytes sent through our comm layer are counted in :attr:`comm_meter` (``total_bytes``; ``end_step()`` returns the
 bytes since its last call): Fabric logs nothing by itself, so log them with ``fabric.log`` if you want them.
+
+``PdistFabricStrategy(compression=TopK(0.01))`` itself is Fabric's DDP with compressed gradients, the twin of the
+Trainer's ``PdistStrategy(compression=...)`` (the same compressor objects and hook, :mod:`lightning_pdist.core.compression`);
+without ``compression`` it is DDP with a counted all-reduce. Each rank's compressor state (error-feedback residuals)
+goes to its own file next to the checkpoint.
 """
 
 from __future__ import annotations
+
+import inspect
 
 from contextlib import nullcontext
 from typing import Any, Callable
@@ -30,6 +37,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_pdist.core.accounting import CommMeter
+from lightning_pdist.core.compression import CompressionState, Compressor, refuse_compression
+from lightning_pdist.core.hooks import AllReduceState, allreduce_hook
 from lightning_pdist.core import lifetime, rank_files
 from lightning_pdist.core.collectives import rank_world
 from lightning_pdist.core.strategy import check_keywords, register_variants
@@ -44,18 +53,36 @@ PDIST_KEY = "pdist"
 class PdistFabricStrategy(DDPStrategy):
     """Fabric's :class:`~lightning.fabric.strategies.DDPStrategy` running one of our algorithms on one module.
 
-    Subclasses give the comm hook (:meth:`comm_hook`) and fill in :meth:`setup_algorithm`,
+    Used as it is, it is DDP: gradients are all-reduced (counted) every step, or compressed with ``compression``.
+    Subclasses give their comm hook (:meth:`comm_hook`) and fill in :meth:`setup_algorithm`,
     :meth:`after_optimizer_step` and the checkpoint methods. Keyword arguments go to Fabric's ``DDPStrategy``
     (``start_method``, ``process_group_backend``, ``timeout``, ...) and from there to ``DistributedDataParallel``;
     an unknown one is refused at construction.
+
+    Args:
+        compression: a compressor from :mod:`lightning_pdist.compression` (``TopK(0.01)``, ``DGC()``, ...); here it
+            compresses each step's gradients (``docs/algorithms/compression.md``). Only the strategies whose
+            constructor names it take it.
+
+    Example::
+
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=PdistFabricStrategy(compression=TopK(0.01)))
     """
 
     #: The name registered with Fabric's ``STRATEGY_REGISTRY`` (with ``_fork``/``_spawn`` variants).
     strategy_name = ""
     #: What the rule does with one rank, for the one-rank warning.
     one_rank_behaviour = "the result is plain single-process training"
+    #: What ``compression=`` compresses here (``core.compression.USES``).
+    compression_use = "gradients"
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, compression: Compressor | None = None, **kwargs: Any) -> None:
+        owner = type(self).__name__
+        if compression is not None and "compression" not in inspect.signature(type(self).__init__).parameters:
+            raise TypeError(f"{owner}(compression={compression!r}): unknown argument; {owner} owns its communication "
+                            "and takes no compression")  # fmt: skip
+        self.compression = refuse_compression(owner, compression, self.compression_use)
+        self.compression_state: CompressionState | None = None
         check_keywords(type(self), kwargs, base=DDPStrategy, base_label="Fabric DDPStrategy's")
         kwargs.setdefault("checkpoint_io", SafeCheckpointIO())  # a failed save never destroys the previous file
         super().__init__(**kwargs)
@@ -75,8 +102,15 @@ class PdistFabricStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ algorithm hooks
     def comm_hook(self) -> tuple[object, Callable]:
-        """(state, hook) registered on the DDP module; ``self.ddp_module`` is set when this is called."""
-        raise NotImplementedError
+        """(state, hook) registered on the DDP module; ``self.ddp_module`` is set when this is called.
+
+        Here: the compressor's hook (its state created now, keyed by the parameter's index), else a counted all-reduce.
+        """
+        if self.compression is not None:
+            keys = {id(p): i for i, p in enumerate(self.ddp_module.parameters())}  # stable across bucket rebuilds
+            self.compression_state = self.compression.new_state()
+            return self.compression.ddp_hook(self.compression_state, self.comm_meter, keys, False)
+        return AllReduceState(meter=self.comm_meter), allreduce_hook
 
     def check_setup(self, module: Module) -> None:
         """Refuse a setting the algorithm cannot run with, before anything is wrapped."""
@@ -125,12 +159,14 @@ class PdistFabricStrategy(DDPStrategy):
     def rank_state(self, objects: dict[str, Any]) -> dict | None:
         """This rank's own state for its own file (``objects``: what the user saves), or None (nothing per rank).
 
-        Must be None on every rank or on none.
+        Must be None on every rank or on none. Here: the compressor's state (its residuals), if any.
         """
-        return None
+        return None if self.compression_state is None else {"compression": self.compression_state.state_dict()}
 
     def load_rank_state(self, state: dict | None, objects: dict[str, Any], reason: str) -> None:
         """Restore :meth:`rank_state`'s output into ``objects``; ``state`` is None (``reason`` says why) without one."""
+        if self.compression_state is not None and state is not None and "compression" in state:
+            self.compression_state.load_state_dict(state["compression"], device=self.root_device)
 
     def replica_objects_state(self, objects: dict[str, Any]) -> dict:
         """This replica's own modules and optimizers of ``objects`` (for strategies whose replicas differ)."""

@@ -4,7 +4,8 @@ bytes.json is computed from the byte models alone (:mod:`lightning_pdist.bench.b
 trains the recipes' digits model on 2 real forked ranks for the steps the file lists, at the recipe's settings, and
 every rank's logged ``pdist/comm_bytes`` of every step must be the file's figure. ``nonfinite="raise"`` (the default)
 for every strategy; ``"propagate"`` for those where the non-finite agreement changes the figure, in the same fits
-where it can be (one fit per strategy and policy).
+where it can be (one fit per strategy and policy). Top-k, DGC and QSGD send a Zstandard code whose length depends
+on the gradients: their logged bytes must lie strictly between the file's exact part and the uncoded payload.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from lightning_pdist.data import DigitsDataModule
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results" / "bytes.json"
 ROWS = {row["strategy"]: row for row in json.loads(RESULTS.read_text())["rows"]}
+CODED = {row["strategy"]: row for row in json.loads(RESULTS.read_text())["coded_rows"]}
 # PS servers on this host (as recipes/parameter_server.yaml): where they listen changes no byte.
 PS_HOST = {"server_host": "127.0.0.1", "allowed_networks": "127.0.0.0/8"}
 
@@ -42,7 +44,7 @@ class LoggedBytes(Callback):
 
 
 def _measure(name: str, policy: str, tmp_path: Path) -> list[list[int]]:
-    row = ROWS[name]
+    row = ROWS.get(name) or CODED[name]
     entry = StrategyRegistry[name]
     kwargs = {**entry["init_params"], **row["settings"], "start_method": "fork", "nonfinite": policy}
     if name.startswith("parameter_server"):
@@ -83,3 +85,12 @@ def test_logged_bytes_equal_the_byte_models_every_step(name, tmp_path):
         if policy != "raise" and row[policy] == row["raise"]:
             continue  # the agreement costs nothing here: one fit shows both figures
         assert _measure(name, policy, tmp_path) == row[policy], f"{name}, nonfinite={policy!r}"
+
+
+@pytest.mark.parametrize("name", [n for n, *_ in byte_models.CODED_CASES])
+def test_coded_payloads_lie_between_their_exact_part_and_the_uncoded_payload(name, tmp_path):
+    row = CODED[name]
+    for rank, logged in enumerate(_measure(name, "raise", tmp_path)):
+        assert len(logged) == row["steps"]
+        for step, (low, sent, high) in enumerate(zip(row["exact_part"], logged, row["uncoded"]), 1):
+            assert low < sent < high, f"{name}, rank {rank}, step {step}: {sent} B not in ({low}, {high})"
