@@ -4,7 +4,7 @@ Importing the package registers every strategy name with Lightning's ``StrategyR
 ``Trainer(strategy="bmuf")`` works after ``import lightning_pdist``; the Lightning Fabric strategies
 (:mod:`lightning_pdist.fabric`) register with Fabric's own registry, so ``Fabric(strategy="bmuf")`` works too.
 
-One folder per family (averaging, compression, sign, parameter_server, pipeline, tensor_parallel, diloco) over :mod:`lightning_pdist.core`;
+One folder per family (averaging, compression, sign, parameter_server, pipeline, tensor_parallel, diloco, shared_memory) over :mod:`lightning_pdist.core`;
 ``docs/architecture.md`` draws the house.
 """
 
@@ -16,12 +16,14 @@ from lightning_pdist.core.strategy import PdistStrategy
 from lightning_pdist.diloco import DiLoCoStrategy, StreamingDiLoCoStrategy
 from lightning_pdist.parameter_server import ParameterServerStrategy
 from lightning_pdist.pipeline import PipelineStrategy
+from lightning_pdist.shared_memory import HogwildStrategy
 from lightning_pdist.sign import SignSGDStrategy
 from lightning_pdist.tensor_parallel import TensorParallelStrategy
 
 __all__ = ["BMUFStrategy", "EASGDStrategy", "LocalSGDStrategy", "PdistStrategy", "SignSGDStrategy", "SimuParallelSGDStrategy"]
 __all__ += ["ParameterServerStrategy", "PipelineStrategy", "TensorParallelStrategy"]
 __all__ += ["DiLoCoStrategy", "StreamingDiLoCoStrategy"]
+__all__ += ["HogwildStrategy"]
 __version__ = "0.1.0"
 
 for _strategy in (PdistStrategy, LocalSGDStrategy, SimuParallelSGDStrategy, BMUFStrategy, EASGDStrategy, SignSGDStrategy):
@@ -32,5 +34,6 @@ TensorParallelStrategy.register_strategies(StrategyRegistry)
 _register_compression(StrategyRegistry)  # topk, dgc, qsgd, terngrad, powersgd: PdistStrategy(compression=...)
 DiLoCoStrategy.register_strategies(StrategyRegistry)
 StreamingDiLoCoStrategy.register_strategies(StrategyRegistry)
+HogwildStrategy.register_strategies(StrategyRegistry)  # hogwild, asysvrg (+ _fork, _spawn)
 
 from lightning_pdist import fabric  # noqa: E402, F401  (registers the Fabric strategy names with Fabric's registry)

@@ -28,6 +28,7 @@ MATH = {
     "pipeline": {"schedule", "partition"},
     "tensor_parallel": {"plan", "cost"},
     "diloco": {"outer", "fragments", "quantize"},
+    "shared_memory": {"config", "svrg"},
 }
 TRANSPORT = {
     "core": {"collectives", "hooks", "liveness", "forking", "compression"},
@@ -38,6 +39,7 @@ TRANSPORT = {
     "pipeline": {"p2p", "executor"},
     "tensor_parallel": {"meter"},
     "diloco": {"exchange", "rounds"},
+    "shared_memory": {"group", "memory"},
 }
 
 
@@ -106,7 +108,7 @@ def _package_files():
 
 
 def test_the_families_are_the_folders():
-    assert FAMILIES == ["averaging", "compression", "diloco", "parameter_server", "pipeline", "sign", "tensor_parallel"]
+    assert FAMILIES == ["averaging", "compression", "diloco", "parameter_server", "pipeline", "shared_memory", "sign", "tensor_parallel"]
     for folder in (*FAMILIES, "core"):
         stems = {p.stem for p in (PACKAGE / folder).glob("*.py")}
         listed = MATH.get(folder, set()) | TRANSPORT.get(folder, set())
