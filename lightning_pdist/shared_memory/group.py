@@ -78,6 +78,18 @@ class ControlGroup:
         self.pg.allgather([out], [tensor]).wait()
         return out
 
+    def all_gather_varying(self, tensor: Tensor) -> list[Tensor]:
+        """Tensors of equal ``ndim`` but possibly different shapes (pads, gathers, trims): torchmetrics' sync."""
+        if self.pg is None:
+            return [tensor]
+        shapes = self.all_gather(torch.tensor(tensor.shape, dtype=torch.int64))
+        if tensor.ndim == 0 or all(torch.equal(s, shapes[0]) for s in shapes):
+            return self.all_gather(tensor)
+        biggest = torch.stack(shapes).max(0).values
+        padded = torch.zeros(tuple(biggest.tolist()), dtype=tensor.dtype, device=tensor.device)
+        padded[tuple(slice(0, n) for n in tensor.shape)] = tensor
+        return [g[tuple(slice(0, int(n)) for n in s)] for g, s in zip(self.all_gather(padded), shapes)]
+
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         """``obj`` from ``src`` on every process (pickled: only ever between the job's own processes)."""
         if self.pg is None:

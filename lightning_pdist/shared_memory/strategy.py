@@ -149,6 +149,7 @@ class HogwildStrategy(PdistStrategy):
             self._share()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        self._route_metric_sync()
         self.announce(trainer)
         if not fitting:
             self._loaded_pdist_state = None
@@ -177,6 +178,21 @@ class HogwildStrategy(PdistStrategy):
             self.shared.unlink()
             if self._lock is not None:
                 self._lock.unlink()
+
+    def _route_metric_sync(self) -> None:
+        # torchmetrics syncs over torch's default group only if it exists, which it never does here: point every
+        # Metric at the private group, so epoch-level metrics cover every process's data.
+        if self.group is None or self.world_size == 1:
+            return
+        try:
+            from torchmetrics import Metric
+        except ImportError:
+            return
+        gather = lambda tensor, group=None: self.group.all_gather_varying(tensor)  # noqa: E731
+        for module in self.lightning_module.modules():
+            if isinstance(module, Metric):
+                module.dist_sync_fn = gather
+                module.distributed_available_fn = lambda: True
 
     def _broadcast_module_from_rank_zero(self) -> None:
         # validate/test/predict outside fit: every process evaluates rank 0's weights (its shard of the data).
@@ -258,7 +274,8 @@ class HogwildStrategy(PdistStrategy):
     @override
     def nonfinite_ranks(self, optimizer: Optimizer) -> list[int] | None:
         """Each process steps on its own gradient: it decides alone (no collective), naming itself."""
-        return None if grads_finite(optimizer_grads(optimizer)) else [self.global_rank]
+        grads = [g._values() if g.is_sparse else g for g in optimizer_grads(optimizer)]  # a sparse row's values
+        return None if grads_finite(grads) else [self.global_rank]
 
     # ------------------------------------------------------------------ evaluation, checkpoints, the end
     def _fitting_shared(self) -> bool:

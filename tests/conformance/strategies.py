@@ -41,6 +41,7 @@ STRATEGIES: dict[str, tuple[str, dict, bool, str]] = {
     "diloco": ("diloco", {"sync_every": 3}, True, "DiLoCo, H=3, Nesterov outer step"),
     "streaming_diloco": ("streaming_diloco", {"sync_every": 4, "num_fragments": 2, "overlap_steps": 1, "quantize": "int8"},
                          True, "Streaming DiLoCo, H=4, P=2, τ=1, int8"),
+    "hogwild": ("hogwild", {}, False, "Hogwild! (lock-free steps on shared memory)"),
 }
 
 
