@@ -4,7 +4,7 @@ Importing the package registers every strategy name with Lightning's ``StrategyR
 ``Trainer(strategy="bmuf")`` works after ``import lightning_pdist``; the Lightning Fabric strategies
 (:mod:`lightning_pdist.fabric`) register with Fabric's own registry, so ``Fabric(strategy="bmuf")`` works too.
 
-One folder per family (averaging, compression, sign, parameter_server, pipeline, tensor_parallel, diloco, decentralized) over :mod:`lightning_pdist.core`;
+One folder per family (averaging, compression, sign, parameter_server, pipeline, tensor_parallel, diloco, decentralized, shared_memory) over :mod:`lightning_pdist.core`;
 ``docs/architecture.md`` draws the house.
 """
 
@@ -31,11 +31,12 @@ __getattr__, __dir__ = lazy_names(__name__, {
     "DiLoCoStrategy": "diloco",
     "StreamingDiLoCoStrategy": "diloco",
     "DecentralizedStrategy": "decentralized",
+    "HogwildStrategy": "shared_memory",
 })
 
 __all__ = ["BMUFStrategy", "EASGDStrategy", "LocalSGDStrategy", "PdistStrategy", "SignSGDStrategy", "SimuParallelSGDStrategy"]
 __all__ += ["ParameterServerStrategy", "PipelineStrategy", "TensorParallelStrategy"]
-__all__ += ["DiLoCoStrategy", "StreamingDiLoCoStrategy", "DecentralizedStrategy"]
+__all__ += ["DiLoCoStrategy", "StreamingDiLoCoStrategy", "DecentralizedStrategy", "HogwildStrategy"]
 
 
 def _register() -> None:

@@ -29,6 +29,7 @@ MATH = {
     "tensor_parallel": {"plan", "cost"},
     "diloco": {"outer", "fragments", "quantize"},
     "decentralized": {"topology", "config"},
+    "shared_memory": {"config", "svrg"},
 }
 TRANSPORT = {
     "core": {"collectives", "hooks", "liveness", "forking", "compression"},
@@ -40,6 +41,7 @@ TRANSPORT = {
     "tensor_parallel": {"meter"},
     "diloco": {"exchange", "rounds", "fault_tolerance"},
     "decentralized": {"gossip"},
+    "shared_memory": {"group", "memory"},
 }
 
 
@@ -108,8 +110,8 @@ def _package_files():
 
 
 def test_the_families_are_the_folders():
-    assert FAMILIES == ["averaging", "compression", "decentralized", "diloco", "parameter_server", "pipeline", "sign",
-                        "tensor_parallel"]
+    assert FAMILIES == ["averaging", "compression", "decentralized", "diloco", "parameter_server", "pipeline",
+                        "shared_memory", "sign", "tensor_parallel"]
     for folder in (*FAMILIES, "core"):
         stems = {p.stem for p in (PACKAGE / folder).glob("*.py")}
         listed = MATH.get(folder, set()) | TRANSPORT.get(folder, set())

@@ -46,6 +46,7 @@ STRATEGIES: dict[str, tuple[str, dict, bool, str]] = {
                          True, "Streaming DiLoCo, H=4, P=2, τ=1, int8"),
     "dpsgd": ("dpsgd", {}, True, "D-PSGD, ring (on 2 ranks: the pair)"),
     "adpsgd": ("adpsgd", {}, False, "AD-PSGD, ring, asynchronous pairs"),
+    "hogwild": ("hogwild", {}, False, "Hogwild! (lock-free steps on shared memory)"),
 }
 
 

@@ -80,7 +80,8 @@ def test_recipe_trains_with_two_popen_ranks_and_logs_comm_bytes(recipe, trained)
     totals = [float(r["pdist/comm_bytes_total"]) for r in rows if r.get("pdist/comm_bytes_total")]
     assert totals == sorted(totals)
     # never sampled: the logged per-interval bytes add up to the run's total (the last point of the series)
-    assert sum(float(r["pdist/comm_bytes"]) for r in rows if r.get("pdist/comm_bytes")) == totals[-1] > 0
+    assert sum(float(r["pdist/comm_bytes"]) for r in rows if r.get("pdist/comm_bytes")) == totals[-1]
+    assert totals[-1] > 0 or recipe.stem == "hogwild"  # Hogwild! shares memory: no byte goes on a network
 
 
 @pytest.mark.standalone
