@@ -54,6 +54,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "docs/algorithms/compression.md": ("compression.json",),
     "docs/algorithms/diloco.md": (),
     "docs/algorithms/dpsgd.md": (),  # no benchmark yet
+    "docs/algorithms/hogwild.md": (),  # no benchmark yet
 }
 MARKERS = ("paper", "published", "default", "chosen", "by hand", "recipe run", "simulated")
 COMMENT = re.compile(r"<!--\s*(.*?)-->")
