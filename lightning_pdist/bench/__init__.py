@@ -24,6 +24,7 @@ SUITES: dict[str, str] = {
     "tensor_parallel": "lightning_pdist.bench.tensor_parallel",
     "bytes": "lightning_pdist.bench.bytes",
     "compression": "lightning_pdist.bench.compression",
+    "diloco": "lightning_pdist.bench.diloco",
 }
 
 __all__ = ["SUITES"]

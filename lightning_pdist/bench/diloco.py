@@ -1,0 +1,355 @@
+"""DiLoCo suite: our DiLoCo and Streaming DiLoCo against DDP and torchft's own DiLoCo, on loopback and slow links.
+
+``python -m lightning_pdist.bench diloco [--quick] --out DIR [--network loopback|emulated|both] [--rate 100mbit]``
+trains every run for the same steps on the same byte-level Transformer LM, text (the standard library's ``*.py``
+files), seed, per-rank batches and inner optimizer (AdamW), each rank a real process on gloo
+(:mod:`lightning_pdist.bench.diloco_worker`), and writes ``DIR/diloco.json``, ``DIR/diloco.png`` and
+``DIR/docs_section.md``. Runs: ``ddp`` (Lightning Fabric's DDP, the synchronous baseline), our ``diloco`` at each
+``--sync-every`` H, our ``streaming_diloco`` at each ``--fragments`` P (τ = ``--overlap`` steps, fp32 and
+``--quantize``), and ``torchft_diloco`` (``torchft.local_sgd.DiLoCo`` with torchft's Manager, lighthouse and
+``ProcessGroupGloo``) at each H, all with the outer step Nesterov SGD(lr 0.7, momentum 0.9).
+
+Per row: bytes per rank per step three ways — ``model`` (the byte model below, from the parameter count and the
+schedule), ``logged`` (our strategies' :class:`~lightning_pdist.core.accounting.CommMeter`) and ``kernel`` (the
+``tx_bytes`` of each rank's emulated veth over the training loop: payload plus TCP/IP headers, ACKs and, for
+torchft, its quorum/commit RPCs); peak bytes per rank in one step (one synchronization); step time (training
+loop, slowest rank, over the steps); final validation loss (nats/byte) and next-byte accuracy of the model every
+rank holds. Byte model, ``d`` parameters, ``n`` ranks, ring all-reduce ``AR(b) = 2(n−1)/n·b``, all-gather
+``AG(b) = (n−1)·b``: DDP ``AR(4d)`` per step; DiLoCo and torchft's DiLoCo ``AR(4d)`` per ``H`` steps; Streaming
+DiLoCo ``Σ_p AR(4 d_p)`` (fp32) or ``Σ_p AG(codes_p + 4·blocks_p)`` (int8: 1 byte, int4: ½ byte per value of
+``d_p`` padded to blocks of 64) per ``H`` steps, the peak being the largest fragment's.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from lightning_pdist.bench.cli import SuiteCli, SuiteRules
+from lightning_pdist.bench.launch import Launcher, emulated_network
+from lightning_pdist.bench.netns import LOOPBACK, parse_rate
+from lightning_pdist.bench.report import (check_rows, finish_suite, markdown_table, network_lines, new_document,
+                                          output_dir, run_documented_suite, run_lines, save_figure)  # fmt: skip
+
+SUITE = "diloco"
+NETWORKS = ("loopback", "emulated")
+RUNS = ("ddp", "diloco", "streaming_diloco", "torchft_diloco")
+ROW_KEYS = ("label", "strategy", "network", "world_size", "train_steps", "step_ms", "val_loss", "val_acc",
+            "model_bytes_per_step", "peak_model_bytes")  # fmt: skip
+QUICK = {"steps": 8, "sync_every": (4,), "fragments": (2,)}
+FULL = {"steps": 300, "sync_every": (10, 50, 100), "fragments": (2, 4)}
+BLOCK = 64
+
+
+@dataclass(frozen=True)
+class SuiteConfig(SuiteRules):
+    """Everything that decides what the suite runs; validated on construction (``ValueError`` names the option)."""
+
+    networks: tuple[str, ...] = NETWORKS
+    """loopback (127.0.0.1), emulated (netns + tbf links, needs root) or both"""
+    rate: str = "100mbit"
+    """emulated link rate each way, tc syntax"""
+    world_size: int = 2
+    """ranks (replicas) per run"""
+    runs: tuple[str, ...] = RUNS
+    """what to run, from ddp diloco streaming_diloco torchft_diloco"""
+    steps: int = 8
+    """inner (optimizer) steps per run; a multiple of every H"""
+    sync_every: tuple[int, ...] = (4,)
+    """DiLoCo's H, one or more (diloco and torchft_diloco run at each; streaming at the largest)"""
+    fragments: tuple[int, ...] = (2,)
+    """Streaming DiLoCo's P, one or more (each must divide the largest H)"""
+    overlap: int = 1
+    """Streaming DiLoCo's overlap τ in steps (< H/P)"""
+    quantize: str = "int4"
+    """Streaming DiLoCo's quantized variant (int4 or int8), run beside fp32 at the largest P"""
+    batch_size: int = 16
+    """windows per rank per step"""
+    context: int = 64
+    """bytes per window"""
+    width: int = 64
+    """Transformer width"""
+    layers: int = 2
+    """Transformer blocks"""
+    lr: float = 2e-3
+    """AdamW learning rate (inner optimizer of every run)"""
+    text_bytes: int = 1 << 20
+    """bytes of standard-library source read (the last 64 KiB held out)"""
+    seed: int = 0
+    """seed of weights and batches"""
+    timeout: float = 300.0
+    """seconds per run"""
+    quick: bool = True
+    SUITE: ClassVar[str] = SUITE
+    FLAGS: ClassVar[dict[str, str]] = {"networks": "--network"}
+
+    def __post_init__(self) -> None:
+        if not self.networks or any(n not in NETWORKS for n in self.networks):
+            raise self.bad("networks", self.networks, f"each network must be one of {NETWORKS}")
+        parse_rate(self.rate)
+        self.distinct("runs", RUNS)
+        self.distinct("sync_every")
+        self.distinct("fragments")
+        self.ints("world_size", low=2)
+        self.ints("steps", "batch_size", "context", "width", "layers")
+        self.ints("overlap", "seed", low=0)
+        self.ints("text_bytes", low=1 << 17)
+        self.positive("lr")
+        self.positive("timeout", unit=" seconds")
+        for h in self.sync_every:
+            if isinstance(h, bool) or not isinstance(h, int) or h < 1 or self.steps % h:
+                raise self.bad("sync_every", h, f"each H must be an int >= 1 dividing --steps={self.steps}")
+        H = max(self.sync_every)
+        for p in self.fragments:
+            if isinstance(p, bool) or not isinstance(p, int) or p < 1 or H % p:
+                raise self.bad("fragments", p, f"each P must be an int >= 1 dividing the largest H={H}")
+            if self.overlap >= H // p:
+                raise self.bad("overlap", self.overlap, f"must be < H/P = {H // p} for P={p}")
+        if self.quantize not in ("int4", "int8"):
+            raise self.bad("quantize", self.quantize, "must be int4 or int8")
+
+
+def plan_runs(config: SuiteConfig) -> list[dict[str, Any]]:
+    """The worker specs: DDP; DiLoCo and torchft's at each H; Streaming at the largest H, each P fp32, largest P
+    quantized too."""
+    common = {"world_size": config.world_size, "steps": config.steps, "batch_size": config.batch_size,
+              "context": config.context, "width": config.width, "layers": config.layers, "lr": config.lr,
+              "text_bytes": config.text_bytes, "seed": config.seed, "num_fragments": 1, "overlap_steps": 0,
+              "quantize": None, "sync_every": None}  # fmt: skip
+    specs = []
+    H = max(config.sync_every)
+    for run in config.runs:
+        if run == "ddp":
+            specs.append({"strategy": "ddp", **common})
+        elif run in ("diloco", "torchft_diloco"):
+            specs += [{**common, "strategy": run, "sync_every": h} for h in config.sync_every]
+        else:
+            for p in config.fragments:
+                specs.append({**common, "strategy": run, "sync_every": H, "num_fragments": p,
+                              "overlap_steps": config.overlap})  # fmt: skip
+            specs.append({**specs[-1], "quantize": config.quantize})
+    return specs
+
+
+def label(spec: dict[str, Any]) -> str:
+    """``diloco H=100``, ``streaming_diloco H=100 P=2 τ=1 int4``, ``ddp``."""
+    if spec["strategy"] == "ddp":
+        return "ddp"
+    text = f"{spec['strategy']} H={spec['sync_every']}"
+    if spec["strategy"] == "streaming_diloco":
+        text += f" P={spec['num_fragments']} τ={spec['overlap_steps']}"
+    return text + (f" {spec['quantize']}" if spec.get("quantize") else "")
+
+
+# -- the byte model -------------------------------------------------------------------------------
+
+
+def all_reduce(nbytes: int, n: int) -> float:
+    return 2 * (n - 1) / n * nbytes
+
+
+def sync_bytes(numel: int, quantize: str | None, n: int) -> float:
+    """Bytes one rank sends to average ``numel`` fp32 values: a ring all-reduce, or an all-gather of the codes."""
+    if quantize is None:
+        return all_reduce(4 * numel, n)
+    blocks = -(-numel // BLOCK)
+    codes = blocks * BLOCK if quantize == "int8" else blocks * BLOCK // 2
+    return (n - 1) * (codes + 4 * blocks)
+
+
+def byte_model(spec: dict[str, Any], params: int, fragments: Sequence[int] | None) -> tuple[float, float]:
+    """``(bytes per rank per step, peak bytes per rank in one step)`` of ``spec``'s run (module docstring)."""
+    n = spec["world_size"]
+    if spec["strategy"] == "ddp":
+        per = all_reduce(4 * params, n)
+        return per, per
+    parts = list(fragments or [params])
+    each = [sync_bytes(d, spec["quantize"], n) for d in parts]
+    return sum(each) / spec["sync_every"], max(each)
+
+
+# -- rows ------------------------------------------------------------------------------------------
+
+
+def build_row(spec: dict[str, Any], got: Any, network: str, rate: str | None) -> dict[str, Any]:
+    """One JSON row from a launch (``got``: :class:`~lightning_pdist.bench.launch.Launched`)."""
+    row: dict[str, Any] = {"label": label(spec), "strategy": spec["strategy"], "network": network, "rate": rate,
+                           "world_size": spec["world_size"], "train_steps": spec["steps"],
+                           "sync_every": spec["sync_every"], "num_fragments": spec["num_fragments"],
+                           "overlap_steps": spec["overlap_steps"], "quantize": spec["quantize"],
+                           "other_load_cores": got.other_load_cores, "process_wall_s": round(got.wall_s, 2)}  # fmt: skip
+    if got.error:
+        return {**row, "error": got.error, **{k: None for k in ROW_KEYS if k not in row}}
+    ranks, steps = got.results, spec["steps"]
+    first = ranks[0]
+    model, peak = byte_model(spec, first["model_params"], first["fragment_numels"])
+    logged = None if first["comm_bytes"] is None else sum(r["comm_bytes"] for r in ranks) / len(ranks) / steps
+    kernel = None
+    if all(r["loop_tx_bytes"] is not None for r in ranks):
+        kernel = sum(r["loop_tx_bytes"] for r in ranks) / len(ranks) / steps
+    loop = max(r["loop_s"] for r in ranks)
+    row.update({
+        "model_params": first["model_params"], "fragment_numels": first["fragment_numels"],
+        "step_ms": round(1000 * loop / steps, 2), "steps_per_s": round(steps / loop, 2), "loop_s": round(loop, 3),
+        "loop_cpu_s": round(sum(r["loop_cpu_s"] for r in ranks) / len(ranks), 3),
+        "val_loss": round(first["val_loss"], 4), "val_acc": round(first["val_acc"], 4),
+        "train_loss_last10": round(sum(r["train_loss_last"] for r in ranks) / len(ranks), 4),
+        "replicas_agree": len({r["param_digest"] for r in ranks}) == 1,
+        "model_bytes_per_step": round(model), "peak_model_bytes": round(peak),
+        "logged_bytes_per_step": None if logged is None else round(logged),
+        "peak_logged_bytes": None if first["step_bytes"] is None else max(max(r["step_bytes"]) for r in ranks),
+        "kernel_bytes_per_step": None if kernel is None else round(kernel),
+        "kernel_over_model": None if kernel is None or not model else round(kernel / model, 3),
+        "text_bytes": first["text_bytes"], "text_sha": first["text_sha"], "error": None,
+    })  # fmt: skip
+    return row
+
+
+def goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 21's benchmark goals, per network, checked on the rows (``met`` is ``None`` where a row is missing)."""
+    out = []
+    for network in dict.fromkeys(r["network"] for r in rows):
+        ok = [r for r in rows if r["network"] == network and not r["error"]]
+        ddp = next((r for r in ok if r["strategy"] == "ddp"), None)
+        ours = [r for r in ok if r["strategy"] == "diloco"]
+        top = max(ours, key=lambda r: r["sync_every"], default=None)
+        if ddp and top:
+            loss_ratio = top["val_loss"] / ddp["val_loss"]
+            fewer = ddp["model_bytes_per_step"] / top["model_bytes_per_step"]
+            out.append({"network": network, "goal": f"DiLoCo H={top['sync_every']} within 2% of DDP's val loss with "
+                        ">= 50x fewer bytes", "measured": f"loss {loss_ratio:.3f}x DDP's, {fewer:.0f}x fewer bytes",
+                        "met": loss_ratio <= 1.02 and fewer >= 50})  # fmt: skip
+        for s in (r for r in ok if r["strategy"] == "streaming_diloco" and not r["quantize"]):
+            ref = next((r for r in ours if r["sync_every"] == s["sync_every"]), None)
+            if ref:
+                cut = ref["peak_model_bytes"] / s["peak_model_bytes"]
+                loss_ratio = s["val_loss"] / ref["val_loss"]
+                out.append({"network": network, "goal": f"{s['label']}: peak bytes >= {s['num_fragments']}x below "
+                            "DiLoCo's at equal loss (within 2%)",
+                            "measured": f"peak {cut:.2f}x lower, loss {loss_ratio:.3f}x DiLoCo's",
+                            "met": cut >= s["num_fragments"] and loss_ratio <= 1.02})  # fmt: skip
+        for ft in (r for r in ok if r["strategy"] == "torchft_diloco"):
+            ref = next((r for r in ours if r["sync_every"] == ft["sync_every"]), None)
+            if ref:
+                out.append({"network": network, "goal": f"ours >= torchft's DiLoCo in steps/s at H={ft['sync_every']}",
+                            "measured": f"{ref['steps_per_s']} vs {ft['steps_per_s']} steps/s",
+                            "met": ref["steps_per_s"] >= ft["steps_per_s"]})  # fmt: skip
+    return out
+
+
+def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run every planned spec on every requested network; write ``out/diloco.{json,png}``; return the document."""
+    out = output_dir(SUITE, out)
+    doc = new_document(SUITE, command, asdict(config))
+    started = time.perf_counter()
+    scratch = Path(tempfile.mkdtemp(prefix="pdist-bench-diloco-"))
+    launcher = Launcher(SUITE, scratch, config.timeout)
+    specs = plan_runs(config)
+    try:
+        with ExitStack() as stack:
+            nets: dict[str, Any] = {}
+            if "loopback" in config.networks:
+                doc["networks"]["loopback"] = {"detail": "loopback: " + LOOPBACK.describe()}
+                nets["loopback"] = LOOPBACK
+            if "emulated" in config.networks:
+                net = stack.enter_context(emulated_network(SUITE, doc, "emulated", config.world_size, config.rate, log))
+                if net is not None:
+                    nets["emulated"] = net
+            for i, spec in enumerate(specs):
+                for name, net in nets.items():  # each spec on every network back to back
+                    got = launcher.run("lightning_pdist.bench.diloco_worker", spec, config.world_size, net, errors=400)
+                    row = build_row(spec, got, name, config.rate if name == "emulated" else None)
+                    doc["rows"].append(row)
+                    log(f"[{i + 1}/{len(specs)}] {name} {row['label']}: " + (row["error"] or
+                        f"{row['step_ms']} ms/step, val_loss {row['val_loss']}, {row['model_bytes_per_step']} B/step "
+                        f"model, logged {row['logged_bytes_per_step']}, kernel {row['kernel_bytes_per_step']}"))  # fmt: skip
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    doc["rows"].sort(key=lambda r: NETWORKS.index(r["network"]))
+    check_rows(doc["rows"], ROW_KEYS, SUITE)
+    doc["goals"] = goals(doc["rows"])
+    return finish_suite(doc, out, SUITE, started, plot)
+
+
+# -- output ----------------------------------------------------------------------------------------
+
+_kb = lambda b: "—" if b is None else f"{b / 1e3:.1f}"  # noqa: E731
+TABLE_COLUMNS = (
+    ("network", "network", None),
+    ("run", "label", None),
+    ("ms/step", "step_ms", ".1f"),
+    ("steps/s", "steps_per_s", ".2f"),
+    ("val loss", "val_loss", ".4f"),
+    ("val acc", "val_acc", ".4f"),
+    ("model kB/step", "model_bytes_per_step", _kb),
+    ("logged kB/step", "logged_bytes_per_step", _kb),
+    ("kernel kB/step", "kernel_bytes_per_step", _kb),
+    ("kernel/model", "kernel_over_model", ".3f"),
+    ("peak model kB", "peak_model_bytes", _kb),
+    ("peak logged kB", "peak_logged_bytes", _kb),
+    ("other load", "other_load_cores", ".2f"),
+)
+GOAL_COLUMNS = (("network", "network", None), ("goal", "goal", None), ("measured", "measured", None),
+                ("met", "met", lambda m: "—" if m is None else ("yes" if m else "no")))  # fmt: skip
+
+
+def docs_section(doc: dict[str, Any], json_path: str) -> str:
+    """The suite's figures as markdown for docs/benchmarks.md (everything read from ``doc``)."""
+    rows = [r for r in doc["rows"] if not r.get("error")]
+    first = rows[0] if rows else {}
+    cfg = doc["config"]
+    lines = [*run_lines(doc, json_path), "",
+             f"Model: byte-level Transformer LM, {cfg['layers']} blocks of width {cfg['width']}, "
+             f"{first.get('model_params', 0):,} parameters; text: the first {cfg['text_bytes']:,} bytes of the Python "
+             f"standard library's `*.py` files (sha256 {first.get('text_sha')}, last 65,536 held out); "
+             f"{cfg['world_size']} ranks × {cfg['batch_size']} windows of {cfg['context']} bytes per step, "
+             f"{cfg['steps']} AdamW steps (lr {cfg['lr']}), seed {cfg['seed']}; outer step Nesterov SGD(0.7, 0.9).",
+             "", "Networks:", "", *network_lines(doc, named=False), "", markdown_table(doc["rows"], TABLE_COLUMNS)]
+    if errors := [r for r in doc["rows"] if r.get("error")]:
+        lines += ["", "Runs that failed:", "", *(f"- {r['network']} {r['label']}: {r['error']}" for r in errors)]
+    if doc.get("goals"):
+        lines += ["", "Issue 21's goals on these rows:", "", markdown_table(doc["goals"], GOAL_COLUMNS)]
+    return "\n".join(lines)
+
+
+def plot(doc: dict[str, Any], path: Path) -> Path | None:
+    """Validation loss against bytes per rank per step (left), time per step (right)."""
+    rows = [r for r in doc["rows"] if not r.get("error")]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    for r in rows:
+        marker = "o" if r["network"] == "loopback" else "s"
+        left.scatter(r["model_bytes_per_step"], r["val_loss"], marker=marker)
+        left.annotate(r["label"], (r["model_bytes_per_step"], r["val_loss"]), fontsize=6, xytext=(4, 2),
+                      textcoords="offset points")  # fmt: skip
+    left.set_xscale("log")
+    left.set_xlabel("bytes per rank per step (byte model, log)")
+    left.set_ylabel("final validation loss (nats/byte)")
+    names = [f"{r['network'][:4]} {r['label']}" for r in rows]
+    right.barh(range(len(rows)), [r["step_ms"] for r in rows])
+    right.set_yticks(range(len(rows)), names, fontsize=7)
+    right.invert_yaxis()
+    right.set_xlabel("ms per step (training loop, slowest rank)")
+    fig.suptitle(f"diloco suite, {doc['created']}", fontsize=9)
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=100)
+
+
+CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="diloco.json, diloco.png and docs_section.md",
+               either={"networks": NETWORKS})  # fmt: skip
+
+
+def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
+    return run_documented_suite(SUITE, config, out, argv, run_suite, docs_section)
