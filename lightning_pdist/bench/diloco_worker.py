@@ -219,7 +219,7 @@ def train_ours(spec: dict[str, Any], data: Data, clock: dict[str, Any]) -> tuple
         fabric.backward(loss)
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if meter is not None:
             step_bytes.append(meter.end_step())
     clock.stop()
@@ -236,6 +236,7 @@ def train_torchft(spec: dict[str, Any], data: Data, clock: Any) -> tuple[Any, di
     """torchft's own DiLoCo: one replica group per rank, lighthouse in rank 0 (see the module docstring)."""
     import torch
     from torch.distributed import TCPStore
+    from torchft.checkpointing.http_transport import HTTPTransport
     from torchft.local_sgd import DiLoCo
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
@@ -248,6 +249,14 @@ def train_torchft(spec: dict[str, Any], data: Data, clock: Any) -> tuple[Any, di
 
         lighthouse = LighthouseServer(bind=f"[::]:{port}", min_replicas=spec["world_size"], join_timeout_ms=10000)
     timeout = timedelta(seconds=120)
+
+    class Transport(HTTPTransport):
+        """torchft's checkpoint server, advertised at this host's address: it names ``socket.gethostname()``,
+        which is the same name in every emulated host's namespace and reaches none of the others."""
+
+        def address(self) -> str:
+            return super().address().replace(f"//{socket.gethostname()}:", f"//{host}:", 1)
+
     store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
     model = make_model(spec)
     inner = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
@@ -257,7 +266,7 @@ def train_torchft(spec: dict[str, Any], data: Data, clock: Any) -> tuple[Any, di
         state_dict=lambda: {"model": model.state_dict()}, min_replica_size=spec["world_size"], use_async_quorum=False,
         timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, rank=0, world_size=1, store_addr=host,
         store_port=store.port, lighthouse_addr=f"http://{os.environ['MASTER_ADDR']}:{port}",
-        replica_id=f"bench{rank}", hostname=host,
+        replica_id=f"bench{rank}", hostname=host, checkpoint_transport=Transport(timeout=timeout, num_chunks=0),
     )  # fmt: skip
     losses = []
     try:
@@ -270,7 +279,7 @@ def train_torchft(spec: dict[str, Any], data: Data, clock: Any) -> tuple[Any, di
                 inner.zero_grad()
                 loss.backward()
                 inner.step()  # DiLoCo's post-hook runs the quorum and the sync on schedule
-                losses.append(float(loss))
+                losses.append(float(loss.detach()))
             clock.stop()
     finally:
         manager.shutdown(wait=False)

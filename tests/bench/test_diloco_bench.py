@@ -1,0 +1,59 @@
+"""The diloco suite: config rules, the byte model, and one tiny real run (ours and torchft's DiLoCo, loopback)."""
+
+import json
+
+import pytest
+
+from lightning_pdist.bench.__main__ import main as bench_main
+from lightning_pdist.bench.diloco import TABLE_COLUMNS, SuiteConfig, byte_model, docs_section, plan_runs, run_suite
+from lightning_pdist.bench.report import markdown_table
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"sync_every": (3,)}, r"diloco\(--sync-every=3\): each H must be an int >= 1 dividing --steps=8"),
+        ({"fragments": (3,)}, r"diloco\(--fragments=3\): each P must be an int >= 1 dividing the largest H=4"),
+        ({"overlap": 2}, r"diloco\(--overlap=2\): must be < H/P = 2 for P=2"),
+        ({"runs": ("ddp", "ddp")}, r"diloco\(--runs=\('ddp', 'ddp'\)\): give at least one value, none repeated"),
+        ({"quantize": "int2"}, r"diloco\(--quantize='int2'\): must be int4 or int8"),
+        ({"world_size": 1}, r"diloco\(--world-size=1\): must be an int >= 2"),
+    ],
+)
+def test_config_rejects_bad_values_naming_option_value_and_rule(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SuiteConfig(**kwargs)
+
+
+def test_cli_answers_a_bad_value_with_exit_status_2(tmp_path, capsys):
+    assert bench_main(["diloco", "--out", str(tmp_path), "--overlap", "5"]) == 2
+    assert "diloco(--overlap=5)" in capsys.readouterr().err
+
+
+def test_byte_model_by_hand():
+    """d = 1000 on 2 ranks: AR(4000 B) = 4000 B; int4 codes of 1024 padded values = 512 B + 16 scales × 4 B."""
+    common = {"world_size": 2, "sync_every": 10, "quantize": None}
+    assert byte_model({**common, "strategy": "ddp"}, 1000, None) == (4000, 4000)
+    assert byte_model({**common, "strategy": "diloco"}, 1000, [1000]) == (400, 4000)
+    assert byte_model({**common, "strategy": "streaming_diloco"}, 1000, [600, 400]) == (400, 2400)
+    assert byte_model({**common, "strategy": "streaming_diloco", "quantize": "int4"}, 1000, [1000]) == (57.6, 576)
+    labels = [s["strategy"] for s in plan_runs(SuiteConfig())]
+    assert labels == ["ddp", "diloco", "streaming_diloco", "streaming_diloco", "torchft_diloco"]
+
+
+def test_a_tiny_real_run_of_ours_and_torchfts_diloco(tmp_path):
+    """Two loopback launches: our bytes as logged equal the byte model, every replica ends on the same model, the
+    torchft goal row is computed, and the docs section renders the rows."""
+    config = SuiteConfig(networks=("loopback",), runs=("diloco", "torchft_diloco"), steps=4, sync_every=(2,),
+                         width=32, layers=1, text_bytes=1 << 17, batch_size=4, context=32)  # fmt: skip
+    doc = run_suite(config, tmp_path, "test", log=lambda s: None)
+    ours, theirs = doc["rows"]
+    assert not ours["error"] and not theirs["error"], (ours["error"], theirs["error"])
+    assert ours["logged_bytes_per_step"] == ours["model_bytes_per_step"] == round(2 * 4 * ours["model_params"] / 2 / 2)
+    assert ours["peak_logged_bytes"] == ours["peak_model_bytes"]
+    assert ours["replicas_agree"] and theirs["replicas_agree"]
+    assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=0.05)  # same rule, same data, same start
+    assert [g["goal"] for g in doc["goals"]] == ["ours >= torchft's DiLoCo in steps/s at H=2"]
+    assert json.loads((tmp_path / "diloco.json").read_text())["rows"] == doc["rows"]
+    section = docs_section(doc, "x.json")
+    assert markdown_table(doc["rows"], TABLE_COLUMNS) in section
