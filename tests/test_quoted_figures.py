@@ -52,7 +52,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "docs/algorithms/pipeline.md": ("pipeline.json", "pipeline_run1.json", "pipeline_run2.json"),
     "docs/algorithms/tensor_parallel.md": ("tensor_parallel.json",),
     "docs/algorithms/compression.md": ("compression.json",),
-    "docs/algorithms/diloco.md": (),
+    "docs/algorithms/diloco.md": ("diloco.json",),
     "docs/algorithms/dpsgd.md": (),  # no benchmark yet
     "docs/algorithms/hogwild.md": (),  # no benchmark yet
 }

@@ -26,7 +26,7 @@ def test_config_rejects_bad_values_naming_option_value_and_rule(kwargs, match):
 
 
 def test_cli_answers_a_bad_value_with_exit_status_2(tmp_path, capsys):
-    assert bench_main(["diloco", "--out", str(tmp_path), "--overlap", "5"]) == 2
+    assert bench_main(["diloco", "--quick", "--out", str(tmp_path), "--overlap", "5"]) == 2
     assert "diloco(--overlap=5)" in capsys.readouterr().err
 
 
