@@ -44,7 +44,7 @@ def test_byte_model_by_hand():
 def test_a_tiny_real_run_of_ours_and_torchfts_diloco(tmp_path):
     """Two loopback launches: our bytes as logged equal the byte model, every replica ends on the same model, the
     torchft goal row is computed, and the docs section renders the rows."""
-    config = SuiteConfig(networks=("loopback",), runs=("diloco", "torchft_diloco"), steps=4, sync_every=(2,),
+    config = SuiteConfig(networks=("loopback",), runs=("diloco", "torchft_diloco"), steps=4, sync_every=(2,), overlap=0,
                          width=32, layers=1, text_bytes=1 << 17, batch_size=4, context=32)  # fmt: skip
     doc = run_suite(config, tmp_path, "test", log=lambda s: None)
     ours, theirs = doc["rows"]
