@@ -7,7 +7,8 @@ files), seed, per-rank batches and inner optimizer (AdamW), each rank a real pro
 ``DIR/docs_section.md``. Runs: ``ddp`` (Lightning Fabric's DDP, the synchronous baseline), our ``diloco`` at each
 ``--sync-every`` H, our ``streaming_diloco`` at each ``--fragments`` P (τ = ``--overlap`` steps, fp32 and
 ``--quantize``), and ``torchft_diloco`` (``torchft.local_sgd.DiLoCo`` with torchft's Manager, lighthouse and
-``ProcessGroupGloo``) at each H, all with the outer step Nesterov SGD(lr 0.7, momentum 0.9).
+``ProcessGroupGloo``; needs ``pip install 'lightning_pdist[ft]'``, else its row records the import error) at each
+H, all with the outer step Nesterov SGD(lr 0.7, momentum 0.9).
 
 Per row: bytes per rank per step three ways — ``model`` (the byte model below, from the parameter count and the
 schedule), ``logged`` (our strategies' :class:`~lightning_pdist.core.accounting.CommMeter`) and ``kernel`` (the
