@@ -32,16 +32,16 @@ MATH = {
     "shared_memory": {"config", "svrg"},
 }
 TRANSPORT = {
-    "core": {"collectives", "hooks", "liveness", "forking", "compression"},
+    "core": {"collectives", "hooks", "liveness", "forking", "compression", "control_group"},
     "compression": {"codec", "exchange", "base", "sparsifiers", "quantizers", "powersgd"},
     "averaging": {"replicas"},
     "sign": {"bits", "stats", "participation", "overflow", "hooks", "config"},
-    "parameter_server": {"wire", "auth", "shard", "layout", "loop", "server", "process", "client", "workers"},
+    "parameter_server": {"wire", "auth", "shard", "layout", "loop", "server", "process", "client"},
     "pipeline": {"p2p", "executor"},
     "tensor_parallel": {"meter"},
     "diloco": {"exchange", "rounds", "fault_tolerance"},
     "decentralized": {"gossip"},
-    "shared_memory": {"group", "memory"},
+    "shared_memory": {"memory"},
 }
 
 

@@ -17,7 +17,7 @@ from lightning_pdist.core.multinode import interfaces
 from lightning_pdist.parameter_server.auth import new_secret
 from lightning_pdist.parameter_server.config import ParameterServerConfig
 from lightning_pdist.parameter_server.process import ServerProcess, start_server
-from lightning_pdist.parameter_server.workers import WorkerGroup
+from lightning_pdist.core.control_group import ControlGroup
 
 __all__ = [
     "check_placement",
@@ -130,7 +130,7 @@ def stop_servers(servers: list[ServerProcess]) -> None:
 def start_servers(
     owner: str,
     config: ParameterServerConfig,
-    workers: WorkerGroup,
+    workers: ControlGroup,
     main_address: str,
     nodes: list[int],
     node_rank: int,

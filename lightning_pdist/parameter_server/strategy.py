@@ -17,7 +17,7 @@ hyperparameters (learning-rate schedulers keep working: every push carries the c
 Why not ``torch.distributed``'s default group (``lightning-integration.md`` §0.3, §3): Lightning
 broadcasts on it before every batch, which would keep asynchronous workers in lockstep. The default
 group is never initialized; the workers' Lightning collectives go through a private gloo group
-(:class:`~lightning_pdist.parameter_server.workers.WorkerGroup`) and the servers speak framed TCP
+(:class:`~lightning_pdist.core.control_group.ControlGroup`) and the servers speak framed TCP
 (:mod:`lightning_pdist.parameter_server.wire`), which ``tc`` shapes and whose failures name the peer.
 
 Several nodes: with torchrun/SLURM every node runs the same script; server ``i`` runs on node ``i mod N``
@@ -60,7 +60,8 @@ from lightning_pdist.parameter_server.placement import check_placement, placed_n
 from lightning_pdist.parameter_server.process import ServerProcess
 from lightning_pdist.parameter_server.server import ELEMENTWISE_OPTIMIZERS, STALENESS_BUCKETS
 from lightning_pdist.parameter_server.wire import Kind, dumps_state, loads_state
-from lightning_pdist.parameter_server.workers import WorkerGroup
+from lightning_pdist.core.control_group import ControlGroup
+from lightning_pdist.core.control_collectives import ControlGroupCollectives
 from lightning_pdist.parameter_server.precision import ParameterServerMixedPrecision
 from lightning_pdist.core.strategy import PdistStrategy
 from lightning_pdist.core.config import refuse_owned_ddp_args
@@ -70,7 +71,7 @@ from lightning_pdist.core.run_logging import log_histogram
 
 __all__ = ["ParameterServerConfig", "ParameterServerStrategy"]
 
-class ParameterServerStrategy(ElasticWorkerMixin, PdistStrategy):
+class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, PdistStrategy):
     """Data-parallel training through dedicated parameter-server processes.
 
     Servers hold the parameters, sharded by :func:`~lightning_pdist.parameter_server.sharding.plan_sharding`, and
@@ -174,7 +175,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, PdistStrategy):
         self.server_addresses: list[str] = []
         self._secret: bytes | None = None  # the servers' shared secret for this fit (never logged or checkpointed)
         self.plan: ShardingPlan | None = None
-        self.workers: WorkerGroup | None = None
+        self.workers: ControlGroup | None = None
         self.client: ParameterServerClient | None = None
         self.step = 0  # optimizer steps this worker took (all optimizers)
         self.optimizer_steps: list[int] = []  # per optimizer (async push/pull periods count these)
@@ -214,7 +215,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, PdistStrategy):
         if fitting and self.lightning_module is not None:
             self._plan(self.config.servers_for(self.world_size))  # every rank refuses a bad plan before any server starts
         timeout = self._timeout if isinstance(self._timeout, timedelta) else timedelta(minutes=30)
-        self.workers = WorkerGroup(host, port, self.global_rank, self.world_size, timeout=timeout)
+        self.workers = ControlGroup(host, port, self.global_rank, self.world_size, timeout=timeout)
         if self.config.server_addresses is not None:
             self.server_addresses = list(self.config.server_addresses)
             if self.config.server_secret_file is not None:
@@ -252,32 +253,10 @@ class ParameterServerStrategy(ElasticWorkerMixin, PdistStrategy):
             self.local_rank,
         )
 
-    # ------------------------------------------------------------------ Lightning collectives (private group)
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if self.workers is not None:
-            self.workers.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self.workers.broadcast_object(obj, src) if self.workers is not None else obj
-
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        if not isinstance(tensor, Tensor) or self.workers is None or self.world_size == 1:
-            return tensor
-        op = str(getattr(reduce_op, "name", reduce_op) if reduce_op is not None else "sum").lower()
-        mean = op in ("mean", "avg")
-        if mean and not tensor.is_floating_point():
-            tensor = tensor.float()
-        out = self.workers.all_reduce_(tensor.detach().clone(), "sum" if mean else op)
-        return out / self.world_size if mean else out
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        if self.workers is None or self.world_size == 1:
-            return tensor
-        return torch.stack(self.workers.all_gather(tensor.detach()))
+    @property
+    def control_group(self) -> ControlGroup | None:
+        """The workers' own group: Lightning's barrier/broadcast/reduce/all_gather go through it."""
+        return self.workers
 
     # ------------------------------------------------------------------ setup
     @override

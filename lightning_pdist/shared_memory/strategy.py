@@ -13,7 +13,7 @@ in ``setup`` rank 0 writes the module's parameters and float buffers into ``/dev
 (:mod:`~lightning_pdist.shared_memory.memory`). Each process keeps its own optimizer (and state: momentum, Adam's
 moments), its own shard of the data (``DistributedSampler``) and its own Trainer loop. Lightning's bookkeeping
 (barriers at validation, checkpoints and the end; ``sync_dist``) goes through a private gloo group
-(:mod:`~lightning_pdist.shared_memory.group`); torch's default group is never created, so Lightning's per-batch
+(:mod:`~lightning_pdist.core.control_group`); torch's default group is never created, so Lightning's per-batch
 broadcast does not run and no step waits for another process. At the end of ``fit`` every process waits for the
 others' last step and keeps a private copy of the final shared weights (rank 0's Trainer, and a fork/spawn launcher's
 parent, see them). Method card: ``docs/algorithms/hogwild.md``.
@@ -38,7 +38,8 @@ from lightning_pdist.core.nonfinite import grads_finite
 from lightning_pdist.core.guard import optimizer_grads
 from lightning_pdist.core.strategy import PdistStrategy, register_variants
 from lightning_pdist.shared_memory.config import HogwildConfig
-from lightning_pdist.shared_memory.group import ControlGroup
+from lightning_pdist.core.control_collectives import ControlGroupCollectives
+from lightning_pdist.core.control_group import ControlGroup
 from lightning_pdist.shared_memory.memory import ProcessLock, SharedTensors
 from lightning_pdist.shared_memory.snapshot import Snapshot
 from lightning_pdist.shared_memory.svrg import snapshot_due, variance_reduced
@@ -46,7 +47,7 @@ from lightning_pdist.shared_memory.svrg import snapshot_due, variance_reduced
 __all__ = ["HogwildStrategy"]
 
 
-class HogwildStrategy(PdistStrategy):
+class HogwildStrategy(ControlGroupCollectives, PdistStrategy):
     """Hogwild!/HogBatch: lock-free optimizer steps of N processes on parameters in shared memory (one machine, CPU).
 
     Args:
@@ -78,7 +79,7 @@ class HogwildStrategy(PdistStrategy):
         super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
                          model_averaging_period=None, **kwargs)  # fmt: skip
         self.lock, self.variance_reduction, self.snapshot_every_epochs = lock, variance_reduction, snapshot_every_epochs
-        self.group: ControlGroup | None = None
+        self.control_group: ControlGroup | None = None
         self.shared: SharedTensors | None = None
         self.steps = 0  # optimizer steps this process applied to the shared weights
         self._lock: ProcessLock | None = None
@@ -100,38 +101,12 @@ class HogwildStrategy(PdistStrategy):
         self.set_world_ranks()
         env = self.cluster_environment
         timeout = self._timeout if isinstance(self._timeout, timedelta) else timedelta(minutes=30)
-        self.group = ControlGroup(env.main_address, env.main_port, self.global_rank, self.world_size, timeout=timeout)
+        self.control_group = ControlGroup(env.main_address, env.main_port, self.global_rank, self.world_size, timeout=timeout,
+                                          name="hogwild", noun="process")  # fmt: skip
 
     @property
     def rank_world(self) -> tuple[int, int]:
         return self.global_rank, self.world_size
-
-    # ------------------------------------------------------------------ Lightning collectives (private group)
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if self.group is not None:
-            self.group.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self.group.broadcast_object(obj, src) if self.group is not None else obj
-
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        if not isinstance(tensor, Tensor) or self.group is None or self.world_size == 1:
-            return tensor
-        op = str(getattr(reduce_op, "name", reduce_op) if reduce_op is not None else "sum").lower()
-        mean = op in ("mean", "avg")
-        if mean and not tensor.is_floating_point():
-            tensor = tensor.float()
-        out = self.group.all_reduce_(tensor.detach().clone(), "sum" if mean else op)
-        return out / self.world_size if mean else out
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        if self.group is None or self.world_size == 1:
-            return tensor
-        return torch.stack(self.group.all_gather(tensor.detach()))
 
     # ------------------------------------------------------------------ setup
     @override
@@ -182,13 +157,13 @@ class HogwildStrategy(PdistStrategy):
     def _route_metric_sync(self) -> None:
         # torchmetrics syncs over torch's default group only if it exists, which it never does here: point every
         # Metric at the private group, so epoch-level metrics cover every process's data.
-        if self.group is None or self.world_size == 1:
+        if self.control_group is None or self.world_size == 1:
             return
         try:
             from torchmetrics import Metric
         except ImportError:
             return
-        gather = lambda tensor, group=None: self.group.all_gather_varying(tensor)  # noqa: E731
+        gather = lambda tensor, group=None: self.control_group.all_gather_varying(tensor)  # noqa: E731
         for module in self.lightning_module.modules():
             if isinstance(module, Metric):
                 module.dist_sync_fn = gather
@@ -196,7 +171,7 @@ class HogwildStrategy(PdistStrategy):
 
     def _broadcast_module_from_rank_zero(self) -> None:
         # validate/test/predict outside fit: every process evaluates rank 0's weights (its shard of the data).
-        if self.group is None or self.world_size == 1:
+        if self.control_group is None or self.world_size == 1:
             return
         state = self.broadcast({k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()})
         self.lightning_module.load_state_dict(state)
@@ -226,7 +201,7 @@ class HogwildStrategy(PdistStrategy):
             self.barrier()  # nobody steps while w̃ is read and μ computed
             loader = trainer.fit_loop._combined_loader.flattened[0]
             self._snapshot.take(trainer, epoch, iter(loader), trainer.num_training_batches, self.batch_to_device,
-                                lambda t: self.group.all_reduce_(t) if self.group is not None else t)  # fmt: skip
+                                lambda t: self.control_group.all_reduce_(t) if self.control_group is not None else t)  # fmt: skip
             self.barrier()
 
     @override
@@ -337,9 +312,9 @@ class HogwildStrategy(PdistStrategy):
 
     def _agree_on_rank_state(self, own: dict | None, reason: str) -> tuple[dict | None, str]:
         """This process's state, or None in every process when any lacks its file (one all-reduce)."""
-        if self.group is None or self.world_size == 1:
+        if self.control_group is None or self.world_size == 1:
             return own, reason
-        missing = self.group.all_reduce_(torch.tensor([0 if own is not None else 1 + self.global_rank]), "max")
+        missing = self.control_group.all_reduce_(torch.tensor([0 if own is not None else 1 + self.global_rank]), "max")
         if own is not None and missing.item():
             return None, f"rank {missing.item() - 1} has no part of this checkpoint"
         return own, reason
@@ -352,7 +327,7 @@ class HogwildStrategy(PdistStrategy):
         lock, self._lock = self._lock, None
         if lock is not None:
             lock.close()
-        group, self.group = self.group, None
+        group, self.control_group = self.control_group, None
         if group is not None:
             module = self.lightning_module
             failed = module is not None and module._trainer is not None and module.trainer.state.status == TrainerStatus.INTERRUPTED

@@ -1,4 +1,4 @@
-"""Tier 2: the workers' private gloo group (WorkerGroup) on 3 real ranks over loopback."""
+"""Tier 2: a strategy's private gloo group (ControlGroup: PS workers, Hogwild! processes) on 3 real ranks over loopback."""
 
 import json
 from datetime import timedelta
@@ -6,11 +6,11 @@ from datetime import timedelta
 import torch.multiprocessing as mp
 from _helpers import free_port
 
-from lightning_pdist.parameter_server.workers import WorkerGroup
+from lightning_pdist.core.control_group import ControlGroup
 
 
 def _gather(rank: int, world_size: int, port: int, out: str) -> None:
-    group = WorkerGroup("127.0.0.1", port, rank, world_size, timeout=timedelta(seconds=60))
+    group = ControlGroup("127.0.0.1", port, rank, world_size, timeout=timedelta(seconds=60))
     # objects of different pickled sizes, one of them None (a worker with nothing to report)
     mine = None if rank == 1 else {"rank": rank, "payload": "x" * (10 * rank)}
     gathered = group.all_gather_object(mine)
@@ -31,4 +31,4 @@ def test_all_gather_object_returns_every_workers_object_in_rank_order(tmp_path):
 
 def test_one_worker_gathers_its_own_object():
     """With world_size 1 there is no group: the gather is the object itself."""
-    assert WorkerGroup("127.0.0.1", 0, 0, 1).all_gather_object(("secret", None)) == [("secret", None)]
+    assert ControlGroup("127.0.0.1", 0, 0, 1).all_gather_object(("secret", None)) == [("secret", None)]

@@ -1,13 +1,14 @@
-"""The workers' own gloo group for Lightning's bookkeeping collectives, deliberately *not* the default group.
+"""A job's own gloo group for Lightning's bookkeeping collectives, deliberately *not* torch's default group.
 
 Lightning 2.6 runs ``torch.distributed.broadcast`` on the default group before every training batch
 whenever ``torch.distributed.is_initialized()`` (``lightning-integration.md`` §0.3), which would hold
-asynchronous parameter-server workers in lockstep. A parameter-server run therefore never initializes
-the default group: the workers build a ``ProcessGroupGloo`` from a ``TCPStore`` and keep it to
-themselves (or, where another strategy already initialized the default group in the same process, a
-gloo subgroup of it), and the strategy routes ``barrier``/``broadcast``/``reduce``/``all_gather`` (checkpoint
-decisions, ``self.log(sync_dist=True)``, early stopping, metric syncing) through it. These only run where
-Lightning puts them (setup, validation, checkpoints, the end), never per batch.
+asynchronous processes in lockstep: parameter-server workers, Hogwild! processes. Those strategies therefore never
+initialize the default group: the processes build a ``ProcessGroupGloo`` from a ``TCPStore`` and keep it to
+themselves (or, where another strategy already initialized the default group in the same process, a gloo subgroup
+of it), and the strategy routes ``barrier``/``broadcast``/``reduce``/``all_gather`` (checkpoint decisions,
+``self.log(sync_dist=True)``, early stopping, metric syncing) through it
+(:class:`~lightning_pdist.core.control_collectives.ControlGroupCollectives`). These only run where Lightning puts
+them (setup, validation, checkpoints, the end), never per batch.
 
 Never imports Lightning.
 """
@@ -24,17 +25,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["WorkerGroup", "WorkerSilent"]
+__all__ = ["ControlGroup", "WorkerSilent"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
 
 
 class WorkerSilent(RuntimeError):
-    """Workers (named) did not report to :meth:`WorkerGroup.exchange_flags` within its deadline."""
+    """Members (named) did not report to :meth:`ControlGroup.exchange_flags` within its deadline."""
 
 
-class WorkerGroup:
-    """``world_size`` workers in one gloo group of their own; collectives on it are blocking.
+class ControlGroup:
+    """``world_size`` processes (``noun``: "worker", "process") in one gloo group of their own; collectives on it
+    are blocking. ``name`` keeps its store keys apart from other groups' (``pdist/<name>/``).
 
     Where the group comes from:
 
@@ -56,8 +58,9 @@ class WorkerGroup:
     _agent_groups = 0  # groups made on torchrun's agent store by this process (every worker makes them in step)
     _subgroups = 0  # groups made as subgroups of torch's default group by this process
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout: timedelta = timedelta(minutes=30)):
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout: timedelta = timedelta(minutes=30),
+                 name: str = "workers", noun: str = "worker"):  # fmt: skip
+        self.rank, self.world_size, self.noun = rank, world_size, noun
         self.pg = None
         self._server: dist.TCPStore | None = None  # rank 0: the store's host
         self._client: dist.TCPStore | None = None  # None when the group lives on the default group's store
@@ -67,23 +70,23 @@ class WorkerGroup:
             default = (dist.get_world_size(), dist.get_rank())
             if default != (world_size, rank):
                 raise RuntimeError(
-                    f"WorkerGroup(rank={rank}, world_size={world_size}): torch's default group is already initialized "
-                    f"in this process with world_size={default[0]}, rank={default[1]}; the workers' group must have "
+                    f"ControlGroup(rank={rank}, world_size={world_size}): torch's default group is already initialized "
+                    f"in this process with world_size={default[0]}, rank={default[1]}; this group must have "
                     "the same ranks (run the same number of workers as the earlier strategy, or destroy that group)"
                 )
             self.pg = dist.new_group(backend="gloo", timeout=timeout)
-            WorkerGroup._subgroups += 1
+            ControlGroup._subgroups += 1
             default_store = dist.distributed_c10d._get_default_store()
-            self._flags = dist.PrefixStore(f"pdist/flags/{WorkerGroup._subgroups}/", default_store)
+            self._flags = dist.PrefixStore(f"pdist/flags/{ControlGroup._subgroups}/", default_store)
             self._introduce()
             return
-        prefix = "pdist/workers/"
+        prefix = f"pdist/{name}/"
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # torchrun's agent already serves a store at MASTER_ADDR:MASTER_PORT: use it (binding a second store on
             # that port fails loudly). Keys get a prefix per group, so a later group never reads this one's keys.
-            WorkerGroup._agent_groups += 1
+            ControlGroup._agent_groups += 1
             run, restart = os.environ.get("TORCHELASTIC_RUN_ID", "run"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            prefix += f"{run}/{restart}/{WorkerGroup._agent_groups}/"
+            prefix += f"{run}/{restart}/{ControlGroup._agent_groups}/"
         elif rank == 0:
             self._server = dist.TCPStore(host, port, None, True, timeout=timeout, wait_for_workers=False)
         else:
@@ -113,9 +116,9 @@ class WorkerGroup:
             self._flags.wait(keys, timeout)
         except (RuntimeError, dist.DistError):  # the store's timeout
             missing = [r for r in range(self.world_size) if not self._flags.check([keys[r]])]
-            who = ", ".join(f"worker {r} ({self._who(r)})" for r in missing)
-            raise WorkerSilent(f"worker {self.rank}: {who} did not report {what} within {timeout.total_seconds():g} s: "
-                               "stopped, hung or dead; every other worker is waiting for it") from None  # fmt: skip
+            who = ", ".join(f"{self.noun} {r} ({self._who(r)})" for r in missing)
+            raise WorkerSilent(f"{self.noun} {self.rank}: {who} did not report {what} within {timeout.total_seconds():g} s: "
+                               f"stopped, hung or dead; every other {self.noun} is waiting for it") from None  # fmt: skip
         values = [int(v) for v in self._flags.multi_get(keys)]
         if self._last_flag is not None:  # every worker has read it: each set this tag's key after reading that one
             self._flags.delete_key(self._last_flag)
@@ -222,7 +225,7 @@ def _await_listener(host: str, port: int, timeout: timedelta) -> None:
 
 def _opts(op: str) -> dist.AllreduceOptions:
     if op not in _OPS:
-        raise ValueError(f"WorkerGroup.all_reduce_(op={op!r}): op must be one of {', '.join(_OPS)}")
+        raise ValueError(f"ControlGroup.all_reduce_(op={op!r}): op must be one of {', '.join(_OPS)}")
     options = dist.AllreduceOptions()
     options.reduceOp = _OPS[op]
     return options
