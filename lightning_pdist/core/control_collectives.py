@@ -20,6 +20,7 @@ class ControlGroupCollectives:
 
     control_group: ControlGroup | None
     world_size: int
+    lightning_module: Any
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -46,3 +47,25 @@ class ControlGroupCollectives:
         if self.control_group is None or self.world_size == 1:
             return tensor
         return torch.stack(self.control_group.all_gather(tensor.detach()))
+
+    def _broadcast_module_from_rank_zero(self) -> None:
+        """validate/test/predict outside fit: every process evaluates rank 0's weights (on its shard of the data)."""
+        if self.control_group is None or self.world_size == 1:
+            return
+        module = self.lightning_module
+        module.load_state_dict(self.control_group.broadcast_object({k: v.detach().cpu() for k, v in module.state_dict().items()}))
+
+    def _route_metric_sync(self) -> None:
+        """torchmetrics syncs over torch's default group only if it exists, which it never does here: point every
+        Metric at the control group, so epoch-level metrics cover every process's data."""
+        if self.control_group is None or self.world_size == 1:
+            return
+        try:
+            from torchmetrics import Metric
+        except ImportError:
+            return
+        gather = lambda tensor, group=None: self.control_group.all_gather_varying(tensor)  # noqa: E731
+        for module in self.lightning_module.modules():
+            if isinstance(module, Metric):
+                module.dist_sync_fn = gather
+                module.distributed_available_fn = lambda: True

@@ -392,28 +392,6 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
         self._set_flat_params(flat)
         self._versions = [int(m["version"]) for m in metas]
 
-    def _broadcast_module_from_rank_zero(self) -> None:
-        # validate/test/predict outside fit: no servers; every worker evaluates rank 0's weights.
-        if self.workers is None or self.world_size == 1:
-            return
-        state = self.workers.broadcast_object({k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()})
-        self.lightning_module.load_state_dict(state)
-
-    def _route_metric_sync(self) -> None:
-        # torchmetrics syncs over the default group only if it is initialized, which it never is here: point
-        # every Metric at the workers' group instead, so epoch-level metrics cover all workers' data.
-        if self.workers is None or self.world_size == 1:
-            return
-        try:
-            from torchmetrics import Metric
-        except ImportError:
-            return
-        gather = lambda tensor, group=None: self.workers.all_gather_varying(tensor)  # noqa: E731
-        for module in self.lightning_module.modules():
-            if isinstance(module, Metric):
-                module.dist_sync_fn = gather
-                module.distributed_available_fn = lambda: True
-
     # ------------------------------------------------------------------ training step
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

@@ -154,28 +154,6 @@ class HogwildStrategy(ControlGroupCollectives, PdistStrategy):
             if self._lock is not None:
                 self._lock.unlink()
 
-    def _route_metric_sync(self) -> None:
-        # torchmetrics syncs over torch's default group only if it exists, which it never does here: point every
-        # Metric at the private group, so epoch-level metrics cover every process's data.
-        if self.control_group is None or self.world_size == 1:
-            return
-        try:
-            from torchmetrics import Metric
-        except ImportError:
-            return
-        gather = lambda tensor, group=None: self.control_group.all_gather_varying(tensor)  # noqa: E731
-        for module in self.lightning_module.modules():
-            if isinstance(module, Metric):
-                module.dist_sync_fn = gather
-                module.distributed_available_fn = lambda: True
-
-    def _broadcast_module_from_rank_zero(self) -> None:
-        # validate/test/predict outside fit: every process evaluates rank 0's weights (its shard of the data).
-        if self.control_group is None or self.world_size == 1:
-            return
-        state = self.broadcast({k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()})
-        self.lightning_module.load_state_dict(state)
-
     @override
     def setup_algorithm(self) -> None:
         if self.config.variance_reduction != "svrg":
