@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -29,10 +31,15 @@ def refused_at_setup(record: dict) -> bool:
 
 
 def store(path: Path, strategy: str, column: dict[str, list[dict]]) -> None:
-    """Merge one strategy's column into the results file."""
-    results = load(path) if path.exists() else {}
-    results[strategy] = {module: _summary(ranks) for module, ranks in column.items()}
-    path.write_text(json.dumps(results, indent=1, sort_keys=True))
+    """Merge one strategy's column into the results file (locked: pytest workers store columns concurrently)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        results = load(path) if path.exists() else {}
+        results[strategy] = {module: _summary(ranks) for module, ranks in column.items()}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=1, sort_keys=True))
+        tmp.replace(path)
 
 
 def load(path: Path) -> dict:
@@ -78,6 +85,26 @@ def render(results: dict) -> str:
     lines += ["", "## Refusals", ""]
     lines += [f"{i}. {note}" for i, note in enumerate(notes, 1)] or ["None."]
     return "\n".join(lines) + "\n"
+
+
+def documented_cell(doc: str, strategy: str, module: str) -> tuple[str, str | None]:
+    """(the table's text for one cell, the refusal note it points to or None), read back from a rendered doc."""
+    rows = [line for line in doc.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in rows[0].strip("|").split("|")]
+    row = next(r for r in rows[1:] if r.startswith(f"| {module} |"))
+    cell = [c.strip() for c in row.strip("|").split("|")][header.index(strategy)]
+    number = re.fullmatch(r"refused \[(\d+)\]\(#refusals\)", cell)
+    if number is None:
+        return cell, None
+    note = re.search(rf"^{number[1]}\. (.*)$", doc.split("\n## Refusals\n", 1)[1], re.MULTILINE)
+    return cell, note[1] if note else ""
+
+
+def expected_cell(strategy: str, module: str, summary: dict) -> tuple[str, str | None]:
+    """What ``documented_cell`` must read for a cell with this result (the refusal's number aside)."""
+    notes: list[str] = []
+    cell = _cell(strategy, module, summary, notes)
+    return cell, notes[0] if notes else None
 
 
 def main() -> int:

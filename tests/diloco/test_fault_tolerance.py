@@ -62,7 +62,9 @@ def _wait(path: Path, procs, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
         assert time.monotonic() < deadline, f"{path.name} did not appear in {timeout}s"
-        assert all(p.poll() is None for p in procs), "a replica ended early"
+        ended = [i for i, p in enumerate(procs) if p.poll() is not None]
+        assert not ended, f"replica(s) {ended} ended early: " + "; ".join(
+            f"{f.name}: {f.read_text()[-2000:]}" for f in sorted(path.parent.glob("log*")))
         time.sleep(0.02)
 
 
