@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Install into ./.venv and run the whole test suite.
-# Two pytest workers (pytest-xdist), one work unit each at a time (--dist loadgroup; tests/conftest.py makes each
-# test file one unit, so a file's module fixtures, e.g. the recipes' shared launch, run once, and each conformance
-# column one unit). A serial run leaves about one of this
+# Two pytest workers (pytest-xdist), one work unit each at a time (--dist loadscope: a test file is one unit, so its
+# module fixtures, e.g. the recipes' shared launch, run once; each conformance column is a class, one unit; see
+# tests/conftest.py). A serial run leaves about one of this
 # machine's two cores idle: most tests wait on their ranks' gloo messages, sockets and deadlines.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup "$@"
+exec .venv/bin/python -m pytest -q -n 2 --dist loadscope "$@"

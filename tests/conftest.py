@@ -119,20 +119,17 @@ def _no_process_outlives_its_test():
         pytest.fail(f"{len(alive)} process(es) outlived the test and were killed: {described}", pytrace=False)
 
 
-# scripts/test.sh runs two pytest-xdist workers with --dist loadgroup. Every test file is one work unit (as
-# --dist loadfile: a file's module fixtures, e.g. the recipes' shared launch, run once), except the tests that name
-# an xdist_group of their own (each conformance column is one). Work units start in collection order and a
-# worker takes the next when it is free, so the units that take minutes go first (longest first keeps the two
-# workers from ending one long unit apart); the rest keep their order.
+# scripts/test.sh runs two pytest-xdist workers with --dist loadscope: each test file is one work unit (a file's
+# module fixtures, e.g. the recipes' shared launch, run once), and each test class is one (each conformance column
+# is a class; no other file has classes). (--dist loadgroup would be the marker-based way, but pytest-xdist 3.8
+# renames items through ``item._nodeid``, which pytest 9 no longer reads: its groups come apart.) Units start in
+# collection order and a worker takes the next when it is free, so the units that take minutes go first (longest
+# first keeps the two workers from ending one long unit apart); the rest keep their order.
 _FIRST = ("tests/conformance/test_matrix.py", "tests/bench/", "tests/recipes/", "tests/core/test_hung_ranks.py",
           "tests/multinode/", "tests/parameter_server/test_auth.py", "tests/diloco/")  # fmt: skip
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     first = {path: rank for rank, path in enumerate(_FIRST)}
     items.sort(key=lambda item: next((r for p, r in first.items() if item.nodeid.startswith(p)), len(first)))
 

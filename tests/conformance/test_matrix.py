@@ -16,8 +16,8 @@ pair of processes (``runner.py``); results are cached here for the cells of that
 ``runs/conformance/results.json`` for ``python -m tests.conformance.report``, which writes
 ``docs/compatibility.md``. Each cell also checks its own entry in that file (and its refusal note), and
 one test checks the file's frame, so the file is current without one test waiting for every column.
-Each column is its own pytest-xdist group (``--dist loadgroup``, scripts/test.sh): the columns spread
-over the workers.
+Each column is its own test class, so under ``--dist loadscope`` (scripts/test.sh) the columns spread
+over the pytest-xdist workers, each column whole on one.
 """
 
 from __future__ import annotations
@@ -111,14 +111,11 @@ def _assert_same_weights(a: dict, b: dict, what: str, atol: float = 1e-6) -> Non
         torch.testing.assert_close(a[key].float(), b[key].float(), atol=atol, rtol=0, msg=lambda m: f"{what}, {key}: {m}")
 
 
-CELLS = [pytest.param(s, m, id=f"{s}-{m}", marks=pytest.mark.xdist_group(f"conformance-{s}"))
-         for s in strategies.STRATEGIES for m in MODULES]  # fmt: skip
 DOC = ROOT / "docs" / "compatibility.md"
 REGENERATE = "run: python -m tests.conformance.report"
 
 
-@pytest.mark.parametrize(("strategy", "module"), CELLS)
-def test_cell(strategy: str, module: str) -> None:
+def _test_cell(strategy: str, module: str) -> None:
     ranks = column(strategy)[module]
     _check_cell(strategy, module, ranks)
     expected = report.expected_cell(strategy, module, report._summary(ranks))
@@ -126,6 +123,22 @@ def test_cell(strategy: str, module: str) -> None:
     if expected[0].startswith("refused") and documented[0].startswith("refused"):
         documented = (expected[0], documented[1])  # the note's number depends on the other cells
     assert documented == expected, f"docs/compatibility.md shows {documented}, this run found {expected}: {REGENERATE}"
+
+
+def _column_class(strategy: str) -> type:
+    """``TestColumn_<strategy>::test_cell[<module>]``: one class per column, so ``--dist loadscope`` keeps a column on
+    one pytest-xdist worker (its pair of processes runs once) and spreads the columns over the workers."""
+
+    @pytest.mark.parametrize("module", list(MODULES))
+    def test_cell(self, module: str) -> None:
+        _test_cell(strategy, module)
+
+    name = f"TestColumn_{strategy}"
+    return type(name, (), {"test_cell": test_cell, "__qualname__": name, "__module__": __name__})
+
+
+for _strategy in strategies.STRATEGIES:
+    globals()[f"TestColumn_{_strategy}"] = _column_class(_strategy)
 
 
 def _check_cell(strategy: str, module: str, ranks: list[dict]) -> None:
