@@ -7,7 +7,8 @@ the explicit collectives of :mod:`.comm`. The DTensor parameters keep the plan's
 
 * column-wise ``nn.Linear``: weight and bias ``Shard(0)``; forward ``x W_i^T + b_i`` after ``f``
   (or the sequence all-gather);
-* row-wise ``nn.Linear``: weight ``Shard(1)``, bias replicated; forward ``g(x_i W_i^T) + b``
+* row-wise ``nn.Linear``: weight ``Shard(1)``, bias ``Replicate()`` (a DTensor, so that torch's ``GradScaler`` sees
+  no mix of DTensor and plain gradients in a fully sharded stack); forward ``g(x_i W_i^T) + b``
   (or the sequence reduce-scatter);
 * fused query/key/value ``nn.Linear`` (``out_features = 3E``, rows ``[q; k; v]``): ``_StridedShard(0,
   split_factor=3)``, so rank ``i`` holds ``[q_i; k_i; v_i]`` -- the rows of its own heads in each block;
@@ -32,7 +33,8 @@ from torch.nn import functional as F
 from lightning_pdist.tensor_parallel.comm import TPComm, copy_to, gather_seq, gather_seq_replicated, reduce_from
 from lightning_pdist.tensor_parallel.comm import scatter_seq, split_seq
 
-__all__ = ["Sharding", "shard_attention", "shard_linear", "sequence_parallel_encoder", "unshard"]
+__all__ = ["Sharding", "is_strided", "local_shard", "shard_attention", "shard_linear", "sequence_parallel_encoder",
+           "unshard"]
 
 
 class Sharding:
@@ -69,13 +71,15 @@ def shard_linear(linear: nn.Linear, placement: str, mesh: DeviceMesh, comm: TPCo
     """``placement``: ``"colwise"``, ``"rowwise"`` or ``"qkv"``; ``seq_dim``: sequence-parallel (its dimension)."""
     if placement == "rowwise":
         _distribute(linear, "weight", mesh, Shard(1))
+        _distribute(linear, "bias", mesh, Replicate())
 
         def row_forward(x: torch.Tensor) -> torch.Tensor:
             y = F.linear(x, _local(linear.weight))
             y = reduce_from(y, comm) if seq_dim is None else scatter_seq(y, comm, seq_dim)
             if linear.bias is None:
                 return y
-            return y + (linear.bias if seq_dim is None else copy_to(linear.bias, comm))
+            bias = _local(linear.bias)
+            return y + (bias if seq_dim is None else copy_to(bias, comm))
 
         sharding.set_forward(linear, row_forward)
         return
@@ -165,7 +169,7 @@ def _additive_mask(attn_mask: Any, key_padding_mask: Any, batch: int, num_heads:
     mask = None
     if attn_mask is not None:
         a = additive(attn_mask)
-        mask = a.view(1, 1, length, src) if a.dim() == 2 else a.view(batch, num_heads, length, src)[:, first : first + heads]
+        mask = a.view(1, 1, length, src) if a.dim() == 2 else a.view(batch, num_heads, length, src)[:, first:first + heads]
     if key_padding_mask is not None:
         kp = additive(key_padding_mask).view(batch, 1, 1, src)
         mask = kp if mask is None else mask + kp
@@ -206,6 +210,21 @@ def sequence_parallel_encoder(encoder: nn.TransformerEncoder, comm: TPComm, shar
     sharding.hooks.append(first.register_forward_pre_hook(split))
     sharding.hooks.append(encoder.register_forward_hook(gather))
     return dim
+
+
+def local_shard(full: torch.Tensor, placement: Any, rank: int, size: int) -> torch.Tensor:
+    """This rank's part of ``full`` under ``placement`` (``Shard``, the per-head ``_StridedShard``, ``Replicate``)."""
+    if isinstance(placement, _StridedShard):
+        blocks = full.chunk(placement.split_factor, placement.dim)
+        return torch.cat([b.chunk(size, placement.dim)[rank] for b in blocks], placement.dim)
+    if isinstance(placement, Shard):
+        return full.chunk(size, placement.dim)[rank]
+    return full
+
+
+def is_strided(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a DTensor split by heads (torch's state-dict loaders misplace its rows: see the strategy)."""
+    return isinstance(p, DTensor) and any(isinstance(pl, _StridedShard) for pl in p.placements)
 
 
 def unshard(module: nn.Module, sharding: Sharding | None) -> None:

@@ -12,9 +12,10 @@ columns and ``B = [B_1; .. ; B_t]`` by rows::
 Attention is column-parallel in its query/key/value projections (whole heads per rank, so the number of heads
 must divide by ``t``) and row-parallel in its output projection. A packed projection (``nn.MultiheadAttention``'s
 ``in_proj_weight``, or a fused ``qkv`` Linear) holds the rows ``[W_q; W_k; W_v]``; rank ``i`` takes block ``i``
-of each of the three (``_StridedShard(0, split_factor=3)``), so the query, key and value rows of a head stay together. Everything else (embeddings, LayerNorm, pooler,
-classifier) is **replicated**: every rank computes it on the same replicated activations and gets the same
-gradient, so replicated weights never need synchronising within the tensor-parallel group.
+of each of the three (``_StridedShard(0, split_factor=3)``), so the query, key and value rows of a head stay
+together. Everything else (embeddings, LayerNorm, pooler, classifier) is **replicated**: every rank computes it on
+the same replicated activations and gets the same gradient, so replicated weights never need synchronising within
+the tensor-parallel group.
 
 The **hybrid** plan is Krizhevsky's "one weird trick" (2014): convolution layers, about 5% of the weights and 95%
 of the compute, are data-parallel (each rank its own images, gradients all-reduced); the fully connected layers,
@@ -47,7 +48,8 @@ ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.LeakyReLU, nn.
 _QKV = (("query", "key", "value"), ("q_proj", "k_proj", "v_proj"))
 _ATTENTION_OUT = ("dense", "o_proj", "out_proj")
 #: (fused query/key/value Linear, output projection) beside each other in one attention module
-_FUSED = (("qkv", "proj"), ("qkv", "out_proj"), ("Wqkv", "out_proj"), ("query_key_value", "dense"), ("qkv_proj", "o_proj"))
+_FUSED = (("qkv", "proj"), ("qkv", "out_proj"), ("Wqkv", "out_proj"), ("query_key_value", "dense"),
+          ("qkv_proj", "o_proj"))
 #: (column-wise, row-wise) pairs of a Transformer block's FFN, relative to the block, and of BERT's attention
 #: output (``attention.output.dense`` after ``attention.self``).
 _FFN_PAIRS = (("intermediate.dense", "output.dense"), ("ffn", "ffn_output"), ("mlp.fc1", "mlp.fc2"),

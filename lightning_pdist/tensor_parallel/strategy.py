@@ -59,7 +59,7 @@ from typing_extensions import override
 
 from lightning_pdist.core.nonfinite import all_finite, culprit_ranks, one_hot_flag
 from lightning_pdist.tensor_parallel.comm import TPComm
-from lightning_pdist.tensor_parallel.layers import Sharding, unshard
+from lightning_pdist.tensor_parallel.layers import Sharding, is_strided, local_shard, unshard
 from lightning_pdist.tensor_parallel.plan import COLWISE, HEADS, QKV, ROWWISE, TPPlan, check_plan, plan_for
 from lightning_pdist.tensor_parallel.shard import apply_plan
 from lightning_pdist.core.accounting import CommMeter
@@ -296,6 +296,12 @@ class TensorParallelStrategy(ModelParallelStrategy):
                                "configure_model?); use Lightning's ModelParallelStrategy for hand-written "
                                "parallelization, or remove it and let the plan shard the module")  # fmt: skip
         self.plan = self._resolve_plan(module)
+        split = self.plan.named(HEADS) + self.plan.named(QKV)
+        if split and self._save_distributed_checkpoint:
+            raise ValueError(f"{type(self).__name__}(save_distributed_checkpoint=True): modules split by heads "
+                             f"({', '.join(repr(n) for n in split)}) cannot be saved as a torch.distributed.checkpoint "
+                             "folder (it does not place the rows of per-head shards); use save_distributed_checkpoint="
+                             "False (one full file)")  # fmt: skip
         mesh = self.device_mesh["tensor_parallel"]
         self._tp_comm = TPComm(mesh.get_group(), self.comm_meter)
         self._sharding = apply_plan(module, self.plan, mesh, self._tp_comm, self.sequence_parallel, self._owner())
@@ -412,6 +418,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
             assert self.lightning_module is not None and self.model is not None
             checkpoint = _load_checkpoint(path, {"state_dict": self.model}, strict=self.lightning_module.strict_loading,
                                           weights_only=weights_only)  # fmt: skip
+            strided = {n: p for n, p in self.model.named_parameters() if is_strided(p)}
+            if strided:  # torch's loaders place rows of a _StridedShard as if it were Shard: put them right here
+                full = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)["state_dict"]
+                self._load_strided({n: (p, p, full[n]) for n, p in strided.items() if n in full})
             options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True)
             for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
                 if not state["state"]:  # nothing per parameter: the hyperparameters are all there is
@@ -419,11 +429,22 @@ class TensorParallelStrategy(ModelParallelStrategy):
                     continue
                 by_name = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_NAME, self.model)
                 set_optimizer_state_dict(self.model, optimizer, optim_state_dict=by_name, options=options)
+                self._load_strided({f"{n}.{key}": (p, optimizer.state[p][key], value) for n, p in strided.items()
+                                    for key, value in by_name["state"].get(n, {}).items()
+                                    if torch.is_tensor(value) and value.shape == p.shape})  # fmt: skip
         state = checkpoint.get("pdist") or {}
         if state.get("strategy") == type(self).__name__:
             self.comm_meter.load_state_dict(state.get("comm_meter", {}))
             self.nonfinite_guard.skipped.load_state_dict(state.get("skipped_steps", {}))
         return checkpoint
+
+    def _load_strided(self, targets: dict[str, tuple[Any, Any, torch.Tensor]]) -> None:
+        """Write each full tensor's rows for this rank into the local shard of a head-split DTensor (or its state)."""
+        assert self._tp_comm is not None
+        with torch.no_grad():
+            for param, target, full in targets.values():
+                local = local_shard(full, param.placements[0], self._tp_comm.rank, self._tp_comm.size)
+                target.to_local().copy_(local)
 
     @classmethod
     @override

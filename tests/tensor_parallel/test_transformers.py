@@ -200,3 +200,12 @@ def _attention_cases(rank: int, world_size: int) -> None:
     net = _encoder()
     apply_plan(net, plan_for(net), mesh, TPComm(mesh.get_group()), True, "TensorParallelStrategy(...)")
     net(torch.randint(1, VOCAB, (2, 7)))
+
+
+def test_a_distributed_checkpoint_of_modules_split_by_heads_is_refused_at_setup():
+    """torch.distributed.checkpoint does not place the rows of per-head shards: refused, naming the modules."""
+    with pytest.raises(Exception, match=r"TensorParallelStrategy\(save_distributed_checkpoint=True\): modules split by "
+                                        r"heads \('net.transformer.decoder.layers.0.multihead_attn', .*use "
+                                        r"save_distributed_checkpoint=False"):  # fmt: skip
+        fit(TensorParallelStrategy(start_method="fork", save_distributed_checkpoint=True), LM(_demo(), _data("demo"),
+                                                                                              "demo"), max_steps=1)  # fmt: skip
