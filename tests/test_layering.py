@@ -38,7 +38,7 @@ TRANSPORT = {
     "sign": {"bits", "stats", "participation", "overflow", "hooks", "config"},
     "parameter_server": {"wire", "auth", "shard", "layout", "loop", "server", "process", "client"},
     "pipeline": {"p2p", "executor"},
-    "tensor_parallel": {"meter"},
+    "tensor_parallel": {"meter", "comm", "layers", "shard"},
     "diloco": {"exchange", "rounds", "fault_tolerance"},
     "decentralized": {"gossip"},
     "shared_memory": {"memory"},

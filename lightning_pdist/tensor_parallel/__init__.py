@@ -1,7 +1,7 @@
 """Megatron-style tensor parallelism of an existing module on ``torch.distributed.tensor``; hybrid conv-DP/FC-MP.
 
-Math: :mod:`.plan`, :mod:`.cost`. Transport: :mod:`.meter`. Wiring: :mod:`.clip`, :mod:`.strategy`. Card:
-``docs/algorithms/tensor_parallel.md``.
+Math: :mod:`.plan`, :mod:`.cost`. Transport: :mod:`.meter`, :mod:`.comm`, :mod:`.layers`, :mod:`.shard`.
+Wiring: :mod:`.clip`, :mod:`.strategy`. Card: ``docs/algorithms/tensor_parallel.md``.
 """
 
 from lightning_pdist.core.lazy import lazy_names

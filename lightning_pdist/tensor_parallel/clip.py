@@ -15,12 +15,18 @@ from types import MethodType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "install"]
 
 
 def _norm(g: torch.Tensor) -> torch.Tensor:
+    if isinstance(g, DTensor) and g.device_mesh.ndim == 1 and g.placements[0].is_shard():
+        # disjoint shards (Shard or the per-head _StridedShard): ||g||^2 is the sum of the shards' ||g_i||^2
+        square = torch.linalg.vector_norm(g.to_local(), 2.0).square()
+        dist.all_reduce(square, group=g.device_mesh.get_group())
+        return square.sqrt()
     norm = torch.linalg.vector_norm(g, 2.0)
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 

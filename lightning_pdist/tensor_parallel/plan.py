@@ -10,9 +10,12 @@ columns and ``B = [B_1; .. ; B_t]`` by rows::
     Y = sum_i f(X A_i) B_i          (f elementwise: GELU, ReLU, dropout, or attention over whole heads)
 
 Attention is column-parallel in its query/key/value projections (whole heads per rank, so the number of heads
-must divide by ``t``) and row-parallel in its output projection. Everything else (embeddings, LayerNorm, pooler,
-classifier) is **replicated**: every rank computes it on the same replicated activations and gets the same
-gradient, so replicated weights never need synchronising within the tensor-parallel group.
+must divide by ``t``) and row-parallel in its output projection. A packed projection (``nn.MultiheadAttention``'s
+``in_proj_weight``, or a fused ``qkv`` Linear) holds the rows ``[W_q; W_k; W_v]``; rank ``i`` takes block ``i``
+of each of the three (``_StridedShard(0, split_factor=3)``), so the query, key and value rows of a head stay
+together. Everything else (embeddings, LayerNorm, pooler, classifier) is **replicated**: every rank computes it on
+the same replicated activations and gets the same gradient, so replicated weights never need synchronising within
+the tensor-parallel group.
 
 The **hybrid** plan is Krizhevsky's "one weird trick" (2014): convolution layers, about 5% of the weights and 95%
 of the compute, are data-parallel (each rank its own images, gradients all-reduced); the fully connected layers,
@@ -35,13 +38,18 @@ from dataclasses import dataclass
 from torch import nn
 
 COLWISE, ROWWISE, REPLICATE = "colwise", "rowwise", "replicate"
-PLACEMENTS = (COLWISE, ROWWISE, REPLICATE)
+#: ``nn.MultiheadAttention`` split by heads; a fused query/key/value ``nn.Linear`` (rows ``[q; k; v]``) split by heads
+HEADS, QKV = "heads", "qkv"
+PLACEMENTS = (COLWISE, ROWWISE, REPLICATE, HEADS, QKV)
 
 #: Parameter-free modules that act elementwise: allowed between a column-wise layer and its row-wise partner.
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.LeakyReLU, nn.ELU, nn.Dropout, nn.Identity)
 #: Query/key/value projection names, and the attention output projection inside the same module.
 _QKV = (("query", "key", "value"), ("q_proj", "k_proj", "v_proj"))
 _ATTENTION_OUT = ("dense", "o_proj", "out_proj")
+#: (fused query/key/value Linear, output projection) beside each other in one attention module
+_FUSED = (("qkv", "proj"), ("qkv", "out_proj"), ("Wqkv", "out_proj"), ("query_key_value", "dense"),
+          ("qkv_proj", "o_proj"))
 #: (column-wise, row-wise) pairs of a Transformer block's FFN, relative to the block, and of BERT's attention
 #: output (``attention.output.dense`` after ``attention.self``).
 _FFN_PAIRS = (("intermediate.dense", "output.dense"), ("ffn", "ffn_output"), ("mlp.fc1", "mlp.fc2"),
@@ -112,20 +120,17 @@ def plan_for(module: nn.Module, hybrid: bool = False) -> TPPlan:
 
     ALBERT's one shared block appears once in ``named_modules()``, so it is sharded once and stays shared.
 
+    * ``nn.MultiheadAttention`` (and so ``nn.TransformerEncoderLayer``/``DecoderLayer``, torch's and Lightning's
+      demo Transformer) is split by heads (:data:`HEADS`); a fused ``qkv`` Linear (``qkv``/``proj``,
+      ``Wqkv``/``out_proj``, ``query_key_value``/``dense``, ``qkv_proj``/``o_proj``) is :data:`QKV`, its output
+      projection row-wise.
+
     Raises:
-        ValueError: naming the module, for ``nn.MultiheadAttention`` (its query, key and value are packed in one
-            ``in_proj_weight`` that the plan cannot split by heads), when nothing can be sharded, and for a
-            hybrid plan without convolution layers before the Linear stack.
+        ValueError: naming the module, when nothing can be sharded, and for a hybrid plan without convolution
+            layers before the Linear stack.
     """
     owner = f"plan_for({type(module).__name__})"
     modules = dict(module.named_modules())
-    for name, child in modules.items():
-        if isinstance(child, nn.MultiheadAttention):
-            raise ValueError(
-                f"{owner}: cannot place {name!r} (nn.MultiheadAttention packs query, key and value in one "
-                "in_proj_weight, which cannot be split by heads); pass a plan dict naming the Linear layers to shard, "
-                "or build the attention from separate query/key/value nn.Linear layers"
-            )
     layers: dict[str, str] = {} if hybrid else _encoder_layers(modules)
     gather_at = None
     for name, child in modules.items():
@@ -162,6 +167,11 @@ def _encoder_layers(modules: dict[str, nn.Module]) -> dict[str, str]:
     linear = lambda name: isinstance(modules.get(name), nn.Linear)  # noqa: E731
     for name, child in modules.items():
         prefix = f"{name}." if name else ""
+        if isinstance(child, nn.MultiheadAttention):
+            layers[name] = HEADS
+        for fused, out in _FUSED:
+            if linear(prefix + fused) and linear(prefix + out):
+                layers[prefix + fused], layers[prefix + out] = QKV, ROWWISE
         for qkv in _QKV:
             if all(linear(prefix + n) for n in qkv):
                 layers.update({prefix + n: COLWISE for n in qkv})
@@ -208,6 +218,18 @@ def check_plan(plan: TPPlan, module: nn.Module, tp_size: int, owner: str = "plan
         child = modules[name]
         if placement == REPLICATE:
             continue
+        if placement == HEADS:
+            _check_attention(name, child, tp_size, owner)
+            continue
+        if placement == QKV:
+            if not isinstance(child, nn.Linear):
+                raise ValueError(f"{owner}: module {name!r} is {type(child).__name__}; {QKV!r} (a fused query/key/value "
+                                 "projection) applies to nn.Linear only")  # fmt: skip
+            if child.out_features % (3 * tp_size):
+                raise ValueError(f"{owner}: module {name!r} ({_describe(child)}): out_features={child.out_features} "
+                                 f"must be divisible by 3 x tensor_parallel_size={3 * tp_size} (query, key and value "
+                                 "rows, each split over the ranks)")  # fmt: skip
+            continue
         if not isinstance(child, (nn.Linear, nn.Embedding)):
             raise ValueError(f"{owner}: module {name!r} is {type(child).__name__}; {placement} sharding applies to "
                              "nn.Linear and nn.Embedding only")  # fmt: skip
@@ -215,12 +237,27 @@ def check_plan(plan: TPPlan, module: nn.Module, tp_size: int, owner: str = "plan
         if size % tp_size:
             raise ValueError(f"{owner}: module {name!r} ({_describe(child)}): {dim}={size} must be divisible by "
                              f"tensor_parallel_size={tp_size} to shard it {placement}")  # fmt: skip
+    sharded = plan.named(COLWISE) + plan.named(QKV)
     for name, child in modules.items():
-        heads = getattr(child, "num_attention_heads", None)
+        attr = "num_attention_heads" if hasattr(child, "num_attention_heads") else "num_heads"
+        heads = None if isinstance(child, nn.MultiheadAttention) else getattr(child, attr, None)
         prefix = f"{name}." if name else ""
-        if isinstance(heads, int) and any(n.startswith(prefix) for n in plan.named(COLWISE)) and heads % tp_size:
-            raise ValueError(f"{owner}: module {name!r}: num_attention_heads={heads} must be divisible by "
+        if isinstance(heads, int) and any(n.startswith(prefix) for n in sharded) and heads % tp_size:
+            raise ValueError(f"{owner}: module {name!r}: {attr}={heads} must be divisible by "
                              f"tensor_parallel_size={tp_size} (each rank computes whole heads)")  # fmt: skip
+
+
+def _check_attention(name: str, child: nn.Module, tp_size: int, owner: str) -> None:
+    if not isinstance(child, nn.MultiheadAttention):
+        raise ValueError(f"{owner}: module {name!r} is {type(child).__name__}; {HEADS!r} applies to "
+                         "nn.MultiheadAttention only")  # fmt: skip
+    if child.num_heads % tp_size:
+        raise ValueError(f"{owner}: module {name!r} (nn.MultiheadAttention): num_heads={child.num_heads} must be "
+                         f"divisible by tensor_parallel_size={tp_size} (each rank computes whole heads)")  # fmt: skip
+    if not child._qkv_same_embed_dim or child.bias_k is not None or child.add_zero_attn:
+        raise ValueError(f"{owner}: module {name!r} (nn.MultiheadAttention): kdim/vdim different from embed_dim, "
+                         "add_bias_kv=True and add_zero_attn=True are not split by heads; replicate it (plan dict "
+                         f"{{{name!r}: 'replicate'}})")  # fmt: skip
 
 
 def _sharded_dim(child: nn.Module, placement: str) -> tuple[str, int]:

@@ -53,14 +53,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import OptimStateKeyType
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pdist.core.nonfinite import all_finite, culprit_ranks, one_hot_flag
-from lightning_pdist.tensor_parallel.plan import COLWISE, ELEMENTWISE, ROWWISE, TPPlan, check_plan, plan_for
+from lightning_pdist.tensor_parallel.comm import TPComm
+from lightning_pdist.tensor_parallel.layers import Sharding, is_strided, local_shard, unshard
+from lightning_pdist.tensor_parallel.plan import COLWISE, HEADS, QKV, ROWWISE, TPPlan, check_plan, plan_for
+from lightning_pdist.tensor_parallel.shard import apply_plan
 from lightning_pdist.core.accounting import CommMeter
 from lightning_pdist.core.collectives import all_reduce_mean_, all_reduce_sum_
 from lightning_pdist.tensor_parallel.meter import DTensorCommMeter
@@ -76,7 +77,6 @@ from lightning_pdist.core.safe_io import SafeCheckpointIO
 __all__ = ["TensorParallelStrategy"]
 
 PLANS = ("auto", "hybrid")
-_STYLES = {COLWISE: ColwiseParallel, ROWWISE: RowwiseParallel}
 
 
 class TensorParallelStrategy(ModelParallelStrategy):
@@ -94,8 +94,15 @@ class TensorParallelStrategy(ModelParallelStrategy):
             :func:`~lightning_pdist.tensor_parallel.plan.plan_for`), ``"hybrid"`` (convolutions
             data-parallel over all ranks, the fully connected stack sharded over the gathered batch), or a dict
             ``{module name: "colwise" | "rowwise" | "replicate"}``.
-        sequence_parallel: shard LayerNorm/dropout activations along the sequence (Korthikanti et al., 2022).
-            Not supported yet: refused rather than ignored.
+        sequence_parallel: shard the LayerNorm/dropout/residual activations of every ``nn.TransformerEncoder``
+            with sharded layers along the sequence (Korthikanti et al., 2022): all-gather before and
+            reduce-scatter after each sharded pair instead of the all-reduces; the sequence length must be
+            divisible by ``tensor_parallel_size`` (checked at the first forward). Refused for models without
+            such an encoder (transformers' BERT/ALBERT blocks).
+        gather_on_teardown: ``True`` (default): when ``fit``/``validate``/``test``/``predict`` ends, every rank's
+            module holds the full, plain trained parameters again (one all-gather per sharded parameter): a plain
+            ``model.state_dict()`` that loads anywhere, and a module that runs on one rank alone. ``False``: the
+            module keeps its DTensor shards (for models too large to gather on one rank; save with a checkpoint).
         save_distributed_checkpoint: ``False`` (default): one full checkpoint file, readable by
             ``load_from_checkpoint`` anywhere. ``True``: a folder with one shard per rank (torch.distributed.checkpoint).
         process_group_backend: ``None`` picks gloo on CPU, NCCL on GPUs.
@@ -118,6 +125,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         data_parallel_size: int | None = None,
         plan: str | dict[str, str] = "auto",
         sequence_parallel: bool = False,
+        gather_on_teardown: bool = True,
         save_distributed_checkpoint: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -140,19 +148,15 @@ class TensorParallelStrategy(ModelParallelStrategy):
                 TPPlan.from_dict(plan)
             except (TypeError, ValueError) as err:
                 raise type(err)(f"{owner}(plan={dict(plan)!r}): {err}") from None
-            if not any(p in (COLWISE, ROWWISE) for p in plan.values()):
+            if not any(p in (COLWISE, ROWWISE, HEADS, QKV) for p in plan.values()):
                 raise ValueError(f"{owner}(plan={dict(plan)!r}): the plan shards nothing; name at least one "
-                                 "module 'colwise' or 'rowwise'")  # fmt: skip
+                                 "module 'colwise', 'rowwise', 'heads' or 'qkv'")  # fmt: skip
         else:
             raise TypeError(f"{owner}(plan={plan!r}): plan must be 'auto', 'hybrid' or a dict of placements")
-        for arg, value in (("sequence_parallel", sequence_parallel), ("save_distributed_checkpoint",
-                                                                       save_distributed_checkpoint)):
+        for arg, value in (("sequence_parallel", sequence_parallel), ("gather_on_teardown", gather_on_teardown),
+                           ("save_distributed_checkpoint", save_distributed_checkpoint)):
             if not isinstance(value, bool):
                 raise TypeError(f"{owner}({arg}={value!r}): {arg} must be a bool")
-        if sequence_parallel:
-            raise ValueError(f"{owner}(sequence_parallel=True): sequence parallelism is not implemented yet "
-                             "(the auto plans would have to re-shard the residual streams of transformers' "
-                             "BERT/ALBERT blocks); leave it False")  # fmt: skip
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"{owner}(start_method={start_method!r}): start_method must be 'popen', 'spawn', "
                              "'fork' or 'forkserver'")  # fmt: skip
@@ -167,6 +171,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self.comm_meter = CommMeter()
         self._comm_log = CommLogState()
         self.plan: TPPlan | None = None
+        self.sequence_parallel, self.gather_on_teardown = sequence_parallel, gather_on_teardown
+        self._sharding: Sharding | None = None
+        self._tp_comm: TPComm | None = None
+        self._failed = False
         self._counting_active = False
         self._dp_params: list[torch.nn.Parameter] = []  # hybrid: averaged over every rank
         self._mp_params: set[int] = set()  # hybrid: ids of the gathered-batch (model-parallel) parameters
@@ -250,6 +258,25 @@ class TensorParallelStrategy(ModelParallelStrategy):
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             log_final_total(self.lightning_module._trainer, self.comm_meter, self._comm_log)
 
+    def _owner(self) -> str:
+        return f"{type(self).__name__}(plan={self._plan_arg!r}, sequence_parallel={self.sequence_parallel})"
+
+    # ------------------------------------------------------------------ teardown: a plain module again
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True  # the other ranks may be gone: no gather
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        model = self.model
+        if self.gather_on_teardown and not self._failed and getattr(model, "_pdist_tp_plan", None) is not None:
+            unshard(model, self._sharding)  # every rank: full plain Parameters, torch's own forwards
+            del model._pdist_tp_plan
+            self._sharding = None
+        self._failed = False
+        super().teardown()
+
     def _resolve_plan(self, module: torch.nn.Module) -> TPPlan:
         arg = self._plan_arg
         owner = f"{type(self).__name__}(plan={arg!r})"
@@ -269,15 +296,16 @@ class TensorParallelStrategy(ModelParallelStrategy):
                                "configure_model?); use Lightning's ModelParallelStrategy for hand-written "
                                "parallelization, or remove it and let the plan shard the module")  # fmt: skip
         self.plan = self._resolve_plan(module)
-        styles: dict[str, Any] = {name: _STYLES[p]() for name, p in self.plan.layers if p in _STYLES}
+        split = self.plan.named(HEADS) + self.plan.named(QKV)
+        if split and self._save_distributed_checkpoint:
+            raise ValueError(f"{type(self).__name__}(save_distributed_checkpoint=True): modules split by heads "
+                             f"({', '.join(repr(n) for n in split)}) cannot be saved as a torch.distributed.checkpoint "
+                             "folder (it does not place the rows of per-head shards); use save_distributed_checkpoint="
+                             "False (one full file)")  # fmt: skip
+        mesh = self.device_mesh["tensor_parallel"]
+        self._tp_comm = TPComm(mesh.get_group(), self.comm_meter)
+        self._sharding = apply_plan(module, self.plan, mesh, self._tp_comm, self.sequence_parallel, self._owner())
         gather = self.plan.gather_batch_at
-        if gather is not None:
-            # The FC stack sees every rank's rows: all-gather its input on dim 0, hand back this rank's rows.
-            styles[gather] = PrepareModuleInputOutput(
-                input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(Shard(0),), use_local_output=True)  # fmt: skip
-        _out_of_place_after_sharded(module, self.plan)
-        parallelize_module(module, self.device_mesh["tensor_parallel"], styles)
         module._pdist_tp_plan = self.plan
         if gather is not None:
             inside = [p for n, p in module.named_parameters() if n.startswith(f"{gather}.")]
@@ -291,11 +319,15 @@ class TensorParallelStrategy(ModelParallelStrategy):
             yield
             return
         self._counting_active = True
+        if self._tp_comm is not None:
+            self._tp_comm.counting = True
         try:
             with DTensorCommMeter(self.comm_meter):
                 yield
         finally:
             self._counting_active = False
+            if self._tp_comm is not None:
+                self._tp_comm.counting = False
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -386,6 +418,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
             assert self.lightning_module is not None and self.model is not None
             checkpoint = _load_checkpoint(path, {"state_dict": self.model}, strict=self.lightning_module.strict_loading,
                                           weights_only=weights_only)  # fmt: skip
+            strided = {n: p for n, p in self.model.named_parameters() if is_strided(p)}
+            if strided:  # torch's loaders place rows of a _StridedShard as if it were Shard: put them right here
+                full = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)["state_dict"]
+                self._load_strided({n: (p, p, full[n]) for n, p in strided.items() if n in full})
             options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True)
             for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
                 if not state["state"]:  # nothing per parameter: the hyperparameters are all there is
@@ -393,11 +429,22 @@ class TensorParallelStrategy(ModelParallelStrategy):
                     continue
                 by_name = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_NAME, self.model)
                 set_optimizer_state_dict(self.model, optimizer, optim_state_dict=by_name, options=options)
+                self._load_strided({f"{n}.{key}": (p, optimizer.state[p][key], value) for n, p in strided.items()
+                                    for key, value in by_name["state"].get(n, {}).items()
+                                    if torch.is_tensor(value) and value.shape == p.shape})  # fmt: skip
         state = checkpoint.get("pdist") or {}
         if state.get("strategy") == type(self).__name__:
             self.comm_meter.load_state_dict(state.get("comm_meter", {}))
             self.nonfinite_guard.skipped.load_state_dict(state.get("skipped_steps", {}))
         return checkpoint
+
+    def _load_strided(self, targets: dict[str, tuple[Any, Any, torch.Tensor]]) -> None:
+        """Write each full tensor's rows for this rank into the local shard of a head-split DTensor (or its state)."""
+        assert self._tp_comm is not None
+        with torch.no_grad():
+            for param, target, full in targets.values():
+                local = local_shard(full, param.placements[0], self._tp_comm.rank, self._tp_comm.size)
+                target.to_local().copy_(local)
 
     @classmethod
     @override
@@ -423,19 +470,6 @@ class _FullWeightsLauncher(lifetime.ForkSafeLaunch, _MultiProcessingLauncher):
             return super()._collect_rank_zero_results(trainer, results)
         finally:
             trainer.lightning_module.state_dict = state_dict
-
-
-def _out_of_place_after_sharded(module: torch.nn.Module, plan: TPPlan) -> None:
-    """Make ``ReLU(inplace=True)`` and the like beside sharded layers out-of-place (the same values).
-
-    A sharded layer's output is a view that DTensor's autograd function returned; modifying it in place is
-    forbidden by autograd ("Output 0 of _ToTorchTensor is a view and is being modified inplace").
-    """
-    for name in plan.named(COLWISE) + plan.named(ROWWISE):
-        parent = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
-        for child in parent.children():
-            if isinstance(child, ELEMENTWISE) and getattr(child, "inplace", False):
-                child.inplace = False
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -94,10 +94,6 @@ REFUSALS: dict[tuple[str, str], tuple[str, str]] = {
     ("tensor_parallel", "boring"): _TP_NOTHING,
     ("tensor_parallel", "batchnorm_clip_norm_accumulate"): _TP_NOTHING,
     ("tensor_parallel", "batchnorm_clip_value"): _TP_NOTHING,
-    ("tensor_parallel", "transformer_lm"): (
-        r"cannot place 'net.transformer.encoder.layers.0.self_attn' \(nn.MultiheadAttention packs query, key and value",
-        "attention from separate query/key/value nn.Linear layers (transformers' BERT: the hf_bert row), or "
-        "plan={'...linear1': 'colwise', '...linear2': 'rowwise'} sharding the FFNs only"),
     ("tensor_parallel", "16_mixed"): (
         r"The `ModelParallelStrategy` does not support `Fabric\(..., precision='16-mixed'\)`",
         f"{_BF16}, or fp16 with plugins=[MixedPrecision('16-mixed', device, GradScaler())] (the fp16_grad_scaler row)"),

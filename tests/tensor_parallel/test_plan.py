@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from lightning_pdist.tensor_parallel.plan import COLWISE, REPLICATE, ROWWISE, TPPlan, check_plan, plan_for
+from lightning.pytorch.demos import Transformer
+
+from lightning_pdist.tensor_parallel.plan import COLWISE, HEADS, QKV, REPLICATE, ROWWISE, TPPlan, check_plan
+from lightning_pdist.tensor_parallel.plan import plan_for
+from lightning_pdist.tensor_parallel.shard import sequence_parallel_encoders
 from lightning_pdist.models import MLP, ClassifierModule
 from lightning_pdist.models.vgg import vgg16_scaled
 
@@ -68,11 +72,66 @@ def test_hybrid_needs_convolutions():
         plan_for(MLP(16, 3, 8), hybrid=True)
 
 
-def test_multihead_attention_is_refused_by_name():
-    """nn.MultiheadAttention packs q/k/v in one weight: the refusal names the module and the way out."""
+def test_torch_transformer_layers_are_split_by_heads():
+    """nn.MultiheadAttention (packed in_proj) is split by heads, the FFN linear1/linear2 column/row; the demo
+    Transformer's decoder cross-attention too. The heads must divide by t, named with the value and the rule."""
+    net = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
+    want = {}
+    for i in range(2):
+        want.update({f"layers.{i}.self_attn": HEADS, f"layers.{i}.linear1": COLWISE, f"layers.{i}.linear2": ROWWISE})
+    assert plan_for(net).as_dict() == want
+    check_plan(plan_for(net), net, 2)
+    with pytest.raises(ValueError, match=r"P: module 'layers.0.self_attn' \(nn.MultiheadAttention\): num_heads=2 must "
+                                         r"be divisible by tensor_parallel_size=4 \(each rank computes whole heads\)"):
+        check_plan(plan_for(net), net, 4, owner="P")
+    demo = Transformer(vocab_size=20, ninp=16, nhead=2, nhid=32, nlayers=1)
+    assert plan_for(demo).as_dict()["transformer.decoder.layers.0.multihead_attn"] == HEADS
+    kdim = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    kdim.attn = nn.MultiheadAttention(8, 2, kdim=4, vdim=4)
+    with pytest.raises(ValueError, match=r"'attn' \(nn.MultiheadAttention\): kdim/vdim different from embed_dim"):
+        check_plan(plan_for(kdim), kdim, 2)
+
+
+class FusedAttention(nn.Module):
+    """A fused query/key/value projection: rows [q; k; v], heads found from the width (view(..., -1, head_dim))."""
+
+    def __init__(self, dim: int = 16, num_heads: int = 4):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, -1, self.head_dim).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        o = nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.proj(o.transpose(1, 2).reshape(b, n, -1))
+
+
+def test_fused_qkv_linear_is_split_by_heads_and_checked():
+    """A fused qkv Linear is placed 'qkv', its projection row-wise; 3 x t must divide out_features, heads t."""
+    net = nn.Sequential(FusedAttention())
+    assert plan_for(net).as_dict() == {"0.qkv": QKV, "0.proj": ROWWISE}
+    check_plan(plan_for(net), net, 2)
+    with pytest.raises(ValueError, match=r"module '0': num_heads=4 must be divisible by tensor_parallel_size=8"):
+        check_plan(TPPlan.from_dict({"0.qkv": QKV}), nn.Sequential(FusedAttention(48, 4)), 8)
+    with pytest.raises(ValueError, match=r"module '0.qkv' \(Linear 16->48\): out_features=48 must be divisible by 3 x "
+                                         r"tensor_parallel_size=96"):
+        check_plan(TPPlan.from_dict({"0.qkv": QKV}), net, 32)
+
+
+def test_sequence_parallelism_needs_a_torch_encoder_with_every_linear_sharded():
+    """sequence_parallel=True covers nn.TransformerEncoder stacks: refused for transformers' BERT, and for a
+    replicated Linear inside the encoder, named."""
+    bert = _encoder("bert", num_layers=1)
+    with pytest.raises(ValueError, match=r"O: sequence_parallel=True shards the LayerNorm/dropout regions of "
+                                         r"nn.TransformerEncoder stacks, and EncoderClassifier has no"):
+        sequence_parallel_encoders(bert, plan_for(bert), "O")
     net = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1)
-    with pytest.raises(ValueError, match=r"cannot place 'layers\.0\.self_attn' \(nn\.MultiheadAttention packs"):
-        plan_for(net)
+    assert list(sequence_parallel_encoders(net, plan_for(net), "O")) == [""]
+    plan = TPPlan.from_dict({"layers.0.self_attn": HEADS})
+    with pytest.raises(ValueError, match=r"O: sequence_parallel=True: module 'layers.0.linear1' \(Linear\) inside the "
+                                         r"sequence-parallel '' is not sharded"):
+        sequence_parallel_encoders(net, plan, "O")
 
 
 def test_nothing_to_shard_is_refused():

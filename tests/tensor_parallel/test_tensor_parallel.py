@@ -95,6 +95,24 @@ class Record(Callback):
             torch.save({"grads": self.grads, "losses": self.losses, "kinds": kinds}, self.path)
 
 
+class SaveAfterFit(Callback):
+    """Every rank, after fit (after the strategy's teardown): its module's ``state_dict()``, as a user would save it,
+    and whether its parameters are DTensors; then the model runs on that rank alone (no collective)."""
+
+    def __init__(self, path: Path, probe: torch.Tensor | None = None):
+        self.path, self.probe = path, probe
+
+    def on_fit_end(self, trainer, pl_module):
+        sharded = any(isinstance(p, DTensor) for p in pl_module.parameters())
+        out = {"sharded": sharded}
+        if not sharded:
+            torch.save(pl_module.state_dict(), self.path / f"state_dict.rank{trainer.global_rank}.pt")
+            if trainer.global_rank == 1 and self.probe is not None:
+                with torch.no_grad():
+                    out["probe"] = pl_module.net(self.probe)  # rank 1 alone: would wait forever on a collective
+        torch.save(out, self.path / f"after_fit.rank{trainer.global_rank}.pt")
+
+
 def reference(net: nn.Module, data: TensorDataset, steps: int, ranks: int = 1, lr: float = 0.1, clip=None) -> dict:
     """Plain torch, one process: SGD on the global batch (the ``ranks`` data-parallel batches side by side)."""
     net = copy.deepcopy(net)
@@ -123,18 +141,23 @@ def _assert_close(got: dict, want: dict, atol: float = 1e-5) -> None:
         torch.testing.assert_close(got[name], want[name], atol=atol, rtol=0, msg=name)
 
 
-def _run(tmp_path, net, data, strategy, devices=2, steps=3, **kwargs):
+def _run(tmp_path, net, data, strategy, devices=2, steps=3, callbacks=(), **kwargs):
     rec = Record(tmp_path / "record.pt")
-    trainer = fit(strategy, Net(copy.deepcopy(net), data), devices=devices, max_steps=steps, callbacks=[rec], **kwargs)
+    trainer = fit(strategy, Net(copy.deepcopy(net), data), devices=devices, max_steps=steps, callbacks=[rec, *callbacks],
+                  **kwargs)  # fmt: skip
     return trainer, torch.load(tmp_path / "record.pt")
 
 
 @pytest.mark.parametrize("family", ["bert", "albert"])
 def test_encoder_gradients_losses_and_weights_equal_the_unsharded_model(tmp_path, family):
     """BERT-like and ALBERT-like encoders on 2 ranks (t=2): every step's loss and gradient and the final weights
-    equal one process training the unsharded model on the same batches (1e-5)."""
+    equal one process training the unsharded model on the same batches (1e-5). With gather_on_teardown=False
+    (ALBERT here) the ranks keep their shards after fit; the main process still receives full weights."""
     net, data = _bert(family), _tokens()
-    trainer, got = _run(tmp_path, net, data, TensorParallelStrategy(start_method="fork"))
+    gather = family == "bert"
+    trainer, got = _run(tmp_path, net, data, TensorParallelStrategy(start_method="fork", gather_on_teardown=gather),
+                        callbacks=[SaveAfterFit(tmp_path)])  # fmt: skip
+    assert [torch.load(tmp_path / f"after_fit.rank{r}.pt")["sharded"] for r in range(2)] == [not gather] * 2
     want = reference(net, data, steps=3)
     assert got["losses"] == pytest.approx(want["losses"], abs=1e-5)
     for g, w in zip(got["grads"], want["grads"]):
@@ -149,14 +172,27 @@ def test_encoder_gradients_losses_and_weights_equal_the_unsharded_model(tmp_path
     assert trainer.callback_metrics["pdist/comm_bytes_total"].item() == 3 * (per_step + flag)
 
 
-def test_mlp_stack_equals_the_unsharded_model(tmp_path):
-    """A Linear stack (column, row, replicated head) on 2 ranks equals the unsharded model."""
+def test_mlp_stack_equals_the_unsharded_model_and_every_rank_holds_a_plain_module_after_fit(tmp_path):
+    """A Linear stack (column, row, replicated head) on 2 ranks equals the unsharded model. After fit every rank's
+    module is plain again (gather_on_teardown, the default): the state_dict() each rank saves loads into the plain
+    module in this process (no torch.distributed here) with the trained values, and rank 1 runs the model alone."""
     net, data = _mlp(), _features()
-    trainer, got = _run(tmp_path, net, data, TensorParallelStrategy(start_method="fork"))
+    probe = _features(4).tensors[0]
+    trainer, got = _run(tmp_path, net, data, TensorParallelStrategy(start_method="fork"),
+                        callbacks=[SaveAfterFit(tmp_path, probe)])  # fmt: skip
     want = reference(net, data, steps=3)
     for g, w in zip(got["grads"], want["grads"]):
         _assert_close(g, w)
     _assert_close(dict(trainer.lightning_module.named_parameters()), want["weights"])
+    assert not torch.distributed.is_initialized()
+    for rank in range(2):
+        plain = Net(copy.deepcopy(net), data)
+        plain.load_state_dict(torch.load(tmp_path / f"state_dict.rank{rank}.pt"))  # strict: same keys and shapes
+        _assert_close(dict(plain.named_parameters()), want["weights"])
+    after = torch.load(tmp_path / "after_fit.rank1.pt")
+    assert not after["sharded"]
+    with torch.no_grad():
+        torch.testing.assert_close(after["probe"], plain.net(probe), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -256,8 +292,7 @@ def test_sizes_that_do_not_multiply_to_the_world_size_are_refused_before_any_pro
         ({"plan": {"net.1": "diagonal"}}, ValueError, r"placement must be one of"),
         ({"plan": {"net.1": "replicate"}}, ValueError, r"the plan shards nothing"),
         ({"plan": ["net.1"]}, TypeError, r"plan must be 'auto', 'hybrid' or a dict of placements"),
-        ({"sequence_parallel": True}, ValueError, r"sequence_parallel=True\): sequence parallelism is not "
-                                                  r"implemented yet"),
+        ({"gather_on_teardown": "yes"}, TypeError, r"gather_on_teardown='yes'\): gather_on_teardown must be a bool"),
         ({"sequence_parallel": 1}, TypeError, r"sequence_parallel=1\): sequence_parallel must be a bool"),
         ({"start_method": "thread"}, ValueError, r"start_method must be 'popen', 'spawn', 'fork' or 'forkserver'"),
     ],

@@ -1,0 +1,249 @@
+"""Megatron-style sharded layers on plain tensors: the weights are DTensors, the hot path is not.
+
+Each function here shards one module in place over the tensor-parallel mesh and gives it a forward that takes
+the local shards (``DTensor.to_local()``, differentiable: the gradient lands on the DTensor parameter) and calls
+the explicit collectives of :mod:`.comm`. The DTensor parameters keep the plan's placements for checkpoints
+(``get_model_state_dict`` gathers them, ``set_model_state_dict`` shards them) and for :func:`unshard`.
+
+* column-wise ``nn.Linear``: weight and bias ``Shard(0)``; forward ``x W_i^T + b_i`` after ``f``
+  (or the sequence all-gather);
+* row-wise ``nn.Linear``: weight ``Shard(1)``, bias ``Replicate()`` (a DTensor, so that torch's ``GradScaler`` sees
+  no mix of DTensor and plain gradients in a fully sharded stack); forward ``g(x_i W_i^T) + b``
+  (or the sequence reduce-scatter);
+* fused query/key/value ``nn.Linear`` (``out_features = 3E``, rows ``[q; k; v]``): ``_StridedShard(0,
+  split_factor=3)``, so rank ``i`` holds ``[q_i; k_i; v_i]`` -- the rows of its own heads in each block;
+* ``nn.MultiheadAttention``: its packed ``in_proj_weight``/``in_proj_bias`` the same way, ``out_proj``
+  row-wise; rank ``i`` computes heads ``i*H/t .. (i+1)*H/t - 1`` with ``scaled_dot_product_attention``;
+* under sequence parallelism, ``nn.LayerNorm`` keeps replicated weights whose gradient, computed from this rank's
+  positions only, is summed over the group (``f`` on the weight), and the input of an ``nn.TransformerEncoder``
+  is split along the sequence at its first layer and gathered at its output.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.nn import functional as F
+
+from lightning_pdist.tensor_parallel.comm import TPComm, copy_to, gather_seq, gather_seq_replicated, reduce_from
+from lightning_pdist.tensor_parallel.comm import scatter_seq, split_seq
+
+__all__ = ["Sharding", "is_strided", "local_shard", "shard_attention", "shard_linear", "sequence_parallel_encoder",
+           "unshard"]
+
+
+class Sharding:
+    """What sharding changed on a module tree, so that :func:`unshard` can give back a plain module."""
+
+    def __init__(self) -> None:
+        self.forwards: list[nn.Module] = []  # modules given an instance ``forward``
+        self.hooks: list[Any] = []  # RemovableHandles
+        self.attributes: list[tuple[nn.Module, str, Any]] = []  # (module, name, value to restore)
+
+    def set_forward(self, module: nn.Module, forward: Callable[..., Any]) -> None:
+        module.forward = forward
+        self.forwards.append(module)
+
+    def set_attribute(self, module: nn.Module, name: str, value: Any) -> None:
+        self.attributes.append((module, name, getattr(module, name)))
+        setattr(module, name, value)
+
+
+def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Any) -> None:
+    p = getattr(module, name)
+    if p is None:
+        return
+    dt = distribute_tensor(p.detach(), mesh, [placement])
+    module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+
+
+def _local(p: torch.Tensor | None) -> torch.Tensor | None:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def shard_linear(linear: nn.Linear, placement: str, mesh: DeviceMesh, comm: TPComm, sharding: Sharding,
+                 seq_dim: int | None = None) -> None:  # fmt: skip
+    """``placement``: ``"colwise"``, ``"rowwise"`` or ``"qkv"``; ``seq_dim``: sequence-parallel (its dimension)."""
+    if placement == "rowwise":
+        _distribute(linear, "weight", mesh, Shard(1))
+        _distribute(linear, "bias", mesh, Replicate())
+
+        def row_forward(x: torch.Tensor) -> torch.Tensor:
+            y = F.linear(x, _local(linear.weight))
+            y = reduce_from(y, comm) if seq_dim is None else scatter_seq(y, comm, seq_dim)
+            if linear.bias is None:
+                return y
+            bias = _local(linear.bias)
+            return y + (bias if seq_dim is None else copy_to(bias, comm))
+
+        sharding.set_forward(linear, row_forward)
+        return
+    rows = Shard(0) if placement == "colwise" else _StridedShard(0, split_factor=3)
+    _distribute(linear, "weight", mesh, rows)
+    _distribute(linear, "bias", mesh, rows)
+
+    def col_forward(x: torch.Tensor) -> torch.Tensor:
+        x = copy_to(x, comm) if seq_dim is None else gather_seq(x, comm, seq_dim)
+        return F.linear(x, _local(linear.weight), _local(linear.bias))
+
+    sharding.set_forward(linear, col_forward)
+
+
+def shard_attention(mha: nn.MultiheadAttention, mesh: DeviceMesh, comm: TPComm, sharding: Sharding,
+                    seq_dim: int | None = None) -> None:  # fmt: skip
+    """Split ``mha``'s heads over the group (rows of each head's q, k, v on one rank); ``out_proj`` row-wise."""
+    _distribute(mha, "in_proj_weight", mesh, _StridedShard(0, split_factor=3))
+    _distribute(mha, "in_proj_bias", mesh, _StridedShard(0, split_factor=3))
+    shard_linear(mha.out_proj, "rowwise", mesh, comm, sharding, seq_dim=None if seq_dim is None else 1)
+    heads = mha.num_heads // comm.size
+
+    def enter(x: torch.Tensor) -> torch.Tensor:
+        return copy_to(x, comm) if seq_dim is None else gather_seq(x, comm, 1)
+
+    def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_padding_mask: Any = None,
+                need_weights: bool = True, attn_mask: Any = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        unbatched = query.dim() == 2
+        self_attention, shared_kv = query is key and key is value, key is value
+        if unbatched:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
+        if not mha.batch_first or unbatched:
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        w, b = _local(mha.in_proj_weight), _local(mha.in_proj_bias)
+        e = w.shape[0] // 3
+        ws, bs = w.split(e), (b.split(e) if b is not None else (None, None, None))
+        if self_attention:
+            q, k, v = F.linear(enter(query), w, b).split(e, -1)
+        else:
+            q = F.linear(enter(query), ws[0], bs[0])
+            kx = enter(key)
+            k = F.linear(kx, ws[1], bs[1])
+            v = F.linear(kx if shared_kv else enter(value), ws[2], bs[2])
+        batch, length, src = q.shape[0], q.shape[1], k.shape[1]
+        q, k, v = (t.view(batch, t.shape[1], heads, mha.head_dim).transpose(1, 2) for t in (q, k, v))
+        mask = _additive_mask(attn_mask, key_padding_mask, batch, mha.num_heads, heads * comm.rank, heads, length,
+                              src, q.dtype)  # fmt: skip
+        dropout = mha.dropout if mha.training else 0.0
+        probs = None
+        if need_weights:
+            scores = (q * mha.head_dim**-0.5) @ k.transpose(-2, -1)
+            if mask is None and is_causal:
+                mask = torch.full((length, src), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+            probs = torch.softmax(scores if mask is None else scores + mask, dim=-1)
+            o = F.dropout(probs, dropout, training=dropout > 0) @ v
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                               is_causal=is_causal and mask is None)  # fmt: skip
+        out = mha.out_proj(o.transpose(1, 2).reshape(batch, length, heads * mha.head_dim))
+        if not mha.batch_first or unbatched:
+            out = out.transpose(0, 1)
+        if unbatched:
+            out = out.squeeze(1)
+        weights = None
+        if probs is not None:
+            if average_attn_weights:
+                weights = reduce_from(probs.sum(1), comm) / mha.num_heads
+            else:
+                weights = gather_seq_replicated(probs, comm, 1)
+            weights = weights.squeeze(0) if unbatched else weights
+        return out, weights
+
+    sharding.set_forward(mha, forward)
+
+
+def _additive_mask(attn_mask: Any, key_padding_mask: Any, batch: int, num_heads: int, first: int, heads: int,
+                   length: int, src: int, dtype: torch.dtype) -> torch.Tensor | None:  # fmt: skip
+    """torch's mask conventions (bool: True = masked; float: added) as one float mask for this rank's heads."""
+
+    def additive(m: torch.Tensor) -> torch.Tensor:
+        if m.dtype == torch.bool:
+            return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, float("-inf"))
+        return m.to(dtype)
+
+    mask = None
+    if attn_mask is not None:
+        a = additive(attn_mask)
+        mask = a.view(1, 1, length, src) if a.dim() == 2 else a.view(batch, num_heads, length, src)[:, first:first + heads]
+    if key_padding_mask is not None:
+        kp = additive(key_padding_mask).view(batch, 1, 1, src)
+        mask = kp if mask is None else mask + kp
+    return mask
+
+
+def sequence_parallel_norm(norm: nn.LayerNorm, comm: TPComm, sharding: Sharding) -> None:
+    """A LayerNorm on this rank's positions: its weight's gradient is summed over the group."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        w = None if norm.weight is None else copy_to(norm.weight, comm)
+        b = None if norm.bias is None else copy_to(norm.bias, comm)
+        return F.layer_norm(x, norm.normalized_shape, w, b, norm.eps)
+
+    sharding.set_forward(norm, forward)
+
+
+def sequence_parallel_encoder(encoder: nn.TransformerEncoder, comm: TPComm, sharding: Sharding,
+                              check: Callable[[int], None]) -> int:  # fmt: skip
+    """Split the input of ``encoder``'s first layer along the sequence, gather its output; returns the dimension.
+
+    ``check(length)`` raises when the sequence length cannot be split (called on every rank, before any collective).
+    """
+    first = encoder.layers[0]
+    dim = 1 if first.self_attn.batch_first else 0
+
+    def split(module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        if x.dim() == 2:  # unbatched (S, E)
+            raise ValueError("TensorParallelStrategy(sequence_parallel=True): unbatched (2-D) input to "
+                             "nn.TransformerEncoder is not supported; add a batch dimension")  # fmt: skip
+        check(x.shape[dim])
+        return (split_seq(x, comm, dim), *args[1:])
+
+    def gather(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return gather_seq_replicated(output, comm, dim)
+
+    sharding.hooks.append(first.register_forward_pre_hook(split))
+    sharding.hooks.append(encoder.register_forward_hook(gather))
+    return dim
+
+
+def local_shard(full: torch.Tensor, placement: Any, rank: int, size: int) -> torch.Tensor:
+    """This rank's part of ``full`` under ``placement`` (``Shard``, the per-head ``_StridedShard``, ``Replicate``)."""
+    if isinstance(placement, _StridedShard):
+        blocks = full.chunk(placement.split_factor, placement.dim)
+        return torch.cat([b.chunk(size, placement.dim)[rank] for b in blocks], placement.dim)
+    if isinstance(placement, Shard):
+        return full.chunk(size, placement.dim)[rank]
+    return full
+
+
+def is_strided(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a DTensor split by heads (torch's state-dict loaders misplace its rows: see the strategy)."""
+    return isinstance(p, DTensor) and any(isinstance(pl, _StridedShard) for pl in p.placements)
+
+
+def unshard(module: nn.Module, sharding: Sharding | None) -> None:
+    """Gather every DTensor parameter into a plain full Parameter (a collective: every rank, same order) and
+    undo ``sharding``: the module is the plain, unsharded one again, with the trained values."""
+    memo: dict[int, nn.Parameter] = {}
+    for child in module.modules():
+        for name, p in list(child._parameters.items()):
+            if isinstance(p, DTensor):
+                if id(p) not in memo:
+                    full = p.redistribute(placements=[Replicate()] * p.device_mesh.ndim).to_local()
+                    memo[id(p)] = nn.Parameter(full.detach().clone(), requires_grad=p.requires_grad)
+                child._parameters[name] = memo[id(p)]
+    if sharding is None:
+        return
+    for child in sharding.forwards:
+        child.__dict__.pop("forward", None)
+    for handle in sharding.hooks:
+        handle.remove()
+    for child, name, value in reversed(sharding.attributes):
+        setattr(child, name, value)
+    sharding.forwards.clear(), sharding.hooks.clear(), sharding.attributes.clear()

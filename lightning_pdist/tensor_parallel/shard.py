@@ -1,0 +1,122 @@
+"""Apply a :class:`~lightning_pdist.tensor_parallel.plan.TPPlan` to a module over the tensor-parallel mesh.
+
+Linear layers and ``nn.MultiheadAttention`` get the plain-tensor layers of :mod:`.layers`; ``nn.Embedding``
+placements and the hybrid plan's batch gather use ``torch.distributed.tensor.parallel`` styles. Everything
+changed is recorded in a :class:`~lightning_pdist.tensor_parallel.layers.Sharding`, which
+:func:`~lightning_pdist.tensor_parallel.layers.unshard` undoes.
+
+Sequence parallelism (``sequence_parallel=True``) covers every ``nn.TransformerEncoder`` with sharded layers:
+its input is split along the sequence at the first layer, its LayerNorms, dropouts and residual additions run
+on ``L / t`` positions per rank, its sharded layers all-gather / reduce-scatter along the sequence instead of
+the all-reduces, and its output is gathered. Every ``nn.Linear`` and attention inside must be sharded (a
+replicated one would see only this rank's positions).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel
+from torch.distributed.tensor.parallel import parallelize_module
+
+from lightning_pdist.tensor_parallel.comm import TPComm
+from lightning_pdist.tensor_parallel.layers import Sharding, sequence_parallel_encoder, sequence_parallel_norm
+from lightning_pdist.tensor_parallel.layers import shard_attention, shard_linear
+from lightning_pdist.tensor_parallel.plan import COLWISE, ELEMENTWISE, HEADS, QKV, ROWWISE, TPPlan
+
+__all__ = ["apply_plan", "sequence_parallel_encoders"]
+
+_DTENSOR_STYLES = {COLWISE: ColwiseParallel, ROWWISE: RowwiseParallel}
+
+
+class _HookKey:
+    """A removable entry of a module's hook dict (``parallelize_module`` keeps no handles)."""
+
+    def __init__(self, hooks: dict, key: int) -> None:
+        self.hooks, self.key = hooks, key
+
+    def remove(self) -> None:
+        self.hooks.pop(self.key, None)
+
+
+def _hook_dicts(module: nn.Module) -> list[dict]:
+    return [module._forward_pre_hooks, module._forward_hooks]
+
+
+def sequence_parallel_encoders(module: nn.Module, plan: TPPlan, owner: str) -> dict[str, nn.TransformerEncoder]:
+    """The ``nn.TransformerEncoder`` modules sequence parallelism covers; ``ValueError`` naming what it cannot."""
+    modules = dict(module.named_modules())
+    placed = plan.as_dict()
+    encoders = {name: m for name, m in modules.items() if isinstance(m, nn.TransformerEncoder)
+                and any(n.startswith(f"{name}." if name else "") and p != "replicate" for n, p in placed.items())}  # fmt: skip
+    if not encoders:
+        raise ValueError(f"{owner}: sequence_parallel=True shards the LayerNorm/dropout regions of "
+                         f"nn.TransformerEncoder stacks, and {type(module).__name__} has no nn.TransformerEncoder "
+                         "with sharded layers (transformers' BERT/ALBERT blocks are not covered); leave it False")  # fmt: skip
+    for enc_name, enc in encoders.items():
+        for name, child in enc.named_modules(prefix=enc_name):
+            inside_attention = name.endswith(".out_proj") and placed.get(name.rsplit(".", 1)[0]) == HEADS
+            if isinstance(child, (nn.Linear, nn.MultiheadAttention)) and not inside_attention and \
+                    placed.get(name, "replicate") == "replicate":  # fmt: skip
+                raise ValueError(f"{owner}: sequence_parallel=True: module {name!r} ({type(child).__name__}) inside "
+                                 f"the sequence-parallel {enc_name!r} is not sharded; a replicated layer there would "
+                                 "see only this rank's positions (shard it in the plan, or leave sequence_parallel "
+                                 "False)")  # fmt: skip
+    return encoders
+
+
+def apply_plan(module: nn.Module, plan: TPPlan, mesh: DeviceMesh, comm: TPComm, sequence_parallel: bool,
+               owner: str) -> Sharding:  # fmt: skip
+    """Shard ``module`` in place as ``plan`` says (see the module docstring); returns what was changed."""
+    sharding = Sharding()
+    modules = dict(module.named_modules())
+    encoders = sequence_parallel_encoders(module, plan, owner) if sequence_parallel else {}
+    seq_dims: dict[str, int] = {}
+    for enc_name, enc in encoders.items():
+
+        def check(length: int, enc_name: str = enc_name) -> None:
+            if length % comm.size:
+                raise ValueError(f"{owner}: sequence_parallel=True: the sequence length {length} of the input of "
+                                 f"{enc_name!r} must be divisible by tensor_parallel_size={comm.size} (each rank "
+                                 "holds length / tensor_parallel_size positions)")  # fmt: skip
+
+        dim = sequence_parallel_encoder(enc, comm, sharding, check)
+        for name, child in enc.named_modules(prefix=enc_name):
+            seq_dims[name] = dim
+            if isinstance(child, nn.LayerNorm):
+                sequence_parallel_norm(child, comm, sharding)
+    for name, child in modules.items():
+        if isinstance(child, nn.TransformerEncoderLayer) and name + ".self_attn" in plan.as_dict():
+            sharding.set_attribute(child, "activation_relu_or_gelu", 0)  # torch's fused fast path: whole weights
+        if isinstance(child, nn.TransformerEncoder):
+            sharding.set_attribute(child, "use_nested_tensor", False)
+    styles: dict[str, Any] = {}
+    for name, placement in plan.layers:
+        child = modules[name]
+        if placement == HEADS:
+            shard_attention(child, mesh, comm, sharding, seq_dim=seq_dims.get(name))
+        elif placement in (COLWISE, ROWWISE, QKV) and isinstance(child, nn.Linear):
+            shard_linear(child, placement, mesh, comm, sharding, seq_dim=seq_dims.get(name))
+        elif placement in _DTENSOR_STYLES:
+            styles[name] = _DTENSOR_STYLES[placement]()  # nn.Embedding
+        if placement in (COLWISE, ROWWISE, QKV):
+            parent = modules[name.rsplit(".", 1)[0]] if "." in name else module
+            for sibling in parent.children():
+                if isinstance(sibling, ELEMENTWISE) and getattr(sibling, "inplace", False):
+                    sharding.set_attribute(sibling, "inplace", False)  # in place on a collective's output: refused
+    gather = plan.gather_batch_at
+    if gather is not None:
+        # The FC stack sees every rank's rows: all-gather its input on dim 0, hand back this rank's rows.
+        styles[gather] = PrepareModuleInputOutput(
+            input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(0),), use_local_output=True)  # fmt: skip
+    if styles:
+        before = {name: [set(d) for d in _hook_dicts(modules[name])] for name in styles}
+        parallelize_module(module, mesh, styles)
+        for name, keys in before.items():
+            for hooks, old in zip(_hook_dicts(modules[name]), keys):
+                sharding.hooks += [_HookKey(hooks, key) for key in set(hooks) - old]
+    return sharding
