@@ -6,14 +6,14 @@ that stage ``k+1`` sent back, ``K − 1 − k`` of the stage's own updates after
 keeps an old copy of the weights (the stash depth is 1 on every stage). They differ in what the backward
 differentiates:
 
-* ``ddg`` (Huo, Gu, Yang, Huang, ICML 2018, "Decoupled Parallel Backpropagation with Convergence Guarantee",
-  arXiv:1804.10574): the stage keeps the forward's activations (its autograd graph) and backpropagates ``δ_k``
+* ``ddg`` (Huo, Gu, Yang, Huang, ICML 2018, "Decoupled Parallel Backpropagation with Convergence Guarantee"):
+  the stage keeps the forward's activations (its autograd graph) and backpropagates ``δ_k``
   through them with the **current** weights ``w_{t+s}``: ``g = J_w(h_{k−1}^j; w_{t+s}, a^j)ᵀ δ_k``, where ``a^j`` are the
   stored activations of the forward on ``w_t``, and sends ``J_x(…)ᵀ δ_k`` to stage ``k−1``; then
   ``w ← w − ν·g``. The weights are updated in place, so the stored graph sees them (no copy): memory is the
   activations of the ``K − k`` micro-batches in flight, as PipeDream's, without its ``K − k`` weight versions.
-* ``features_replay`` (Huo, Gu, Huang, NeurIPS 2018, "Training Neural Networks Using Features Replay",
-  arXiv:1807.04511): the forward keeps only the stage's **input** ``h_{k−1}^j`` (no graph); the backward first
+* ``features_replay`` (Huo, Gu, Huang, NeurIPS 2018, "Training Neural Networks Using Features Replay"):
+  the forward keeps only the stage's **input** ``h_{k−1}^j`` (no graph); the backward first
   *replays* the forward on it with the current weights, ``ĥ_k = F_k(h_{k−1}^j; w_{t+s})`` (same dropout mask: the
   stage's random stream is rewound to where the forward drew it), then backpropagates ``δ_k`` through the replay:
   ``g = ∇_w ⟨ĥ_k, δ_k⟩`` and ``∇_x ⟨ĥ_k, δ_k⟩`` to stage ``k−1``. One stored input per micro-batch in flight instead

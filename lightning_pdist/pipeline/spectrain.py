@@ -1,5 +1,5 @@
 """SpecTrain's weight prediction (Chen, Yang, Cheng 2018, "Efficient and Robust Parallel DNN Training through
-Model Parallelism on Multi-GPU Platform", arXiv:1809.02839).
+Model Parallelism on Multi-GPU Platform").
 
 Under PipeDream's timing (1F1B without flushes, every micro-batch a mini-batch, each stage updating right after its
 backward) stage ``k`` runs micro-batch ``j``'s forward on its newest weights ``w_t``, and ``j``'s gradient is applied
