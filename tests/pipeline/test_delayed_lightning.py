@@ -79,3 +79,13 @@ def test_spectrain_without_momentum_is_refused_at_setup():
     with pytest.raises(Exception, match=r"PipelineStrategy\(schedule='spectrain'\): SGD has momentum=0(\.0)? in param group 0"):
         fit(PipelineStrategy(start_method="fork", num_stages=1, schedule="spectrain", num_microbatches=2),
             DeepRegression(lr=LR), devices=1, max_steps=1)  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule", ["spectrain", "ddg", "features_replay"])
+def test_four_stages_on_four_processes(schedule):
+    """One layer per stage on 4 ranks (staleness 3, 2, 1, 0): 3 steps end where the rule's reference ends."""
+    module = DeepRegression(lr=LR, momentum=MU, n=N)
+    fit(PipelineStrategy(start_method="fork", schedule=schedule, num_microbatches=M), module, devices=4, max_steps=3,
+        limit_val_batches=0)  # fmt: skip
+    expected = reference.reference(schedule, [(0, 2), (2, 4), (4, 6), (6, 7)], microbatches()[: 3 * M], lr=LR, mu=MU)
+    torch.testing.assert_close(flat(module.parameters()), flat(t for stage in expected for t in stage), atol=1e-6, rtol=0)
