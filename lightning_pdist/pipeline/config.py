@@ -51,8 +51,9 @@ class PipelineConfig(ConfigErrors):
         if self.vertical_sync and self.spec.vertical_sync_refusal():
             self._fail("vertical_sync", self.spec.vertical_sync_refusal())
         if not self.weight_stashing and not self.spec.optional_stashing:
-            self._fail("weight_stashing", f"turning stashing off is PipeDream's ablation; schedule {self.schedule!r} "
-                                          "either never updates mid-flight (flushed) or needs its two versions (2bw)")  # fmt: skip
+            why = ("either never updates mid-flight (flushed) or needs its two versions (2bw)" if self.spec.stashes else
+                   f"keeps no weight stash to turn off (its backward runs on the {self.spec.backward_on} weights)")  # fmt: skip
+            self._fail("weight_stashing", f"turning stashing off is PipeDream's ablation; schedule {self.schedule!r} {why}")
         if not is_int(self.max_message_bytes) or self.max_message_bytes < 1:
             self._fail("max_message_bytes", "max_message_bytes must be a positive int")
         check_nonfinite_policy(self.nonfinite, self.owner)

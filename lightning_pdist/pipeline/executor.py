@@ -16,6 +16,12 @@ the old storage. So the memory of a stage's weights is one copy per version aliv
 schedule's stash depth says (:meth:`StageExecutor.weight_versions` measures it from the storages).
 With ``weight_stashing=False`` the parameters never move: a pending backward then computes with the
 newest weights and the forward's activations (PipeDream's "no stashing" baseline), on purpose.
+
+**The delayed-gradient family** (the spec's ``backward_on``): ``ddg`` never stashes either (its rule *is* the
+backward on the newest weights through the stored activations, :mod:`.delayed`); ``features_replay`` keeps only the
+stage's input and rewound random stream per micro-batch and replays the forward on the current weights at the
+backward (:func:`~lightning_pdist.pipeline.delayed.replay_backward`); ``spectrain`` runs a micro-batch's forward and
+backward on fresh predicted weights from ``weight_predictor`` (:mod:`.spectrain`), held by its graph only.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from lightning_pdist.pipeline.delayed import replay_backward
 from lightning_pdist.pipeline.schedule import Action, StageCursor, version_for
+from lightning_pdist.pipeline.spectrain import staleness
 from lightning_pdist.pipeline.p2p import BACKWARD, EVAL, FORWARD, P2P
 
 __all__ = ["StageExecutor"]
@@ -40,9 +48,10 @@ class _InFlight:
     """What a micro-batch's backward needs: its input leaf, output (or loss) and weight leaves."""
 
     inputs: Tensor | None
-    output: Tensor
+    output: Tensor | None
     weights: dict[str, Tensor]
-    version: int
+    version: int  # -1: the weights are not a stored version (a prediction, or none kept: features replay)
+    replay: tuple[Tensor, Any] | None = None  # features replay: (the stage's input, its random stream before the forward)
 
 
 class StageExecutor:
@@ -67,6 +76,7 @@ class StageExecutor:
         settle_fn: called before the newest weights are read (a forward on them, or the next update's stash): an
             ``update_fn`` may defer its optimizer step (``2bw`` under loss scaling waits for the other stages'
             overflow flag), and that step must land first.
+        weight_predictor: ``spectrain``: ``(params, s) -> ŵ`` (fresh tensors), the weights ``s`` updates ahead.
     """
 
     def __init__(
@@ -86,6 +96,7 @@ class StageExecutor:
         seed: int | None = None,
         forward_context: Callable[[], AbstractContextManager] = nullcontext,
         settle_fn: Callable[[], None] | None = None,
+        weight_predictor: Callable[[dict[str, Tensor], int], dict[str, Tensor]] | None = None,
     ) -> None:
         self.module, self.stage, self.num_stages, self.schedule = module, stage, num_stages, schedule
         self.p2p, self.prev_rank, self.next_rank = p2p, prev_rank, next_rank
@@ -94,6 +105,10 @@ class StageExecutor:
         self.forward_context, self.settle_fn = forward_context, settle_fn
         self.cursor = StageCursor(schedule, num_stages, stage)
         self.spec = self.cursor.spec
+        if self.spec.predicts_weights and weight_predictor is None:
+            raise ValueError(f"StageExecutor(schedule={schedule!r}): needs a weight_predictor (the weights s updates ahead)")
+        self.weight_predictor = weight_predictor
+        self._last_backward_weights: dict[str, Tensor] = {}  # the leaves the last backward accumulated into
         self.params: dict[str, nn.Parameter] = dict(module.named_parameters())
         self.handlers: dict[str, Callable[[int], None]] = {"F": self.forward, "B": self.backward, "U": self.update}
         self.newest = 0  # updates applied: the newest weight version's id
@@ -189,7 +204,8 @@ class StageExecutor:
 
     def _version_sets(self) -> dict[int, list[Tensor]]:
         """The weight tensors of every version still referenced, keyed by the storage of their first tensor."""
-        sets = [list(self.params.values()), *self.stashed.values(), *(list(w.values()) for w in self.leaves.values())]
+        sets = [list(self.params.values()), *self.stashed.values(), *(list(w.values()) for w in self.leaves.values()),
+                *(list(r.weights.values()) for r in self.in_flight.values() if r.version < 0 and r.weights)]  # fmt: skip
         return {tensors[0].untyped_storage().data_ptr(): tensors for tensors in sets}
 
     def weight_versions(self) -> tuple[int, int]:
@@ -249,6 +265,14 @@ class StageExecutor:
                 stacklevel=2,
             )
         weights = self._weights(version)
+        if self.spec.predicts_weights and (s := staleness(j, self.cursor.backwarded)) > 0:
+            predicted = self.weight_predictor(self.params, s)
+            weights = {name: predicted[name].requires_grad_(p.requires_grad) for name, p in self.params.items()}
+            version = -1
+        replay = None
+        if self.spec.replays_forward and not self.is_last:
+            # Only the input and the random stream are kept; the backward replays the forward on newer weights.
+            replay, version = (x, self._rng_snapshot()), -1
 
         def run_stage(user_input: Any = None) -> Tensor:
             with self.stage_rng():
@@ -260,48 +284,78 @@ class StageExecutor:
             if not isinstance(output, Tensor) or output.ndim != 0:
                 raise RuntimeError(f"pipeline stage {self.stage}: the loss of micro-batch {j} must be a scalar tensor, got {type(output).__name__}")
         else:
-            with self.forward_context():
+            with self.forward_context(), (torch.no_grad() if replay is not None else nullcontext()):
                 output = run_stage()
             if not isinstance(output, Tensor):
                 raise RuntimeError(
                     f"pipeline stage {self.stage}: its output is a {type(output).__name__}; a stage boundary carries one tensor"
                 )
             self.p2p.send(output, self.next_rank, FORWARD, j, version=version if self.is_first else incoming)
-        self.in_flight[j] = _InFlight(x if x is not None and x.requires_grad else None, output, weights, version)
+        if replay is not None:
+            self.in_flight[j] = _InFlight(None, None, {}, -1, replay)
+        else:
+            self.in_flight[j] = _InFlight(x if x is not None and x.requires_grad else None, output, weights, version)
         self._measure()
 
     def backward(self, j: int) -> None:
         record = self.in_flight.pop(j)
         if self.is_last:
-            outputs, grad_outputs = record.output * self.scale(j), None
+            outputs, grad_outputs = (record.output * self.scale(j) if record.output is not None else None), None
         else:
             outputs, grad_outputs = record.output, self.p2p.recv(self.next_rank, BACKWARD, j).tensor
             self.p2p.release(self.next_rank, FORWARD, j)  # next ran its backward j, hence its forward j
-        inputs = [w for w in record.weights.values() if w.requires_grad] + ([record.inputs] if record.inputs is not None else [])
-        if outputs.requires_grad and inputs:
-            # Accumulates into the version's leaves (and the input leaf): C++ accumulation, no copies.
-            torch.autograd.backward(outputs, grad_tensors=grad_outputs, inputs=inputs)
+        if record.replay is not None:
+            g_in, self._last_backward_weights = self._replay(record, grad_outputs)
+        else:
+            inputs = [w for w in record.weights.values() if w.requires_grad] + ([record.inputs] if record.inputs is not None else [])
+            if outputs.requires_grad and inputs:
+                # Accumulates into the version's leaves (and the input leaf): C++ accumulation, no copies.
+                torch.autograd.backward(outputs, grad_tensors=grad_outputs, inputs=inputs)
+            self._last_backward_weights = record.weights
+            g_in = None
+            if record.inputs is not None:
+                g_in = record.inputs.grad if record.inputs.grad is not None else torch.zeros_like(record.inputs)
         self._last_backward_version = record.version
-        if record.inputs is not None and not self.is_first:
-            g_in = record.inputs.grad if record.inputs.grad is not None else torch.zeros_like(record.inputs)
+        if g_in is not None and not self.is_first:
             self.p2p.send(g_in, self.prev_rank, BACKWARD, j, version=record.version)
         del record
         self._release()
+
+    def _rng_snapshot(self) -> Any:
+        """The stage's random stream as a forward is about to draw from it (the process's, without a seed)."""
+        return self.rng_state if self.rng_state is not None else torch.get_rng_state()
+
+    def _replay(self, record: _InFlight, grad_output: Tensor) -> tuple[Tensor | None, dict[str, Tensor]]:
+        """Features replay: the forward again on the stored input with the current weights, then ``δ`` through it."""
+        x, rng = record.replay
+        weights = self._weights(self.newest)
+
+        @contextmanager
+        def rewound() -> Iterator[None]:
+            with torch.random.fork_rng(devices=[]):  # the stage's own stream (or the process's) is left as it was
+                torch.set_rng_state(rng)
+                yield
+
+        def run(leaf: Tensor, w: dict[str, Tensor]) -> Tensor:
+            return functional_call(self.module, w, (leaf,))
+
+        return replay_backward(run, x, weights, grad_output, rewound, self.forward_context, not self.is_first), weights
 
     def update(self, j: int) -> None:
         if self.settle_fn is not None:
             self.settle_fn()  # the previous update's step, if deferred, lands before its weights are stashed
         # The gradient first, then forget versions nobody needs: a stash copy made before that would briefly
         # hold one copy of the weights more than the schedule's depth.
-        leaves = self.leaves.get(self._last_backward_version, {})
+        leaves = self._last_backward_weights
         for name, p in self.params.items():
             leaf = leaves.get(name)
             p.grad = leaf.grad if leaf is not None else None
             if leaf is not None:
                 leaf.grad = None
         del leaves
+        self._last_backward_weights = {}
         self._drop_leaves()
-        if self.weight_stashing and self._current_version_needed():
+        if self.weight_stashing and self.spec.stashes and self._current_version_needed():
             self.stashed[self.newest] = [p.data for p in self.params.values()]
             for p in self.params.values():
                 p.data = p.data.clone()

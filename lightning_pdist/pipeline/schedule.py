@@ -1,4 +1,5 @@
-"""Pipeline schedules as values: GPipe, 1F1B (PipeDream-Flush), PipeDream (asynchronous, stashed) and 2BW.
+"""Pipeline schedules as values: GPipe, 1F1B (PipeDream-Flush), PipeDream (asynchronous, stashed), 2BW, and the
+delayed-gradient family (SpecTrain, DDG, features replay).
 
 A pipeline splits a network into ``K`` stages, one per process, and a batch into ``m`` micro-batches.
 Each stage runs a *program*: a list of actions ``(stage, kind, microbatch)`` written ``1F3`` (stage 1,
@@ -21,6 +22,10 @@ One rule per stage generates every schedule here (:class:`StageCursor`). Stage `
 * ``2bw`` (PipeDream-2BW, Narayanan et al. 2021): the 1F1B order without flushes; gradients of the ``m``
   micro-batches of a batch are accumulated and applied after the batch's last backward. Batch ``b``
   runs on version ``max(0, b - 1)``: ``W(t+1) = W(t) - ν·∇f(W(t-1))``. Two versions per stage (``m >= K``).
+
+* ``spectrain``, ``ddg``, ``features_replay``: ``pipedream``'s programs; what differs is the weights a backward
+  computes with (``ScheduleSpec.backward_on``: a momentum prediction, the current weights through the stored
+  activations, or a replay of the forward), so no stashed versions (:mod:`.spectrain`, :mod:`.delayed`).
 
 A :class:`Schedule` is the finite program of every stage for a number of batches. :func:`validate`
 simulates it in unit time (forward 1, backward ``backward_cost``, update 0), checks that every
@@ -74,6 +79,11 @@ class ScheduleSpec:
             update mid-flight and ``2bw`` needs its two versions.
         needs_microbatches_ge_stages: ``m >= K`` (``1f1b``: the warm-up keeps ``K - s`` in flight within a batch;
             ``2bw``: version ``b - 1`` exists on every stage only when a batch fills the pipeline).
+        backward_on: the weights a backward computes with (the delayed-gradient family, all on PipeDream's timing):
+            ``"forward"`` the forward's version (stashed where needed), ``"prediction"`` the forward's weights
+            predicted from the momentum (``spectrain``, :mod:`.spectrain`), ``"current"`` the newest weights with the
+            forward's stored activations (``ddg``), ``"replay"`` the newest weights after recomputing the forward on
+            the stored input (``features_replay``; :mod:`.delayed` has both).
     """
 
     name: str
@@ -85,6 +95,22 @@ class ScheduleSpec:
     allows_vertical_sync: bool = False
     optional_stashing: bool = False
     needs_microbatches_ge_stages: bool = False
+    backward_on: str = "forward"
+
+    @property
+    def stashes(self) -> bool:
+        """A backward computes with the weights its forward used (a stash where the stage updated in between)."""
+        return self.backward_on == "forward"
+
+    @property
+    def predicts_weights(self) -> bool:
+        """Forward and backward run on weights predicted from the optimizer's momentum (``spectrain``)."""
+        return self.backward_on == "prediction"
+
+    @property
+    def replays_forward(self) -> bool:
+        """The backward first recomputes the stage's forward on the stored input with the current weights."""
+        return self.backward_on == "replay"
 
     @property
     def scalable(self) -> bool:
@@ -118,6 +144,9 @@ SPECS: dict[str, ScheduleSpec] = {
         ScheduleSpec("1f1b", flushed=True, needs_microbatches_ge_stages=True),
         ScheduleSpec("pipedream", updates_per_microbatch=True, allows_vertical_sync=True, optional_stashing=True),
         ScheduleSpec("2bw", delayed_weights=True, needs_microbatches_ge_stages=True),
+        ScheduleSpec("spectrain", updates_per_microbatch=True, backward_on="prediction"),
+        ScheduleSpec("ddg", updates_per_microbatch=True, backward_on="current"),
+        ScheduleSpec("features_replay", updates_per_microbatch=True, backward_on="replay"),
     )
 }
 SCHEDULES = tuple(SPECS)
@@ -419,10 +448,12 @@ def validate(schedule: Schedule, backward_cost: float = 1.0) -> ScheduleStats:
 def _versions(schedule: Schedule, s: int, input_versions: dict[int, int] | None) -> tuple[dict[int, int], int, int]:
     """(version per micro-batch, max in flight, max versions alive) for stage ``s``'s program."""
     program = schedule.programs[s]
-    newest, in_flight, top = 0, set(), 0
+    newest, in_flight, top, backwarded = 0, set(), 0, 0
     used: dict[int, int] = {}
+    backwarded_at: dict[int, int] = {}
     for a in program:
         if a.kind == "F":
+            backwarded_at[a.microbatch] = backwarded
             incoming = input_versions[a.microbatch] if (schedule.vertical_sync and input_versions is not None) else None
             v = version_for(schedule.spec, a.microbatch // schedule.num_microbatches, newest, incoming)
             if v > newest:
@@ -432,8 +463,15 @@ def _versions(schedule: Schedule, s: int, input_versions: dict[int, int] | None)
             top = max(top, len(in_flight))
         elif a.kind == "B":
             in_flight.discard(a.microbatch)
+            backwarded += 1
         else:
             newest += 1
+    if schedule.spec.predicts_weights:
+        from lightning_pdist.pipeline.spectrain import versions_alive  # torch only where SpecTrain is asked about
+
+        return used, top, versions_alive(((a.kind, a.microbatch) for a in program), backwarded_at)
+    if not schedule.spec.stashes:
+        return used, top, 1  # every backward computes with the current weights: nothing is kept
     # A version is alive from its update until its last use (or until superseded, if never used).
     last_use: dict[int, int] = {}
     created = {0: -1}

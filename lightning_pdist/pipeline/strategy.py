@@ -1,4 +1,5 @@
-"""Pipeline parallelism as a Lightning strategy: GPipe, 1F1B, PipeDream (weight stashing) and PipeDream-2BW.
+"""Pipeline parallelism as a Lightning strategy: GPipe, 1F1B, PipeDream (weight stashing), PipeDream-2BW, and the
+delayed-gradient family (SpecTrain, DDG, features replay).
 
 Process layout: ``world_size = num_stages · R``. Global rank ``r`` runs stage ``r // R`` of pipeline
 replica ``r % R`` (stage-major, as Megatron places pipeline stages outermost)::
@@ -48,6 +49,7 @@ from lightning_pdist.core.collectives import all_reduce_mean_, all_reduce_sum_
 from lightning_pdist.pipeline.executor import StageExecutor
 from lightning_pdist.pipeline.p2p import P2P
 from lightning_pdist.pipeline.precision import PipelineMixedPrecision
+from lightning_pdist.pipeline.spectrain import check_momentum, predicted_weights
 from lightning_pdist.core.strategy import PdistStrategy, register_variants
 from lightning_pdist.core.config import refuse_owned_ddp_args
 from lightning_pdist.core.guard import SkipStep
@@ -71,6 +73,11 @@ class PipelineStrategy(PdistStrategy):
       makes every stage use the input stage's version (``K`` versions each).
     * ``"2bw"``: PipeDream-2BW, ``W(t+1) = W(t) - ν·∇f(W(t-1))`` with gradients accumulated over the
       batch's micro-batches; two weight versions per stage.
+    * ``"spectrain"``, ``"ddg"``, ``"features_replay"``: the delayed-gradient family on ``pipedream``'s timing
+      without stashed versions (:mod:`lightning_pdist.pipeline.spectrain`, :mod:`lightning_pdist.pipeline.delayed`):
+      forward and backward on weights predicted from SGD's momentum, ``w − s·ν·v`` (needs ``momentum > 0``); the
+      delayed gradient through the stored activations with the current weights; or through the forward replayed on
+      the stored input with the current weights.
 
     Logged per step: ``pdist/comm_bytes`` (this rank: activations, gradients, headers, replica all-reduce),
     ``pdist/pipeline/bubble`` (mean over stages of the share of the step spent waiting for a neighbour),
@@ -105,7 +112,8 @@ class PipelineStrategy(PdistStrategy):
     Args:
         num_stages: pipeline depth ``K``; ``None``: the world size (no replicas). ``world_size`` must be a
             multiple of it.
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"pipedream"`` or ``"2bw"``.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"pipedream"``, ``"2bw"``, ``"spectrain"``, ``"ddg"`` or
+            ``"features_replay"``.
         num_microbatches: micro-batches per batch ``m``; ``None``: ``2K``, which keeps the flushed bubble at
             ``(K-1)/(3K-1) <= 1/3`` while micro-batches stay large. ``1f1b`` and ``2bw`` need ``m >= K``. A batch
             smaller than ``m`` is cut into as many micro-batches as it has samples.
@@ -256,6 +264,8 @@ class PipelineStrategy(PdistStrategy):
                                  "optimizer over self.parameters(), which on each stage are that stage's layers") from err  # fmt: skip
         if fitting:
             self._check_optimizer_unscaling()
+            if self.config.spec.predicts_weights:
+                check_momentum(self.optimizers[0], type(self).__name__, self.config.schedule)
         self.setup_precision_plugin()
         self.executor = self._make_executor()
         self.announce(trainer)
@@ -328,6 +338,8 @@ class PipelineStrategy(PdistStrategy):
             seed=torch.initial_seed() + 100 * s,
             # Autocast around forwards only, as Lightning runs backward outside training_step's context.
             forward_context=self.precision_plugin.train_step_context, settle_fn=self._settle,
+            weight_predictor=(lambda params, s: predicted_weights(params, self.optimizers[0], s))
+            if self.config.spec.predicts_weights else None,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the user's hooks, per stage

@@ -7,6 +7,7 @@ the flushed schedules, a closed-form version rule for PipeDream (stage ``s`` run
 weights after ``max(0, k-K+s+1)`` updates), and ``W(t+1) = W(t) - lr·∇f(W(t-1))`` for 2BW.
 """
 
+import _delayed_reference as delayed_reference
 import _pipeline_reference as reference
 import pytest
 import torch
@@ -157,6 +158,15 @@ def test_without_stashing_the_gradients_differ(world):
     want = torch.cat([p.reshape(-1) for p in expected[0]])
     assert (got - want).abs().max() > 1e-4
     assert K == 1 or not torch.allclose(got, want)
+
+
+def test_without_stashing_the_backward_is_ddgs(world):
+    """No stashing = DDG's rule (the delayed gradient through the stored activations with the current weights): every
+    micro-batch's gradient reaches an update, also those whose forward ran before the previous update."""
+    K, results = world
+    xs, ys = make_data()
+    mbs = [(x, y) for t in range(BATCHES) for x, y in zip(xs[t].tensor_split(M), ys[t].tensor_split(M))]
+    assert_stages(results, "pipedream_nostash", delayed_reference.reference("ddg", SPLITS[K], mbs, lr=LR, mu=0.0))
 
 
 def test_2bw_follows_its_update_rule(world):
