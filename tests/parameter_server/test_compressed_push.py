@@ -217,10 +217,12 @@ class RecordPushes(Callback):
 
 
 def test_topk_ratio_one_equals_the_uncompressed_ps():
-    """TopK(1.0) on 2 workers and 2 servers (a tensor cut between them) ends where plain-torch sync SGD ends (the
-    uncompressed PS's reference: test_parameter_server.py), with zero residuals."""
-    model = TinyRegression()
+    """TopK(1.0) on 2 workers and 2 servers (a tensor cut between them): bit for bit the uncompressed PS, and where
+    plain-torch sync SGD ends, with zero residuals."""
+    model, plain = TinyRegression(), TinyRegression()
     fit(ps(num_servers=2, compression=TopK(1.0)), model, max_steps=6)
+    fit(ps(num_servers=2), plain, max_steps=6)
+    assert torch.equal(flat(model), flat(plain))
     net, residual, *_ = topk_reference(6, 1.0, n=64)
     torch.testing.assert_close(flat(model), flat(net), atol=1e-6, rtol=0)
     assert all(float(e.abs().max()) == 0.0 for per_rank in residual for e in per_rank)
