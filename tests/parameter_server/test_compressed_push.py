@@ -23,7 +23,10 @@ from lightning_pdist import ParameterServerStrategy
 from lightning_pdist.compression import BF16, DGC, FP16, QSGD, PowerSGD, RandomK, Sign, TernGrad, TopK
 from lightning_pdist.core.push_codec import PushFormatError, decode_push
 from lightning_pdist.parameter_server.client import ParameterServerClient, ServerConnection, ServerError
+from lightning_pdist.parameter_server.coded_push import PushCompressor
+from lightning_pdist.parameter_server.layout import OptimizerLayout
 from lightning_pdist.parameter_server.process import start_server
+from lightning_pdist.parameter_server.sharding import param_specs, plan_sharding
 from lightning_pdist.parameter_server.wire import HEADER, MAGIC, Kind, recv_message
 
 ZSTD = zstandard.ZstdCompressor(level=3, write_checksum=False, write_content_size=True, write_dict_id=False)
@@ -273,3 +276,33 @@ def test_async_qsgd_pushes_equal_plain_torch_qsgd():
                 level = (low + (torch.rand(g.shape, generator=generator) < scaled - low).float()) * torch.where(g < 0, -1.0, 1.0)
                 p -= 0.1 * (level * (norm / 4)).view_as(p)
     torch.testing.assert_close(flat(model), flat(net), atol=1e-6, rtol=0)
+
+
+def test_a_slice_without_gradient_sends_nothing_and_keeps_its_residual():
+    """Worker side, 2 servers (a tensor cut between them): each slice is compressed on its own, keyed by optimizer,
+    server and parameter; a parameter without gradient is absent from the push and its residual waits; the state
+    round-trips through state_dict."""
+    net = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    plan = plan_sharding(param_specs(net), 2, "memory")
+    layout = OptimizerLayout(list(net.named_parameters()), [torch.optim.SGD(net.parameters(), lr=0.1)], plan)
+    coder = PushCompressor(TopK(0.5), layout, rank=0, world_size=2)
+    grads = {n: torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) for i, (n, p) in enumerate(net.named_parameters())}
+    for server in range(2):
+        payload, present = coder.pack(server, 0, grads)
+        slices = layout.slices(server, 0)
+        assert present == "1" * len(slices)
+        offset = 0
+        for name, start, stop in slices:
+            g = grads[name].reshape(-1)[start:stop]
+            decoded, offset = decode_push(payload, stop - start, offset)
+            k = math.ceil(0.5 * (stop - start))
+            idx = g.abs().topk(k).indices
+            assert torch.equal(decoded[idx], g[idx]) and int((decoded != 0).sum()) == k
+            torch.testing.assert_close(coder.state.tensors["residual"][f"0/{server}/{name}"], g - decoded, atol=0, rtol=0)
+        assert offset == len(payload)
+    kept = {k: v.clone() for k, v in coder.state.tensors["residual"].items()}
+    payload, present = coder.pack(0, 0, {**grads, "0.weight": None})
+    assert present[0] == "0" and all(torch.equal(kept[k], v) for k, v in coder.state.tensors["residual"].items() if "0.weight" in k)
+    again = PushCompressor(TopK(0.5), layout, rank=0, world_size=2)
+    again.load_state_dict(coder.state_dict())
+    assert again.payload_bytes == coder.payload_bytes and again.state.tensors["residual"].keys() == kept.keys()
