@@ -32,11 +32,11 @@ MATH = {
     "shared_memory": {"config", "svrg"},
 }
 TRANSPORT = {
-    "core": {"collectives", "hooks", "liveness", "forking", "compression", "control_group"},
+    "core": {"collectives", "hooks", "liveness", "forking", "compression", "control_group", "push_codec"},
     "compression": {"codec", "exchange", "base", "sparsifiers", "quantizers", "powersgd"},
     "averaging": {"replicas"},
     "sign": {"bits", "stats", "participation", "overflow", "hooks", "config"},
-    "parameter_server": {"wire", "auth", "shard", "layout", "loop", "server", "process", "client"},
+    "parameter_server": {"wire", "auth", "shard", "layout", "loop", "server", "process", "client", "coded_push"},
     "pipeline": {"p2p", "executor"},
     "tensor_parallel": {"meter", "comm", "layers", "shard"},
     "diloco": {"exchange", "rounds", "fault_tolerance"},

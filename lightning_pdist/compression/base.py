@@ -10,6 +10,10 @@ Each step, per call of :meth:`~lightning_pdist.core.compression.Compressor.mean`
 4. ``aggregate``: ``Σ_r decompress(payload_r) / N`` in rank order (each term divided first, as DDP divides before it
    sums, so a lossless setting gives DDP's bits on two ranks);
 5. ``commit``: ``e ← x − own`` (error feedback) and the per-key step counts.
+
+A parameter-server push (:meth:`_EFCompressor.compress_push`) runs 1, the compressor's ``push_form`` (one
+:mod:`~lightning_pdist.core.push_codec` form per tensor, which a server decodes without this family) and 5 on the
+worker; the server decodes and applies its rule. Steps 3 and 4 are the server's.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import Tensor
 from lightning_pdist.compression.exchange import gather_payloads, reduce_values
 from lightning_pdist.core.accounting import CommMeter
 from lightning_pdist.core.compression import CompressionState, Compressor
+from lightning_pdist.core.push_codec import DensePush, LevelsPush, SparsePush, encode_push
 
 __all__ = ["Compressed", "GatheredCompressor", "ReducedCompressor", "check_ratio"]
 
@@ -76,15 +81,31 @@ class _EFCompressor(Compressor):
     def step_of(self, state: CompressionState, key: Hashable) -> int:
         return state.extra.get("steps", {}).get(key, 0)
 
-    def _generator(self, state: CompressionState, group: dist.ProcessGroup | None, seed: int) -> torch.Generator:
+    def _generator(self, state: CompressionState, group: dist.ProcessGroup | None, seed: int,
+                   rank: int | None = None) -> torch.Generator:  # fmt: skip
         """The rank's own sampling generator (``seed + rank``), its state kept in ``state`` (checkpointed)."""
         generator = torch.Generator()
         saved = state.extra.get("generator")
         if saved is None:
-            generator.manual_seed(seed * 1_000_003 + _rank(group)[0])
+            generator.manual_seed(seed * 1_000_003 + (_rank(group)[0] if rank is None else rank))
         else:
             generator.set_state(saved)
         return generator
+
+    def push_form(self, x: Tensor, key: Hashable, state: CompressionState,
+                  rank: int) -> tuple[SparsePush | LevelsPush | DensePush, Tensor, Tensor | None]:  # fmt: skip
+        """``(push form, x̂, positions sent or None)`` of one tensor ``x`` a worker pushes to a parameter server."""
+        raise NotImplementedError
+
+    def compress_push(self, g: Tensor, key: Hashable, state: CompressionState, rank: int,
+                      world_size: int) -> tuple[bytes, Tensor]:  # fmt: skip
+        """A parameter-server push: ``x = prepare(g)``, its push form's bytes, then ``commit`` (``e ← x − x̂``) here."""
+        x = self.prepare(g, key, state, world_size)
+        form, own, sent = self.push_form(x, key, state, rank)
+        if "pending_generator" in state.extra:
+            state.extra["generator"] = state.extra.pop("pending_generator")
+        self.commit(key, state, g, x, own.reshape(x.shape), sent, world_size)
+        return encode_push(form), own.reshape(g.shape)
 
     def mean(self, tensors: Sequence[Tensor], keys: Sequence[Hashable], state: CompressionState,
              group: dist.ProcessGroup | None, meter: CommMeter | None, kind: str) -> list[Tensor] | None:  # fmt: skip

@@ -1,6 +1,7 @@
 """Bytes on the wire: the coded index stream of the sparse compressors, and dense values as bytes.
 
-**Indices** (TopK, DGC): a rank's selected positions, sorted, become gaps ``g_0 = i_0``, ``g_j = i_j − i_{j−1} − 1``
+**Indices** (TopK, DGC; the coder lives in :mod:`lightning_pdist.core.push_codec`, which the parameter server's
+compressed pushes share): a rank's selected positions, sorted, become gaps ``g_0 = i_0``, ``g_j = i_j − i_{j−1} − 1``
 (non-negative; at density ``ρ`` they are about geometric with mean ``1/ρ − 1``); the gaps are stored as
 little-endian uint32 and *byte-shuffled* (all low bytes, then all second bytes, ...), so the high bytes, nearly all
 zero, form long runs; the result is compressed with Zstandard (``zstandard``, the reference libzstd binding,
@@ -19,30 +20,13 @@ import torch
 import zstandard
 from torch import Tensor
 
+from lightning_pdist.core.push_codec import decode_indices, encode_indices  # one coder: the PS's pushes use it too
+
 __all__ = ["decode_indices", "encode_indices", "from_bytes", "to_bytes"]
 
 _LEVEL = 3
 _compressor = zstandard.ZstdCompressor(level=_LEVEL, write_checksum=False, write_content_size=True, write_dict_id=False)
 _decompressor = zstandard.ZstdDecompressor()
-
-
-def encode_indices(indices: Tensor) -> bytes:
-    """Sorted, distinct, non-negative int64 ``indices`` (< 2**32) as a coded byte string."""
-    idx = indices.detach().cpu().numpy().astype(np.int64, copy=False)
-    if idx.size == 0:
-        return b""
-    gaps = np.diff(idx, prepend=-1) - 1
-    shuffled = gaps.astype("<u4").view(np.uint8).reshape(-1, 4).T
-    return _compressor.compress(np.ascontiguousarray(shuffled).tobytes())
-
-
-def decode_indices(data: bytes, count: int) -> Tensor:
-    """The ``count`` int64 indices :func:`encode_indices` coded into ``data``."""
-    if count == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    raw = np.frombuffer(_decompressor.decompress(data, max_output_size=4 * count), dtype=np.uint8)
-    gaps = np.ascontiguousarray(raw.reshape(4, count).T).view("<u4").reshape(-1).astype(np.int64)
-    return torch.from_numpy(np.cumsum(gaps + 1) - 1)
 
 
 def zstd(data: bytes) -> bytes:

@@ -60,6 +60,11 @@ class PowerSGD(Compressor):
 
     name = "powersgd"
     uses = ("gradients",)
+    refusals = {
+        "pushes": "PowerSGD needs an all-reduce (every rank's P and Q factors summed in lockstep, torch's state "
+                  "keyed by DDP bucket); a parameter server takes each worker's push on its own",
+        "deltas": "torch's PowerSGD state is keyed by DDP gradient bucket",
+    }
 
     def __init__(self, rank: int = 1, start_iter: int = 2, min_compression_rate: float = 2.0,
                  error_feedback: bool = True, warm_start: bool = True, seed: int = 0) -> None:  # fmt: skip

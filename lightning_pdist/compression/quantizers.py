@@ -18,6 +18,7 @@ from lightning_pdist.compression.base import Compressed, GatheredCompressor, Red
 from lightning_pdist.compression.codec import from_bytes, to_bytes, unzstd, zstd
 from lightning_pdist.compression.quantize import pack_bits, qsgd_levels, scaled_sign, terngrad_levels, unpack_bits
 from lightning_pdist.core.compression import CompressionState
+from lightning_pdist.core.push_codec import DensePush, LevelsPush
 
 __all__ = ["BF16", "FP16", "QSGD", "Sign", "TernGrad"]
 
@@ -58,6 +59,19 @@ class _Scaled(GatheredCompressor):
         body = self.encode_levels(torch.cat(levels) if levels else torch.zeros(0, dtype=torch.int32))
         return Compressed(struct.pack(f"<{len(xs)}f", *scales) + body, own)
 
+    #: the dtype levels travel in, in a push (:class:`~lightning_pdist.core.push_codec.LevelsPush`)
+    push_dtype = torch.int8
+
+    def push_form(self, x: Tensor, key: Hashable, state: CompressionState, rank: int):
+        """A push's ``(scale, divisor, levels)``, Zstandard-coded by the push codec."""
+        seed = getattr(self, "seed", None)
+        generator = self._generator(state, None, seed, rank) if seed is not None else None
+        scale, lv = self.levels_of(x, generator)
+        scale = struct.unpack("<f", struct.pack("<f", scale))[0]  # the fp32 the server reads
+        if generator is not None:
+            state.extra["pending_generator"] = generator.get_state()
+        return LevelsPush(scale, self.divisor, lv.cpu().to(self.push_dtype)), self.values_of(scale, lv), None
+
     def decompress(self, payload: bytes, xs: Sequence[Tensor], keys, state) -> list[Tensor]:
         scales = struct.unpack_from(f"<{len(xs)}f", payload)
         levels = self.decode_levels(payload[4 * len(xs):], sum(x.numel() for x in xs))
@@ -96,6 +110,8 @@ class QSGD(_Scaled):
     @property
     def _dtype(self) -> torch.dtype:
         return torch.int8 if self.levels <= 127 else torch.int16
+
+    push_dtype = _dtype
 
     def levels_of(self, x, generator):
         return qsgd_levels(x, self.levels, generator)
@@ -188,6 +204,11 @@ class FP16(ReducedCompressor):
         halves = [x.reshape(-1).to(self.dtype) for x in xs]
         own = [h.float().view(x.shape) for h, x in zip(halves, xs)]
         return Compressed(torch.cat(halves) if halves else torch.zeros(0, dtype=self.dtype), own)
+
+    def push_form(self, x: Tensor, key, state, rank: int):
+        """A push's values in half precision."""
+        half = x.reshape(-1).to(self.dtype)
+        return DensePush(half.cpu()), half.float(), None
 
     def decompress_sum(self, summed: Tensor, xs, keys, state) -> list[Tensor]:
         out, start = [], 0

@@ -19,6 +19,7 @@ from lightning_pdist.compression.base import Compressed, GatheredCompressor, Red
 from lightning_pdist.compression.codec import decode_indices, encode_indices, from_bytes, to_bytes
 from lightning_pdist.compression.sparse import dgc_density, keep_count, local_clip, random_indices, topk_indices
 from lightning_pdist.core.compression import CompressionState
+from lightning_pdist.core.push_codec import SparsePush
 
 __all__ = ["DGC", "RandomK", "TopK"]
 
@@ -86,6 +87,14 @@ class TopK(GatheredCompressor):
         coded = encode_indices(torch.cat([i.cpu() + o for i, o in zip(sent, offsets)]))
         payload = struct.pack("<I", len(coded)) + coded + to_bytes(torch.cat(values))
         return Compressed(payload, own, sent)
+
+    def push_form(self, x: Tensor, key: Hashable, state: CompressionState, rank: int):
+        """A push's ``(indices, values)``: this tensor's top-k (sorted positions, values in ``values``' dtype)."""
+        idx = topk_indices(x, self.counts([x], [key], state)[0])
+        vals = x.reshape(-1)[idx].to(_VALUE_DTYPES[self.values])
+        own = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
+        own[idx] = vals.float()
+        return SparsePush(idx.cpu(), vals.cpu()), own, idx
 
     def decompress(self, payload: bytes, xs: Sequence[Tensor], keys: Sequence[Hashable],
                    state: CompressionState) -> list[Tensor]:  # fmt: skip
@@ -203,6 +212,12 @@ class RandomK(ReducedCompressor):
             dense[i] = v
             own.append(dense.view(x.shape))
         return Compressed(torch.cat(vals) if vals else torch.zeros(0), own, sent)
+
+    def push_form(self, x: Tensor, key: Hashable, state: CompressionState, rank: int):
+        """A push's ``(indices, values)``: a server does not draw the positions, so they travel (coded) with the values."""
+        compressed = self.compress([x], [key], state)
+        idx = compressed.sent[0]
+        return SparsePush(idx.cpu(), x.reshape(-1)[idx].cpu() * self._scale(x, idx)), compressed.own[0], idx
 
     def decompress_sum(self, summed: Tensor, xs, keys, state) -> list[Tensor]:
         out, start = [], 0

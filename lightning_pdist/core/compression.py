@@ -84,6 +84,8 @@ class Compressor(ABC):
     #: Whether ``decompress(compress(x)) == x`` always (then error feedback is meaningless and off).
     lossless: bool = False
     error_feedback: bool = False
+    #: Why a use outside :attr:`uses` cannot work (``use -> reason``), quoted by :func:`refuse_compression`.
+    refusals: dict[str, str] = {}
 
     def new_state(self) -> CompressionState:
         """A fresh run-time state (one per rank and per use)."""
@@ -98,6 +100,18 @@ class Compressor(ABC):
         rank's input was not finite; the state is then left as it was (the non-finite policy decides, before
         anything is compressed into a residual).
         """
+
+    def compress_push(self, g: Tensor, key: Hashable, state: CompressionState, rank: int,
+                      world_size: int) -> tuple[bytes, Tensor]:  # fmt: skip
+        """One tensor of a parameter-server push, on the worker: ``(its bytes, x̂)``.
+
+        The bytes are one :mod:`~lightning_pdist.core.push_codec` form (what the server decodes, knowing only the
+        tensor's size); ``x̂`` is exactly what the server will decode from them. Error feedback stays on the worker:
+        ``e ← x − x̂`` (and the per-key step counts) are committed here, in ``state``. ``rank`` seeds a compressor's
+        own random draws; ``world_size`` is the number of workers. Only for compressors whose :attr:`uses` include
+        ``"pushes"``.
+        """
+        raise ValueError(f"{type(self).__name__} does not carry parameter-server pushes")
 
     def ddp_hook(self, state: CompressionState, meter: CommMeter | None, keys: dict[int, Hashable],
                  track_nonfinite: bool) -> tuple[object, Callable]:
@@ -121,8 +135,10 @@ def refuse_compression(owner: str, compression: Any, use: str) -> Compressor | N
         raise TypeError(f"{owner}(compression={compression!r}): compression must be None or a compressor from "
                         "lightning_pdist.compression, e.g. TopK(0.01)")  # fmt: skip
     if use not in compression.uses:
+        why = compression.refusals.get(use)
         raise ValueError(f"{owner}(compression={compression!r}): {owner} compresses {use}, which "
-                         f"{type(compression).__name__} cannot carry (it carries {', '.join(compression.uses)})")
+                         f"{type(compression).__name__} cannot carry (it carries {', '.join(compression.uses)})"
+                         + (f": {why}" if why else ""))  # fmt: skip
     return compression
 
 

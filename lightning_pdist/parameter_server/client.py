@@ -37,7 +37,7 @@ __all__ = ["WAIT_GRACE", "ParameterServerClient", "ServerConnection", "ServerErr
 #: Seconds a waiting request's reply may take beyond ``timeout``: the server answers at ``timeout`` when other
 #: workers hold it back (naming them); only a server that has not answered by ``timeout + WAIT_GRACE`` is blamed.
 WAIT_GRACE = 10.0
-_WAITING_KINDS = (Kind.PULL, Kind.PUSHPULL)
+_WAITING_KINDS = (Kind.PULL, Kind.PUSHPULL, Kind.PUSHPULL_CODED)
 
 
 class ServerUnavailable(RuntimeError):
@@ -237,18 +237,21 @@ class ParameterServerClient:
         replies = self.map(Kind.PULL, [meta] * self.num_servers)
         return [bytes_to_tensor(p, m["dtype"]) for m, p in replies], [m for m, _ in replies]
 
-    def push(self, shards: list[Tensor], versions: list[int], hparams: list[dict], pull: bool = False,
-             extras: list[dict] | None = None):  # fmt: skip
+    def push(self, shards: list[Tensor | bytes], versions: list[int], hparams: list[dict], pull: bool = False,
+             extras: list[dict] | None = None, coded: bool = False):  # fmt: skip
         """Push a gradient shard to every server; with ``pull`` also get the new shards back (one round trip).
 
         ``versions[s]`` is the version of server ``s``'s shard the gradient was computed on (the step id
         that synchronous servers drop late gradients by). ``extras[s]`` is merged into server ``s``'s request
         (``optimizer``: which user optimizer stepped, ``present``: which of its pieces the payload holds; see
-        :mod:`lightning_pdist.parameter_server.shard`). Returns ``(shards or None, reply metas)``.
+        :mod:`lightning_pdist.parameter_server.shard`). With ``coded``, each of ``shards`` is the bytes of one
+        compressed tensor per present piece (:mod:`lightning_pdist.core.push_codec`), sent as ``PUSH_CODED``.
+        Returns ``(shards or None, reply metas)``.
         """
         extras = extras if extras is not None else [{}] * len(versions)
         metas = [{"worker": self.worker, "version": v, "hparams": hparams, **e} for v, e in zip(versions, extras)]
-        replies = self.map(Kind.PUSHPULL if pull else Kind.PUSH, metas, shards)
+        kinds = (Kind.PUSHPULL_CODED, Kind.PUSH_CODED) if coded else (Kind.PUSHPULL, Kind.PUSH)
+        replies = self.map(kinds[0] if pull else kinds[1], metas, shards)
         metas = [m for m, _ in replies]
         if not pull:
             return None, metas

@@ -82,6 +82,10 @@ class OptimizerLayout:
         """``name -> .grad`` (``None`` where the worker has none) of ``optimizer``'s parameters."""
         return {name: self.params[name].grad for name in self.names_of(optimizer)}
 
+    def slices(self, server: int, optimizer: int) -> list[tuple[str, int, int]]:
+        """``(name, start, stop)`` of ``optimizer``'s non-empty slices on ``server``, in shard order."""
+        return list(self._slices.get((server, optimizer), []))
+
     def pack(self, server: int, optimizer: int, grads: Mapping[str, Tensor | None]) -> tuple[Tensor, str]:
         """``(compact gradient, present)`` of ``optimizer``'s slices on ``server`` (see the module docstring)."""
         parts, present = [], []

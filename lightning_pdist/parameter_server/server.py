@@ -41,7 +41,16 @@ from lightning_pdist.parameter_server.rules import (
 from lightning_pdist.parameter_server.elastic import ElasticCenter
 from lightning_pdist.parameter_server.loop import Connection, ConnectionLoop, RequestRefused, ServerLimits
 from lightning_pdist.parameter_server.shard import ELEMENTWISE_OPTIMIZERS, ParameterShard, parse_present
-from lightning_pdist.parameter_server.wire import Kind, bytes_to_tensor, dumps_state, loads_state, tensor_bytes
+from lightning_pdist.core.push_codec import decode_push
+from lightning_pdist.parameter_server.wire import (
+    CODED,
+    Kind,
+    bytes_to_tensor,
+    coded_payload_limit,
+    dumps_state,
+    loads_state,
+    tensor_bytes,
+)
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
@@ -199,6 +208,8 @@ class ShardServer:
         shard_bytes = self.shard.flat.numel() * self.shard.flat.element_size()
         if kind in (Kind.PUSH, Kind.PUSHPULL):
             return shard_bytes
+        if kind in CODED:
+            return coded_payload_limit(self.shard.flat.numel(), len(self.shard.segments))
         if kind == Kind.ELASTIC:  # a worker's x_i, this shard's size; no other mode takes one
             return shard_bytes if self.elastic is not None else 0
         if kind == Kind.SET_STATE:  # values, up to 3 optimizer moments, one DC backup per worker, and overhead
@@ -225,6 +236,8 @@ class ShardServer:
 
     # ------------------------------------------------------------------ requests
     def handle(self, conn: Connection, kind: Kind, meta: dict, payload: bytearray) -> None:
+        coded = kind in CODED  # a compressed push: decoded in _check_push, then the same as its plain kind
+        kind = CODED.get(kind, kind)
         if kind == Kind.INIT:
             self._init(meta, payload)
             self._reply(conn, Kind.REPLY, {"server": self.index, "numel": self.shard.flat.numel()})
@@ -274,7 +287,7 @@ class ShardServer:
             if kind == Kind.PULL and payload:
                 raise RequestRefused(f"PULL: payload of {len(payload)} bytes: a PULL carries none")
             self.last_heard[worker] = time.monotonic()
-            ack = self._push(worker, kind, meta, payload) if kind != Kind.PULL else {}
+            ack = self._push(worker, kind, meta, payload, coded) if kind != Kind.PULL else {}
             if kind == Kind.PUSH:
                 self._reply(conn, Kind.REPLY, {**ack, **self._stats()})
             else:
@@ -366,9 +379,32 @@ class ShardServer:
         self.version = 0
         self.failed, self.steps_closed, self.refusals = None, False, {}
 
-    def _check_push(self, worker: int, kind: Kind, meta: dict, payload: bytearray) -> tuple[int, list[bool], Tensor, Any, int | None]:
+    def _decode(self, payload: bytearray, k: int, present: list[bool]) -> Tensor:
+        """The compact gradient of a compressed push: one tensor per present piece of optimizer ``k``, in shard order.
+
+        Each piece's size comes from the shard layout, so nothing decoded is larger than the piece it fills
+        (:func:`~lightning_pdist.core.push_codec.decode_push` bounds every length first); trailing bytes are refused.
+        """
+        parts, offset = [], 0
+        pieces = self.shard.pieces[k]
+        if len(present) != len(pieces):
+            raise ValueError(f"present of {len(present)} pieces; optimizer {k} has {len(pieces)} here")
+        for i, ((start, stop, _), p) in enumerate(zip(pieces, present)):
+            if p:
+                try:
+                    part, offset = decode_push(payload, stop - start, offset)
+                except ValueError as err:
+                    raise ValueError(f"compressed piece {i} ({stop - start} elements): {err}") from None
+                parts.append(part)
+        if offset != len(payload):
+            raise ValueError(f"compressed payload of {len(payload)} bytes; its pieces end at byte {offset}")
+        compact = torch.cat(parts) if parts else torch.zeros(0)
+        return compact.to(self.shard.flat.dtype)
+
+    def _check_push(self, worker: int, kind: Kind, meta: dict, payload: bytearray,
+                    coded: bool = False) -> tuple[int, list[bool], Tensor, Any, int | None]:  # fmt: skip
         """``(optimizer, present, shard-sized gradient, hparams, version)`` of a push; refuses before anything changes."""
-        name = kind.name
+        name = kind.name if not coded else f"{kind.name}_CODED"
         count = len(self.shard.optimizers)
         k = _field(meta, "optimizer", name, f"an int in [0, {count})", lambda v: _is_int(v) and 0 <= v < count, 0)
         if self.aggregator is not None:
@@ -379,17 +415,18 @@ class ShardServer:
         _field(meta, "dtype", name, f"{dtype!r}, the shard's dtype", lambda v: v == dtype, dtype)
         try:
             present = parse_present(meta.get("present"), len(self.shard.pieces[k]))
-            grad = self.shard.expand(bytes_to_tensor(payload, dtype), k, present)
+            compact = self._decode(payload, k, present) if coded else bytes_to_tensor(payload, dtype)
+            grad = self.shard.expand(compact, k, present)
             hparams = meta.get("hparams")
             self.shard.check_hparams(hparams, k)
         except ValueError as err:
             raise RequestRefused(f"{name}: {err}") from None
         return k, present, grad, hparams, version
 
-    def _push(self, worker: int, kind: Kind, meta: dict, payload: bytearray) -> dict:
+    def _push(self, worker: int, kind: Kind, meta: dict, payload: bytearray, coded: bool = False) -> dict:
         if self.failed:
             raise RuntimeError(self.failed)
-        k, present, grad, hparams, version = self._check_push(worker, kind, meta, payload)
+        k, present, grad, hparams, version = self._check_push(worker, kind, meta, payload, coded)
         if self.aggregator is not None and self.steps_closed:  # the others finished: nobody can close a step
             self.aggregator.num_dropped += 1
             return {"accepted": False, "staleness": 0, "contributors": []}

@@ -54,6 +54,8 @@ from lightning_pdist.parameter_server.sharding import ShardingPlan, param_specs,
 from lightning_pdist.core.accounting import all_reduce_bytes
 from lightning_pdist.parameter_server.auth import read_secret_file
 from lightning_pdist.parameter_server.client import ParameterServerClient
+from lightning_pdist.parameter_server.coded_push import PushCompressor
+from lightning_pdist.core.compression import Compressor
 from lightning_pdist.parameter_server.elastic_worker import ElasticWorkerMixin
 from lightning_pdist.parameter_server.layout import OptimizerLayout, accumulate_grads, group_hparams, numeric_hparams
 from lightning_pdist.parameter_server.placement import check_placement, placed_nodes, start_servers, stop_servers
@@ -119,6 +121,11 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
         easgd_alpha: ``α`` in ``(0, 1]``, the elastic coefficient (``mode="easgd"``; ``None``: ``0.9 / N``).
         nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what the workers do when a gradient
             holds NaN/Inf before its push (the method card's "Non-finite values").
+        compression: a compressor from :mod:`lightning_pdist.compression` (``TopK(0.01)``, ``DGC()``, ``QSGD()``,
+            ``TernGrad()``, ``RandomK``, ``Sign``, ``FP16``, ``BF16``; not ``PowerSGD``, which needs an all-reduce):
+            each worker compresses every parameter slice it pushes, keeping its error-feedback residual itself
+            (checkpointed in its rank file); the servers decode and apply their rule (:mod:`~.coded_push`).
+            Not with ``mode="easgd"`` (no gradient pushes there). Pulls are not compressed.
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (``start_method``,
             ``timeout`` of the workers' gloo group: the rendezvous, barriers and broadcasts, default 30 min, ...).
             Nothing is wrapped in ``DistributedDataParallel``. The method card's "Timeouts and hung workers" has
@@ -128,6 +135,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
     strategy_name = "parameter_server"
     progress_bar_keys = {"pdist/ps/wait_s": ("wait", "s")}  # time blocked on the servers, beside comm=
     wraps_in_ddp = False  # gradients go to the servers, not through DDP: no find_unused_parameters variants
+    compression_use = "pushes"
 
     def __init__(
         self,
@@ -149,9 +157,14 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
         easgd_period: int | None = None,
         easgd_alpha: float | None = None,
         nonfinite: str = "raise",
+        compression: Compressor | None = None,
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
+        if compression is not None and mode == "easgd":
+            raise ValueError(f"{owner}(compression={compression!r}, mode='easgd'): compression compresses gradient "
+                             "pushes, and mode='easgd' pushes none (its workers exchange parameters with the center); "
+                             "use mode='sync', 'async' or 'ssp', or compression=None")  # fmt: skip
         refuse_owned_ddp_args(owner, kwargs, "gradients go to the parameter servers")
         self.config = ParameterServerConfig(
             num_servers=num_servers, sharding=sharding, mode=mode, staleness=staleness, backup_workers=backup_workers,
@@ -161,7 +174,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
             allowed_networks=allowed_networks, server_timeout=server_timeout, easgd_period=easgd_period,
             easgd_alpha=easgd_alpha, owner=owner,
         )  # fmt: skip
-        super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
+        super().__init__(nonfinite=nonfinite, compression=compression, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
                          model_averaging_period=None, **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
         if server_addresses is not None and server_secret_file is None:
             rank_zero_warn(f"{owner}(server_addresses={list(server_addresses)!r}, server_secret_file=None): these servers "
@@ -190,6 +203,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
         self._exchanged = False  # whether this worker met the servers since the last logged step
         self._eval_backup: Tensor | None = None
         self._finalized = False
+        self.push_compressor: PushCompressor | None = None  # compression=: this worker's coder and residuals
 
     # ------------------------------------------------------------------ world
     @override
@@ -335,6 +349,11 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
         self._elastic_start()
         if self.elastic and self._loaded_pdist_state is not None:
             self._load_elastic_rank_state(*self._loaded_rank_state)
+        self.push_compressor = None
+        if self.compression is not None:
+            self.push_compressor = PushCompressor(self.compression, self.layout, rank, world_size)
+            if self._loaded_pdist_state is not None:
+                self._load_push_state(*self._loaded_rank_state)
         self._loaded_rank_state = (None, "")
 
     def _use_loss_scaling(self, owner: str) -> None:
@@ -426,10 +445,13 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
 
     def _push(self, k: int, grads: dict[str, Tensor | None], pull: bool) -> tuple[list[Tensor] | None, list[dict]]:
         """Push optimizer ``k``'s gradients (only those present) to every server, with its current hyperparameters."""
-        packed = [self.layout.pack(s, k, grads) for s in range(self.plan.num_servers)]
+        coder = self.push_compressor
+        pack = coder.pack if coder is not None else self.layout.pack
+        packed = [pack(s, k, grads) for s in range(self.plan.num_servers)]
         extras = [{"optimizer": k, "present": present} for _, present in packed]
         hparams = [numeric_hparams(group) for group in self.optimizers[k].param_groups]
-        return self.client.push([g for g, _ in packed], self._versions, hparams, pull=pull, extras=extras)
+        return self.client.push([g for g, _ in packed], self._versions, hparams, pull=pull, extras=extras,
+                                coded=coder is not None)  # fmt: skip
 
     def _agree_overflow(self, overflowed: bool) -> bool:
         """Whether this step's push is skipped: ``sync``, if any worker overflowed; ``async``/``ssp``, if this one did."""
@@ -687,8 +709,25 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
 
     @override
     def pdist_rank_state(self) -> dict | None:
-        """``mode="easgd"`` during fit: this worker's ``x_i``, optimizer state and local steps (its own file)."""
-        return self._elastic_rank_state() if self.elastic and self._fitting() else None
+        """This worker's own file: ``mode="easgd"`` during fit, its ``x_i``, optimizer state and local steps; with
+        ``compression``, its residuals and compressor state."""
+        if self.elastic:
+            return self._elastic_rank_state() if self._fitting() else None
+        return None if self.push_compressor is None else {"compressed_push": self.push_compressor.state_dict()}
+
+    def _load_push_state(self, own: dict | None, reason: str) -> None:
+        """This worker's residuals, or (when any worker lacks its file: agreed) fresh ones on every worker, warned."""
+        own = own.get("compressed_push") if own is not None else None
+        missing = torch.tensor([0 if own is not None else 1 + self.global_rank], dtype=torch.int64)
+        if self.workers is not None and self.world_size > 1:
+            self.workers.all_reduce_(missing, "max")
+        if own is None or missing.item():
+            why = reason or "it holds no compression state" if own is None else \
+                f"worker {missing.item() - 1} has no part of this checkpoint"  # fmt: skip
+            rank_zero_warn(f"{type(self).__name__}(compression={self.compression!r}): {why}; every worker resumes "
+                           "with zero error-feedback residuals (the resume is not exact).")  # fmt: skip
+            return
+        self.push_compressor.load_state_dict(own)
 
     def _restore_servers(self, state: dict) -> None:
         servers = state.get("servers")

@@ -56,7 +56,9 @@ __all__ = [
     "MAX_REQUEST_META",
     "PeerClosed",
     "address_allowed",
+    "CODED",
     "bytes_to_tensor",
+    "coded_payload_limit",
     "decode_meta",
     "dumps_state",
     "encode_message",
@@ -90,11 +92,24 @@ class Kind(enum.IntEnum):
     CHALLENGE = 10  # server -> client, first on a connection to a server with a secret: payload = nonce
     AUTH = 11  # client -> server, the answer: payload = HMAC proof, {"nonce"}; reply {"proof"} (parameter_server/auth.py)
     ELASTIC = 12  # worker -> server, mode="easgd": payload = its x_i shard; reply payload = e = α(x_i − x̃) (elastic.py)
+    PUSH_CODED = 13  # PUSH whose payload is one compressed tensor per present piece (core/push_codec.py), in shard order
+    PUSHPULL_CODED = 14  # PUSHPULL with that payload
     REPLY = 20
     ERROR = 21
 
 
 _KINDS = frozenset(int(k) for k in Kind)
+#: The compressed push kinds and the plain kinds whose semantics they share.
+CODED = {Kind.PUSH_CODED: Kind.PUSH, Kind.PUSHPULL_CODED: Kind.PUSHPULL}
+
+
+def coded_payload_limit(numel: int, pieces: int) -> int:
+    """The most bytes a compressed push of ``numel`` elements in ``pieces`` pieces can need (any form).
+
+    Per piece of ``d`` elements: a sparse push with ``k = d`` is 10 header bytes, the coded indices (Zstandard's
+    bound on ``4d`` bytes: ``4d + 4d/128 + 64``) and ``4d`` value bytes; a levels or dense push needs less.
+    """
+    return 9 * numel + 128 * pieces + 4096
 
 
 class PeerClosed(ConnectionError):
