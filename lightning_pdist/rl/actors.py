@@ -39,12 +39,12 @@ class ActorPool:
     """``num_actors`` forked actor processes connected to this (the learner's) process."""
 
     def __init__(self, config: _Common, module: Any, params: Callable[[], torch.Tensor],
-                 states: list[dict[str, Any] | None], host: str = "127.0.0.1") -> None:  # fmt: skip
+                 states: list[dict[str, Any] | None], obs_numel: int, host: str = "127.0.0.1") -> None:  # fmt: skip
         self.config, self.params, self.owner = config, params, config.owner
         numel = int(params().numel())
         self.params_bytes = 4 * numel + 4096
-        # a chunk: send_every transitions of two observations (at most 2^16 float32 values each), the actor's state
-        self.chunk_bytes = config.send_every * (2 * 4 * (1 << 16) + 64) + (1 << 20)
+        # the most a chunk may hold: send_every transitions of two float32 observations, their fields, the actor's state
+        self.chunk_bytes = config.send_every * (2 * 4 * obs_numel + 64) + (1 << 20)
         epsilons = config.epsilons()
         authkey = secrets.token_bytes(32)
         self.listener = Listener((host, 0), authkey=authkey)

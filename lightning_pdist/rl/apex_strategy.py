@@ -17,6 +17,7 @@ chunk per update from the actors in turn (0, 1, …, N−1, 0, …): the run is 
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Any, Callable
 
@@ -34,6 +35,15 @@ from lightning_pdist.rl.module import LEARNER_HOOKS, missing_hooks
 from lightning_pdist.rl.replay import PrioritizedReplay, annealed_beta
 
 __all__ = ["ApeXStrategy", "check_learner"]
+
+
+def observation_numel(module: Any) -> int:
+    """Values in one observation of the module's environment (bounds the actors' messages)."""
+    env = module.make_env()
+    try:
+        return max(1, math.prod(env.observation_space.shape or (1,)))
+    finally:
+        env.close()
 
 
 def check_learner(owner: str, module: Any) -> None:
@@ -113,7 +123,7 @@ class ApeXStrategy(SingleDeviceStrategy):
             self.load_rl_state(self._resume)
         else:
             module.target_network.load_state_dict(module.q_network.state_dict())
-        self.pool = ActorPool(cfg, module, lambda: params_of(module), list(self.actor_states))
+        self.pool = ActorPool(cfg, module, lambda: params_of(module), list(self.actor_states), observation_numel(module))
 
     def _add(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
         td, rng = tensors.pop("td"), tensors.pop("rng")

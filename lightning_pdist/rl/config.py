@@ -14,7 +14,11 @@ from dataclasses import dataclass
 
 from lightning_pdist.core.config import ConfigErrors, is_int
 
-__all__ = ["ApeXConfig", "GorilaConfig", "actor_epsilon"]
+__all__ = ["ApeXConfig", "GorilaConfig", "MAX_ACTORS", "MAX_CAPACITY", "MAX_SEND_EVERY", "actor_epsilon"]
+
+MAX_ACTORS = 256  # actor processes are forked on the learner's machine
+MAX_CAPACITY = 1 << 24  # the replay (and its sum tree) lives in the learner's memory
+MAX_SEND_EVERY = 4096  # environment steps in one message (bounds what the learner reads at once)
 
 
 def actor_epsilon(i: int, num_actors: int, epsilon: float = 0.4, alpha: float = 7.0) -> float:
@@ -48,10 +52,11 @@ class _Common(ConfigErrors):
     actor_timeout: float = 120.0
     owner: str = "ApeXStrategy"
 
-    def _int_at_least(self, arg: str, low: int, what: str) -> None:
+    def _int_at_least(self, arg: str, low: int, what: str, high: int | None = None) -> None:
         value = getattr(self, arg)
-        if not is_int(value) or value < low:
-            self._fail(arg, f"{arg} must be an int >= {low} ({what})", TypeError if not is_int(value) else ValueError)
+        if not is_int(value) or value < low or (high is not None and value > high):
+            rule = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
+            self._fail(arg, f"{arg} must be {rule} ({what})", TypeError if not is_int(value) else ValueError)
 
     def _in_unit(self, arg: str, what: str, closed_low: bool = True) -> None:
         value = getattr(self, arg)
@@ -60,16 +65,19 @@ class _Common(ConfigErrors):
             self._fail(arg, f"{arg} must be a number in {low} ({what})", TypeError if not _real(value) else ValueError)
 
     def __post_init__(self) -> None:
-        self._int_at_least("num_actors", 1, "actor processes")
+        self._int_at_least("num_actors", 1, "actor processes, all on this machine", MAX_ACTORS)
         self._int_at_least("n_step", 1, "steps summed into each return")
         self._in_unit("gamma", "the discount")
         self._int_at_least("batch_size", 1, "transitions per learner update")
-        self._int_at_least("capacity", 1, "transitions the replay holds")
+        self._int_at_least("capacity", 1, "transitions the replay holds, in the learner's memory", MAX_CAPACITY)
         if self.capacity < self.batch_size:
             self._fail("capacity", f"capacity must be >= batch_size ({self.batch_size})")
         self._int_at_least("learning_starts", 1, "transitions in the replay before the first update")
+        if self.learning_starts > self.capacity:
+            self._fail("learning_starts", f"learning_starts must be <= capacity ({self.capacity}): the replay could "
+                                          "never hold that many")  # fmt: skip
         self._int_at_least("refresh_every", 1, "environment steps between an actor's parameter pulls")
-        self._int_at_least("send_every", 1, "environment steps an actor batches into one message")
+        self._int_at_least("send_every", 1, "environment steps an actor batches into one message", MAX_SEND_EVERY)
         self._int_at_least("target_every", 1, "learner updates between target-network syncs")
         self._in_unit("epsilon", "the base exploration rate of ε_i = ε^(1 + α·i/(N−1))")
         if not _real(self.epsilon_alpha) or self.epsilon_alpha < 0:
@@ -80,8 +88,8 @@ class _Common(ConfigErrors):
         if not isinstance(self.deterministic, bool):
             self._fail("deterministic", "deterministic must be True (the learner takes the actors' messages in a "
                                         "fixed order, one per update) or False", TypeError)  # fmt: skip
-        if not _real(self.actor_timeout) or self.actor_timeout <= 0:
-            self._fail("actor_timeout", "actor_timeout must be a finite number of seconds > 0",
+        if not _real(self.actor_timeout) or self.actor_timeout < 1:
+            self._fail("actor_timeout", "actor_timeout must be a finite number of seconds >= 1",
                        TypeError if not _real(self.actor_timeout) else ValueError)  # fmt: skip
 
     def epsilons(self) -> list[float]:
@@ -99,9 +107,9 @@ class ApeXConfig(_Common):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not _real(self.alpha) or self.alpha < 0:
-            self._fail("alpha", "alpha must be a finite number >= 0 (priority exponent: P(i) ∝ p_i^α; 0 is uniform)",
-                       TypeError if not _real(self.alpha) else ValueError)  # fmt: skip
+        if not _real(self.alpha) or not 0 <= self.alpha <= 1:
+            self._fail("alpha", "alpha must be a number in [0, 1] (priority exponent: P(i) ∝ p_i^α; 0 is uniform, "
+                                "1 fully proportional)", TypeError if not _real(self.alpha) else ValueError)  # fmt: skip
         self._in_unit("beta", "the importance-sampling exponent at the first update, annealed to 1")
         self._int_at_least("beta_steps", 1, "learner updates over which β reaches 1")
         if not _real(self.priority_eps) or self.priority_eps <= 0:

@@ -96,8 +96,7 @@ def reference(q: torch.nn.Module, steps: int, resume_at: int | None = None) -> t
         w = ((n_p[idx] ** -beta) / (n_p.min() ** -beta)).float()
         o, a, g, n, d = (torch.stack([store[k][i] for i in idx.tolist()]) for k in store)
         delta = td(o, a, g, n, d, q)
-        huber = torch.where(delta.abs() < 1, 0.5 * delta**2, delta.abs() - 0.5)
-        loss = (w * huber).mean()
+        loss = (w * torch.nn.functional.huber_loss(delta, torch.zeros_like(delta), reduction="none")).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -105,7 +104,7 @@ def reference(q: torch.nn.Module, steps: int, resume_at: int | None = None) -> t
         updates += 1
         if updates % TARGET_EVERY == 0:
             target.load_state_dict(q.state_dict())
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, q
 
 
