@@ -88,8 +88,8 @@ class _Common(ConfigErrors):
         if not isinstance(self.deterministic, bool):
             self._fail("deterministic", "deterministic must be True (the learner takes the actors' messages in a "
                                         "fixed order, one per update) or False", TypeError)  # fmt: skip
-        if not _real(self.actor_timeout) or self.actor_timeout < 1:
-            self._fail("actor_timeout", "actor_timeout must be a finite number of seconds >= 1",
+        if not _real(self.actor_timeout) or not 1 <= self.actor_timeout <= 86_400:
+            self._fail("actor_timeout", "actor_timeout must be a number of seconds in [1, 86400]",
                        TypeError if not _real(self.actor_timeout) else ValueError)  # fmt: skip
 
     def epsilons(self) -> list[float]:

@@ -104,7 +104,7 @@ def test_frames_are_bounded_and_checked():
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"num_actors": 0}, r"ApeXStrategy\(num_actors=0\): num_actors must be an int >= 1"),
+    ({"num_actors": 0}, r"ApeXStrategy\(num_actors=0\): num_actors must be an int in \[1, 256\]"),
     ({"alpha": -0.5}, r"ApeXStrategy\(alpha=-0.5\): alpha must be a number in \[0, 1\]"),
     ({"epsilon": 1.5}, r"ApeXStrategy\(epsilon=1.5\): epsilon must be a number in \[0, 1\]"),
     ({"epsilon": -0.1}, r"ApeXStrategy\(epsilon=-0.1\): epsilon must be a number in \[0, 1\]"),
