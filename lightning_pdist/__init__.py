@@ -4,7 +4,7 @@ Importing the package registers every strategy name with Lightning's ``StrategyR
 ``Trainer(strategy="bmuf")`` works after ``import lightning_pdist``; the Lightning Fabric strategies
 (:mod:`lightning_pdist.fabric`) register with Fabric's own registry, so ``Fabric(strategy="bmuf")`` works too.
 
-One folder per family (averaging, compression, sign, parameter_server, pipeline, tensor_parallel, diloco, decentralized, shared_memory) over :mod:`lightning_pdist.core`;
+One folder per family (averaging, compression, sign, parameter_server, pipeline, tensor_parallel, diloco, decentralized, shared_memory, rl) over :mod:`lightning_pdist.core`;
 ``docs/architecture.md`` draws the house.
 """
 
@@ -32,11 +32,13 @@ __getattr__, __dir__ = lazy_names(__name__, {
     "StreamingDiLoCoStrategy": "diloco",
     "DecentralizedStrategy": "decentralized",
     "HogwildStrategy": "shared_memory",
+    "ApeXStrategy": "rl",
 })
 
 __all__ = ["BMUFStrategy", "EASGDStrategy", "LocalSGDStrategy", "PdistStrategy", "SignSGDStrategy", "SimuParallelSGDStrategy"]
 __all__ += ["ParameterServerStrategy", "PipelineStrategy", "TensorParallelStrategy"]
 __all__ += ["DiLoCoStrategy", "StreamingDiLoCoStrategy", "DecentralizedStrategy", "HogwildStrategy"]
+__all__ += ["ApeXStrategy"]
 
 
 def _register() -> None:

@@ -16,7 +16,7 @@ fi
 # Both install as pure-Python builds (DeepSpeed compiles no op at install or import; ~40 s for both on 2 cores).
 start=$SECONDS
 log=$(mktemp)
-if ! .venv/bin/python -m pip install --quiet "${constraint[@]}" -e ".[wandb,dev,deepspeed,fairscale,ft]" >"$log" 2>&1; then
+if ! .venv/bin/python -m pip install --quiet "${constraint[@]}" -e ".[wandb,dev,deepspeed,fairscale,ft,rl]" >"$log" 2>&1; then
   cat "$log"; rm -f "$log"; echo "setup: pip install failed" >&2; exit 1
 fi
 grep -v "^WARNING: Location" "$log" || true; rm -f "$log"

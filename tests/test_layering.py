@@ -30,6 +30,7 @@ MATH = {
     "diloco": {"outer", "fragments", "quantize"},
     "decentralized": {"topology", "config"},
     "shared_memory": {"config", "svrg"},
+    "rl": {"config", "replay", "nstep", "dqn"},
 }
 TRANSPORT = {
     "core": {"collectives", "hooks", "liveness", "forking", "compression", "control_group", "push_codec"},
@@ -42,6 +43,7 @@ TRANSPORT = {
     "diloco": {"exchange", "rounds", "fault_tolerance"},
     "decentralized": {"gossip"},
     "shared_memory": {"memory"},
+    "rl": {"channel", "actor", "actors"},
 }
 
 
@@ -111,7 +113,7 @@ def _package_files():
 
 def test_the_families_are_the_folders():
     assert FAMILIES == ["averaging", "compression", "decentralized", "diloco", "parameter_server", "pipeline",
-                        "shared_memory", "sign", "tensor_parallel"]
+                        "rl", "shared_memory", "sign", "tensor_parallel"]
     for folder in (*FAMILIES, "core"):
         stems = {p.stem for p in (PACKAGE / folder).glob("*.py")}
         listed = MATH.get(folder, set()) | TRANSPORT.get(folder, set())

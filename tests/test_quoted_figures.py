@@ -55,6 +55,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "docs/algorithms/diloco.md": ("diloco.json",),
     "docs/algorithms/dpsgd.md": (),  # no benchmark yet
     "docs/algorithms/hogwild.md": (),  # no benchmark yet
+    "docs/algorithms/apex.md": (),  # no benchmark yet
 }
 MARKERS = ("paper", "published", "default", "chosen", "by hand", "recipe run", "simulated")
 COMMENT = re.compile(r"<!--\s*(.*?)-->")

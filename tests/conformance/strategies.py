@@ -18,6 +18,7 @@ from typing import Any
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_pdist  # noqa: F401 - registers the strategies
+from tests.conformance.modules import MODULES
 
 TIMEOUT = timedelta(seconds=90)  # a rank that fails alone makes the other's next collective fail, not hang
 
@@ -47,6 +48,8 @@ STRATEGIES: dict[str, tuple[str, dict, bool, str]] = {
     "dpsgd": ("dpsgd", {}, True, "D-PSGD, ring (on 2 ranks: the pair)"),
     "adpsgd": ("adpsgd", {}, False, "AD-PSGD, ring, asynchronous pairs"),
     "hogwild": ("hogwild", {}, False, "Hogwild! (lock-free steps on shared memory)"),
+    # an RL learner is not a supervised module: every cell is refused, before any actor starts (tests/rl trains DQNs)
+    "apex": ("apex", {"num_actors": 1}, False, "Ape-X (a DQN learner and actor processes; refuses supervised modules)"),
 }
 
 
@@ -73,6 +76,9 @@ _TP_NOTHING = (r"TensorParallelStrategy\(plan='auto'\): plan_for\(\w+\): found n
                "plan={'<a Linear>': 'colwise', '<the next Linear>': 'rowwise'} naming two Linear layers with only "
                "elementwise modules between them, or a data-parallel column (a network this small gains nothing "
                "from sharding)")  # fmt: skip
+_NO_LEARNER = (r"ApeXStrategy: the LightningModule \w+ has no make_env, q_network, target_network, td_errors; the "
+               r"learner hooks are", "an RL learner (subclass lightning_pdist.rl.DQNModule); train supervised "
+               "modules with any other column")  # fmt: skip
 REFUSALS: dict[tuple[str, str], tuple[str, str]] = {
     ("streaming_diloco", "boring"): (
         r"StreamingDiLoCoStrategy\(num_fragments=2\): the model has 1 layers with parameters; num_fragments must not",
@@ -98,6 +104,9 @@ REFUSALS: dict[tuple[str, str], tuple[str, str]] = {
         r"The `ModelParallelStrategy` does not support `Fabric\(..., precision='16-mixed'\)`",
         f"{_BF16}, or fp16 with plugins=[MixedPrecision('16-mixed', device, GradScaler())] (the fp16_grad_scaler row)"),
 }
+
+
+REFUSALS.update({("apex", module): _NO_LEARNER for module in MODULES})
 
 
 def registry_name(strategy: str, unused: bool) -> str:

@@ -86,9 +86,18 @@ def _check_held(cls: type, arg: str, value) -> None:
     assert again == held, f"{cls.__name__}({arg}={held!r}) (the held value) is held as {again!r}: no round trip"
 
 
+def _module(strategy):
+    """The module a fit trains: a regression, or for the RL strategies (whose module is a learner) a small DQN."""
+    if type(strategy).__name__ == "ApeXStrategy":
+        from lightning_pdist.rl import DQNModule
+
+        return DQNModule(hidden=8, steps_per_epoch=2)
+    return TinyRegression()
+
+
 def _fit(strategy) -> float:
     os.environ["MASTER_PORT"] = str(free_port())
-    module = TinyRegression()
+    module = _module(strategy)
     trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       limit_val_batches=0, num_sanity_val_steps=0)  # fmt: skip

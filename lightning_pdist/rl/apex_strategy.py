@@ -1,0 +1,210 @@
+"""Ape-X DQN as a Lightning strategy: N actor processes feed one prioritized replay; the Trainer's process learns.
+
+Ape-X (Horgan, Quan, Budden, Barth-Maron, Hessel, van Hasselt, Silver, ICLR 2018, "Distributed Prioritized
+Experience Replay"): actors with their own exploration rates ``ε_i = ε^(1+α·i/(N−1))`` act with copies of the
+network, compute the initial priorities ``|δ|`` of their n-step transitions themselves and send them to a central
+replay; one learner samples ``∝ p^α``, corrects with importance weights ``(N·P)^−β`` (β annealed to 1), writes the new
+``|δ|`` back, serves its parameters to the actors and syncs its target network every ``C`` updates; the replay
+evicts the oldest transitions. Here the LightningModule is the learner (:mod:`~lightning_pdist.rl.module` lists
+its hooks), the Trainer runs on one CPU device, and the actors are forked from it at setup
+(:mod:`~lightning_pdist.rl.actors`). Method card: ``docs/algorithms/apex.md``.
+
+One learner update per Lightning step: collect what the actors sent (answering their parameter pulls with the current
+weights), sample, run the module's ``training_step`` on the sample, write ``|δ|`` back, step the optimizer, count the
+update (the parameters' version) and sync the target network when due. ``deterministic=True`` takes exactly one
+chunk per update from the actors in turn (0, 1, …, N−1, 0, …): the run is then a function of the seed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Callable
+
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_pdist.rl.actor import params_of
+from lightning_pdist.rl.actors import ActorPool
+from lightning_pdist.rl.config import ApeXConfig
+from lightning_pdist.rl.module import LEARNER_HOOKS, missing_hooks
+from lightning_pdist.rl.replay import PrioritizedReplay, annealed_beta
+
+__all__ = ["ApeXStrategy", "check_learner"]
+
+
+def observation_numel(module: Any) -> int:
+    """Values in one observation of the module's environment (bounds the actors' messages)."""
+    env = module.make_env()
+    try:
+        return max(1, math.prod(env.observation_space.shape or (1,)))
+    finally:
+        env.close()
+
+
+def check_learner(owner: str, module: Any) -> None:
+    """``TypeError`` naming the learner hooks ``module`` lacks."""
+    missing = missing_hooks(module)
+    if missing:
+        raise TypeError(f"{owner}: the LightningModule {type(module).__name__} has no {', '.join(missing)}; the "
+                        f"learner hooks are {', '.join(LEARNER_HOOKS)} (subclass lightning_pdist.rl.DQNModule, or "
+                        "see its module docstring for what each must be)")  # fmt: skip
+
+
+class ApeXStrategy(SingleDeviceStrategy):
+    """Ape-X: ``num_actors`` CPU actor processes, a central prioritized replay, the Trainer's process as the learner.
+
+    Args:
+        num_actors: actor processes (``N``).
+        alpha, beta, beta_steps: priority exponent (0: uniform); importance-sampling exponent at the first update,
+            annealed linearly to 1 over ``beta_steps`` updates.
+        epsilon, epsilon_alpha: actor ``i`` explores with ``ε_i = epsilon^(1 + epsilon_alpha·i/(N−1))``.
+        n_step, gamma: n-step returns with discount ``γ``.
+        batch_size, capacity, learning_starts: transitions per update, the replay's size (oldest evicted first), the
+            transitions it must hold before the first update.
+        refresh_every, send_every: environment steps between an actor's parameter pulls, and per message.
+        target_every: updates between target-network syncs (``C``).
+        seed: actor ``i`` seeds its exploration and its first reset with ``seed + i``; the replay samples with ``seed``.
+        deterministic: one chunk per update from the actors in turn (reproducible; slower).
+        actor_timeout: seconds an actor may stay silent before the run stops naming it.
+        timeout: accepted for parity with the other strategies (no collective runs here).
+
+    Example::
+
+        trainer = Trainer(accelerator="cpu", devices=1, max_steps=20_000, strategy=ApeXStrategy(num_actors=4))
+        trainer.fit(DQNModule("CartPole-v1"))
+    """
+
+    strategy_name = "apex"
+    config_class = ApeXConfig
+
+    def __init__(self, num_actors: int = 2, alpha: float = 0.6, beta: float = 0.4, beta_steps: int = 10_000,
+                 epsilon: float = 0.4, epsilon_alpha: float = 7.0, n_step: int = 3, gamma: float = 0.99,
+                 batch_size: int = 32, capacity: int = 50_000, learning_starts: int = 500, refresh_every: int = 16,
+                 send_every: int = 16, target_every: int = 500, seed: int = 0, deterministic: bool = False,
+                 actor_timeout: float = 120.0, timeout: Any = None, accelerator: Any = None, checkpoint_io: Any = None,
+                 precision_plugin: Any = None) -> None:  # fmt: skip
+        self.config = ApeXConfig(num_actors=num_actors, alpha=alpha, beta=beta, beta_steps=beta_steps, epsilon=epsilon,
+                                 epsilon_alpha=epsilon_alpha, n_step=n_step, gamma=gamma, batch_size=batch_size,
+                                 capacity=capacity, learning_starts=learning_starts, refresh_every=refresh_every,
+                                 send_every=send_every, target_every=target_every, seed=seed, deterministic=deterministic,
+                                 actor_timeout=actor_timeout, owner=type(self).__name__)  # fmt: skip
+        super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        self.replay: PrioritizedReplay | None = None
+        self.pool: ActorPool | None = None
+        self.updates = 0
+        self.turn = 0
+        self.actor_states: list[dict[str, Any] | None] = [None] * num_actors
+        self.returns: deque[float] = deque(maxlen=100)
+        self._resume: dict[str, Any] | None = None
+
+    @classmethod
+    def register_strategies(cls, registry: Any) -> None:
+        registry.register(cls.strategy_name, cls, description="Ape-X: CPU actors, central prioritized replay, one learner",
+                          override=True)  # fmt: skip
+
+    @override
+    def connect(self, model: Any) -> None:
+        check_learner(type(self).__name__, model)
+        super().connect(model)
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        module, cfg = self.lightning_module, self.config
+        self.replay = PrioritizedReplay(cfg.capacity, cfg.alpha, cfg.priority_eps, cfg.seed)
+        if self._resume is not None:
+            self.load_rl_state(self._resume)
+        else:
+            module.target_network.load_state_dict(module.q_network.state_dict())
+        self.pool = ActorPool(cfg, module, lambda: params_of(module), list(self.actor_states), observation_numel(module))
+
+    def _add(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+        td, rng = tensors.pop("td"), tensors.pop("rng")
+        self.replay.add(tensors, td)
+        self.actor_states[int(meta["actor"])] = {"rng": rng, "env_steps": meta["env_steps"], "restarts": meta["restarts"]}
+        self.returns.extend(meta["episodes"])
+
+    def _sample(self) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+        cfg = self.config
+        while True:
+            actor = None
+            if cfg.deterministic:
+                actor, self.turn = self.turn, (self.turn + 1) % cfg.num_actors
+            for meta, tensors in self.pool.collect(actor):
+                self._add(meta, tensors)
+            if len(self.replay) >= max(cfg.learning_starts, cfg.batch_size):
+                return self.replay.sample(cfg.batch_size, annealed_beta(cfg.beta, self.updates, cfg.beta_steps))
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        sample, slots, weights = self._sample()
+        out = super().training_step({**sample, "weights": weights}, batch_idx)
+        td = out.get("td_errors") if isinstance(out, dict) else None
+        if not isinstance(td, Tensor) or td.shape != slots.shape:
+            got = sorted(out) if isinstance(out, dict) else type(out).__name__
+            raise TypeError(f"{type(self).__name__}: {type(self.lightning_module).__name__}.training_step must return "
+                            f"{{'loss': ..., 'td_errors': δ}} with one TD error per sampled transition "
+                            f"({slots.numel()}); it returned {got}")  # fmt: skip
+        self.replay.update(slots, td)
+        self._log()
+        return out
+
+    def _log(self) -> None:
+        module = self.lightning_module
+        env_steps = sum(int(s["env_steps"]) for s in self.actor_states if s)
+        module.log("rl/env_steps", float(env_steps), prog_bar=True)
+        module.log("rl/replay_size", float(len(self.replay)))
+        if self.returns:
+            module.log("rl/episode_return", sum(self.returns) / len(self.returns), prog_bar=True)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.updates += 1
+        if self.updates % self.config.target_every == 0:
+            module = self.lightning_module
+            module.target_network.load_state_dict(module.q_network.state_dict())
+        return out
+
+    def rl_state(self) -> dict[str, Any]:
+        return {"strategy": type(self).__name__, "replay": self.replay.state_dict(), "updates": self.updates,
+                "turn": self.turn, "actors": list(self.actor_states), "returns": list(self.returns)}  # fmt: skip
+
+    def load_rl_state(self, state: dict[str, Any]) -> None:
+        if state.get("strategy") != type(self).__name__:
+            raise ValueError(f"{type(self).__name__}: the checkpoint was written by {state.get('strategy')}; resume it "
+                             "with that strategy")  # fmt: skip
+        if len(state["actors"]) != self.config.num_actors:
+            raise ValueError(f"{type(self).__name__}(num_actors={self.config.num_actors}): the checkpoint holds "
+                             f"{len(state['actors'])} actors; resume with the same num_actors")  # fmt: skip
+        self.replay.load_state_dict(state["replay"])
+        self.updates, self.turn = int(state["updates"]), int(state["turn"])
+        self.actor_states = list(state["actors"])
+        self.returns = deque(state["returns"], maxlen=100)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self.replay is not None:
+            checkpoint["rl"] = self.rl_state()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._resume = checkpoint.get("rl")
+        return checkpoint
+
+    @override
+    def teardown(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        super().teardown()
