@@ -21,12 +21,12 @@ import zstandard
 from torch import Tensor
 
 from lightning_pdist.core.push_codec import decode_indices, encode_indices  # one coder: the PS's pushes use it too
+from lightning_pdist.core.push_codec import unzstd_exact
 
 __all__ = ["decode_indices", "encode_indices", "from_bytes", "to_bytes"]
 
 _LEVEL = 3
 _compressor = zstandard.ZstdCompressor(level=_LEVEL, write_checksum=False, write_content_size=True, write_dict_id=False)
-_decompressor = zstandard.ZstdDecompressor()
 
 
 def zstd(data: bytes) -> bytes:
@@ -35,7 +35,9 @@ def zstd(data: bytes) -> bytes:
 
 
 def unzstd(data: bytes, size: int) -> bytes:
-    return _decompressor.decompress(data, max_output_size=size)
+    """Exactly ``size`` bytes from a rank's level stream; a frame declaring another size is refused before any
+    allocation (zstandard allocates what a frame declares, whatever ``max_output_size`` says)."""
+    return unzstd_exact(data, size, "a gathered level stream")
 
 
 def to_bytes(tensor: Tensor) -> bytes:

@@ -39,7 +39,7 @@ import torch
 import zstandard
 from torch import Tensor
 
-__all__ = ["DensePush", "LevelsPush", "PushFormatError", "SparsePush", "decode_indices", "decode_push",
+__all__ = ["DensePush", "LevelsPush", "PushFormatError", "SparsePush", "decode_indices", "decode_push", "unzstd_exact",
            "encode_indices", "encode_push"]  # fmt: skip
 
 SPARSE, LEVELS, DENSE = 1, 2, 3
@@ -88,7 +88,7 @@ def _tensor(data: bytes | memoryview, dtype: torch.dtype, count: int) -> Tensor:
     return out.view(torch.bfloat16) if dtype == torch.bfloat16 else out
 
 
-def _unzstd(data: bytes | memoryview, size: int, what: str) -> bytes:
+def unzstd_exact(data: bytes | memoryview, size: int, what: str) -> bytes:
     """Exactly ``size`` bytes from one Zstandard frame that must declare that size (checked before allocating)."""
     data = bytes(data)
     if size == 0 and not data:
@@ -121,7 +121,7 @@ def decode_indices(data: bytes | memoryview, count: int, limit: int | None = Non
         if len(data):
             raise PushFormatError(f"indices: {len(data)} bytes for 0 indices")
         return torch.zeros(0, dtype=torch.int64)
-    raw = np.frombuffer(_unzstd(data, 4 * count, "indices"), dtype=np.uint8)
+    raw = np.frombuffer(unzstd_exact(data, 4 * count, "indices"), dtype=np.uint8)
     gaps = np.ascontiguousarray(raw.reshape(4, count).T).view("<u4").reshape(-1).astype(np.int64)
     idx = np.cumsum(gaps + 1) - 1  # at most count·2^32: no int64 overflow for any count that fits in memory
     if limit is not None and idx[-1] >= limit:
@@ -180,7 +180,7 @@ def decode_push(data: bytes | bytearray | memoryview, numel: int, offset: int = 
             raise PushFormatError(f"divisor={divisor}: must be a finite number > 0")
         at = offset + _LEVELS_HEAD.size
         dtype = _LEVEL_DTYPES[code]
-        raw = _unzstd(_take(data, at, n, "coded levels"), dtype.itemsize * numel, "levels")
+        raw = unzstd_exact(_take(data, at, n, "coded levels"), dtype.itemsize * numel, "levels")
         levels = _tensor(raw, dtype, numel)
         return levels.float() * (scale / divisor), at + n
     if form == DENSE:

@@ -110,3 +110,18 @@ def test_strategies_refuse_a_compressor_they_cannot_use():
         SignSGDStrategy(compression=TopK())
     with pytest.raises(ValueError, match=r"compression owns the comm hook; ddp_comm_hook must be left unset"):
         PdistStrategy(compression=TopK(), ddp_comm_hook=lambda s, b: None)
+
+
+def test_a_level_stream_declaring_another_size_is_refused_before_allocating():
+    """A rank's zstd level stream must declare exactly the size the receiver expects: a frame claiming 2**40 bytes
+    (zstandard would try to allocate it) and a frame one byte short are refused; the right one decodes."""
+    from lightning_pdist.compression.codec import unzstd, zstd
+    from lightning_pdist.core.push_codec import PushFormatError
+
+    data = bytes(range(64))
+    assert unzstd(zstd(data), 64) == data
+    with pytest.raises(PushFormatError, match="declares 64 bytes; 63 expected"):
+        unzstd(zstd(data), 63)
+    huge = bytes.fromhex("28b52ffd") + bytes([0xE0]) + (1 << 40).to_bytes(8, "little")
+    with pytest.raises(PushFormatError, match=f"declares {1 << 40} bytes; 64 expected"):
+        unzstd(huge, 64)
