@@ -1,0 +1,333 @@
+"""Running one pipeline stage of any module: the module's own forward, with other stages' work skipped.
+
+Every stage runs the network's Python ``forward`` as written (control flow, loops, keyword
+arguments, ``transformers`` model outputs: nothing is traced into a graph). What differs per stage
+is which modules hold real weights (:func:`split.owners`): the others hold ``meta`` tensors, so the
+calls before this stage's first split point run on shapes only (no compute, no memory), and
+
+* entering the split point that starts stage ``s``, its call's tensors (positional and keyword) are
+  replaced by the real ones received from stage ``s - 1`` (the *boundary*); the meta stand-ins map to
+  them, so a mask computed once before the cut and handed to every later block arrives real too;
+* entering the split point that starts stage ``s + 1``, its call's tensors are this stage's output,
+  and the forward stops there (:class:`_StageDone`); after the last split point the network's output
+  is the output.
+
+A value computed before the cut that reaches a later stage by any other path (a skip connection
+around the split point, a weight used outside its module) stays ``meta``: the stage's output is then
+refused, naming the split point. :func:`check_stages` runs all stages in one process at split time
+against the whole network on one micro-batch, so a bad cut is refused before training.
+
+Between stages the boundary travels as one 1-D float64 tensor (:func:`pack`): a header with the
+network call's tensor shapes (later stages rebuild meta inputs from it) and the boundary's shapes and
+dtypes, then the values (float64 holds fp32/bf16/fp16 and integers below 2^53 exactly; gradients flow
+through the float parts).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_pdist.pipeline.split import END
+
+__all__ = ["OwnedStage", "check_stages", "pack", "record_calls", "unpack"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool)  # fmt: skip
+_CODE = {d: i for i, d in enumerate(_DTYPES)}
+
+
+def tensor_leaves(tree: Any) -> tuple[list[Any], Any]:
+    return tree_flatten(tree)
+
+
+def record_calls(network: nn.Module, call: Callable[[], Any]) -> tuple[list[str], Any]:
+    """``call()`` with every submodule's entry recorded: (names in pre-order, the output)."""
+    trace: list[str] = []
+    handles = [m.register_forward_pre_hook(lambda mod, args, name=name: trace.append(name))
+               for name, m in network.named_modules(remove_duplicate=False) if name]  # fmt: skip
+    try:
+        out = call()
+    finally:
+        for h in handles:
+            h.remove()
+    return trace, out
+
+
+def pack(call_shapes: Sequence[tuple[int, tuple[int, ...]]], values: Sequence[Tensor]) -> Tensor:
+    """One float64 vector: ``[header length, #call tensors, (dtype, ndim, *shape)..., #values, (dtype, ndim, *shape)...,
+    values...]`` (the values' float parts keep their autograd history)."""
+    head: list[float] = [0.0, float(len(call_shapes))]
+    for code, shape in call_shapes:
+        head += [float(code), float(len(shape)), *map(float, shape)]
+    head.append(float(len(values)))
+    for v in values:
+        if v.dtype not in _CODE:
+            raise ValueError(f"a pipeline boundary cannot carry a {v.dtype} tensor")
+        head += [float(_CODE[v.dtype]), float(v.ndim), *map(float, v.shape)]
+    head[0] = float(len(head))
+    device = values[0].device if values else torch.device("cpu")
+    parts = [torch.tensor(head, dtype=torch.float64, device=device)]
+    parts += [v.reshape(-1).to(torch.float64) for v in values]
+    return torch.cat(parts)
+
+
+def unpack(packed: Tensor) -> tuple[list[tuple[int, tuple[int, ...]]], list[Tensor]]:
+    """(call shapes, values) from :func:`pack`'s vector."""
+    n_head = int(packed[0].item())
+    head = packed[:n_head].tolist()
+    i, shapes = 2, []
+    for _ in range(int(head[1])):
+        code, ndim = int(head[i]), int(head[i + 1])
+        shapes.append((code, tuple(int(d) for d in head[i + 2 : i + 2 + ndim])))
+        i += 2 + ndim
+    values, offset = [], n_head
+    for _ in range(int(head[i])):
+        code, ndim = int(head[i + 1]), int(head[i + 2])
+        shape = tuple(int(d) for d in head[i + 3 : i + 3 + ndim])
+        i += 2 + ndim
+        numel = 1
+        for d in shape:
+            numel *= d
+        values.append(packed[offset : offset + numel].view(shape).to(_DTYPES[code]))
+        offset += numel
+    return shapes, values
+
+
+def call_shapes(leaves: Sequence[Any]) -> list[tuple[int, tuple[int, ...]]]:
+    return [(_CODE[t.dtype], tuple(t.shape)) for t in leaves if isinstance(t, Tensor)]
+
+
+class _StageDone(Exception):
+    def __init__(self, values: list[Tensor]) -> None:
+        super().__init__("stage done")
+        self.values = values
+
+
+class StageRefused(ValueError):
+    """A cut this machinery cannot run (named split point, reason)."""
+
+
+class _StageMode(TorchFunctionMode):
+    """Every torch function call of a stage's forward: a received boundary stands in for its meta twin.
+
+    Before the stage's first split point, an op mixing meta and real tensors runs on meta (the earlier
+    stages' work, shapes only). After it, a meta tensor that maps to a received one is replaced by it
+    (above autograd, so gradients reach the boundary along every path, residual ones included), and a
+    meta tensor mixed with real ones that maps to nothing is a value from before the cut that the cut
+    does not carry: refused.
+    """
+
+    def __init__(self, mapping: dict[int, Tensor], state: dict, start: str) -> None:
+        super().__init__()
+        self.mapping, self.state, self.start = mapping, state, start
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        flat, spec = tree_flatten((args, kwargs))
+        metas = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t.is_meta]
+        if metas:
+            if self.state["active"]:
+                for i in metas:
+                    if id(flat[i]) in self.mapping:
+                        flat[i] = self.mapping[id(flat[i])]
+            if any(isinstance(t, Tensor) and not t.is_meta and t.ndim for t in flat):
+                if any(isinstance(t, Tensor) and t.is_meta for t in flat):
+                    if self.state["active"]:
+                        raise StageRefused(f"{getattr(func, '__name__', func)} after split point {self.start!r} uses a "
+                                           f"value computed before it that is not among {self.start!r}'s inputs (a "
+                                           "connection around the cut); choose another split point")  # fmt: skip
+                    flat = [t.to("meta") if isinstance(t, Tensor) and not t.is_meta and t.ndim else t for t in flat]
+            args, kwargs = tree_unflatten(flat, spec)
+        return func(*args, **kwargs)
+
+
+class OwnedStage(nn.Module):
+    """Stage ``stage`` of ``network`` cut at ``boundaries`` (module names in execution order, or ``END``).
+
+    ``forward(packed)`` takes :func:`pack`'s vector (stage 0: the network call's tensors; later stages: the
+    previous stage's boundary) and returns the next boundary packed, or on the last stage the network's output.
+    Its ``named_parameters`` are this stage's weights only (named through ``net.``), so an executor's
+    ``functional_call`` swaps exactly them.
+    """
+
+    def __init__(self, network: nn.Module, boundaries: Sequence[str], stage: int, owned: Sequence[str],
+                 call_spec: Any, call_constants: list[Any], output_spec: Any = None,
+                 invoke: Callable[..., Any] | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self.net = network
+        self.boundaries, self.stage = list(boundaries), stage
+        self.owned = [network.get_submodule(n) if n else network for n in owned]
+        self.call_spec, self.call_constants, self.output_spec = call_spec, call_constants, output_spec
+        self.invoke = invoke or network
+        self.start = boundaries[stage - 1] if stage > 0 else None
+        self.stop = boundaries[stage] if stage < len(boundaries) else None
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:  # noqa: E501
+        mine = {id(p) for m in self.owned for p in m.parameters(recurse=False)}
+        for name, p in self.net.named_parameters(prefix="net"):
+            if id(p) in mine:
+                yield (f"{prefix}.{name}" if prefix else name), p
+
+    def _call(self, leaves: list[Tensor]) -> tuple[tuple, dict]:
+        it = iter(leaves)
+        flat = [next(it) if c is _TENSOR else c for c in self.call_constants]
+        return tree_unflatten(flat, self.call_spec)
+
+    def forward(self, packed: Tensor) -> Any:
+        shapes, values = unpack(packed)
+        if self.start == END:  # nothing of the network left: the output itself arrived
+            if self.stop is not None:
+                return pack(shapes, [v * 1 for v in values])
+            return self._output(values)
+        if self.stage == 0:
+            call, boundary = self._call(values), None
+        else:
+            call = self._call([torch.empty(s, dtype=_DTYPES[c], device="meta") for c, s in shapes])
+            boundary = values
+        try:
+            out = run_stage(self.net, self.invoke, call, self.start, self.stop, boundary)
+        except _StageDone as done:
+            return pack(shapes, done.values)
+        if self.stop == END:
+            leaves, _ = tree_flatten(out)
+            return pack(shapes, [t for t in leaves if isinstance(t, Tensor)])
+        return out
+
+    def _output(self, values: list[Tensor]) -> Any:
+        it = iter(values)
+        spec, constants = self.output_spec
+        return tree_unflatten([next(it) if c is _TENSOR else c for c in constants], spec)
+
+
+class _Tensor:
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+_TENSOR = _Tensor()  # marks a tensor leaf in a call's or output's constants
+
+
+def split_constants(tree: Any) -> tuple[list[Tensor], Any, list[Any]]:
+    """(tensor leaves, spec, leaves with tensors replaced by a marker)."""
+    flat, spec = tree_flatten(tree)
+    return [t for t in flat if isinstance(t, Tensor)], spec, [_TENSOR if isinstance(t, Tensor) else t for t in flat]
+
+
+def run_stage(network: nn.Module, invoke: Callable[..., Any], call: tuple[tuple, dict], start: str | None,
+              stop: str | None, boundary: list[Tensor] | None) -> Any:  # fmt: skip
+    """The network's forward from entering ``start`` (its inputs: ``boundary``) until entering ``stop``.
+
+    Raises :class:`_StageDone` with ``stop``'s inputs; returns the network's output when ``stop`` is
+    ``None`` or ``END``; :class:`StageRefused` when a value from before the cut reaches this stage.
+    """
+    mapping: dict[int, Tensor] = {}
+    state = {"active": start is None}
+    where = f"split point {start!r}" if start else "the start"
+
+    def real(tree: Any, who: str) -> Any:
+        flat, spec = tree_flatten(tree)
+        out = []
+        for t in flat:
+            if isinstance(t, Tensor) and t.is_meta:
+                if id(t) not in mapping:
+                    raise StageRefused(f"{who} receives a tensor computed before {where} that is not among "
+                                       f"{start!r}'s inputs (a connection around the cut); choose another split point")  # fmt: skip
+                t = mapping[id(t)]
+            out.append(t)
+        return tree_unflatten(out, spec)
+
+    def enter(name: str) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            if name == start:
+                flat, spec = tree_flatten((args, kwargs))
+                slots = [i for i, t in enumerate(flat) if isinstance(t, Tensor)]
+                if len(slots) != len(boundary):
+                    raise StageRefused(f"split point {start!r} is called with {len(slots)} tensors here and "
+                                       f"{len(boundary)} on the previous stage")  # fmt: skip
+                for i, v in zip(slots, boundary):
+                    if tuple(flat[i].shape) != tuple(v.shape):
+                        raise StageRefused(f"split point {start!r}: input shape {tuple(v.shape)} arrived, this stage "
+                                           f"computed {tuple(flat[i].shape)}")  # fmt: skip
+                    mapping[id(flat[i])] = v
+                    flat[i] = v
+                state["active"] = True
+                return tree_unflatten(flat, spec)
+            if state["active"] and name == stop:
+                args, kwargs = real((args, kwargs), f"split point {stop!r}")
+                raise _StageDone([t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)])
+            return None
+
+        return hook
+
+    with ExitStack() as stack:
+        for name in (start, stop):
+            if name not in (None, END):
+                module = network.get_submodule(name)
+                stack.callback(module.register_forward_pre_hook(enter(name), with_kwargs=True).remove)
+        if start is not None:
+            stack.enter_context(_StageMode(mapping, state, start))
+        args, kwargs = call
+        out = invoke(*args, **kwargs)
+    leaves = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+    if any(t.is_meta for t in leaves):
+        raise StageRefused(f"the network's output depends on a value computed before {where} that does not pass "
+                           f"through {start!r}'s inputs (a connection around the cut); choose another split point")  # fmt: skip
+    return out
+
+
+@contextmanager
+def meta_weights(network: nn.Module, modules: Sequence[str]) -> Iterator[None]:
+    """While active, the named modules' own parameters and buffers are meta tensors (restored after)."""
+    saved = []
+    for name in modules:
+        m = network.get_submodule(name) if name else network
+        for kind in ("_parameters", "_buffers"):
+            for key, t in list(getattr(m, kind).items()):
+                if t is not None:
+                    saved.append((m, kind, key, t))
+                    meta = t.detach().to("meta")
+                    getattr(m, kind)[key] = nn.Parameter(meta, requires_grad=t.requires_grad) if kind == "_parameters" else meta
+    try:
+        yield
+    finally:
+        for m, kind, key, t in saved:
+            getattr(m, kind)[key] = t
+
+
+def check_stages(network: nn.Module, invoke: Callable[..., Any], call: tuple[tuple, dict], boundaries: Sequence[str],
+                 placement: dict[str, int], expected: Any) -> None:  # fmt: skip
+    """Run every stage in turn in this process (others' weights meta) and compare with ``expected``.
+
+    Raises :class:`StageRefused` naming the split point that the stages cannot run, or the difference.
+    """
+    leaves, spec, constants = split_constants(call)
+    packed = pack(call_shapes(leaves), leaves)
+    out: Any = None
+    exp_leaves, out_spec, out_constants = split_constants(expected)
+    for s in range(len(boundaries) + 1):
+        others = [n for n, st in placement.items() if st != s]
+        stage = OwnedStage(network, boundaries, s, [n for n, st in placement.items() if st == s], spec, constants,
+                           (out_spec, out_constants), invoke)  # fmt: skip
+        try:
+            with meta_weights(network, others):
+                out = stage(packed)
+        except Exception as err:  # noqa: BLE001 - whatever stopped this stage is reported with the split point
+            where = f"the stage starting at split point {boundaries[s - 1]!r}" if s else "stage 0"
+            refused = StageRefused(f"{where} cannot run on its own ({type(err).__name__}: {err})")
+            refused.stage = s
+            raise refused from err
+        packed = out if s < len(boundaries) else None
+    got = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+    if len(got) != len(exp_leaves):
+        raise StageRefused(f"the stages return {len(got)} tensors, the network {len(exp_leaves)}")
+    for g, e in zip(got, exp_leaves):
+        if g.shape != e.shape or not torch.allclose(g.float(), e.float(), rtol=1e-4, atol=1e-5):
+            diff = (g.float() - e.float()).abs().max().item() if g.shape == e.shape else f"shape {tuple(g.shape)} vs {tuple(e.shape)}"
+            raise StageRefused(f"the stages together do not compute what the network computes (difference {diff}); "
+                               "its forward depends on something the cut does not carry")  # fmt: skip
