@@ -35,7 +35,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_pdist.pipeline.split import END
 
-__all__ = ["OwnedStage", "check_stages", "pack", "record_calls", "unpack"]
+__all__ = ["OwnedStage", "StageRefused", "call_shapes", "check_stages", "pack", "rebuild", "record_calls", "split_constants",
+           "unpack"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool)  # fmt: skip
@@ -175,9 +176,7 @@ class OwnedStage(nn.Module):
                 yield (f"{prefix}.{name}" if prefix else name), p
 
     def _call(self, leaves: list[Tensor]) -> tuple[tuple, dict]:
-        it = iter(leaves)
-        flat = [next(it) if c is _TENSOR else c for c in self.call_constants]
-        return tree_unflatten(flat, self.call_spec)
+        return rebuild(self.call_spec, self.call_constants, leaves)
 
     def forward(self, packed: Tensor) -> Any:
         shapes, values = unpack(packed)
@@ -200,9 +199,7 @@ class OwnedStage(nn.Module):
         return out
 
     def _output(self, values: list[Tensor]) -> Any:
-        it = iter(values)
-        spec, constants = self.output_spec
-        return tree_unflatten([next(it) if c is _TENSOR else c for c in constants], spec)
+        return rebuild(*self.output_spec, values)
 
 
 class _Tensor:
@@ -211,6 +208,12 @@ class _Tensor:
 
 
 _TENSOR = _Tensor()  # marks a tensor leaf in a call's or output's constants
+
+
+def rebuild(spec: Any, constants: list[Any], tensors: Sequence[Tensor]) -> Any:
+    """Inverse of :func:`split_constants`."""
+    it = iter(tensors)
+    return tree_unflatten([next(it) if c is _TENSOR else c for c in constants], spec)
 
 
 def split_constants(tree: Any) -> tuple[list[Tensor], Any, list[Any]]:

@@ -52,7 +52,7 @@ from lightning_pdist.core.strategy import PdistStrategy, register_variants
 from lightning_pdist.core.config import refuse_owned_ddp_args
 from lightning_pdist.core.guard import SkipStep
 from lightning_pdist.pipeline.log_mirror import LogRecorder, aggregate, replay
-from lightning_pdist.pipeline.stages import NetworkInput, StageSplit, batch_size_of, split_batch
+from lightning_pdist.pipeline.stages import NetworkInput, OwnedSplit, StageSplit, batch_size_of, make_split, split_batch
 
 __all__ = ["PipelineConfig", "PipelineStrategy"]
 
@@ -143,9 +143,11 @@ class PipelineStrategy(PdistStrategy):
     ) -> None:
         owner = type(self).__name__
         refuse_owned_ddp_args(owner, kwargs, "the pipeline moves activations, not DDP buckets")
+        if split_points == "auto":
+            split_points = None  # balanced by parameters, as when none are given
         if split_points is not None and not isinstance(split_points, (list, tuple)):
             raise TypeError(f"{owner}(split_points={split_points!r}): split_points must be a list of layer names "
-                            "(the first layer of stages 1..K-1) or None")  # fmt: skip
+                            "(the first layer of stages 1..K-1), 'auto' or None")  # fmt: skip
         self.config = PipelineConfig(
             num_stages=num_stages, schedule=schedule, num_microbatches=num_microbatches, balance=balance,
             split_points=tuple(split_points) if split_points is not None else None, network=network,
@@ -158,7 +160,7 @@ class PipelineStrategy(PdistStrategy):
         super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
                          model_averaging_period=None, **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
         self.num_stages, self.schedule, self.num_microbatches = num_stages, schedule, num_microbatches
-        self.split: StageSplit | None = None
+        self.split: StageSplit | OwnedSplit | None = None
         self.executor: StageExecutor | None = None
         self._pp_group: Any = None
         self._dp_group: Any = None
@@ -169,6 +171,7 @@ class PipelineStrategy(PdistStrategy):
         self._flag_group: Any = None  # 2bw under loss scaling: the overflow flags' own all-rank group
         self._defer_steps = False  # 2bw under loss scaling on several ranks: steps wait for the agreed flag
         self._deferred: list[_DeferredStep] = []
+        self._pending_pdist_state: dict | None = None  # any module: resumed state waits for the cut at the first batch
 
     # ------------------------------------------------------------------ layout
     @property
@@ -240,7 +243,7 @@ class PipelineStrategy(PdistStrategy):
             # keeps them from pairing with Lightning's collectives on the default group.
             self._flag_group = dist.new_group(list(range(self.world_size)))
         try:
-            self.split = StageSplit(module, self.pipeline_stages, self.stage, self.config.network, self.config.balance,
+            self.split = make_split(module, self.pipeline_stages, self.stage, self.config.network, self.config.balance,
                                     list(self.config.split_points) if self.config.split_points else None,
                                     getattr(module, "example_input_array", None), self._rank_zeros_partition)  # fmt: skip
         except ValueError as err:
@@ -257,11 +260,28 @@ class PipelineStrategy(PdistStrategy):
         if fitting:
             self._check_optimizer_unscaling()
         self.setup_precision_plugin()
-        self.executor = self._make_executor()
+        # Any module (OwnedSplit) is cut at its first batch: its executor and resumed state wait until then.
+        self.executor = self._make_executor() if self.split.ready else None
         self.announce(trainer)
-        if fitting and self._loaded_pdist_state is not None:
-            self.load_pdist_state_dict(self._loaded_pdist_state)
+        self._pending_pdist_state = self._loaded_pdist_state if fitting else None
         self._loaded_pdist_state = None
+        if self.split.ready and self._pending_pdist_state is not None:
+            self.load_pdist_state_dict(self._pending_pdist_state)
+            self._pending_pdist_state = None
+
+    def _ensure_split(self, hook: str, batch: Any, rest: tuple) -> None:
+        """Any module: cut the network at its first batch, from one real call (every rank, the same batch shape)."""
+        if self.split.ready:
+            return
+        call = self._capture_call(hook, batch, rest)
+        try:
+            self.split.plan(call)
+        except ValueError as err:
+            raise ValueError(f"{type(self).__name__}: {err}") from None
+        self.executor = self._make_executor()
+        if self._pending_pdist_state is not None:
+            self.load_pdist_state_dict(self._pending_pdist_state)
+            self._pending_pdist_state = None
 
     def _check_trainer(self, trainer: Any) -> None:
         owner, module = type(self).__name__, self.lightning_module
@@ -331,24 +351,25 @@ class PipelineStrategy(PdistStrategy):
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the user's hooks, per stage
-    def _capture_input(self, hook: str, batch: Any, rest: tuple) -> Tensor:
-        """Run ``hook`` up to its network call and return the network's input (first stage)."""
+    def _stage_inputs(self, hook: str, batch: Any, rest: tuple, n: int) -> Any:
+        """First stage: the network's input of each of the ``n`` micro-batches."""
+        return self.split.microbatch_inputs(self._capture_call(hook, batch, rest), n, hook, batch_size_of(batch))
 
-        def hand_over(x: Any, *_: Any, **__: Any) -> Any:
-            raise NetworkInput(x)
+    def _capture_call(self, hook: str, batch: Any, rest: tuple) -> tuple[tuple, dict]:
+        """Run ``hook`` up to its network call and return that call's ``(args, kwargs)``."""
+
+        def hand_over(*args: Any, **kwargs: Any) -> Any:
+            raise NetworkInput((args, kwargs))
 
         module = self.lightning_module
         try:
             with self.split.calling(hand_over), LogRecorder(module), torch.no_grad():
                 getattr(module, hook)(batch, *rest)
         except NetworkInput as captured:
-            x = captured.value
-            if not isinstance(x, Tensor) or x.ndim == 0 or x.shape[0] != batch_size_of(batch):
-                raise RuntimeError(f"{type(self).__name__}: {hook} fed the network a {type(x).__name__} "
-                                   f"{tuple(getattr(x, 'shape', ()))}; the pipeline needs one tensor with the batch's "
-                                   f"{batch_size_of(batch)} samples along dimension 0")  # fmt: skip
-            return x
-        raise RuntimeError(f"{type(self).__name__}: {type(module).__name__}.{hook} never called its network {self.split.path!r}")
+            return captured.value
+        raise RuntimeError(f"{type(self).__name__}: {type(module).__name__}.{hook} never called its network "
+                           f"{self.split.path or type(module).__name__ + '.forward'!r} (the smallest submodule holding "
+                           "every trainable parameter); the pipeline runs that network once per step")  # fmt: skip
 
     def _call_user(self, hook: str, batch: Any, rest: tuple, network: Callable[..., Any], recorder: LogRecorder) -> Any:
         module = self.lightning_module
@@ -364,7 +385,7 @@ class PipelineStrategy(PdistStrategy):
         w = self._window
         chunk = w["chunks"][j - w["start"]]
         recorder = LogRecorder(self.lightning_module, batch_size_of(chunk))
-        out = self._call_user("training_step", chunk, w["rest"], lambda x=None, *a, **k: forward(x), recorder)
+        out = self._call_user("training_step", chunk, w["rest"], lambda *a, **k: forward(self.split.stage_input(a, k)), recorder)
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if not isinstance(loss, Tensor):
             raise RuntimeError(f"{type(self).__name__}: training_step returned {type(out).__name__} for a micro-batch; under a "
@@ -456,6 +477,7 @@ class PipelineStrategy(PdistStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         batch, rest = args[0], tuple(args[1:]) + tuple(kwargs.values())
+        self._ensure_split("training_step", batch, rest)
         executor = self.executor
         n = min(self.config.microbatches_for(self.world_size), batch_size_of(batch))
         start = executor.cursor.available
@@ -468,7 +490,7 @@ class PipelineStrategy(PdistStrategy):
         if executor.is_last:
             self._window["chunks"] = split_batch(batch, n)
         if executor.is_first and not executor.is_last:
-            self._window["inputs"] = self._capture_input("training_step", batch, rest).tensor_split(n)
+            self._window["inputs"] = self._stage_inputs("training_step", batch, rest, n)
         wait0, began = executor.p2p.wait_s, time.perf_counter()
         executor.admit(n)
         executor.run()  # forwards under the plugin's train_step_context (autocast), backwards outside it
@@ -560,13 +582,14 @@ class PipelineStrategy(PdistStrategy):
         if self.pipeline_stages == 1:
             return getattr(module, hook)(*args, **kwargs)
         batch, rest = args[0], tuple(args[1:]) + tuple(kwargs.values())
+        self._ensure_split(hook, batch, rest)
         executor = self.executor
         n = min(self.config.microbatches_for(self.world_size), batch_size_of(batch))
-        inputs = self._capture_input(hook, batch, rest).tensor_split(n) if executor.is_first else None
+        inputs = self._stage_inputs(hook, batch, rest, n) if executor.is_first else None
         outputs = executor.forward_only(n, (lambda j: inputs[j]) if inputs is not None else None)
         mine: dict[str, Any] = {}
         if executor.is_last:
-            network_output = torch.cat(outputs)
+            network_output = self.split.join_outputs(outputs)
             recorder = LogRecorder(module, batch_size_of(batch))
             result = self._call_user(hook, batch, rest, lambda *a, **k: network_output, recorder)
             mine = {"records": aggregate(module, recorder.records), "result": result if hook == "predict_step" else None}
@@ -594,8 +617,7 @@ class PipelineStrategy(PdistStrategy):
         if self.split is None:
             return super().lightning_module_state_dict()
         self.drain()
-        local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
-        parts = self._gather_stages(local)
+        parts = self._gather_stages(self.split.local_state())
         if parts is None:
             return {}
         merged = _merge(parts)
@@ -655,7 +677,7 @@ class PipelineStrategy(PdistStrategy):
             if self.executor is not None:
                 self.executor.p2p.wait_all()
             # Every rank ends holding the whole trained model, as after any other strategy's fit.
-            local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+            local = split.local_state()
             parts = [local]
             if self.pipeline_stages > 1:
                 parts = [None] * self.pipeline_stages
