@@ -1,26 +1,29 @@
 """Running one pipeline stage of any module: the module's own forward, with other stages' work skipped.
 
 Every stage runs the network's Python ``forward`` as written (control flow, loops, keyword
-arguments, ``transformers`` model outputs: nothing is traced into a graph). What differs per stage
-is which modules hold real weights (:func:`split.owners`): the others hold ``meta`` tensors, so the
-calls before this stage's first split point run on shapes only (no compute, no memory), and
+arguments, ``transformers`` model outputs: nothing is traced into a graph), on the network call of
+the micro-batch (every stage of a replica reads the same batch, so each captures the call itself).
+What differs per stage is which modules hold real weights (:func:`split.owners`): the others hold
+``meta`` tensors, so the work before this stage's first split point runs on shapes only (an op
+mixing meta and real tensors runs on meta: no compute, no memory), while what depends only on the
+inputs (masks, positions) is computed for real. Then
 
 * entering the split point that starts stage ``s``, its call's tensors (positional and keyword) are
-  replaced by the real ones received from stage ``s - 1`` (the *boundary*); the meta stand-ins map to
-  them, so a mask computed once before the cut and handed to every later block arrives real too;
+  replaced by the real ones received from stage ``s - 1`` (the *boundary*); their meta stand-ins map
+  to them for every later use (a residual ``h + block(h)``, a mask handed to every later block), and
+  the substitution happens above autograd, so gradients reach the boundary along every path;
 * entering the split point that starts stage ``s + 1``, its call's tensors are this stage's output,
   and the forward stops there (:class:`_StageDone`); after the last split point the network's output
   is the output.
 
-A value computed before the cut that reaches a later stage by any other path (a skip connection
-around the split point, a weight used outside its module) stays ``meta``: the stage's output is then
-refused, naming the split point. :func:`check_stages` runs all stages in one process at split time
-against the whole network on one micro-batch, so a bad cut is refused before training.
+A value computed from earlier stages' weights that reaches a later stage by any other path (a skip
+connection around the split point, a weight used outside its module) is refused, naming the split
+point. :func:`check_stages` runs all stages in one process at split time against the whole network
+on one batch, so a cut that cannot run, or computes something else, is refused before training.
 
 Between stages the boundary travels as one 1-D float64 tensor (:func:`pack`): a header with the
-network call's tensor shapes (later stages rebuild meta inputs from it) and the boundary's shapes and
-dtypes, then the values (float64 holds fp32/bf16/fp16 and integers below 2^53 exactly; gradients flow
-through the float parts).
+micro-batch's key and the values' shapes and dtypes, then the values (float64 holds fp32/bf16/fp16
+and integers below 2^53 exactly; gradients flow through the float parts).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_pdist.pipeline.split import END
 
-__all__ = ["OwnedStage", "StageRefused", "call_shapes", "check_stages", "pack", "rebuild", "record_calls", "split_constants",
+__all__ = ["OwnedStage", "StageRefused", "check_stages", "pack", "rebuild", "record_calls", "split_constants",
            "unpack"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
@@ -60,13 +63,10 @@ def record_calls(network: nn.Module, call: Callable[[], Any]) -> tuple[list[str]
     return trace, out
 
 
-def pack(call_shapes: Sequence[tuple[int, tuple[int, ...]]], values: Sequence[Tensor]) -> Tensor:
-    """One float64 vector: ``[header length, #call tensors, (dtype, ndim, *shape)..., #values, (dtype, ndim, *shape)...,
-    values...]`` (the values' float parts keep their autograd history)."""
-    head: list[float] = [0.0, float(len(call_shapes))]
-    for code, shape in call_shapes:
-        head += [float(code), float(len(shape)), *map(float, shape)]
-    head.append(float(len(values)))
+def pack(key: int, values: Sequence[Tensor]) -> Tensor:
+    """One float64 vector ``[header length, key, #values, (dtype, ndim, *shape)..., values...]`` (the values' float
+    parts keep their autograd history). ``key`` names the micro-batch, whose network call each stage holds."""
+    head: list[float] = [0.0, float(key), float(len(values))]
     for v in values:
         if v.dtype not in _CODE:
             raise ValueError(f"a pipeline boundary cannot carry a {v.dtype} tensor")
@@ -78,30 +78,21 @@ def pack(call_shapes: Sequence[tuple[int, tuple[int, ...]]], values: Sequence[Te
     return torch.cat(parts)
 
 
-def unpack(packed: Tensor) -> tuple[list[tuple[int, tuple[int, ...]]], list[Tensor]]:
-    """(call shapes, values) from :func:`pack`'s vector."""
+def unpack(packed: Tensor) -> tuple[int, list[Tensor]]:
+    """(key, values) from :func:`pack`'s vector."""
     n_head = int(packed[0].item())
     head = packed[:n_head].tolist()
-    i, shapes = 2, []
-    for _ in range(int(head[1])):
+    i, values, offset = 3, [], n_head
+    for _ in range(int(head[2])):
         code, ndim = int(head[i]), int(head[i + 1])
-        shapes.append((code, tuple(int(d) for d in head[i + 2 : i + 2 + ndim])))
-        i += 2 + ndim
-    values, offset = [], n_head
-    for _ in range(int(head[i])):
-        code, ndim = int(head[i + 1]), int(head[i + 2])
-        shape = tuple(int(d) for d in head[i + 3 : i + 3 + ndim])
+        shape = tuple(int(d) for d in head[i + 2 : i + 2 + ndim])
         i += 2 + ndim
         numel = 1
         for d in shape:
             numel *= d
         values.append(packed[offset : offset + numel].view(shape).to(_DTYPES[code]))
         offset += numel
-    return shapes, values
-
-
-def call_shapes(leaves: Sequence[Any]) -> list[tuple[int, tuple[int, ...]]]:
-    return [(_CODE[t.dtype], tuple(t.shape)) for t in leaves if isinstance(t, Tensor)]
+    return int(head[1]), values
 
 
 class _StageDone(Exception):
@@ -124,13 +115,18 @@ class _StageMode(TorchFunctionMode):
     does not carry: refused.
     """
 
-    def __init__(self, mapping: dict[int, Tensor], state: dict, start: str) -> None:
+    def __init__(self, mapping: dict[int, Tensor], state: dict, start: str, device: torch.device) -> None:
         super().__init__()
-        self.mapping, self.state, self.start = mapping, state, start
+        self.mapping, self.state, self.start, self.device = mapping, state, start, device
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         flat, spec = tree_flatten((args, kwargs))
+        if any(isinstance(t, torch.device) and t.type == "meta" for t in flat):
+            # a device read off a meta activation (torch.ones(..., device=h.device), mask.to(h.device)): only the
+            # weights are meta here, what the code builds from the inputs stays real
+            flat = [self.device if isinstance(t, torch.device) and t.type == "meta" else t for t in flat]
+            args, kwargs = tree_unflatten(flat, spec)
         metas = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t.is_meta]
         if metas:
             if self.state["active"]:
@@ -168,6 +164,9 @@ class OwnedStage(nn.Module):
         self.invoke = invoke or network
         self.start = boundaries[stage - 1] if stage > 0 else None
         self.stop = boundaries[stage] if stage < len(boundaries) else None
+        # key -> the network call of that micro-batch (every stage of a replica reads the same batch): stages after
+        # the first run the forward before their split point on it, the earlier stages' weights being meta
+        self.calls: dict[int, tuple[tuple, dict]] = {}
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:  # noqa: E501
         mine = {id(p) for m in self.owned for p in m.parameters(recurse=False)}
@@ -179,23 +178,25 @@ class OwnedStage(nn.Module):
         return rebuild(self.call_spec, self.call_constants, leaves)
 
     def forward(self, packed: Tensor) -> Any:
-        shapes, values = unpack(packed)
+        key, values = unpack(packed)
+        call = self.calls.pop(key, None)
         if self.start == END:  # nothing of the network left: the output itself arrived
             if self.stop is not None:
-                return pack(shapes, [v * 1 for v in values])
+                return pack(key, [v * 1 for v in values])
             return self._output(values)
         if self.stage == 0:
             call, boundary = self._call(values), None
+        elif call is None:
+            raise RuntimeError(f"pipeline stage {self.stage}: no network call recorded for micro-batch {key}")
         else:
-            call = self._call([torch.empty(s, dtype=_DTYPES[c], device="meta") for c, s in shapes])
             boundary = values
         try:
             out = run_stage(self.net, self.invoke, call, self.start, self.stop, boundary)
         except _StageDone as done:
-            return pack(shapes, done.values)
+            return pack(key, done.values)
         if self.stop == END:
             leaves, _ = tree_flatten(out)
-            return pack(shapes, [t for t in leaves if isinstance(t, Tensor)])
+            return pack(key, [t for t in leaves if isinstance(t, Tensor)])
         return out
 
     def _output(self, values: list[Tensor]) -> Any:
@@ -274,7 +275,8 @@ def run_stage(network: nn.Module, invoke: Callable[..., Any], call: tuple[tuple,
                 module = network.get_submodule(name)
                 stack.callback(module.register_forward_pre_hook(enter(name), with_kwargs=True).remove)
         if start is not None:
-            stack.enter_context(_StageMode(mapping, state, start))
+            device = next((t.device for t in tree_flatten(call)[0] if isinstance(t, Tensor)), torch.device("cpu"))
+            stack.enter_context(_StageMode(mapping, state, start, device))
         args, kwargs = call
         out = invoke(*args, **kwargs)
     leaves = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
@@ -310,13 +312,14 @@ def check_stages(network: nn.Module, invoke: Callable[..., Any], call: tuple[tup
     Raises :class:`StageRefused` naming the split point that the stages cannot run, or the difference.
     """
     leaves, spec, constants = split_constants(call)
-    packed = pack(call_shapes(leaves), leaves)
+    packed = pack(0, leaves)
     out: Any = None
     exp_leaves, out_spec, out_constants = split_constants(expected)
     for s in range(len(boundaries) + 1):
         others = [n for n, st in placement.items() if st != s]
         stage = OwnedStage(network, boundaries, s, [n for n, st in placement.items() if st == s], spec, constants,
                            (out_spec, out_constants), invoke)  # fmt: skip
+        stage.calls[0] = call
         try:
             with meta_weights(network, others):
                 out = stage(packed)

@@ -21,8 +21,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from lightning_pdist.pipeline.ownership import (OwnedStage, StageRefused, call_shapes, check_stages, pack, rebuild, record_calls,
-                                                split_constants)
+from lightning_pdist.pipeline.ownership import OwnedStage, StageRefused, check_stages, pack, rebuild, record_calls, split_constants
 from lightning_pdist.pipeline.partition import Partition, find_network, layer_times, list_layers, partition, split_by_names
 from lightning_pdist.pipeline.split import END, auto_split_points, check_split_points, owners
 
@@ -155,7 +154,11 @@ class StageSplit:
         """This stage's part of the module's ``state_dict`` (the layers of other stages are not in it)."""
         return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
 
-    def microbatch_inputs(self, call: tuple[tuple, dict], n: int, hook: str, batch_size: int) -> tuple[Tensor, ...]:
+    def needs_call(self, is_first: bool, is_last: bool) -> bool:
+        """Whether this stage needs the network's call (the first stage feeds it to the pipeline)."""
+        return is_first and not is_last
+
+    def microbatch_inputs(self, call: tuple[tuple, dict], n: int, hook: str, batch_size: int, first_key: int) -> tuple[Tensor, ...]:
         """The network's input cut into ``n`` micro-batches (one tensor with the batch along dimension 0)."""
         args, kwargs = call
         x = args[0] if args else next(iter(kwargs.values()), None)
@@ -310,6 +313,7 @@ class OwnedSplit:
         try:
             with torch.no_grad():
                 trace, expected = record_calls(net, lambda: self._invoke(*args, **kwargs))
+            trace.insert(0, "")  # the network itself, entered first (its own weights: stage 0)
             modules = [n for n, _ in net.named_modules() if n]
             holders = {n: [id(t) for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
                        for n, m in net.named_modules()}  # fmt: skip
@@ -332,7 +336,6 @@ class OwnedSplit:
         for name in trace:
             weights.append(float(params.get(name, 0)) if name not in seen else 0.0)
             seen.add(name)
-        weights[0] += params.get("", 0)
         kinds = dict(net.named_modules())
         candidates = [i for i, n in enumerate(trace) if counts[n] == 1 and params_below(kinds[n])
                       and ("." not in n or isinstance(kinds[n.rpartition(".")[0]], (nn.ModuleList, nn.Sequential)))]  # fmt: skip
@@ -355,7 +358,7 @@ class OwnedSplit:
             check_stages(self.network, self._invoke, call, names, placement, expected)
         except StageRefused as err:
             if user:
-                raise ValueError(f"PipelineStrategy(split_points={list(self.split_points)!r}): {err}") from None
+                raise ValueError(f"PipelineStrategy(split_points={list(self.split_points)!r}): {err}") from err
             raise
 
     def _cut(self, trace: list[str], positions: list[int], holders: dict, call: tuple, expected: Any) -> None:
@@ -392,19 +395,28 @@ class OwnedSplit:
         return "; ".join(f"stage {s}: from {n}" for s, n in enumerate(["the start", *self.partition.names]))
 
     # ------------------------------------------------------------------ per step
-    def microbatch_inputs(self, call: tuple[tuple, dict], n: int, hook: str, batch_size: int) -> list[Tensor]:
-        """Every micro-batch's network call, packed (tensors with the batch along dimension 0 are cut)."""
+    def needs_call(self, is_first: bool, is_last: bool) -> bool:
+        return self.num_stages > 1  # every stage runs the forward on its micro-batches' calls
+
+    def microbatch_inputs(self, call: tuple[tuple, dict], n: int, hook: str, batch_size: int, first_key: int) -> list[Tensor]:
+        """Every micro-batch's network call (tensors with the batch along dimension 0 are cut): kept by the stage
+        under keys ``first_key + j``, and packed (what the first stage feeds the pipeline)."""
         leaves, spec, constants = split_constants(call)
         if self._call_spec is not None and (spec, constants) != self._call_spec:
             raise RuntimeError(f"PipelineStrategy: {hook} calls the network {self.path!r} with arguments of another "
                                f"structure than at its first batch ({spec} vs {self._call_spec[0]}); the stages rebuild "
                                "the call from that structure")  # fmt: skip
         cut = [t.tensor_split(n) if t.ndim and t.shape[0] == batch_size else [t] * n for t in leaves]
-        return [pack(call_shapes([c[j] for c in cut]), [c[j] for c in cut]) for j in range(n)]
+        packed = []
+        for j in range(n):
+            mine = [c[j] for c in cut]
+            self.stage_module.calls[first_key + j] = rebuild(spec, constants, mine)
+            packed.append(pack(first_key + j, mine))
+        return packed
 
     def stage_input(self, args: tuple, kwargs: dict) -> Tensor:
         leaves, _, _ = split_constants((args, kwargs))
-        return pack(call_shapes(leaves), leaves)
+        return pack(0, leaves)
 
     def join_outputs(self, outputs: list[Any]) -> Any:
         """The micro-batches' network outputs as one (tensors concatenated along dimension 0)."""

@@ -351,9 +351,9 @@ class PipelineStrategy(PdistStrategy):
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the user's hooks, per stage
-    def _stage_inputs(self, hook: str, batch: Any, rest: tuple, n: int) -> Any:
-        """First stage: the network's input of each of the ``n`` micro-batches."""
-        return self.split.microbatch_inputs(self._capture_call(hook, batch, rest), n, hook, batch_size_of(batch))
+    def _stage_inputs(self, hook: str, batch: Any, rest: tuple, n: int, first_key: int) -> Any:
+        """The network's input of each of the ``n`` micro-batches (keys ``first_key + j``)."""
+        return self.split.microbatch_inputs(self._capture_call(hook, batch, rest), n, hook, batch_size_of(batch), first_key)
 
     def _capture_call(self, hook: str, batch: Any, rest: tuple) -> tuple[tuple, dict]:
         """Run ``hook`` up to its network call and return that call's ``(args, kwargs)``."""
@@ -489,8 +489,8 @@ class PipelineStrategy(PdistStrategy):
                                "overflow flags across steps (use drop_last=True or a batch size of at least num_stages)")  # fmt: skip
         if executor.is_last:
             self._window["chunks"] = split_batch(batch, n)
-        if executor.is_first and not executor.is_last:
-            self._window["inputs"] = self._stage_inputs("training_step", batch, rest, n)
+        if self.split.needs_call(executor.is_first, executor.is_last):
+            self._window["inputs"] = self._stage_inputs("training_step", batch, rest, n, start)
         wait0, began = executor.p2p.wait_s, time.perf_counter()
         executor.admit(n)
         executor.run()  # forwards under the plugin's train_step_context (autocast), backwards outside it
@@ -585,8 +585,8 @@ class PipelineStrategy(PdistStrategy):
         self._ensure_split(hook, batch, rest)
         executor = self.executor
         n = min(self.config.microbatches_for(self.world_size), batch_size_of(batch))
-        inputs = self._stage_inputs(hook, batch, rest, n) if executor.is_first else None
-        outputs = executor.forward_only(n, (lambda j: inputs[j]) if inputs is not None else None)
+        inputs = self._stage_inputs(hook, batch, rest, n, -n) if self.split.needs_call(executor.is_first, False) else None
+        outputs = executor.forward_only(n, (lambda j: inputs[j]) if executor.is_first else None)
         mine: dict[str, Any] = {}
         if executor.is_last:
             network_output = self.split.join_outputs(outputs)
