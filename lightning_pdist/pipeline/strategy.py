@@ -14,9 +14,13 @@ micro-batches and each stage runs its *window* of the schedule
 ``1f1b``) finish the batch with one update; ``pipedream`` and ``2bw`` leave micro-batches in flight
 across steps and drain only before validation, at the end of ``fit`` and when a checkpoint is written.
 
-The contract with the user's module (checked at setup, refusals say what to add): its trainable
-parameters all live in one ``nn.Sequential`` (found automatically, or named by ``network=``), the
-module calls it once per step, and automatic optimization with one optimizer. Nothing else changes:
+The contract with the user's module (checked at setup, refusals say what to add): a *network* holding
+every trainable parameter that the module's hooks call once per step, and automatic optimization with
+one optimizer. Where one ``nn.Sequential`` is the network (found automatically, or named by
+``network=``) it is cut into runs of layers at setup (:class:`~lightning_pdist.pipeline.stages.StageSplit`);
+any other module (a ``ModuleList`` called in a loop, Lightning's demo Transformer, a ``transformers``
+model) is cut at named submodules in execution order by module ownership, at its first batch
+(:class:`~lightning_pdist.pipeline.stages.OwnedSplit`, :mod:`~lightning_pdist.pipeline.ownership`). Nothing else changes:
 on the last stage the module's own ``training_step``/``validation_step``/``test_step``/``predict_step``
 run per micro-batch with the network's output in place of the network (the loss comes from the
 module), and whatever they log is logged on every stage. The first stage learns the network's input
@@ -111,8 +115,12 @@ class PipelineStrategy(PdistStrategy):
             smaller than ``m`` is cut into as many micro-batches as it has samples.
         balance: ``"parameters"`` (default) or ``"time"`` (profiles each layer on the module's
             ``example_input_array``).
-        split_points: names of the layers that start stages 1..K-1 (instead of ``balance``), e.g.
-            ``["model.net.4"]``.
+        split_points: names of the submodules that start stages 1..K-1, in execution order (torch pipelining's
+            split spec), e.g. ``["model.net.4"]`` or ``["net.bert.encoder.layer.2"]``; ``"auto"`` or ``None``:
+            balanced by parameters. A module without one ``nn.Sequential`` is cut by module ownership at its first
+            batch: each submodule's weights live on the stage that calls it; a name that is not a submodule is
+            refused at setup, one that the forward does not call exactly once, that is out of execution order, or
+            whose cut the forward cannot run (a value crossing it outside the split point's inputs) at the first batch.
         network: name of the ``nn.Sequential`` to split when it cannot be found automatically.
         vertical_sync: ``pipedream`` only.
         weight_stashing: ``pipedream`` only; ``False`` is the ablation in which a backward uses the newest
