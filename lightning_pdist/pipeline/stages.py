@@ -220,6 +220,7 @@ def make_split(module: nn.Module, num_stages: int, stage: int, network: str | No
             if balance == "time":
                 raise ValueError(f"balance='time' times the layers of one nn.Sequential, and {err}") from None
             split = OwnedSplit(module, num_stages, stage, split_points)
+            split.reason = str(err)
             if not split.path and type(module).forward is LightningModule.forward:
                 raise ValueError(f"{err}; and {type(module).__name__} has no forward, so no one submodule its steps "
                                  "call holds every trainable parameter (the pipeline cuts that submodule)") from None
@@ -244,6 +245,7 @@ class OwnedSplit:
     """
 
     ready = False
+    reason = ""  # why the nn.Sequential path did not apply (said again if the hooks never call the network)
 
     def __init__(self, module: nn.Module, num_stages: int, stage: int, split_points: list[str] | None) -> None:
         self.module, self.num_stages, self.stage = module, num_stages, stage

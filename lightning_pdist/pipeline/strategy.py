@@ -375,9 +375,11 @@ class PipelineStrategy(PdistStrategy):
                 getattr(module, hook)(batch, *rest)
         except NetworkInput as captured:
             return captured.value
+        reason = getattr(self.split, "reason", "")
         raise RuntimeError(f"{type(self).__name__}: {type(module).__name__}.{hook} never called its network "
                            f"{self.split.path or type(module).__name__ + '.forward'!r} (the smallest submodule holding "
-                           "every trainable parameter); the pipeline runs that network once per step")  # fmt: skip
+                           "every trainable parameter); the pipeline runs that network once per step"
+                           + (f". {reason}" if reason else ""))  # fmt: skip
 
     def _call_user(self, hook: str, batch: Any, rest: tuple, network: Callable[..., Any], recorder: LogRecorder) -> Any:
         module = self.lightning_module
