@@ -150,3 +150,11 @@ def test_boring_demo_transformer_and_bert_train_under_gpipe_pipedream_and_2bw(tm
     assert len(results) == 9
     for cell, (same, moved, finite, sent) in results.items():
         assert same and moved and finite and sent > 0, (cell, same, moved, finite, sent)
+
+
+def test_split_points_auto_and_bad_types_at_construction():
+    assert PipelineStrategy(split_points="auto").config.split_points is None  # balanced by parameters
+    with pytest.raises(TypeError, match=r"PipelineStrategy\(split_points='blocks.2'\): split_points must be a list"):
+        PipelineStrategy(split_points="blocks.2")
+    with pytest.raises(ValueError, match=r"split_points=\[..., 'blocks.9', ...\]\): 'blocks.9' is not a submodule of Blocks"):
+        OwnedSplit(Blocks(), 2, 0, ["blocks.9"])  # at setup, before any batch
