@@ -15,9 +15,13 @@ micro-batches and each stage runs its *window* of the schedule
 ``1f1b``) finish the batch with one update; ``pipedream`` and ``2bw`` leave micro-batches in flight
 across steps and drain only before validation, at the end of ``fit`` and when a checkpoint is written.
 
-The contract with the user's module (checked at setup, refusals say what to add): its trainable
-parameters all live in one ``nn.Sequential`` (found automatically, or named by ``network=``), the
-module calls it once per step, and automatic optimization with one optimizer. Nothing else changes:
+The contract with the user's module (checked at setup, refusals say what to add): a *network* holding
+every trainable parameter that the module's hooks call once per step, and automatic optimization with
+one optimizer. Where one ``nn.Sequential`` is the network (found automatically, or named by
+``network=``) it is cut into runs of layers at setup (:class:`~lightning_pdist.pipeline.stages.StageSplit`);
+any other module (a ``ModuleList`` called in a loop, Lightning's demo Transformer, a ``transformers``
+model) is cut at named submodules in execution order by module ownership, at its first batch
+(:class:`~lightning_pdist.pipeline.stages.OwnedSplit`, :mod:`~lightning_pdist.pipeline.ownership`). Nothing else changes:
 on the last stage the module's own ``training_step``/``validation_step``/``test_step``/``predict_step``
 run per micro-batch with the network's output in place of the network (the loss comes from the
 module), and whatever they log is logged on every stage. The first stage learns the network's input
@@ -54,7 +58,7 @@ from lightning_pdist.core.strategy import PdistStrategy, register_variants
 from lightning_pdist.core.config import refuse_owned_ddp_args
 from lightning_pdist.core.guard import SkipStep
 from lightning_pdist.pipeline.log_mirror import LogRecorder, aggregate, replay
-from lightning_pdist.pipeline.stages import NetworkInput, StageSplit, batch_size_of, split_batch
+from lightning_pdist.pipeline.stages import NetworkInput, OwnedSplit, StageSplit, batch_size_of, make_split, split_batch
 
 __all__ = ["PipelineConfig", "PipelineStrategy"]
 
@@ -119,8 +123,12 @@ class PipelineStrategy(PdistStrategy):
             smaller than ``m`` is cut into as many micro-batches as it has samples.
         balance: ``"parameters"`` (default) or ``"time"`` (profiles each layer on the module's
             ``example_input_array``).
-        split_points: names of the layers that start stages 1..K-1 (instead of ``balance``), e.g.
-            ``["model.net.4"]``.
+        split_points: names of the submodules that start stages 1..K-1, in execution order (torch pipelining's
+            split spec), e.g. ``["model.net.4"]`` or ``["net.bert.encoder.layer.2"]``; ``"auto"`` or ``None``:
+            balanced by parameters. A module without one ``nn.Sequential`` is cut by module ownership at its first
+            batch: each submodule's weights live on the stage that calls it; a name that is not a submodule is
+            refused at setup, one that the forward does not call exactly once, that is out of execution order, or
+            whose cut the forward cannot run (a value crossing it outside the split point's inputs) at the first batch.
         network: name of the ``nn.Sequential`` to split when it cannot be found automatically.
         vertical_sync: ``pipedream`` only.
         weight_stashing: ``pipedream`` only; ``False`` is the ablation in which a backward uses the newest
@@ -151,9 +159,11 @@ class PipelineStrategy(PdistStrategy):
     ) -> None:
         owner = type(self).__name__
         refuse_owned_ddp_args(owner, kwargs, "the pipeline moves activations, not DDP buckets")
+        if split_points == "auto":
+            split_points = None  # balanced by parameters, as when none are given
         if split_points is not None and not isinstance(split_points, (list, tuple)):
             raise TypeError(f"{owner}(split_points={split_points!r}): split_points must be a list of layer names "
-                            "(the first layer of stages 1..K-1) or None")  # fmt: skip
+                            "(the first layer of stages 1..K-1), 'auto' or None")  # fmt: skip
         self.config = PipelineConfig(
             num_stages=num_stages, schedule=schedule, num_microbatches=num_microbatches, balance=balance,
             split_points=tuple(split_points) if split_points is not None else None, network=network,
@@ -166,7 +176,7 @@ class PipelineStrategy(PdistStrategy):
         super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
                          model_averaging_period=None, **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
         self.num_stages, self.schedule, self.num_microbatches = num_stages, schedule, num_microbatches
-        self.split: StageSplit | None = None
+        self.split: StageSplit | OwnedSplit | None = None
         self.executor: StageExecutor | None = None
         self._pp_group: Any = None
         self._dp_group: Any = None
@@ -177,6 +187,7 @@ class PipelineStrategy(PdistStrategy):
         self._flag_group: Any = None  # 2bw under loss scaling: the overflow flags' own all-rank group
         self._defer_steps = False  # 2bw under loss scaling on several ranks: steps wait for the agreed flag
         self._deferred: list[_DeferredStep] = []
+        self._pending_pdist_state: dict | None = None  # any module: resumed state waits for the cut at the first batch
 
     # ------------------------------------------------------------------ layout
     @property
@@ -248,7 +259,7 @@ class PipelineStrategy(PdistStrategy):
             # keeps them from pairing with Lightning's collectives on the default group.
             self._flag_group = dist.new_group(list(range(self.world_size)))
         try:
-            self.split = StageSplit(module, self.pipeline_stages, self.stage, self.config.network, self.config.balance,
+            self.split = make_split(module, self.pipeline_stages, self.stage, self.config.network, self.config.balance,
                                     list(self.config.split_points) if self.config.split_points else None,
                                     getattr(module, "example_input_array", None), self._rank_zeros_partition)  # fmt: skip
         except ValueError as err:
@@ -267,11 +278,28 @@ class PipelineStrategy(PdistStrategy):
             if self.config.spec.predicts_weights:
                 check_momentum(self.optimizers[0], type(self).__name__, self.config.schedule)
         self.setup_precision_plugin()
-        self.executor = self._make_executor()
+        # Any module (OwnedSplit) is cut at its first batch: its executor and resumed state wait until then.
+        self.executor = self._make_executor() if self.split.ready else None
         self.announce(trainer)
-        if fitting and self._loaded_pdist_state is not None:
-            self.load_pdist_state_dict(self._loaded_pdist_state)
+        self._pending_pdist_state = self._loaded_pdist_state if fitting else None
         self._loaded_pdist_state = None
+        if self.split.ready and self._pending_pdist_state is not None:
+            self.load_pdist_state_dict(self._pending_pdist_state)
+            self._pending_pdist_state = None
+
+    def _ensure_split(self, hook: str, batch: Any, rest: tuple) -> None:
+        """Any module: cut the network at its first batch, from one real call (every rank, the same batch shape)."""
+        if self.split.ready:
+            return
+        call = self._capture_call(hook, batch, rest)
+        try:
+            self.split.plan(call)
+        except ValueError as err:
+            raise ValueError(f"{type(self).__name__}: {err}") from None
+        self.executor = self._make_executor()
+        if self._pending_pdist_state is not None:
+            self.load_pdist_state_dict(self._pending_pdist_state)
+            self._pending_pdist_state = None
 
     def _check_trainer(self, trainer: Any) -> None:
         owner, module = type(self).__name__, self.lightning_module
@@ -343,24 +371,27 @@ class PipelineStrategy(PdistStrategy):
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the user's hooks, per stage
-    def _capture_input(self, hook: str, batch: Any, rest: tuple) -> Tensor:
-        """Run ``hook`` up to its network call and return the network's input (first stage)."""
+    def _stage_inputs(self, hook: str, batch: Any, rest: tuple, n: int, first_key: int) -> Any:
+        """The network's input of each of the ``n`` micro-batches (keys ``first_key + j``)."""
+        return self.split.microbatch_inputs(self._capture_call(hook, batch, rest), n, hook, batch_size_of(batch), first_key)
 
-        def hand_over(x: Any, *_: Any, **__: Any) -> Any:
-            raise NetworkInput(x)
+    def _capture_call(self, hook: str, batch: Any, rest: tuple) -> tuple[tuple, dict]:
+        """Run ``hook`` up to its network call and return that call's ``(args, kwargs)``."""
+
+        def hand_over(*args: Any, **kwargs: Any) -> Any:
+            raise NetworkInput((args, kwargs))
 
         module = self.lightning_module
         try:
             with self.split.calling(hand_over), LogRecorder(module), torch.no_grad():
                 getattr(module, hook)(batch, *rest)
         except NetworkInput as captured:
-            x = captured.value
-            if not isinstance(x, Tensor) or x.ndim == 0 or x.shape[0] != batch_size_of(batch):
-                raise RuntimeError(f"{type(self).__name__}: {hook} fed the network a {type(x).__name__} "
-                                   f"{tuple(getattr(x, 'shape', ()))}; the pipeline needs one tensor with the batch's "
-                                   f"{batch_size_of(batch)} samples along dimension 0")  # fmt: skip
-            return x
-        raise RuntimeError(f"{type(self).__name__}: {type(module).__name__}.{hook} never called its network {self.split.path!r}")
+            return captured.value
+        reason = getattr(self.split, "reason", "")
+        raise RuntimeError(f"{type(self).__name__}: {type(module).__name__}.{hook} never called its network "
+                           f"{self.split.path or type(module).__name__ + '.forward'!r} (the smallest submodule holding "
+                           "every trainable parameter); the pipeline runs that network once per step"
+                           + (f". {reason}" if reason else ""))  # fmt: skip
 
     def _call_user(self, hook: str, batch: Any, rest: tuple, network: Callable[..., Any], recorder: LogRecorder) -> Any:
         module = self.lightning_module
@@ -376,7 +407,7 @@ class PipelineStrategy(PdistStrategy):
         w = self._window
         chunk = w["chunks"][j - w["start"]]
         recorder = LogRecorder(self.lightning_module, batch_size_of(chunk))
-        out = self._call_user("training_step", chunk, w["rest"], lambda x=None, *a, **k: forward(x), recorder)
+        out = self._call_user("training_step", chunk, w["rest"], lambda *a, **k: forward(self.split.stage_input(a, k)), recorder)
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if not isinstance(loss, Tensor):
             raise RuntimeError(f"{type(self).__name__}: training_step returned {type(out).__name__} for a micro-batch; under a "
@@ -468,6 +499,7 @@ class PipelineStrategy(PdistStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         batch, rest = args[0], tuple(args[1:]) + tuple(kwargs.values())
+        self._ensure_split("training_step", batch, rest)
         executor = self.executor
         n = min(self.config.microbatches_for(self.world_size), batch_size_of(batch))
         start = executor.cursor.available
@@ -479,8 +511,8 @@ class PipelineStrategy(PdistStrategy):
                                "overflow flags across steps (use drop_last=True or a batch size of at least num_stages)")  # fmt: skip
         if executor.is_last:
             self._window["chunks"] = split_batch(batch, n)
-        if executor.is_first and not executor.is_last:
-            self._window["inputs"] = self._capture_input("training_step", batch, rest).tensor_split(n)
+        if self.split.needs_call(executor.is_first, executor.is_last):
+            self._window["inputs"] = self._stage_inputs("training_step", batch, rest, n, start)
         wait0, began = executor.p2p.wait_s, time.perf_counter()
         executor.admit(n)
         executor.run()  # forwards under the plugin's train_step_context (autocast), backwards outside it
@@ -572,13 +604,14 @@ class PipelineStrategy(PdistStrategy):
         if self.pipeline_stages == 1:
             return getattr(module, hook)(*args, **kwargs)
         batch, rest = args[0], tuple(args[1:]) + tuple(kwargs.values())
+        self._ensure_split(hook, batch, rest)
         executor = self.executor
         n = min(self.config.microbatches_for(self.world_size), batch_size_of(batch))
-        inputs = self._capture_input(hook, batch, rest).tensor_split(n) if executor.is_first else None
-        outputs = executor.forward_only(n, (lambda j: inputs[j]) if inputs is not None else None)
+        inputs = self._stage_inputs(hook, batch, rest, n, -n) if self.split.needs_call(executor.is_first, False) else None
+        outputs = executor.forward_only(n, (lambda j: inputs[j]) if executor.is_first else None)
         mine: dict[str, Any] = {}
         if executor.is_last:
-            network_output = torch.cat(outputs)
+            network_output = self.split.join_outputs(outputs)
             recorder = LogRecorder(module, batch_size_of(batch))
             result = self._call_user(hook, batch, rest, lambda *a, **k: network_output, recorder)
             mine = {"records": aggregate(module, recorder.records), "result": result if hook == "predict_step" else None}
@@ -606,8 +639,7 @@ class PipelineStrategy(PdistStrategy):
         if self.split is None:
             return super().lightning_module_state_dict()
         self.drain()
-        local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
-        parts = self._gather_stages(local)
+        parts = self._gather_stages(self.split.local_state())
         if parts is None:
             return {}
         merged = _merge(parts)
@@ -667,7 +699,7 @@ class PipelineStrategy(PdistStrategy):
             if self.executor is not None:
                 self.executor.p2p.wait_all()
             # Every rank ends holding the whole trained model, as after any other strategy's fit.
-            local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+            local = split.local_state()
             parts = [local]
             if self.pipeline_stages > 1:
                 parts = [None] * self.pipeline_stages

@@ -65,9 +65,6 @@ PDIST_CLASSES: list[type] = list(dict.fromkeys(strategy_class(n) for n in STRATE
 
 
 #: (strategy, module) -> (message regex, the alternative a user has)
-_NO_SEQUENTIAL = (r"has no nn.Sequential: the pipeline splits one nn.Sequential holding the whole network",
-                  "build the network as one nn.Sequential whose forward runs the layers in order (or name it with "
-                  "network='...'), or train it data-parallel (any other column)")  # fmt: skip
 _MANUAL = (r"automatic_optimization is False; the pipeline runs every backward and update inside its schedule",
            "the data-parallel strategies (local_sgd, bmuf, easgd, signsgd_mv, parameter_server) train "
            "manual-optimization and multi-optimizer modules")  # fmt: skip
@@ -83,9 +80,6 @@ REFUSALS: dict[tuple[str, str], tuple[str, str]] = {
     ("streaming_diloco", "boring"): (
         r"StreamingDiLoCoStrategy\(num_fragments=2\): the model has 1 layers with parameters; num_fragments must not",
         "num_fragments=1 (one fragment: DiLoCo) or fragments=[[...], [...]] naming submodules, or a deeper network"),
-    ("pipeline", "boring"): _NO_SEQUENTIAL,
-    ("pipeline", "transformer_lm"): _NO_SEQUENTIAL,
-    ("pipeline", "hf_bert"): _NO_SEQUENTIAL,
     ("pipeline", "gan"): _MANUAL,
     ("pipeline", "slow_second_optimizer"): _MANUAL,
     ("pipeline", "batchnorm_clip_norm_accumulate"): (

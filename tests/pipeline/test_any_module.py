@@ -1,0 +1,160 @@
+"""Any module pipelines (no nn.Sequential): the cut at named submodules, its refusals, and a reference run.
+
+``Blocks`` keeps its blocks in an ``nn.ModuleList`` called in a loop with a residual connection, its
+parameters directly on the LightningModule (the network is the module itself, called as ``self(x)``).
+Split at ``"blocks.2"`` on 2 real ranks, GPipe and 1F1B equal one-process SGD with the gradients
+accumulated over the micro-batches, written below in plain torch.
+"""
+
+import pytest
+import torch
+from _helpers import TinyRegression, fit, rank_batches, regression_data
+from torch import nn
+
+from lightning_pdist import PipelineStrategy
+from lightning_pdist.pipeline.stages import OwnedSplit
+
+LR, BS, STEPS = 0.1, 4, 6
+
+
+class Blocks(TinyRegression):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        del self.net
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.out(h)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+
+class Skip(Blocks):
+    """The input layer's output joins again after the last block: a connection around any cut between them."""
+
+    def forward(self, x):
+        h0 = h = self.inp(x)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.out(h + h0)
+
+
+def reference(steps, m):
+    """Plain torch: the same weights, forward written out, mean loss over m micro-batches, one SGD step per batch."""
+    torch.manual_seed(0)
+    inp, blocks, out = nn.Linear(4, 8), [nn.Linear(8, 8) for _ in range(4)], nn.Linear(8, 2)
+    params = [p for layer in (inp, *blocks, out) for p in layer.parameters()]
+    for x, y in steps:
+        grads = [torch.zeros_like(p) for p in params]
+        for xm, ym in zip(x.tensor_split(m), y.tensor_split(m)):
+            h = inp(xm)
+            for block in blocks:
+                h = h + torch.tanh(block(h))
+            loss = nn.functional.mse_loss(out(h), ym) / m
+            for g, d in zip(grads, torch.autograd.grad(loss, params)):
+                g += d
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p -= LR * g
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_blocks_in_a_module_list_split_at_blocks_2_equal_one_process_sgd(schedule):
+    module = Blocks(lr=LR)
+    trainer = fit(PipelineStrategy(schedule=schedule, num_microbatches=2, split_points=["blocks.2"], start_method="fork"), module,
+        max_steps=STEPS)  # fmt: skip
+    data = regression_data(64)
+    steps = [rank_batches(data, 0, 1, BS)[t] for t in range(STEPS)]
+    got = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    torch.testing.assert_close(got, reference(steps, 2), atol=1e-6, rtol=0)
+    assert trainer.callback_metrics["pdist/pipeline/stage1/comm_bytes"] > 0  # two stages exchanged activations
+
+
+def _plan(module, points, stages=2):
+    split = OwnedSplit(module, stages, 0, points)
+    split.plan(((torch.randn(4, 4),), {}))
+    return split
+
+
+def test_split_points_are_checked_against_the_forward():
+    """Not a submodule, out of execution order, called twice, a connection around the cut: refused, named."""
+    with pytest.raises(ValueError, match=r"split_points=\[..., 'blocks.9', ...\]\): 'blocks.9' is not a submodule"):
+        _plan(Blocks(), ["blocks.9"])
+    with pytest.raises(ValueError, match=r"'blocks.1' runs before 'blocks.3' in the forward; list split points in execution order"):
+        _plan(Blocks(), ["blocks.3", "blocks.1"], stages=3)
+    with pytest.raises(ValueError, match=r"'blocks' is called 0 times|'blocks' is never called"):
+        _plan(Blocks(), ["blocks"])
+    with pytest.raises(ValueError, match=r"after split point 'blocks.2' uses a value computed before it that is not among"):
+        _plan(Skip(), ["blocks.2"])
+
+
+def test_auto_balances_parameters_and_skips_cuts_the_forward_cannot_carry():
+    split = _plan(Blocks(), None, stages=3)
+    assert split.partition.names == ("blocks.1", "blocks.3")  # 40 + 72 | 144 | 72 + 18 parameters
+    assert split.partition.weights == (112.0, 144.0, 90.0)
+    # h0 crosses blocks.1..3 around them (refused, tried first); at blocks.0 it is that block's own input
+    skip = _plan(Skip(), None)
+    assert skip.partition.names == ("blocks.0",) and skip.partition.weights == (40.0, 306.0)
+
+
+def _every_schedule(rank, world_size, out):
+    import os
+    import warnings
+
+    from lightning.pytorch import Trainer, seed_everything
+
+    from tests.conformance.modules import MODULES
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    results = {}
+    for schedule in ("gpipe", "pipedream", "2bw"):
+        for name in ("boring", "transformer_lm", "hf_bert"):
+            seed_everything(0, verbose=False)
+            module = MODULES[name].make()
+            before = torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()])
+            trainer = Trainer(accelerator="cpu", devices=world_size, max_steps=4, logger=False, enable_checkpointing=False,
+                              enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                              limit_val_batches=1, strategy=PipelineStrategy(schedule=schedule, num_microbatches=2))  # fmt: skip
+            trainer.fit(module)
+            after = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+            gathered = [None] * world_size
+            dist.all_gather_object(gathered, after)
+            loss = trainer.callback_metrics.get("train_loss", trainer.callback_metrics.get("pdist/comm_bytes"))
+            results[f"{schedule}-{name}"] = (bool(torch.equal(gathered[0], gathered[1])), bool((after - before).abs().max() > 0),
+                                             bool(torch.isfinite(after).all()), float(trainer.callback_metrics["pdist/pipeline/stage0/comm_bytes"]))  # fmt: skip
+    if rank == 0:
+        torch.save(results, out)
+
+
+def test_boring_demo_transformer_and_bert_train_under_gpipe_pipedream_and_2bw(tmp_path):
+    """One launch, nine fits (1f1b: the conformance matrix): both ranks end equal, weights moved and finite, the stages exchanged."""
+    from _ranks import run_ranks
+
+    run_ranks(_every_schedule, 2, tmp_path, tmp_path / "results.pt", timeout=300)
+    results = torch.load(tmp_path / "results.pt")
+    assert len(results) == 9
+    for cell, (same, moved, finite, sent) in results.items():
+        assert same and moved and finite and sent > 0, (cell, same, moved, finite, sent)
+
+
+def test_split_points_auto_and_bad_types_at_construction():
+    assert PipelineStrategy(split_points="auto").config.split_points is None  # balanced by parameters
+    with pytest.raises(TypeError, match=r"PipelineStrategy\(split_points='blocks.2'\): split_points must be a list"):
+        PipelineStrategy(split_points="blocks.2")
+    with pytest.raises(ValueError, match=r"split_points=\[..., 'blocks.9', ...\]\): 'blocks.9' is not a submodule of Blocks"):
+        OwnedSplit(Blocks(), 2, 0, ["blocks.9"])  # at setup, before any batch
