@@ -53,6 +53,10 @@ def _reference(contributors: dict[int, list[tuple[int, int]]]) -> torch.Tensor:
 
 
 def _start(tmp_path, r, life, env):
+    # Each replica is its own 1-process job: Lightning picks its own free MASTER_PORT only where none is set (three
+    # replicas inheriting one, e.g. left in this pytest worker by an earlier test, collide: EADDRINUSE).
+    env = {k: v for k, v in env.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+                                                     "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")}  # fmt: skip
     log = open(tmp_path / f"log{r}.{life}", "w")
     return subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), str(r), str(life)], env=env, stdout=log,
                             stderr=subprocess.STDOUT)  # fmt: skip
