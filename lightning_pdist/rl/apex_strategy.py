@@ -114,6 +114,11 @@ class ApeXStrategy(SingleDeviceStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
+        devices = len(getattr(trainer._accelerator_connector, "_parallel_devices", None) or [None])
+        if devices > 1:  # Lightning hands a single-device strategy the first of several devices without a word
+            raise ValueError(f"{type(self).__name__}: Trainer(devices={devices}): the learner is one process and the "
+                             f"strategy starts its own actor processes (num_actors={self.config.num_actors}); use "
+                             "devices=1 and raise num_actors for more acting")  # fmt: skip
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return

@@ -137,3 +137,11 @@ def test_a_module_without_the_learner_hooks_is_refused_naming_them():
     with pytest.raises(TypeError, match=r"ApeXStrategy: the LightningModule _NotALearner has no target_network, td_errors; "
                                         r"the learner hooks are make_env, q_network, target_network, td_errors"):  # fmt: skip
         trainer.fit(_NotALearner())
+
+
+def test_several_devices_are_refused_before_any_actor_starts():
+    """Trainer(devices=2) would silently train on one device: refused at setup, naming the argument and the rule."""
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=ApeXStrategy(num_actors=1), logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, max_steps=1)
+    with pytest.raises(ValueError, match=r"ApeXStrategy: Trainer\(devices=2\): the learner is one process .* use devices=1"):
+        trainer.fit(DQNModule(hidden=8, steps_per_epoch=2))
