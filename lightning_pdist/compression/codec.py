@@ -15,41 +15,14 @@ deterministic across platforms and versions (the format is frozen, RFC 8878), an
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-import zstandard
-from torch import Tensor
+from lightning_pdist.core.push_codec import bytes_tensor as from_bytes  # one byte layout and one zstd setting,
+from lightning_pdist.core.push_codec import decode_indices, encode_indices, unzstd_exact, zstd  # shared with the PS
+from lightning_pdist.core.push_codec import tensor_bytes as to_bytes
 
-from lightning_pdist.core.push_codec import decode_indices, encode_indices  # one coder: the PS's pushes use it too
-from lightning_pdist.core.push_codec import unzstd_exact
-
-__all__ = ["decode_indices", "encode_indices", "from_bytes", "to_bytes"]
-
-_LEVEL = 3
-_compressor = zstandard.ZstdCompressor(level=_LEVEL, write_checksum=False, write_content_size=True, write_dict_id=False)
-
-
-def zstd(data: bytes) -> bytes:
-    """``data`` Zstandard-compressed (the quantizers' level streams)."""
-    return _compressor.compress(data)
+__all__ = ["decode_indices", "encode_indices", "from_bytes", "to_bytes", "unzstd", "zstd"]
 
 
 def unzstd(data: bytes, size: int) -> bytes:
     """Exactly ``size`` bytes from a rank's level stream; a frame declaring another size is refused before any
     allocation (zstandard allocates what a frame declares, whatever ``max_output_size`` says)."""
     return unzstd_exact(data, size, "a gathered level stream")
-
-
-def to_bytes(tensor: Tensor) -> bytes:
-    """A tensor's raw little-endian bytes (int8/uint8/fp16/fp32/int16)."""
-    t = tensor.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return t.numpy().tobytes()
-
-
-def from_bytes(data: bytes | memoryview, dtype: torch.dtype, count: int) -> Tensor:
-    """``count`` values of ``dtype`` from ``data`` (a copy)."""
-    np_dtype = {torch.float32: "<f4", torch.float16: "<f2", torch.int8: "i1", torch.uint8: "u1",
-                torch.int16: "<i2"}[dtype]  # fmt: skip
-    return torch.from_numpy(np.frombuffer(data, dtype=np_dtype, count=count).copy())

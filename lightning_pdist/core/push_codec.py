@@ -40,7 +40,7 @@ import zstandard
 from torch import Tensor
 
 __all__ = ["DensePush", "LevelsPush", "PushFormatError", "SparsePush", "decode_indices", "decode_push", "unzstd_exact",
-           "encode_indices", "encode_push"]  # fmt: skip
+           "bytes_tensor", "encode_indices", "encode_push", "tensor_bytes", "zstd"]  # fmt: skip
 
 SPARSE, LEVELS, DENSE = 1, 2, 3
 _VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # code = index
@@ -74,15 +74,22 @@ class DensePush:
     values: Tensor  # fp32, fp16 or bf16, one per element
 
 
-def _raw(t: Tensor) -> bytes:
+def zstd(data: bytes) -> bytes:
+    """``data`` Zstandard-compressed (level 3, the content size declared: :func:`unzstd_exact` checks it)."""
+    return _compressor.compress(data)
+
+
+def tensor_bytes(t: Tensor) -> bytes:
+    """A tensor's raw little-endian bytes (fp32/fp16/bf16/int8/uint8/int16)."""
     t = t.detach().cpu().contiguous().reshape(-1)
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
     return t.numpy().tobytes()
 
 
-def _tensor(data: bytes | memoryview, dtype: torch.dtype, count: int) -> Tensor:
-    np_dtype = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<i2", torch.int8: "i1",
+def bytes_tensor(data: bytes | memoryview, dtype: torch.dtype, count: int) -> Tensor:
+    """``count`` values of ``dtype`` from ``data`` (a copy)."""
+    np_dtype = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<i2", torch.int8: "i1", torch.uint8: "u1",
                 torch.int16: "<i2"}[dtype]  # fmt: skip
     out = torch.from_numpy(np.frombuffer(data, dtype=np_dtype, count=count).copy())
     return out.view(torch.bfloat16) if dtype == torch.bfloat16 else out
@@ -112,7 +119,7 @@ def encode_indices(indices: Tensor) -> bytes:
         return b""
     gaps = np.diff(idx, prepend=-1) - 1
     shuffled = gaps.astype("<u4").view(np.uint8).reshape(-1, 4).T
-    return _compressor.compress(np.ascontiguousarray(shuffled).tobytes())
+    return zstd(np.ascontiguousarray(shuffled).tobytes())
 
 
 def decode_indices(data: bytes | memoryview, count: int, limit: int | None = None) -> Tensor:
@@ -134,13 +141,13 @@ def encode_push(push: SparsePush | LevelsPush | DensePush) -> bytes:
     if isinstance(push, SparsePush):
         coded = encode_indices(push.indices)
         code = _VALUE_DTYPES.index(push.values.dtype)
-        return _SPARSE_HEAD.pack(SPARSE, code, push.indices.numel(), len(coded)) + coded + _raw(push.values)
+        return _SPARSE_HEAD.pack(SPARSE, code, push.indices.numel(), len(coded)) + coded + tensor_bytes(push.values)
     if isinstance(push, LevelsPush):
         code = _LEVEL_DTYPES.index(push.levels.dtype)
-        coded = _compressor.compress(_raw(push.levels))
+        coded = zstd(tensor_bytes(push.levels))
         return _LEVELS_HEAD.pack(LEVELS, code, push.scale, push.divisor, len(coded)) + coded
     if isinstance(push, DensePush):
-        return _DENSE_HEAD.pack(DENSE, _VALUE_DTYPES.index(push.values.dtype)) + _raw(push.values)
+        return _DENSE_HEAD.pack(DENSE, _VALUE_DTYPES.index(push.values.dtype)) + tensor_bytes(push.values)
     raise TypeError(f"encode_push({push!r}): not a SparsePush, LevelsPush or DensePush")
 
 
@@ -168,7 +175,7 @@ def decode_push(data: bytes | bytearray | memoryview, numel: int, offset: int = 
         if k > 1 and not bool((idx[1:] > idx[:-1]).all()):  # gaps are >= 0, so this holds; checked all the same
             raise PushFormatError("indices: not strictly increasing")
         out = torch.zeros(numel, dtype=torch.float32)
-        out[idx] = _tensor(values, _VALUE_DTYPES[code], k).float()
+        out[idx] = bytes_tensor(values, _VALUE_DTYPES[code], k).float()
         return out, at + n + size
     if form == LEVELS:
         _, code, scale, divisor, n = _LEVELS_HEAD.unpack(_take(data, offset, _LEVELS_HEAD.size, "levels header"))
@@ -181,7 +188,7 @@ def decode_push(data: bytes | bytearray | memoryview, numel: int, offset: int = 
         at = offset + _LEVELS_HEAD.size
         dtype = _LEVEL_DTYPES[code]
         raw = unzstd_exact(_take(data, at, n, "coded levels"), dtype.itemsize * numel, "levels")
-        levels = _tensor(raw, dtype, numel)
+        levels = bytes_tensor(raw, dtype, numel)
         return levels.float() * (scale / divisor), at + n
     if form == DENSE:
         _, code = _DENSE_HEAD.unpack(_take(data, offset, _DENSE_HEAD.size, "dense header"))
@@ -189,5 +196,5 @@ def decode_push(data: bytes | bytearray | memoryview, numel: int, offset: int = 
             raise PushFormatError(f"value dtype code {code}: must be 0 (fp32), 1 (fp16) or 2 (bf16)")
         at = offset + _DENSE_HEAD.size
         size = _VALUE_DTYPES[code].itemsize * numel
-        return _tensor(_take(data, at, size, "values"), _VALUE_DTYPES[code], numel).float(), at + size
+        return bytes_tensor(_take(data, at, size, "values"), _VALUE_DTYPES[code], numel).float(), at + size
     raise PushFormatError(f"form {form}: must be 1 (sparse), 2 (levels) or 3 (dense)")
