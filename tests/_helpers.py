@@ -222,3 +222,17 @@ def closed_by_server(sock: socket.socket, within: float = 10.0) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+class FusedAttention(nn.Module):
+    """(tensor-parallel tests) Rows [q; k; v] in one Linear; the heads come from the width (``view(..., -1, head_dim)``)."""
+
+    def __init__(self, dim: int = 16, num_heads: int = 4):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, -1, self.head_dim).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        return self.proj(nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, -1))

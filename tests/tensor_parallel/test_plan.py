@@ -7,6 +7,8 @@ from torch import nn
 
 from lightning.pytorch.demos import Transformer
 
+from _helpers import FusedAttention
+
 from lightning_pdist.tensor_parallel.plan import COLWISE, HEADS, QKV, REPLICATE, ROWWISE, TPPlan, check_plan
 from lightning_pdist.tensor_parallel.plan import plan_for
 from lightning_pdist.tensor_parallel.shard import sequence_parallel_encoders
@@ -90,21 +92,6 @@ def test_torch_transformer_layers_are_split_by_heads():
     kdim.attn = nn.MultiheadAttention(8, 2, kdim=4, vdim=4)
     with pytest.raises(ValueError, match=r"'attn' \(nn.MultiheadAttention\): kdim/vdim different from embed_dim"):
         check_plan(plan_for(kdim), kdim, 2)
-
-
-class FusedAttention(nn.Module):
-    """A fused query/key/value projection: rows [q; k; v], heads found from the width (view(..., -1, head_dim))."""
-
-    def __init__(self, dim: int = 16, num_heads: int = 4):
-        super().__init__()
-        self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-
-    def forward(self, x):
-        b, n, _ = x.shape
-        q, k, v = (t.view(b, n, -1, self.head_dim).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
-        o = nn.functional.scaled_dot_product_attention(q, k, v)
-        return self.proj(o.transpose(1, 2).reshape(b, n, -1))
 
 
 def test_fused_qkv_linear_is_split_by_heads_and_checked():

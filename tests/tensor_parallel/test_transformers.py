@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from _helpers import fit, rank_batches
+from _helpers import FusedAttention, fit, rank_batches
 from _ranks import run_ranks
 from lightning_pdist import TensorParallelStrategy
 from lightning_pdist.tensor_parallel.comm import TPComm
@@ -23,20 +23,6 @@ from lightning_pdist.tensor_parallel.plan import TPPlan, plan_for
 from lightning_pdist.tensor_parallel.shard import apply_plan
 
 VOCAB, SEQ, BATCH, DIM = 24, 8, 4, 16
-
-
-class FusedAttention(nn.Module):
-    """Rows [q; k; v] in one Linear; the heads come from the width (``view(..., -1, head_dim)``)."""
-
-    def __init__(self, dim: int = DIM, num_heads: int = 4):
-        super().__init__()
-        self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-
-    def forward(self, x):
-        b, n, _ = x.shape
-        q, k, v = (t.view(b, n, -1, self.head_dim).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
-        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, -1))
 
 
 class EncoderNet(nn.Module):
