@@ -9,6 +9,7 @@ One folder per family (averaging, compression, sign, parameter_server, pipeline,
 """
 
 import os
+import sys
 
 from lightning_pdist.core.lazy import lazy_names
 
@@ -17,6 +18,10 @@ __version__ = "0.1.0"
 #: Set to "1" in a process that imports only transport and math (the benchmark harness sets it for its ranks):
 #: importing the package then neither imports Lightning nor registers the strategy names.
 NO_LIGHTNING_ENV = "PDIST_NO_LIGHTNING"
+
+#: Programs that never train (``python -m <one of these>``): a hand-started parameter server needs neither
+#: Lightning nor the strategy names, and importing Lightning costs ~10 s of CPU per process here.
+TRANSPORT_PROGRAMS = ("lightning_pdist.parameter_server.process",)
 
 __getattr__, __dir__ = lazy_names(__name__, {
     "PdistStrategy": "core.strategy",
@@ -53,5 +58,11 @@ def _register() -> None:
     register_compression(StrategyRegistry)  # topk, dgc, qsgd, terngrad, powersgd: PdistStrategy(compression=...)
 
 
-if os.environ.get(NO_LIGHTNING_ENV) != "1":
+def _runs_a_transport_program() -> bool:
+    """True while ``python -m <a TRANSPORT_PROGRAMS module>`` imports this package (runpy sets ``argv[0]`` to "-m" then)."""
+    argv = getattr(sys, "orig_argv", [])
+    return sys.argv[:1] == ["-m"] and any(argv[i : i + 2] == ["-m", m] for i in range(len(argv)) for m in TRANSPORT_PROGRAMS)
+
+
+if os.environ.get(NO_LIGHTNING_ENV) != "1" and not _runs_a_transport_program():
     _register()

@@ -7,4 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+# Compiled bytecode is kept between processes (this machine's environment sets PYTHONDONTWRITEBYTECODE=1): the suite
+# starts a few hundred Python processes, each of which would otherwise compile the package again, and each pytest
+# worker would rewrite every test module's asserts again.
+unset PYTHONDONTWRITEBYTECODE
 exec .venv/bin/python -m pytest -q -n 2 --dist loadscope "$@"

@@ -54,3 +54,18 @@ print(json.dumps({"trainer": sorted(StrategyRegistry), "fabric": sorted(STRATEGY
     for name in ("bmuf", "signsgd_mv", "diloco_fork"):
         assert name in got["fabric"], name
     assert got["dir"] == [] and "DiLoCoStrategy" in got["all"]
+
+
+def test_a_hand_started_parameter_server_imports_no_lightning():
+    """``python -m lightning_pdist.parameter_server.process`` (a server host) never imports Lightning; a program that
+    merely mentions the module in its arguments still registers every name."""
+    environ = {k: v for k, v in os.environ.items() if k != "PDIST_NO_LIGHTNING"}
+    server = subprocess.run([sys.executable, "-X", "importtime", "-m", "lightning_pdist.parameter_server.process", "--help"],
+                            env=environ, capture_output=True, text=True, check=True)  # fmt: skip
+    assert "--secret-file" in server.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in server.stderr.splitlines() if "|" in line}
+    assert "lightning_pdist.parameter_server.server" in imported and "lightning" not in imported
+    code = "import json, lightning_pdist; from lightning.pytorch.strategies import StrategyRegistry; print(json.dumps('bmuf' in StrategyRegistry))"
+    mention = subprocess.run([sys.executable, "-c", code, "-m", "lightning_pdist.parameter_server.process"], env=environ,
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    assert mention.stdout.strip().splitlines()[-1] == "true"

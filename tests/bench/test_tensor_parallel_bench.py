@@ -30,7 +30,7 @@ from lightning_pdist.bench.tp_worker import check_spec, loader_batch
 _OK, _REASON = EmulatedNetwork.available()
 TINY = ["--world-sizes", "2", "--models", "bert", "--hidden-size", "64", "--num-heads", "2", "--intermediate-size", "128",
         "--num-layers", "2", "--vocab-size", "300", "--seq-len", "32", "--reviews-per-class", "20", "--warmup-steps", "1",
-        "--steps", "2"]  # fmt: skip
+        "--steps", "2", "--repeats", "1"]  # fmt: skip  (one run of the plan: repeats are tested without launches below)
 
 
 @pytest.mark.parametrize(
