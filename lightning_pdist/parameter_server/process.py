@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     """Run one server in the foreground (multi-node: start one per server host, pass their addresses).
 
     ``python -m lightning_pdist.parameter_server.process --index 0 --host 0.0.0.0 --port 29600 --allowed-networks 10.1.0.0/16
-    --secret-file ~/.pdist/secret`` (the same file, mode 600, as the strategy's ``server_secret_file``)
+    --secret-file ~/.pdist/secret`` (the same file, mode 600, as the strategy's ``server_secret_file``). Without
+    ``--secret-file`` the server refuses to start unless ``--insecure`` is given.
     """
     import argparse
 
@@ -171,7 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--allowed-networks", default="127.0.0.0/8")
     parser.add_argument("--idle-timeout", type=float, default=300.0)
     parser.add_argument("--secret-file", default=None, help="file holding the shared secret (mode 600, >= 32 bytes); "
-                        "without it the server is unauthenticated")  # fmt: skip
+                        "required unless --insecure")  # fmt: skip
+    parser.add_argument("--insecure", action="store_true", help="run without --secret-file: unauthenticated, any process "
+                        "that can reach the port from --allowed-networks may push, read parameters or shut the server down")  # fmt: skip
     defaults = ServerLimits()
     parser.add_argument("--max-connections", type=int, default=defaults.max_connections)
     parser.add_argument("--message-timeout", type=float, default=defaults.message_timeout)
@@ -180,6 +183,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-init-bytes", type=int, default=defaults.max_init_bytes)
     args = parser.parse_args(argv)
     parse_networks(args.allowed_networks)
+    if args.secret_file is None and not args.insecure:
+        parser.error("--secret-file is required: without it any process that can reach the port may push gradients, "
+                     "read parameters or shut the server down (give --insecure to run unauthenticated anyway)")  # fmt: skip
+    if args.secret_file is not None and args.insecure:
+        parser.error(f"--insecure with --secret-file {args.secret_file!r}: give one of them")
     secret = None
     if args.secret_file is not None:
         try:
@@ -193,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     server = ShardServer(args.index, listener, None, args.allowed_networks, args.idle_timeout, limits=limits, secret=secret)
     if secret is None:
-        server.loop.log(f"WARNING: unauthenticated (no --secret-file): any process that can reach this port from "
+        server.loop.log(f"WARNING: unauthenticated (--insecure): any process that can reach this port from "
                     f"{args.allowed_networks}, of any user, can push gradients, read parameters or shut the server down")  # fmt: skip
     server.serve()
 

@@ -238,8 +238,9 @@ def test_a_hand_started_server_with_a_secret_file_authenticates(tmp_path):
         process.wait()
 
 
-def test_a_hand_started_server_refuses_an_open_secret_file_and_warns_without_one(tmp_path):
-    """--secret-file readable by others exits naming the path and the rule; no --secret-file logs a warning once."""
+def test_a_hand_started_server_refuses_an_open_secret_file_and_runs_without_one_only_if_insecure(tmp_path):
+    """--secret-file readable by others exits naming the path and the rule; no --secret-file refuses to start unless
+    --insecure is given (then it warns once); both at once are refused."""
     path = tmp_path / "secret"
     path.write_bytes(b"s" * 32)
     path.chmod(0o640)
@@ -250,8 +251,16 @@ def test_a_hand_started_server_refuses_an_open_secret_file_and_warns_without_one
     assert "readable only by its owner" in err
     process = hand_started("--idle-timeout", "0.5")
     _, err = process.communicate(timeout=60)
+    assert process.returncode == 2 and "listening" not in err
+    assert "--secret-file is required: without it any process that can reach the port may push gradients" in err
+    assert "(give --insecure to run unauthenticated anyway)" in err
+    process = hand_started("--insecure", "--secret-file", str(path))
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 2 and f"--insecure with --secret-file '{path}': give one of them" in err
+    process = hand_started("--idle-timeout", "0.5", "--insecure")
+    _, err = process.communicate(timeout=60)
     assert process.returncode == 0
-    assert err.count("WARNING: unauthenticated (no --secret-file)") == 1
+    assert err.count("WARNING: unauthenticated (--insecure)") == 1
 
 
 def test_the_challenge_tells_a_stranger_nothing_but_a_fresh_nonce():
