@@ -99,6 +99,9 @@ class ServerConnection:
         where = self._where()
         try:
             kind, meta, challenge, _ = recv_message(self.sock, timeout=timeout, payload_limit=lambda k: NONCE_BYTES)
+            if kind == Kind.ERROR:  # refused before any handshake, e.g. this worker's address is not allowed
+                raise ServerUnavailable(f"{where} refused this worker: {str(meta.get('message', '?'))[:300]} (the "
+                                        "servers' allowed_networks must include every worker's address)")  # fmt: skip
             if kind != Kind.CHALLENGE or len(challenge) != NONCE_BYTES:
                 raise ServerUnavailable(f"{where} sent {kind.name} instead of an authentication challenge; is it a "
                                         "lightning_pdist parameter server started with the same secret?")  # fmt: skip

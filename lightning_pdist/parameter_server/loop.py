@@ -311,7 +311,8 @@ class ConnectionLoop:
                 return
             if not address_allowed(addr[0], self.networks):
                 self.log(f"refused a connection from {addr[0]} (outside {', '.join(map(str, self.networks))})", key="network")
-                sock.close()
+                _tell_and_close(sock, f"this server refuses connections from {addr[0]}: the address is outside its "
+                                      "allowed_networks")  # fmt: skip
                 continue
             if len(self.conns) >= self._max_connections() and not self._evict_one():
                 self.log(f"refused a connection from {addr[0]}:{addr[1]}: max_connections={self._max_connections()} "
@@ -520,3 +521,15 @@ class ConnectionLoop:
                         conn.sock.sendall(view)
                 except OSError:
                     pass
+
+
+def _tell_and_close(sock: socket.socket, message: str) -> None:
+    """One small ``ERROR`` frame, sent only if the socket takes it at once (a refused peer never makes the server
+    wait), then close. It names the peer's own address, never the server's networks."""
+    head, body = encode_message(Kind.ERROR, {"message": message})
+    try:
+        sock.setblocking(False)
+        sock.send(bytes(head) + bytes(body))
+    except OSError:
+        pass
+    sock.close()

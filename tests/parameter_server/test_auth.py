@@ -163,6 +163,23 @@ def test_a_silent_connection_is_dropped_at_the_handshake_deadline():
         assert_serving(client)
 
 
+def test_a_worker_refused_by_its_address_is_told_so():
+    """A server whose allowed_networks leave out the worker's address says so before closing (the worker's error
+    names the server and its own address), without naming the server's networks; the server keeps serving."""
+    handle = start_server(0, allowed_networks="10.0.0.0/8", secret=SECRET)
+    try:
+        with pytest.raises(ServerUnavailable, match=r"parameter server 0 at 127\.0\.0\.1:\d+ refused this worker: this "
+                           r"server refuses connections from 127\.0\.0\.1: the address is outside its allowed_networks "
+                           r"\(the servers' allowed_networks must include every worker's address\)"):  # fmt: skip
+            ServerConnection(0, handle.address, timeout=GOOD_TIMEOUT, secret=SECRET)
+        with raw(handle.address) as sock:
+            kind, meta, _, _ = recv_message(sock, timeout=GOOD_TIMEOUT)
+            assert kind == Kind.ERROR and "10.0.0.0" not in meta["message"]
+        assert handle.poll() is None
+    finally:
+        handle.stop(timeout=5)
+
+
 def test_a_wrong_secret_and_no_secret_fail_naming_the_server():
     """A worker with another secret is refused at connect; one without a secret is told the server needs one."""
     with serving() as server:
