@@ -122,7 +122,7 @@ class PipelineStrategy(PdistStrategy):
         num_stages: pipeline depth ``K``; ``None``: the world size (no replicas). ``world_size`` must be a
             multiple of it.
         schedule: ``"gpipe"``, ``"1f1b"``, ``"pipedream"``, ``"2bw"``, ``"spectrain"``, ``"ddg"`` or
-            ``"features_replay"``.
+            ``"features_replay"`` (``"dni"``, the simulator's name, is ``"pipedream"`` with ``synthetic_gradients=True``).
         num_microbatches: micro-batches per batch ``m``; ``None``: ``2K``, which keeps the flushed bubble at
             ``(K-1)/(3K-1) <= 1/3`` while micro-batches stay large. ``1f1b`` and ``2bw`` need ``m >= K``. A batch
             smaller than ``m`` is cut into as many micro-batches as it has samples.
