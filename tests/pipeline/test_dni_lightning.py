@@ -94,3 +94,13 @@ def test_the_newer_schedules_have_registered_names(name, schedule, dni):
     assert isinstance(strategy, PipelineStrategy) and strategy.config.schedule == schedule
     assert strategy.config.synthetic_gradients == dni and strategy.config.spec.synthetic == dni
     assert strategy._start_method == ("fork" if name.endswith("_fork") else "spawn" if name.endswith("_spawn") else "popen")
+
+
+def test_four_stages_on_four_processes():
+    """One layer per stage on 4 ranks (three synthetic modules): 3 steps end where the DNI reference ends."""
+    module = DeepRegression(lr=LR, momentum=MU, n=N)
+    fit(PipelineStrategy(start_method="fork", schedule="pipedream", synthetic_gradients=True, num_microbatches=M), module,
+        devices=4, max_steps=3, limit_val_batches=0)  # fmt: skip
+    weights, _ = dni_reference([(0, 2), (2, 4), (4, 6), (6, 7)], microbatches()[: 3 * M], LR, MU,
+                               lambda p: torch.optim.Adam(p, lr=1e-3))  # fmt: skip
+    torch.testing.assert_close(flat(module.parameters()), flat(t for stage in weights for t in stage), atol=1e-6, rtol=0)
