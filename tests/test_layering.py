@@ -25,7 +25,7 @@ MATH = {
     "compression": {"sparse", "quantize"},
     "sign": {"vote", "llr", "simulator"},
     "parameter_server": {"sharding", "rules", "elastic", "parallax"},
-    "pipeline": {"schedule", "partition", "spectrain", "delayed", "split", "ownership"},
+    "pipeline": {"schedule", "partition", "spectrain", "delayed", "dni", "split", "ownership"},
     "tensor_parallel": {"plan", "cost"},
     "diloco": {"outer", "fragments", "quantize"},
     "decentralized": {"topology", "config"},

@@ -1,8 +1,8 @@
 """Pipeline parallelism over a module's ``nn.Sequential``: GPipe, 1F1B, PipeDream (weight stashing), PipeDream-2BW,
-SpecTrain, DDG and features replay.
+SpecTrain, DDG, features replay and synthetic gradients (DNI).
 
 Math: :mod:`.schedule` (schedules as values, :class:`ScheduleSpec` the meaning of each name), :mod:`.partition`,
-:mod:`.spectrain` (weight prediction), :mod:`.delayed` (DDG, features replay).
+:mod:`.spectrain` (weight prediction), :mod:`.delayed` (DDG, features replay), :mod:`.dni` (synthetic gradients).
 Transport: :mod:`.p2p`, :mod:`.executor`. Wiring: :mod:`.config`, :mod:`.stages`, :mod:`.log_mirror`,
 :mod:`.precision`, :mod:`.strategy`. Card: ``docs/algorithms/pipeline.md``.
 """

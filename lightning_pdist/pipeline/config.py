@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_pdist.core.config import ConfigErrors, is_int
 from lightning_pdist.core.nonfinite import check_nonfinite_policy
 from lightning_pdist.pipeline.partition import BALANCES
-from lightning_pdist.pipeline.schedule import ScheduleSpec, schedule_spec
+from lightning_pdist.pipeline.schedule import SPECS, ScheduleSpec, schedule_spec
 
 __all__ = ["PipelineConfig"]
 
@@ -26,6 +28,9 @@ class PipelineConfig(ConfigErrors):
     weight_stashing: bool = True
     max_message_bytes: int = 1 << 31
     nonfinite: str = "raise"
+    synthetic_gradients: bool = False
+    synthetic_module: Callable[..., Any] | None = None
+    synthetic_optimizer: Callable[..., Any] | None = None
     owner: str = "PipelineStrategy"
     spec: ScheduleSpec = field(init=False, repr=False, compare=False)
 
@@ -37,6 +42,7 @@ class PipelineConfig(ConfigErrors):
             if value is not None and value < 1:
                 self._fail(arg, f"{arg} must be >= 1")
         object.__setattr__(self, "spec", schedule_spec(self.schedule, self.owner))
+        self._check_synthetic()
         if self.num_stages and self.num_microbatches:
             self._check_microbatches(self.num_stages, self.num_microbatches)
         if self.balance is not None and self.balance not in BALANCES:
@@ -52,6 +58,8 @@ class PipelineConfig(ConfigErrors):
             self._fail("vertical_sync", self.spec.vertical_sync_refusal())
         if not self.weight_stashing and not self.spec.optional_stashing:
             why = ("either never updates mid-flight (flushed) or needs its two versions (2bw)" if self.spec.stashes else
+                   "with synthetic_gradients=True keeps no weight stash to turn off (each backward follows its forward)"
+                   if self.spec.synthetic else
                    f"keeps no weight stash to turn off (its backward runs on the {self.spec.backward_on} weights)")  # fmt: skip
             self._fail("weight_stashing", f"turning stashing off is PipeDream's ablation; schedule {self.schedule!r} {why}")
         if not is_int(self.max_message_bytes) or self.max_message_bytes < 1:
@@ -61,6 +69,21 @@ class PipelineConfig(ConfigErrors):
             self._fail("nonfinite", f"skip_step needs every rank to agree before an update, which schedule="
                                     f"{self.schedule!r} never waits for (its stages update at different moments); use "
                                     "schedule='gpipe' or '1f1b', or nonfinite='raise'")  # fmt: skip
+
+    def _check_synthetic(self) -> None:
+        """``synthetic_gradients=True`` turns the schedule's timing into ``dni`` (the spec every layer asks)."""
+        if not isinstance(self.synthetic_gradients, bool):
+            self._fail("synthetic_gradients", "synthetic_gradients must be True or False", TypeError)
+        for arg in ("synthetic_module", "synthetic_optimizer"):
+            value = getattr(self, arg)
+            if value is not None and not callable(value):
+                self._fail(arg, f"{arg} must be a factory (a callable) or None", TypeError)
+            if value is not None and not (self.synthetic_gradients or self.spec.synthetic):
+                self._fail(arg, f"{arg} configures the synthetic-gradient modules, which only synthetic_gradients=True has")
+        if self.synthetic_gradients:
+            if self.spec.synthetic_refusal():
+                self._fail("synthetic_gradients", f"schedule={self.schedule!r}: {self.spec.synthetic_refusal()}")
+            object.__setattr__(self, "spec", next(s for s in SPECS.values() if s.synthetic))
 
     def _check_microbatches(self, num_stages: int, num_microbatches: int) -> None:
         """``m >= K`` where the schedule needs it (at construction when both are given, else once the world is known)."""
@@ -83,5 +106,9 @@ class PipelineConfig(ConfigErrors):
                 f"(world_size = num_stages x replicas; with {world_size} processes use a divisor of {world_size})"
             )
         self._check_microbatches(K, self.microbatches_for(world_size))
+        if self.spec.synthetic and world_size != K:
+            raise ValueError(f"{self.owner}(synthetic_gradients=True): {world_size} processes for {K} stages make "
+                             f"{world_size // K} replicas per stage; the replicas' synthetic-gradient modules are not "
+                             "averaged, so synthetic gradients need num_stages == world_size (one replica)")  # fmt: skip
         if self.split_points is not None and len(self.split_points) != K - 1:
             raise ValueError(f"{self.owner}(split_points={list(self.split_points)!r}): {K} stages need {K - 1} split points")

@@ -22,6 +22,11 @@ backward on the newest weights through the stored activations, :mod:`.delayed`);
 stage's input and rewound random stream per micro-batch and replays the forward on the current weights at the
 backward (:func:`~lightning_pdist.pipeline.delayed.replay_backward`); ``spectrain`` runs a micro-batch's forward and
 backward on fresh predicted weights from ``weight_predictor`` (:mod:`.spectrain`), held by its graph only.
+
+**Synthetic gradients** (``dni``, :mod:`.dni`): a stage's ``B j`` follows its ``F j`` at once and backpropagates the
+gradient its :class:`~lightning_pdist.pipeline.dni.SyntheticGradient` predicts from the output (the last stage: the
+loss), sending the input gradient back as usual; only the detached output is kept, until ``S j`` receives the
+gradient stage ``s+1`` sent for it and trains the synthetic module on it.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from lightning_pdist.pipeline.delayed import replay_backward
+from lightning_pdist.pipeline.dni import SyntheticGradient
 from lightning_pdist.pipeline.schedule import Action, StageCursor, version_for
 from lightning_pdist.pipeline.spectrain import staleness
 from lightning_pdist.pipeline.p2p import BACKWARD, EVAL, FORWARD, P2P
@@ -77,6 +83,7 @@ class StageExecutor:
             ``update_fn`` may defer its optimizer step (``2bw`` under loss scaling waits for the other stages'
             overflow flag), and that step must land first.
         weight_predictor: ``spectrain``: ``(params, s) -> ŵ`` (fresh tensors), the weights ``s`` updates ahead.
+        synthetic: ``dni``, every stage but the last: the boundary's synthetic-gradient module and its optimizer.
     """
 
     def __init__(
@@ -97,6 +104,7 @@ class StageExecutor:
         forward_context: Callable[[], AbstractContextManager] = nullcontext,
         settle_fn: Callable[[], None] | None = None,
         weight_predictor: Callable[[dict[str, Tensor], int], dict[str, Tensor]] | None = None,
+        synthetic: SyntheticGradient | None = None,
     ) -> None:
         self.module, self.stage, self.num_stages, self.schedule = module, stage, num_stages, schedule
         self.p2p, self.prev_rank, self.next_rank = p2p, prev_rank, next_rank
@@ -108,9 +116,14 @@ class StageExecutor:
         if self.spec.predicts_weights and weight_predictor is None:
             raise ValueError(f"StageExecutor(schedule={schedule!r}): needs a weight_predictor (the weights s updates ahead)")
         self.weight_predictor = weight_predictor
+        if self.cursor.synthesizes and synthetic is None:
+            raise ValueError(f"StageExecutor(schedule={schedule!r}): stage {stage} needs a synthetic-gradient module")
+        self.synthetic = synthetic if self.cursor.synthesizes else None
+        self.boundary: dict[int, Tensor] = {}  # dni: detached outputs waiting for their true gradient
         self._last_backward_weights: dict[str, Tensor] = {}  # the leaves the last backward accumulated into
         self.params: dict[str, nn.Parameter] = dict(module.named_parameters())
-        self.handlers: dict[str, Callable[[int], None]] = {"F": self.forward, "B": self.backward, "U": self.update}
+        self.handlers: dict[str, Callable[[int], None]] = {"F": self.forward, "B": self.backward, "U": self.update,
+                                                            "S": self.synthesize}
         self.newest = 0  # updates applied: the newest weight version's id
         self.stashed: dict[int, list[Tensor]] = {}  # older versions a forward may still need
         self.in_flight: dict[int, _InFlight] = {}
@@ -123,6 +136,7 @@ class StageExecutor:
         self._warned_clamp = False
         self.rng_state = torch.Generator().manual_seed(seed).get_state() if seed is not None else None
         self.max_versions = 1  # most weight versions alive at once (measured at every forward and update)
+        self.max_held = 0  # most micro-batches held at once (activations, or dni's boundary outputs), at forwards
 
     # ------------------------------------------------------------------ schedule
     @property
@@ -295,12 +309,22 @@ class StageExecutor:
             self.in_flight[j] = _InFlight(None, None, {}, -1, replay)
         else:
             self.in_flight[j] = _InFlight(x if x is not None and x.requires_grad else None, output, weights, version)
+        self.max_held = max(self.max_held, len(self.in_flight) + len(self.boundary))
         self._measure()
+
+    def synthesize(self, j: int) -> None:
+        """``dni``: the gradient stage ``s+1`` sent for micro-batch ``j`` trains the synthetic module on ``(h_j, δ_j)``."""
+        target = self.p2p.recv(self.next_rank, BACKWARD, j).tensor
+        self.p2p.release(self.next_rank, FORWARD, j)  # next ran its backward j, hence its forward j
+        self.synthetic.train(self.boundary.pop(j), target)
 
     def backward(self, j: int) -> None:
         record = self.in_flight.pop(j)
         if self.is_last:
             outputs, grad_outputs = (record.output * self.scale(j) if record.output is not None else None), None
+        elif self.synthetic is not None:  # dni: the predicted gradient now; the true one trains the module at S j
+            outputs, grad_outputs = record.output, self.synthetic.predict(record.output)
+            self.boundary[j] = record.output.detach()
         else:
             outputs, grad_outputs = record.output, self.p2p.recv(self.next_rank, BACKWARD, j).tensor
             self.p2p.release(self.next_rank, FORWARD, j)  # next ran its backward j, hence its forward j
@@ -397,7 +421,7 @@ class StageExecutor:
 
     @property
     def drained(self) -> bool:
-        return not self.in_flight and self.cursor.forwarded == self.cursor.available
+        return not self.in_flight and not self.boundary and self.cursor.forwarded == self.cursor.available
 
     def state_dict(self) -> dict:
         """Schedule position, version counter and the older versions a later forward needs (2BW).
@@ -413,6 +437,7 @@ class StageExecutor:
             "microbatches": self.cursor.available,
             "stashed": {v: [t.detach().clone() for t in ts] for v, ts in self.stashed.items()},
             "rng_state": self.rng_state,
+            **({"synthetic": self.synthetic.state_dict()} if self.synthetic is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -421,9 +446,14 @@ class StageExecutor:
         self.newest = int(state["newest"])
         c = self.cursor
         c.first_batch, c.start, c.ends = int(state["batches"]), int(state["microbatches"]), []
-        c.forwarded = c.backwarded = c.start
+        c.forwarded = c.backwarded = c.synthesized = c.start
         c.updates = self.newest
         self._drain_mark = (c.forwarded, self.newest)
         self.stashed = {int(v): [t.clone() for t in ts] for v, ts in state["stashed"].items()}
         if state.get("rng_state") is not None:
             self.rng_state = state["rng_state"]
+        if self.synthetic is not None:
+            if "synthetic" not in state:
+                raise ValueError("pipeline checkpoint holds no synthetic-gradient module for this stage; resume a "
+                                 "synthetic_gradients=True run from one of its own checkpoints")  # fmt: skip
+            self.synthetic.load_state_dict(state["synthetic"])

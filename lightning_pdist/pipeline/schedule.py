@@ -1,10 +1,12 @@
-"""Pipeline schedules as values: GPipe, 1F1B (PipeDream-Flush), PipeDream (asynchronous, stashed), 2BW, and the
-delayed-gradient family (SpecTrain, DDG, features replay).
+"""Pipeline schedules as values: GPipe, 1F1B (PipeDream-Flush), PipeDream (asynchronous, stashed), 2BW, the
+delayed-gradient family (SpecTrain, DDG, features replay) and decoupled neural interfaces (DNI).
 
 A pipeline splits a network into ``K`` stages, one per process, and a batch into ``m`` micro-batches.
 Each stage runs a *program*: a list of actions ``(stage, kind, microbatch)`` written ``1F3`` (stage 1,
-forward of micro-batch 3), ``0B2`` (backward) or ``2U5`` (optimizer update, after the backward of
-micro-batch 5). Dependencies: ``sF j`` needs ``(s-1)F j``; ``sB j`` needs ``sF j`` and ``(s+1)B j``.
+forward of micro-batch 3), ``0B2`` (backward), ``2U5`` (optimizer update, after the backward of
+micro-batch 5) or ``0S2`` (DNI only: the synthetic-gradient module trained on micro-batch 2's true gradient).
+Dependencies: ``sF j`` needs ``(s-1)F j``; ``sB j`` needs ``sF j`` and ``(s+1)B j`` (DNI: ``sF j`` only, its
+gradient is predicted); ``sS j`` needs ``(s+1)B j``.
 
 One rule per stage generates every schedule here (:class:`StageCursor`). Stage ``s`` admits up to
 ``w_s`` micro-batches before its first backward and then alternates backward and forward:
@@ -26,6 +28,11 @@ One rule per stage generates every schedule here (:class:`StageCursor`). Stage `
 * ``spectrain``, ``ddg``, ``features_replay``: ``pipedream``'s programs; what differs is the weights a backward
   computes with (``ScheduleSpec.backward_on``: a momentum prediction, the current weights through the stored
   activations, or a replay of the forward), so no stashed versions (:mod:`.spectrain`, :mod:`.delayed`).
+* ``dni`` (Jaderberg et al. 2017, ``synthetic_gradients=True`` on PipeDream's timing): stage ``s < K-1`` runs
+  ``sF j sB j sU j`` back to back, its backward on the gradient its synthetic module predicts from the boundary
+  activation (:mod:`.dni`), and ``sS j`` (the module trained on the true gradient that stage ``s+1`` sends back)
+  once two micro-batches are held (``w_s = 2``: the true gradient returns one forward and backward of stage ``s+1``
+  later, whatever ``K``). The last stage runs ``F j B j U j`` on its loss.
 
 A :class:`Schedule` is the finite program of every stage for a number of batches. :func:`validate`
 simulates it in unit time (forward 1, backward ``backward_cost``, update 0), checks that every
@@ -57,7 +64,7 @@ __all__ = [
     "version_for",
 ]
 
-KINDS = ("F", "B", "U")
+KINDS = ("F", "B", "U", "S")
 _ACTION = re.compile(r"^(\d+)([A-Z])(\d+)$")
 
 
@@ -83,7 +90,10 @@ class ScheduleSpec:
             ``"forward"`` the forward's version (stashed where needed), ``"prediction"`` the forward's weights
             predicted from the momentum (``spectrain``, :mod:`.spectrain`), ``"current"`` the newest weights with the
             forward's stored activations (``ddg``), ``"replay"`` the newest weights after recomputing the forward on
-            the stored input (``features_replay``; :mod:`.delayed` has both).
+            the stored input (``features_replay``; :mod:`.delayed` has both), ``"synthetic"`` the newest weights right
+            after the forward, on a gradient predicted by the stage's synthetic-gradient module (``dni``, :mod:`.dni`).
+        allows_synthetic_gradients: ``synthetic_gradients=True`` may run on this schedule's timing (``pipedream``:
+            every micro-batch a mini-batch, no flush; DNI's decoupled update).
     """
 
     name: str
@@ -96,6 +106,7 @@ class ScheduleSpec:
     optional_stashing: bool = False
     needs_microbatches_ge_stages: bool = False
     backward_on: str = "forward"
+    allows_synthetic_gradients: bool = False
 
     @property
     def stashes(self) -> bool:
@@ -113,6 +124,11 @@ class ScheduleSpec:
         return self.backward_on == "replay"
 
     @property
+    def synthetic(self) -> bool:
+        """Each stage but the last backpropagates a predicted gradient right after its forward (DNI)."""
+        return self.backward_on == "synthetic"
+
+    @property
     def scalable(self) -> bool:
         """Whether every rank can agree on a loss-scale overflow before the update it concerns: flushed schedules
         update in the same window everywhere, and ``2bw``'s new weights are first read a batch later."""
@@ -125,7 +141,9 @@ class ScheduleSpec:
         return not self.flushed and self.delayed_weights
 
     def warmup(self, num_stages: int, stage: int) -> float:
-        """``w_s``: micro-batches stage ``s`` admits before its first backward."""
+        """``w_s``: micro-batches stage ``s`` admits before its first backward (DNI: before its first ``S``)."""
+        if self.synthetic:
+            return 2 if stage < num_stages - 1 else 1
         return math.inf if self.all_forwards_first else num_stages - stage
 
     def vertical_sync_refusal(self) -> str | None:
@@ -135,6 +153,15 @@ class ScheduleSpec:
         allowed = " or ".join(repr(s.name) for s in SPECS.values() if s.allows_vertical_sync)
         return f"vertical sync applies to schedule={allowed}, not {self.name!r}"
 
+    def synthetic_refusal(self) -> str | None:
+        """The rule ``synthetic_gradients=True`` breaks under this schedule (``None``: allowed)."""
+        if self.allows_synthetic_gradients or self.synthetic:
+            return None
+        allowed = " or ".join(repr(s.name) for s in SPECS.values() if s.allows_synthetic_gradients)
+        return (f"DNI updates each stage right after its forward, one update per micro-batch and no flush: it runs on "
+                f"the timing of schedule={allowed}, not {self.name!r}, "
+                + ("which updates once per batch after a flush" if self.flushed else "whose backward waits for stage s+1's true gradient"))
+
 
 #: Every schedule, by name.
 SPECS: dict[str, ScheduleSpec] = {
@@ -142,11 +169,13 @@ SPECS: dict[str, ScheduleSpec] = {
     for spec in (
         ScheduleSpec("gpipe", flushed=True, all_forwards_first=True),
         ScheduleSpec("1f1b", flushed=True, needs_microbatches_ge_stages=True),
-        ScheduleSpec("pipedream", updates_per_microbatch=True, allows_vertical_sync=True, optional_stashing=True),
+        ScheduleSpec("pipedream", updates_per_microbatch=True, allows_vertical_sync=True, optional_stashing=True,
+                     allows_synthetic_gradients=True),
         ScheduleSpec("2bw", delayed_weights=True, needs_microbatches_ge_stages=True),
         ScheduleSpec("spectrain", updates_per_microbatch=True, backward_on="prediction"),
         ScheduleSpec("ddg", updates_per_microbatch=True, backward_on="current"),
         ScheduleSpec("features_replay", updates_per_microbatch=True, backward_on="replay"),
+        ScheduleSpec("dni", updates_per_microbatch=True, backward_on="synthetic"),
     )
 }
 SCHEDULES = tuple(SPECS)
@@ -218,6 +247,8 @@ class StageCursor:
         self.warmup = self.spec.warmup(num_stages, stage)
         self.forwarded = 0  # next forward's micro-batch
         self.backwarded = 0  # next backward's micro-batch
+        self.synthesized = 0  # DNI: next micro-batch whose true gradient trains the synthetic module
+        self.synthesizes = self.spec.synthetic and stage < num_stages - 1
         self.updates = 0
         self.first_batch = 0  # absolute index of the oldest batch still held
         self.start = 0  # its first micro-batch
@@ -234,8 +265,13 @@ class StageCursor:
         return self.first_batch + len(self.ends)
 
     @property
+    def finished(self) -> int:
+        """Micro-batches the stage is done with (DNI: its synthetic module trained on them; else backwarded)."""
+        return self.synthesized if self.synthesizes else self.backwarded
+
+    @property
     def in_flight(self) -> int:
-        return self.forwarded - self.backwarded
+        return self.forwarded - self.finished
 
     def admit(self, num_microbatches: int) -> None:
         """One more batch of ``num_microbatches`` micro-batches can enter the stage."""
@@ -265,10 +301,14 @@ class StageCursor:
             limit, drain = (self.ends[0] if self.ends else self.start), True
         else:
             limit, drain = self.available, draining
+        if self.spec.synthetic and self.backwarded < self.forwarded:
+            return Action(s, "B", self.backwarded)  # DNI: the predicted gradient's backward right after the forward
         if self.in_flight < self.warmup and self.forwarded < limit:
             return Action(s, "F", self.forwarded)
         if self.in_flight < self.warmup and not drain:
             return None
+        if self.synthesizes and self.synthesized < self.backwarded:
+            return Action(s, "S", self.synthesized)
         if self.backwarded < self.forwarded:
             return Action(s, "B", self.backwarded)
         return None
@@ -282,10 +322,12 @@ class StageCursor:
             self.backwarded += 1
             if self.spec.updates_per_microbatch or (self.ends and self.backwarded == self.ends[0]):
                 self._pending_update = j
+        elif action.kind == "S":
+            self.synthesized += 1
         else:
             self._pending_update = None
             self.updates += 1
-        while self._pending_update is None and self.ends and self.backwarded >= self.ends[0]:
+        while self._pending_update is None and self.ends and self.finished >= self.ends[0]:
             self.start = self.ends.pop(0)
             self.first_batch += 1
 
@@ -380,7 +422,7 @@ def _check_programs(schedule: Schedule) -> None:
     if len(schedule.programs) != K:
         raise ValueError(f"schedule {schedule.name!r}: {len(schedule.programs)} programs for {K} stages")
     for s, program in enumerate(schedule.programs):
-        seen: dict[str, list[int]] = {"F": [], "B": [], "U": []}
+        seen: dict[str, list[int]] = {"F": [], "B": [], "U": [], "S": []}
         for i, a in enumerate(program):
             if a.stage != s:
                 raise ValueError(f"schedule {schedule.name!r}: action {a} is in stage {s}'s program")
@@ -388,7 +430,13 @@ def _check_programs(schedule: Schedule) -> None:
                 raise ValueError(f"schedule {schedule.name!r}: {a} runs before stage {s}'s forward of micro-batch {a.microbatch}")
             if a.kind == "U" and (i == 0 or program[i - 1] != Action(s, "B", a.microbatch)):
                 raise ValueError(f"schedule {schedule.name!r}: {a} must follow {s}B{a.microbatch}")
+            if a.kind == "S" and a.microbatch not in seen["B"]:
+                raise ValueError(f"schedule {schedule.name!r}: {a} runs before stage {s}'s backward of micro-batch {a.microbatch}")
             seen[a.kind].append(a.microbatch)
+        synthesizes = schedule.spec.synthetic and s < K - 1
+        if sorted(seen["S"]) != (list(range(n)) if synthesizes else []):
+            raise ValueError(f"schedule {schedule.name!r}: stage {s} trains its synthetic module on {sorted(seen['S'])}, "
+                             f"expected {'each of 0..' + str(n - 1) + ' once' if synthesizes else 'none'}")
         for kind in ("F", "B"):
             if sorted(seen[kind]) != list(range(n)):
                 raise ValueError(f"schedule {schedule.name!r}: stage {s} runs {kind} for {sorted(seen[kind])}, expected each of 0..{n - 1} once")
@@ -407,7 +455,7 @@ def validate(schedule: Schedule, backward_cost: float = 1.0) -> ScheduleStats:
     """
     _check_programs(schedule)
     K, progs = schedule.num_stages, schedule.programs
-    cost = {"F": 1.0, "B": float(backward_cost), "U": 0.0}
+    cost = {"F": 1.0, "B": float(backward_cost), "U": 0.0, "S": 0.0}
     done: dict[Action, float] = {}
     pc, clock = [0] * K, [0.0] * K
     busy = [0.0] * K
@@ -420,7 +468,7 @@ def validate(schedule: Schedule, backward_cost: float = 1.0) -> ScheduleStats:
                 deps = []
                 if a.kind == "F" and s > 0:
                     deps.append(Action(s - 1, "F", a.microbatch))
-                if a.kind == "B" and s < K - 1:
+                if (a.kind == "B" and s < K - 1 and not schedule.spec.synthetic) or a.kind == "S":
                     deps.append(Action(s + 1, "B", a.microbatch))
                 if any(d not in done for d in deps):
                     break
@@ -428,7 +476,7 @@ def validate(schedule: Schedule, backward_cost: float = 1.0) -> ScheduleStats:
                 end = start + cost[a.kind]
                 done[a], clock[s], pc[s] = end, end, pc[s] + 1
                 busy[s] += cost[a.kind]
-                if a.kind != "U":
+                if a.kind in ("F", "B"):
                     cells[s].append((start, end, f"{a.kind}{a.microbatch}"))
                 progressed = True
         if not progressed:
@@ -462,8 +510,11 @@ def _versions(schedule: Schedule, s: int, input_versions: dict[int, int] | None)
             in_flight.add(a.microbatch)
             top = max(top, len(in_flight))
         elif a.kind == "B":
-            in_flight.discard(a.microbatch)
+            if not (schedule.spec.synthetic and s < schedule.num_stages - 1):
+                in_flight.discard(a.microbatch)  # DNI keeps the boundary activation until its S
             backwarded += 1
+        elif a.kind == "S":
+            in_flight.discard(a.microbatch)
         else:
             newest += 1
     if schedule.spec.predicts_weights:

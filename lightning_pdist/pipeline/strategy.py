@@ -1,5 +1,5 @@
-"""Pipeline parallelism as a Lightning strategy: GPipe, 1F1B, PipeDream (weight stashing), PipeDream-2BW, and the
-delayed-gradient family (SpecTrain, DDG, features replay).
+"""Pipeline parallelism as a Lightning strategy: GPipe, 1F1B, PipeDream (weight stashing), PipeDream-2BW, the
+delayed-gradient family (SpecTrain, DDG, features replay) and synthetic gradients (DNI).
 
 Process layout: ``world_size = num_stages · R``. Global rank ``r`` runs stage ``r // R`` of pipeline
 replica ``r % R`` (stage-major, as Megatron places pipeline stages outermost)::
@@ -47,6 +47,7 @@ from typing_extensions import override
 from lightning_pdist.core.flat import flatten, unflatten_into_
 from lightning_pdist.core.nonfinite import all_finite, culprit_ranks, one_hot_flag
 from lightning_pdist.pipeline.config import PipelineConfig
+from lightning_pdist.pipeline.dni import SyntheticGradient
 from lightning_pdist.pipeline.partition import Partition
 from lightning_pdist.core.accounting import all_reduce_bytes
 from lightning_pdist.core.collectives import all_reduce_mean_, all_reduce_sum_
@@ -82,6 +83,10 @@ class PipelineStrategy(PdistStrategy):
       forward and backward on weights predicted from SGD's momentum, ``w − s·ν·v`` (needs ``momentum > 0``); the
       delayed gradient through the stored activations with the current weights; or through the forward replayed on
       the stored input with the current weights.
+    * ``synthetic_gradients=True`` with ``schedule="pipedream"`` (DNI, Jaderberg et al. 2017; the simulator's
+      ``"dni"``): each stage but the last updates right after its forward on the gradient a small module at its
+      output predicts (:mod:`lightning_pdist.pipeline.dni`), and trains that module on the gradient the next stage
+      sends back. One replica per stage (``num_stages == world_size``).
 
     Logged per step: ``pdist/comm_bytes`` (this rank: activations, gradients, headers, replica all-reduce),
     ``pdist/pipeline/bubble`` (mean over stages of the share of the step spent waiting for a neighbour),
@@ -117,7 +122,7 @@ class PipelineStrategy(PdistStrategy):
         num_stages: pipeline depth ``K``; ``None``: the world size (no replicas). ``world_size`` must be a
             multiple of it.
         schedule: ``"gpipe"``, ``"1f1b"``, ``"pipedream"``, ``"2bw"``, ``"spectrain"``, ``"ddg"`` or
-            ``"features_replay"``.
+            ``"features_replay"`` (``"dni"``, the simulator's name, is ``"pipedream"`` with ``synthetic_gradients=True``).
         num_microbatches: micro-batches per batch ``m``; ``None``: ``2K``, which keeps the flushed bubble at
             ``(K-1)/(3K-1) <= 1/3`` while micro-batches stay large. ``1f1b`` and ``2bw`` need ``m >= K``. A batch
             smaller than ``m`` is cut into as many micro-batches as it has samples.
@@ -136,6 +141,10 @@ class PipelineStrategy(PdistStrategy):
         max_message_bytes: a received header announcing a larger tensor is refused before allocating.
         nonfinite: ``"raise"`` (default), ``"skip_step"`` (``gpipe``/``1f1b`` only) or ``"propagate"``: see
             "Non-finite gradients" above.
+        synthetic_gradients: DNI on ``pipedream``'s timing (refused with any other schedule).
+        synthetic_module: ``h -> nn.Module`` predicting ``dL/dh`` (called once per boundary with its first
+            activation); default a zero-initialised linear map of ``h``'s last dimension.
+        synthetic_optimizer: ``params -> Optimizer`` for the synthetic modules; default ``Adam(lr=1e-3)``.
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (``start_method``,
             ``process_group_backend``, ``timeout``). Nothing is wrapped in ``DistributedDataParallel``.
     """
@@ -155,6 +164,9 @@ class PipelineStrategy(PdistStrategy):
         weight_stashing: bool = True,
         max_message_bytes: int = 1 << 31,
         nonfinite: str = "raise",
+        synthetic_gradients: bool = False,
+        synthetic_module: Callable[[Tensor], Any] | None = None,
+        synthetic_optimizer: Callable[[Any], Optimizer] | None = None,
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
@@ -168,7 +180,8 @@ class PipelineStrategy(PdistStrategy):
             num_stages=num_stages, schedule=schedule, num_microbatches=num_microbatches, balance=balance,
             split_points=tuple(split_points) if split_points is not None else None, network=network,
             vertical_sync=vertical_sync, weight_stashing=weight_stashing, max_message_bytes=max_message_bytes,
-            nonfinite=nonfinite, owner=owner,
+            nonfinite=nonfinite, synthetic_gradients=synthetic_gradients, synthetic_module=synthetic_module,
+            synthetic_optimizer=synthetic_optimizer, owner=owner,
         )  # fmt: skip
         if not weight_stashing:
             rank_zero_warn(f"{owner}(weight_stashing=False): backwards will use newer weights than their forwards "
@@ -354,10 +367,12 @@ class PipelineStrategy(PdistStrategy):
         return chosen[0]
 
     def _make_executor(self) -> StageExecutor:
-        K, s = self.pipeline_stages, self.stage
+        K, s, config = self.pipeline_stages, self.stage, self.config
+        synthetic = (SyntheticGradient(config.synthetic_module, config.synthetic_optimizer, type(self).__name__)
+                     if config.spec.synthetic and s < K - 1 else None)  # fmt: skip
         p2p = P2P(self._pp_group, max_message_bytes=self.config.max_message_bytes, meter=self.comm_meter, device=self.root_device)
         return StageExecutor(
-            self.split.stage_module, s, K, self.config.schedule, p2p,
+            self.split.stage_module, s, K, config.spec.name, p2p,
             prev_rank=self.stage_rank(s - 1) if s > 0 else None, next_rank=self.stage_rank(s + 1) if s < K - 1 else None,
             input_fn=lambda j: self._window["inputs"][j - self._window["start"]],
             loss_fn=self._loss, update_fn=self._update,
@@ -367,7 +382,7 @@ class PipelineStrategy(PdistStrategy):
             # Autocast around forwards only, as Lightning runs backward outside training_step's context.
             forward_context=self.precision_plugin.train_step_context, settle_fn=self._settle,
             weight_predictor=(lambda params, s: predicted_weights(params, self.optimizers[0], s))
-            if self.config.spec.predicts_weights else None,
+            if self.config.spec.predicts_weights else None, synthetic=synthetic,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the user's hooks, per stage
@@ -712,10 +727,13 @@ class PipelineStrategy(PdistStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         super().register_strategies(strategy_registry)
-        aliases = {"pipeline_gpipe": "gpipe", "pipeline_1f1b": "1f1b", "pipedream": "pipedream", "pipedream_2bw": "2bw"}
+        aliases = {"pipeline_gpipe": "gpipe", "pipeline_1f1b": "1f1b", "pipedream": "pipedream", "pipedream_2bw": "2bw",
+                   "pipeline_spectrain": "spectrain", "pipeline_ddg": "ddg", "pipeline_features_replay": "features_replay"}  # fmt: skip
         for name, schedule in aliases.items():
             register_variants(strategy_registry, cls, name, f"pipeline, schedule={schedule!r}", find_unused=False,
                               schedule=schedule)  # fmt: skip
+        register_variants(strategy_registry, cls, "pipeline_dni", "pipeline, schedule='pipedream', synthetic_gradients=True",
+                          find_unused=False, schedule="pipedream", synthetic_gradients=True)  # fmt: skip
 
 
 # Why a gradient scaler is refused where a micro-batch is a mini-batch (the method card has the timelines).

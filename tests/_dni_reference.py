@@ -1,0 +1,68 @@
+"""Plain-torch, one-process reference of decoupled neural interfaces (DNI) on a pipeline, written from the rule alone.
+
+Micro-batches in order; for micro-batch ``j`` each stage ``s`` in turn: forward on its current weights (``j`` updates
+made), then its weight gradient from ``ĝ = M_s(h_s)`` (stages ``s < K−1``) or from the loss (the last stage), one
+momentum-SGD step (torch's rule), and the input gradient ``δ_{s−1}`` it computes goes to stage ``s−1``'s queue.
+``M_s`` (a zero-initialised ``Linear``) trains on ``½‖M_s(h) − δ‖²`` for the queued micro-batches in order; when it
+predicts for ``j`` it has trained on every ``i < max(j − 1, d)``, ``d`` the last drain at or before ``j`` (the
+true gradient of ``j−1`` is still on its way), and after the last micro-batch on all.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from _delayed_reference import make_net
+
+
+def zero_linear(width: int) -> nn.Linear:
+    layer = nn.Linear(width, width)
+    with torch.no_grad():
+        layer.weight.zero_()
+        layer.bias.zero_()
+    return layer
+
+
+def dni_reference(bounds, mbs, lr, mu, synthetic_optimizer, drains=()):
+    """(stage weights, synthetic modules' weights) after DNI training on ``mbs``."""
+    net = make_net()
+    K = len(bounds)
+    stages = [nn.Sequential(*[net[i] for i in range(a, b)]) for a, b in bounds]
+    optimizers = [torch.optim.SGD(st.parameters(), lr=lr, momentum=mu) for st in stages]
+    synth = [zero_linear(st[-1].out_features if isinstance(st[-1], nn.Linear) else st[-2].out_features) for st in stages[:-1]]
+    synth_opt = [synthetic_optimizer(m.parameters()) for m in synth]
+    queue = [[] for _ in synth]  # per boundary: (micro-batch, h, true gradient) not trained on yet
+
+    def train_until(s, upto):
+        while queue[s] and queue[s][0][0] < upto:
+            _, h, target = queue[s].pop(0)
+            synth_opt[s].zero_grad()
+            (0.5 * (synth[s](h) - target).pow(2).sum()).backward()
+            synth_opt[s].step()
+
+    for j, (x, y) in enumerate(mbs):
+        mark = max([d for d in drains if d <= j], default=0)
+        h_in = x
+        for s, st in enumerate(stages):
+            x_leaf = h_in.detach().requires_grad_(s > 0)
+            h = st(x_leaf)
+            params = list(st.parameters()) + ([x_leaf] if s > 0 else [])
+            if s < K - 1:
+                train_until(s, max(j - 1, mark))
+                with torch.no_grad():
+                    g_hat = synth[s](h.detach())
+                grads = torch.autograd.grad(h, params, g_hat)
+            else:
+                grads = torch.autograd.grad(nn.functional.mse_loss(h, y), params)
+            grads = list(grads)
+            if s > 0:
+                queue[s - 1].append((j, h_in.detach(), grads.pop()))
+            for p, g in zip(st.parameters(), grads):
+                p.grad = g
+            optimizers[s].step()
+            h_in = h
+    for s in range(K - 1):
+        train_until(s, len(mbs))
+    return ([[p.detach() for p in st.parameters()] for st in stages],
+            [[p.detach() for p in m.parameters()] for m in synth])  # fmt: skip

@@ -1,0 +1,207 @@
+"""Tiers 1-2: synthetic gradients (DNI, ``synthetic_gradients=True``, the schedule machinery's ``dni``) on the executor.
+
+One 3-rank gloo world (fork-launched once for the module) trains the 7-layer network of ``_delayed_reference`` under
+DNI, one batch (window) at a time as the strategy does, then drains; the same world also runs every stage's
+synthetic module replaced by an *oracle* that returns the true gradient (a copy of the stages above it, stepped as
+they are), which must be backprop exactly; rank 0 also runs DNI as a one-stage pipeline. Checked against the
+plain-torch reference in ``tests/_dni_reference.py`` at 1e-6, and against the simulator's depths.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from _delayed_reference import LR, MU, make_net, momentum_sgd
+from _dni_reference import dni_reference
+from _ranks import run_ranks
+from torch import nn
+
+from lightning_pdist.core.accounting import CommMeter
+from lightning_pdist.pipeline.config import PipelineConfig
+from lightning_pdist.pipeline.dni import SyntheticGradient
+from lightning_pdist.pipeline.executor import StageExecutor
+from lightning_pdist.pipeline.p2p import P2P
+from lightning_pdist.pipeline.schedule import build_schedule, validate
+from lightning_pdist.pipeline.strategy import PipelineStrategy
+
+M, BATCHES, B, K = 4, 3, 8, 3
+BOUNDS = [(0, 2), (2, 4), (4, 7)]
+SYNTH_LR = 0.01
+
+
+def synthetic_optimizer(params):
+    return torch.optim.Adam(params, lr=SYNTH_LR)
+
+
+def microbatches():
+    g = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(BATCHES, B, 4, generator=g), torch.randn(BATCHES, B, 2, generator=g)
+    return [(x, y) for t in range(BATCHES) for x, y in zip(xs[t].tensor_split(M), ys[t].tensor_split(M))]
+
+
+class Oracle(SyntheticGradient):
+    """Predicts the true ``dL/dh``: a copy of the stages above, trained by momentum SGD on the same micro-batches."""
+
+    def __init__(self, first_layer):
+        super().__init__()
+        self.above = nn.Sequential(*list(make_net())[first_layer:])
+        self.opt = torch.optim.SGD(self.above.parameters(), lr=LR, momentum=MU)
+        self.labels = [y for _, y in microbatches()]
+        self.worst = 0.0  # largest |target − prediction| seen by train()
+        self.predicted = []
+
+    def predict(self, h):
+        h = h.detach().requires_grad_()
+        self.opt.zero_grad()
+        nn.functional.mse_loss(self.above(h), self.labels[len(self.predicted)]).backward()
+        self.opt.step()
+        self.predicted.append(h.grad)
+        return h.grad
+
+    def train(self, h, target):
+        self.worst = max(self.worst, float((target - self.predicted[self.steps]).abs().max()))
+        self.steps += 1
+        return 0.0
+
+
+def run_case(rank, world, case):
+    net = make_net()
+    a, b = BOUNDS[rank] if world > 1 else (0, 7)
+    stage = nn.Sequential(*[net[i] for i in range(a, b)])
+    optimizer = torch.optim.SGD(stage.parameters(), lr=LR, momentum=MU)
+    synthetic = None if b == 7 else Oracle(b) if case == "oracle" else SyntheticGradient(optimizer_factory=synthetic_optimizer)
+    mbs = microbatches()
+    executor = StageExecutor(
+        stage, rank, world, "dni", P2P(None, meter=CommMeter()),
+        prev_rank=rank - 1 if rank > 0 else None, next_rank=rank + 1 if rank < world - 1 else None,
+        input_fn=lambda j: mbs[j][0], loss_fn=lambda j, forward: nn.functional.mse_loss(forward(mbs[j][0]), mbs[j][1]),
+        update_fn=optimizer.step, synthetic=synthetic,
+    )  # fmt: skip
+    for _ in range(BATCHES):
+        executor.admit(M)
+        executor.run()
+    executor.run(draining=True)
+    synth = executor.synthetic
+    return {"params": [p.detach().clone() for p in stage.parameters()], "drained": executor.drained,
+            "pending": executor.p2p.pending, "max_versions": executor.max_versions, "max_held": executor.max_held,
+            "synth": [p.detach().clone() for p in synth.module.parameters()] if case == "dni" and synth else None,
+            "state": executor.state_dict(), "worst": synth.worst if case == "oracle" and synth else 0.0}  # fmt: skip
+
+
+def _worker(rank, world, out):
+    torch.set_num_threads(1)
+    results = {case: run_case(rank, world, case) for case in ("dni", "oracle")}
+    if rank == 0:
+        results["one_stage"] = run_case(0, 1, "dni")
+    torch.save(results, f"{out}/rank{rank}.pt")
+    dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dni")
+    run_ranks(_worker, K, out, str(out))
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(K)]
+
+
+def test_three_stages_equal_the_plain_torch_reference_and_the_simulator(world):
+    """DNI on 3 gloo ranks ends where the reference ends (stage weights and synthetic modules); the stages are
+    drained, hold one weight version and at most the simulated micro-batches; stage 0 moved, not as backprop."""
+    weights, synth = dni_reference(BOUNDS, microbatches(), LR, MU, synthetic_optimizer)
+    stats = validate(build_schedule("dni", K, M, BATCHES))
+    assert stats.stash_depth == (1, 1, 1) and stats.max_in_flight == (2, 2, 1)
+    for s in range(K):
+        got = world[s]["dni"]
+        assert got["drained"] and got["pending"] == 0
+        assert (got["max_versions"], got["max_held"]) == (stats.stash_depth[s], stats.max_in_flight[s])
+        for g, w in zip(got["params"], weights[s]):
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=0)
+        for g, w in zip(got["synth"] or [], synth[s] if s < K - 1 else []):
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=0)
+        assert (got["state"].get("synthetic") is not None) == (s < K - 1)
+    first = torch.cat([p.reshape(-1) for p in world[0]["dni"]["params"]])
+    init = torch.cat([p.detach().reshape(-1) for p in list(make_net().parameters())[:2]])
+    sgd = torch.cat([p.reshape(-1) for p in momentum_sgd(microbatches())[:2]])
+    assert (first - init).abs().max() > 1e-4 and (first - sgd).abs().max() > 1e-4
+    assert world[0]["dni"]["synth"][0].abs().max() > 0  # the zero-initialised module learned
+
+
+def test_true_gradient_in_place_of_the_prediction_is_backprop(world):
+    """With an oracle for every M_s, each stage's DNI update is backprop's: all end at momentum SGD, and every
+    target a stage receives equals what its oracle predicted (the bootstrapped target is then the true gradient)."""
+    expected = momentum_sgd(microbatches())
+    got = [p for s in range(K) for p in world[s]["oracle"]["params"]]
+    for g, w in zip(got, expected):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=0)
+    assert max(world[s]["oracle"]["worst"] for s in range(K)) < 1e-6
+
+
+def test_one_stage_is_momentum_sgd(world):
+    """One stage has no boundary: no synthetic module, plain momentum SGD."""
+    for g, w in zip(world[0]["one_stage"]["params"], momentum_sgd(microbatches())):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=0)
+
+
+def test_the_simulated_timeline_has_no_backward_chain():
+    """Each stage's B j follows its F j; S j waits only for stage s+1's B j: the ramp is the whole bubble."""
+    stats = validate(build_schedule("dni", 3, 4))
+    assert stats.drawing.splitlines()[0] == "stage 0 | F0 B0 F1 B1 F2 B2 F3 B3 .. .."
+    assert stats.makespan == 10 and validate(build_schedule("pipedream", 3, 4)).makespan > 10
+    assert build_schedule("dni", 2, 3).to_text().splitlines()[1] == "0F0 0B0 0U0 0F1 0B1 0U1 0S0 0F2 0B2 0U2 0S1 0S2"
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(synthetic_gradients=True), ValueError, r"\(synthetic_gradients=True\): schedule='1f1b': DNI updates each "
+                                                      r"stage right after its forward.*not '1f1b', which updates once per batch"),
+        (dict(schedule="ddg", synthetic_gradients=True), ValueError, r"schedule='ddg': .*whose backward waits for stage s\+1"),
+        (dict(schedule="pipedream", synthetic_module=nn.Linear), ValueError,
+         r"\(synthetic_module=<class .*Linear'>\): synthetic_module configures .* only synthetic_gradients=True has"),
+        (dict(schedule="pipedream", synthetic_gradients=True, synthetic_optimizer="adam"), TypeError,
+         r"\(synthetic_optimizer='adam'\): synthetic_optimizer must be a factory"),
+        (dict(schedule="pipedream", synthetic_gradients="yes"), TypeError, r"\(synthetic_gradients='yes'\): synthetic_gradients must be True or False"),
+        (dict(schedule="pipedream", synthetic_gradients=True, vertical_sync=True), ValueError,
+         r"vertical_sync=True\): vertical sync applies to schedule='pipedream', not 'dni'"),
+        (dict(schedule="pipedream", synthetic_gradients=True, weight_stashing=False), ValueError,
+         r"weight_stashing=False\): .*with synthetic_gradients=True keeps no weight stash"),
+        (dict(schedule="pipedream", synthetic_gradients=True, nonfinite="skip_step"), ValueError, r"skip_step needs every rank"),
+    ],
+)  # fmt: skip
+def test_bad_combinations_are_refused_at_construction(kwargs, error, match):
+    """Each combination DNI cannot honour names the argument, its value and the rule."""
+    with pytest.raises(error, match=match):
+        PipelineStrategy(**kwargs)
+
+
+def test_replicas_wrong_modules_and_missing_pieces_are_refused():
+    """Replicated stages (refused once the world is known), a factory that is not a module or predicts the wrong
+    shape (at the first boundary), an executor without its synthetic module."""
+    config = PipelineConfig(num_stages=2, schedule="pipedream", synthetic_gradients=True)
+    assert config.spec.name == "dni" and config.schedule == "pipedream"
+    config.check_world_size(2)
+    with pytest.raises(ValueError, match=r"\(synthetic_gradients=True\): 4 processes for 2 stages make 2 replicas"):
+        config.check_world_size(4)
+    h = torch.randn(3, 5)
+    with pytest.raises(TypeError, match=r"synthetic_module=...\): the factory returned Tensor, not an nn.Module"):
+        SyntheticGradient(lambda h: h).predict(h)
+    with pytest.raises(RuntimeError, match=r"maps a boundary activation of shape \(3, 5\) to \(3, 2\); it must predict dL/dh"):
+        SyntheticGradient(lambda h: nn.Linear(5, 2)).predict(h)
+    with pytest.raises(TypeError, match=r"synthetic_optimizer=...\): the factory returned list"):
+        SyntheticGradient(optimizer_factory=list).predict(h)
+    with pytest.raises(ValueError, match=r"schedule='dni'\): stage 0 needs a synthetic-gradient module"):
+        StageExecutor(nn.Linear(2, 2), 0, 2, "dni", P2P(None), None, 1, None, None, lambda: None)
+
+
+def test_default_module_is_zero_and_its_state_round_trips():
+    """The default M is a zero linear map (ĝ = 0 at first) with Adam(lr=1e-3); a state loaded before the first
+    boundary waits for it, and a trained module's prediction comes back exactly."""
+    h, target = torch.randn(4, 6), torch.randn(4, 6)
+    first = SyntheticGradient()
+    assert torch.equal(first.predict(h), torch.zeros(4, 6))
+    assert isinstance(first.optimizer, torch.optim.Adam) and first.optimizer.param_groups[0]["lr"] == 1e-3
+    losses = [first.train(h, target) for _ in range(3)]
+    assert losses[0] == pytest.approx(0.5 * float(target.pow(2).sum())) and losses[2] < losses[0]
+    second = SyntheticGradient()
+    second.load_state_dict(first.state_dict())
+    torch.testing.assert_close(second.predict(h), first.predict(h), atol=0, rtol=0)
+    assert second.train(h, target) == first.train(h, target)
