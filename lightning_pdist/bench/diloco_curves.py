@@ -94,8 +94,9 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
     first = [r for r in rows if r["network"] == networks[0]]
     ax = axes[0][0]
     for r in first:
-        c = r["curve"]
-        ax.plot([max(b, 1) for b in c["model_bytes"]], c["loss"], label=r["label"], lw=1)
+        c = r["curve"]  # from the first byte sent (a log axis has no 0)
+        points = [(b, loss) for b, loss in zip(c["model_bytes"], c["loss"]) if b > 0]
+        ax.plot([b for b, _ in points], [loss for _, loss in points], label=r["label"], lw=1, drawstyle="steps-post")
     ax.set_xscale("log")
     ax.set_xlabel("cumulative bytes sent per rank (byte model, log)")
     ax.set_ylabel(f"training loss, rank mean, trailing mean of {SMOOTH} steps")
