@@ -244,7 +244,7 @@ def _diloco(name: str, kwargs: dict, module, step: int, policy: str) -> int:
 
     strategy = StrategyRegistry[name]["strategy"](**kwargs)
     schedule = strategy.schedule
-    groups = fragment_modules(module, schedule.num_fragments, None, name)
+    groups = fragment_modules(module, schedule.num_fragments, None, name, schedule.balance)
     parts = fragment_tensors(module, groups)
     sent = 0 if policy == "propagate" else _flag_bytes(WORLD)
     for p in schedule.starts_after(step):

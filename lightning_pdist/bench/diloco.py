@@ -1,14 +1,17 @@
 """DiLoCo suite: our DiLoCo and Streaming DiLoCo against DDP and torchft's own DiLoCo, on loopback and slow links.
 
-``python -m lightning_pdist.bench diloco [--quick] --out DIR [--network loopback|emulated|both] [--rate 100mbit]``
-trains every run for the same steps on the same byte-level Transformer LM, text (the standard library's ``*.py``
-files), seed, per-rank batches and inner optimizer (AdamW), each rank a real process on gloo
-(:mod:`lightning_pdist.bench.diloco_worker`), and writes ``DIR/diloco.json``, ``DIR/diloco.png`` and
-``DIR/docs_section.md``. Runs: ``ddp`` (Lightning Fabric's DDP, the synchronous baseline), our ``diloco`` at each
-``--sync-every`` H, our ``streaming_diloco`` at each ``--fragments`` P (τ = ``--overlap`` steps, fp32 and
-``--quantize``), and ``torchft_diloco`` (``torchft.local_sgd.DiLoCo`` with torchft's Manager, lighthouse and
+``python -m lightning_pdist.bench diloco [--quick] --out DIR [--network loopback|emulated|both]
+[--rate 100mbit 1gbit]`` trains every run for the same steps on the same byte-level Transformer LM, text (the
+standard library's ``*.py`` files), seed, per-rank batches and inner optimizer (AdamW), each rank a real process on
+gloo (:mod:`lightning_pdist.bench.diloco_worker`), on loopback and/or one emulated network per ``--rate`` (each spec
+on every network back to back), and writes ``DIR/diloco.json``, ``DIR/diloco.png`` (loss against bytes and against
+wall time, :mod:`lightning_pdist.bench.diloco_curves`) and ``DIR/docs_section.md``. Runs: ``ddp`` (Lightning
+Fabric's DDP, the synchronous baseline), our ``local_sgd`` and ``bmuf`` (the averaging family's Fabric twins:
+model average, and Nesterov block momentum ``1 − 1/N``, every H steps) at the largest ``--sync-every`` H, our
+``diloco`` at each H, our ``streaming_diloco`` at each ``--fragments`` P (τ = ``--overlap`` steps, fragments cut by
+``--balance``, fp32 and ``--quantize``), and ``torchft_diloco`` (``torchft.local_sgd.DiLoCo`` with torchft's Manager, lighthouse and
 ``ProcessGroupGloo``; needs ``pip install 'lightning_pdist[ft]'``, else its row records the import error) at each
-H, all with the outer step Nesterov SGD(lr 0.7, momentum 0.9).
+H, every DiLoCo with the outer step Nesterov SGD(lr 0.7, momentum 0.9).
 
 Per row: bytes per rank per step three ways — ``model`` (the byte model below, from the parameter count and the
 schedule), ``logged`` (our strategies' :class:`~lightning_pdist.core.accounting.CommMeter`) and ``kernel`` (the
@@ -18,7 +21,11 @@ loop, slowest rank, over the steps); final validation loss (nats/byte) and next-
 rank holds. Byte model, ``d`` parameters, ``n`` ranks, ring all-reduce ``AR(b) = 2(n−1)/n·b``, all-gather
 ``AG(b) = (n−1)·b``: DDP ``AR(4d)`` per step; DiLoCo and torchft's DiLoCo ``AR(4d)`` per ``H`` steps; Streaming
 DiLoCo ``Σ_p AR(4 d_p)`` (fp32) or ``Σ_p AG(codes_p + 4·blocks_p)`` (int8: 1 byte, int4: ½ byte per value of
-``d_p`` padded to blocks of 64) per ``H`` steps, the peak being the largest fragment's.
+``d_p`` padded to blocks of 64) per ``H`` steps, the peak being the largest fragment's; local SGD and BMUF like
+DiLoCo. Per row also (:mod:`~lightning_pdist.bench.diloco_curves`): the loss curve (rank-mean training loss, trailing
+mean of 20 steps) against the cumulative model bytes and the slowest rank's wall time, the step, seconds and bytes
+at which it first comes within 2% of DDP's final value on the same network, and the peak kernel bytes per second
+(the most one rank's link sent in one step, over that step's duration; emulated links only).
 """
 
 from __future__ import annotations
@@ -33,18 +40,21 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
+from lightning_pdist.bench.diloco_curves import SMOOTH, add_reach, curve_fields, plot
 from lightning_pdist.bench.launch import Launcher, emulated_network
 from lightning_pdist.bench.netns import LOOPBACK, parse_rate
 from lightning_pdist.bench.report import (check_rows, finish_suite, markdown_table, network_lines, new_document,
-                                          output_dir, run_documented_suite, run_lines, save_figure)  # fmt: skip
+                                          output_dir, run_documented_suite, run_lines)  # fmt: skip
 
 SUITE = "diloco"
 NETWORKS = ("loopback", "emulated")
-RUNS = ("ddp", "diloco", "streaming_diloco", "torchft_diloco")
+RUNS = ("ddp", "local_sgd", "bmuf", "diloco", "streaming_diloco", "torchft_diloco")
+EACH_H = ("diloco", "torchft_diloco")  # run at each H; local SGD and BMUF at the largest
 ROW_KEYS = ("label", "strategy", "network", "world_size", "train_steps", "step_ms", "val_loss", "val_acc",
             "model_bytes_per_step", "peak_model_bytes")  # fmt: skip
-QUICK = {"steps": 8, "sync_every": (4,), "fragments": (2,)}
-FULL = {"steps": 300, "sync_every": (10, 50, 100), "fragments": (2, 4)}
+QUICK = {"steps": 8, "sync_every": (4,), "fragments": (2,), "world_size": 2, "networks": NETWORKS, "rates": ("100mbit",)}
+FULL = {"steps": 400, "sync_every": (10, 50, 100), "fragments": (2, 4), "world_size": 4, "networks": ("emulated",),
+        "rates": ("100mbit", "1gbit")}  # fmt: skip
 BLOCK = 64
 
 
@@ -54,22 +64,24 @@ class SuiteConfig(SuiteRules):
 
     networks: tuple[str, ...] = NETWORKS
     """loopback (127.0.0.1), emulated (netns + tbf links, needs root) or both"""
-    rate: str = "100mbit"
-    """emulated link rate each way, tc syntax"""
+    rates: tuple[str, ...] = ("100mbit",)
+    """emulated link rates each way, tc syntax: one emulated network per rate"""
     world_size: int = 2
     """ranks (replicas) per run"""
     runs: tuple[str, ...] = RUNS
-    """what to run, from ddp diloco streaming_diloco torchft_diloco"""
+    """what to run, from ddp local_sgd bmuf diloco streaming_diloco torchft_diloco"""
     steps: int = 8
     """inner (optimizer) steps per run; a multiple of every H"""
     sync_every: tuple[int, ...] = (4,)
-    """DiLoCo's H, one or more (diloco and torchft_diloco run at each; streaming at the largest)"""
+    """H, one or more (diloco and torchft_diloco run at each; local_sgd, bmuf and streaming at the largest)"""
     fragments: tuple[int, ...] = (2,)
     """Streaming DiLoCo's P, one or more (each must divide the largest H)"""
     overlap: int = 1
     """Streaming DiLoCo's overlap τ in steps (< H/P)"""
     quantize: str = "int4"
     """Streaming DiLoCo's quantized variant (int4 or int8), run beside fp32 at the largest P"""
+    balance: str = "params"
+    """how Streaming DiLoCo cuts its fragments: layers (equal layer counts) or params (equal parameter counts)"""
     batch_size: int = 16
     """windows per rank per step"""
     context: int = 64
@@ -88,12 +100,14 @@ class SuiteConfig(SuiteRules):
     """seconds per run"""
     quick: bool = True
     SUITE: ClassVar[str] = SUITE
-    FLAGS: ClassVar[dict[str, str]] = {"networks": "--network"}
+    FLAGS: ClassVar[dict[str, str]] = {"networks": "--network", "rates": "--rate"}
 
     def __post_init__(self) -> None:
         if not self.networks or any(n not in NETWORKS for n in self.networks):
             raise self.bad("networks", self.networks, f"each network must be one of {NETWORKS}")
-        parse_rate(self.rate)
+        self.distinct("rates")
+        for rate in self.rates:
+            parse_rate(rate)
         self.distinct("runs", RUNS)
         self.distinct("sync_every")
         self.distinct("fragments")
@@ -114,22 +128,26 @@ class SuiteConfig(SuiteRules):
                 raise self.bad("overlap", self.overlap, f"must be < H/P = {H // p} for P={p}")
         if self.quantize not in ("int4", "int8"):
             raise self.bad("quantize", self.quantize, "must be int4 or int8")
+        if self.balance not in ("layers", "params"):
+            raise self.bad("balance", self.balance, "must be layers or params")
 
 
 def plan_runs(config: SuiteConfig) -> list[dict[str, Any]]:
-    """The worker specs: DDP; DiLoCo and torchft's at each H; Streaming at the largest H, each P fp32, largest P
-    quantized too."""
+    """The worker specs: DDP; local SGD and BMUF at the largest H; DiLoCo and torchft's at each H; Streaming at the
+    largest H, each P fp32, largest P quantized too."""
     common = {"world_size": config.world_size, "steps": config.steps, "batch_size": config.batch_size,
               "context": config.context, "width": config.width, "layers": config.layers, "lr": config.lr,
               "text_bytes": config.text_bytes, "seed": config.seed, "num_fragments": 1, "overlap_steps": 0,
-              "quantize": None, "sync_every": None}  # fmt: skip
+              "quantize": None, "sync_every": None, "balance": config.balance}  # fmt: skip
     specs = []
     H = max(config.sync_every)
     for run in config.runs:
         if run == "ddp":
             specs.append({"strategy": "ddp", **common})
-        elif run in ("diloco", "torchft_diloco"):
+        elif run in EACH_H:
             specs += [{**common, "strategy": run, "sync_every": h} for h in config.sync_every]
+        elif run in ("local_sgd", "bmuf"):
+            specs.append({**common, "strategy": run, "sync_every": H})
         else:
             for p in config.fragments:
                 specs.append({**common, "strategy": run, "sync_every": H, "num_fragments": p,
@@ -175,6 +193,17 @@ def byte_model(spec: dict[str, Any], params: int, fragments: Sequence[int] | Non
     return sum(each) / spec["sync_every"], max(each)
 
 
+def step_bytes(spec: dict[str, Any], params: int, fragments: Sequence[int] | None) -> list[float]:
+    """Bytes one rank sends at each step ``1..steps`` by the byte model: DDP every step; fragment ``p`` of ``P``
+    (one for all but Streaming) after steps ``t`` with ``t mod H = p·H/P``."""
+    n, steps = spec["world_size"], spec["steps"]
+    if spec["strategy"] == "ddp":
+        return [all_reduce(4 * params, n)] * steps
+    parts, H = list(fragments or [params]), spec["sync_every"]
+    each = [sync_bytes(d, spec["quantize"], n) for d in parts]
+    return [sum(b for p, b in enumerate(each) if t % H == p * (H // len(parts))) for t in range(1, steps + 1)]
+
+
 # -- rows ------------------------------------------------------------------------------------------
 
 
@@ -184,6 +213,7 @@ def build_row(spec: dict[str, Any], got: Any, network: str, rate: str | None) ->
                            "world_size": spec["world_size"], "train_steps": spec["steps"],
                            "sync_every": spec["sync_every"], "num_fragments": spec["num_fragments"],
                            "overlap_steps": spec["overlap_steps"], "quantize": spec["quantize"],
+                           "balance": spec["balance"] if spec["strategy"] == "streaming_diloco" else None,
                            "other_load_cores": got.other_load_cores, "process_wall_s": round(got.wall_s, 2)}  # fmt: skip
     if got.error:
         return {**row, "error": got.error, **{k: None for k in ROW_KEYS if k not in row}}
@@ -208,6 +238,7 @@ def build_row(spec: dict[str, Any], got: Any, network: str, rate: str | None) ->
         "kernel_bytes_per_step": None if kernel is None else round(kernel),
         "kernel_over_model": None if kernel is None or not model else round(kernel / model, 3),
         "text_bytes": first["text_bytes"], "text_sha": first["text_sha"], "error": None,
+        **curve_fields(ranks, step_bytes(spec, first["model_params"], first["fragment_numels"])),
     })  # fmt: skip
     return row
 
@@ -223,17 +254,25 @@ def goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         if ddp and top:
             loss_ratio = top["val_loss"] / ddp["val_loss"]
             fewer = ddp["model_bytes_per_step"] / top["model_bytes_per_step"]
+            reach = "its training loss never came within 2% of DDP's final"
+            if top.get("reach_step") and ddp.get("reach_model_bytes"):
+                reach = (f"training loss within 2% of DDP's final at step {top['reach_step']} (DDP: "
+                         f"{ddp['reach_step']}) with {ddp['reach_model_bytes'] / top['reach_model_bytes']:.0f}x fewer "
+                         "bytes")  # fmt: skip
             out.append({"network": network, "goal": f"DiLoCo H={top['sync_every']} within 2% of DDP's val loss with "
-                        ">= 50x fewer bytes", "measured": f"loss {loss_ratio:.3f}x DDP's, {fewer:.0f}x fewer bytes",
-                        "met": loss_ratio <= 1.02 and fewer >= 50})  # fmt: skip
+                        ">= 50x fewer bytes", "measured": f"val loss {loss_ratio:.3f}x DDP's, {fewer:.0f}x fewer bytes; "
+                        f"{reach}", "met": loss_ratio <= 1.02 and fewer >= 50})  # fmt: skip
         for s in (r for r in ok if r["strategy"] == "streaming_diloco" and not r["quantize"]):
             ref = next((r for r in ours if r["sync_every"] == s["sync_every"]), None)
             if ref:
                 cut = ref["peak_model_bytes"] / s["peak_model_bytes"]
                 loss_ratio = s["val_loss"] / ref["val_loss"]
+                kernel = ""
+                if ref.get("peak_kernel_bytes_per_s") and s.get("peak_kernel_bytes_per_s"):
+                    kernel = f" (kernel peak B/s {ref['peak_kernel_bytes_per_s'] / s['peak_kernel_bytes_per_s']:.2f}x)"
                 out.append({"network": network, "goal": f"{s['label']}: peak bytes >= {s['num_fragments']}x below "
                             "DiLoCo's at equal loss (within 2%)",
-                            "measured": f"peak {cut:.2f}x lower, loss {loss_ratio:.3f}x DiLoCo's",
+                            "measured": f"peak {cut:.2f}x lower{kernel}, loss {loss_ratio:.3f}x DiLoCo's",
                             "met": cut >= s["num_fragments"] and loss_ratio <= 1.02})  # fmt: skip
         for ft in (r for r in ok if r["strategy"] == "torchft_diloco"):
             ref = next((r for r in ours if r["sync_every"] == ft["sync_every"]), None)
@@ -254,26 +293,31 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
     specs = plan_runs(config)
     try:
         with ExitStack() as stack:
-            nets: dict[str, Any] = {}
+            nets: dict[str, tuple[Any, str | None]] = {}
             if "loopback" in config.networks:
                 doc["networks"]["loopback"] = {"detail": "loopback: " + LOOPBACK.describe()}
-                nets["loopback"] = LOOPBACK
+                nets["loopback"] = (LOOPBACK, None)
             if "emulated" in config.networks:
-                net = stack.enter_context(emulated_network(SUITE, doc, "emulated", config.world_size, config.rate, log))
-                if net is not None:
-                    nets["emulated"] = net
+                for rate in config.rates:  # one emulated network per rate, all up at once
+                    key = f"emulated {rate}"
+                    net = stack.enter_context(emulated_network(SUITE, doc, key, config.world_size, rate, log))
+                    if net is not None:
+                        nets[key] = (net, rate)
             for i, spec in enumerate(specs):
-                for name, net in nets.items():  # each spec on every network back to back
+                for name, (net, rate) in nets.items():  # each spec on every network back to back
                     got = launcher.run("lightning_pdist.bench.diloco_worker", spec, config.world_size, net, errors=400)
-                    row = build_row(spec, got, name, config.rate if name == "emulated" else None)
+                    row = build_row(spec, got, name, rate)
                     doc["rows"].append(row)
                     log(f"[{i + 1}/{len(specs)}] {name} {row['label']}: " + (row["error"] or
                         f"{row['step_ms']} ms/step, val_loss {row['val_loss']}, {row['model_bytes_per_step']} B/step "
-                        f"model, logged {row['logged_bytes_per_step']}, kernel {row['kernel_bytes_per_step']}"))  # fmt: skip
+                        f"model, logged {row['logged_bytes_per_step']}, kernel {row['kernel_bytes_per_step']}, "
+                        f"{row['process_wall_s']} s"))  # fmt: skip
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    doc["rows"].sort(key=lambda r: NETWORKS.index(r["network"]))
+    order = list(nets)
+    doc["rows"].sort(key=lambda r: order.index(r["network"]) if r["network"] in order else len(order))
     check_rows(doc["rows"], ROW_KEYS, SUITE)
+    add_reach(doc["rows"])
     doc["goals"] = goals(doc["rows"])
     return finish_suite(doc, out, SUITE, started, plot)
 
@@ -281,6 +325,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
 # -- output ----------------------------------------------------------------------------------------
 
 _kb = lambda b: "—" if b is None else f"{b / 1e3:.1f}"  # noqa: E731
+_mb = lambda b: "—" if b is None else f"{b / 1e6:.2f}"  # noqa: E731
 TABLE_COLUMNS = (
     ("network", "network", None),
     ("run", "label", None),
@@ -294,6 +339,10 @@ TABLE_COLUMNS = (
     ("kernel/model", "kernel_over_model", ".3f"),
     ("peak model kB", "peak_model_bytes", _kb),
     ("peak logged kB", "peak_logged_bytes", _kb),
+    ("peak kernel kB/s", "peak_kernel_bytes_per_s", _kb),
+    ("reach step", "reach_step", None),
+    ("reach s", "reach_s", ".1f"),
+    ("MB to reach", "reach_model_bytes", _mb),
     ("other load", "other_load_cores", ".2f"),
 )
 GOAL_COLUMNS = (("network", "network", None), ("goal", "goal", None), ("measured", "measured", None),
@@ -305,47 +354,25 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
     rows = [r for r in doc["rows"] if not r.get("error")]
     first = rows[0] if rows else {}
     cfg = doc["config"]
+    streaming = {r["num_fragments"]: r["fragment_numels"] for r in rows if r["strategy"] == "streaming_diloco"}
+    sizes = ", ".join(f"P={p}: {numels}" for p, numels in streaming.items())
     lines = [*run_lines(doc, json_path), "",
              f"Model: byte-level Transformer LM, {cfg['layers']} blocks of width {cfg['width']}, "
              f"{first.get('model_params', 0):,} parameters; text: the first {cfg['text_bytes']:,} bytes of the Python "
              f"standard library's `*.py` files (sha256 {first.get('text_sha')}, last 65,536 held out); "
              f"{cfg['world_size']} ranks × {cfg['batch_size']} windows of {cfg['context']} bytes per step, "
-             f"{cfg['steps']} AdamW steps (lr {cfg['lr']}), seed {cfg['seed']}; outer step Nesterov SGD(0.7, 0.9).",
-             "", "Networks:", "", *network_lines(doc, named=False), "", markdown_table(doc["rows"], TABLE_COLUMNS)]
+             f"{cfg['steps']} AdamW steps (lr {cfg['lr']}), seed {cfg['seed']}; every DiLoCo's outer step Nesterov SGD(0.7, "
+             f"0.9); Streaming's fragments cut by {cfg['balance']}"
+             + (f" ({sizes} parameters)" if sizes else "") + ".", "",
+             f"\"reach\": the first step at which the run's training loss (mean of the ranks, trailing mean of {SMOOTH} "
+             f"steps) is within 2% of DDP's final one on the same network, the seconds and the model bytes per rank "
+             "sent by then; \"peak kernel kB/s\": the most one rank's link sent in one step over that step's duration.",
+             "", "Networks:", "", *network_lines(doc, named=True), "", markdown_table(doc["rows"], TABLE_COLUMNS)]
     if errors := [r for r in doc["rows"] if r.get("error")]:
         lines += ["", "Runs that failed:", "", *(f"- {r['network']} {r['label']}: {r['error']}" for r in errors)]
     if doc.get("goals"):
         lines += ["", "Issue 21's goals on these rows:", "", markdown_table(doc["goals"], GOAL_COLUMNS)]
     return "\n".join(lines)
-
-
-def plot(doc: dict[str, Any], path: Path) -> Path | None:
-    """Validation loss against bytes per rank per step (left), time per step (right)."""
-    rows = [r for r in doc["rows"] if not r.get("error")]
-    if not rows:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    for r in rows:
-        marker = "o" if r["network"] == "loopback" else "s"
-        left.scatter(r["model_bytes_per_step"], r["val_loss"], marker=marker)
-        left.annotate(r["label"], (r["model_bytes_per_step"], r["val_loss"]), fontsize=6, xytext=(4, 2),
-                      textcoords="offset points")  # fmt: skip
-    left.set_xscale("log")
-    left.set_xlabel("bytes per rank per step (byte model, log)")
-    left.set_ylabel("final validation loss (nats/byte)")
-    names = [f"{r['network'][:4]} {r['label']}" for r in rows]
-    right.barh(range(len(rows)), [r["step_ms"] for r in rows])
-    right.set_yticks(range(len(rows)), names, fontsize=7)
-    right.invert_yaxis()
-    right.set_xlabel("ms per step (training loop, slowest rank)")
-    fig.suptitle(f"diloco suite, {doc['created']}", fontsize=9)
-    fig.tight_layout()
-    return save_figure(fig, path, dpi=100)
 
 
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="diloco.json, diloco.png and docs_section.md",

@@ -6,6 +6,9 @@ interpreter, no download) — with the same inner optimizer (AdamW), seed and pe
 model it holds at the end on the same held-out windows (the last ``VAL_BYTES`` of the text). Strategies:
 
 * ``ddp``: Lightning Fabric's own ``DDPStrategy`` (synchronous baseline: every step all-reduces the gradients);
+* ``local_sgd`` / ``bmuf``: ours, :class:`~lightning_pdist.averaging.LocalSGDFabricStrategy` (period ``H``) /
+  :class:`~lightning_pdist.averaging.BMUFFabricStrategy` (period ``H``, Nesterov block momentum ``1 − 1/N``,
+  block lr 1), ``load_consensus()`` at the end;
 * ``diloco`` / ``streaming_diloco``: ours, :class:`~lightning_pdist.diloco.fabric.DiLoCoFabricStrategy` /
   :class:`~lightning_pdist.diloco.fabric.StreamingDiLoCoFabricStrategy` (``optimizer.step()`` runs the rounds;
   ``load_global_model()`` at the end);
@@ -15,9 +18,11 @@ model it holds at the end on the same held-out windows (the last ``VAL_BYTES`` o
 
 Writes ``DIR/rank<r>.json``: ``{"rank", "strategy", "train_steps", "loop_s", "step_s", "loop_cpu_s",
 "val_loss", "val_acc", "train_loss_last", "comm_bytes", "step_bytes", "fragment_numels", "model_params",
-"loop_tx_bytes", "param_digest", "text_bytes", "text_sha"}`` (``comm_bytes``/``step_bytes``: our strategies' own
-:class:`~lightning_pdist.core.accounting.CommMeter`, ``None`` for the others; ``loop_tx_bytes``: the kernel's
-``tx_bytes`` of this rank's emulated link over the training loop, ``None`` on loopback).
+"loop_tx_bytes", "param_digest", "text_bytes", "text_sha", "losses", "step_end_s", "step_tx_bytes"}``
+(``comm_bytes``/``step_bytes``: our strategies' own :class:`~lightning_pdist.core.accounting.CommMeter`, ``None``
+for the others; ``loop_tx_bytes``: the kernel's ``tx_bytes`` of this rank's emulated link over the training loop,
+``None`` on loopback; ``losses``: this rank's training loss at each step; ``step_end_s``: seconds from the loop's
+start to the end of each step; ``step_tx_bytes``: the link's ``tx_bytes`` during each step, ``None`` on loopback).
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.launch import WorkerSpec, worker_main
 from lightning_pdist.bench.worker import read_tx
 
-STRATEGIES = ("ddp", "diloco", "streaming_diloco", "torchft_diloco")
+STRATEGIES = ("ddp", "local_sgd", "bmuf", "diloco", "streaming_diloco", "torchft_diloco")
+BALANCE = ("layers", "params")
 QUANTIZE = (None, "int8", "int4")
 VAL_BYTES = 1 << 16
 VAL_WINDOWS = 64
@@ -53,6 +59,7 @@ class Spec(WorkerSpec):
     num_fragments: int
     overlap_steps: int
     quantize: str | None
+    balance: str
     batch_size: int
     context: int
     width: int
@@ -64,6 +71,7 @@ class Spec(WorkerSpec):
     def __post_init__(self) -> None:
         self.one_of("strategy", STRATEGIES)
         self.one_of("quantize", QUANTIZE)
+        self.one_of("balance", BALANCE)
         self.ints("world_size", "steps", "num_fragments", "batch_size", "context", "width", "layers")
         self.ints("overlap_steps", "seed", low=0)
         self.ints("text_bytes", low=2 * VAL_BYTES)
@@ -187,17 +195,26 @@ def fabric_strategy(spec: dict[str, Any]) -> Any:
         from lightning.fabric.strategies import DDPStrategy
 
         return DDPStrategy(process_group_backend="gloo")
+    if spec["strategy"] == "local_sgd":
+        from lightning_pdist.averaging import LocalSGDFabricStrategy
+
+        return LocalSGDFabricStrategy(period=spec["sync_every"], process_group_backend="gloo")
+    if spec["strategy"] == "bmuf":
+        from lightning_pdist.averaging import BMUFFabricStrategy
+
+        return BMUFFabricStrategy(period=spec["sync_every"], process_group_backend="gloo")
     from lightning_pdist.diloco.fabric import DiLoCoFabricStrategy, StreamingDiLoCoFabricStrategy
 
     if spec["strategy"] == "diloco":
         return DiLoCoFabricStrategy(sync_every=spec["sync_every"], process_group_backend="gloo")
     return StreamingDiLoCoFabricStrategy(sync_every=spec["sync_every"], num_fragments=spec["num_fragments"],
                                          overlap_steps=spec["overlap_steps"], quantize=spec["quantize"],
-                                         process_group_backend="gloo")  # fmt: skip
+                                         balance=spec["balance"], process_group_backend="gloo")  # fmt: skip
 
 
 def train_ours(spec: dict[str, Any], data: Data, clock: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """``ddp``/``diloco``/``streaming_diloco`` under Lightning Fabric; the model each rank holds at the end."""
+    """``ddp``/``local_sgd``/``bmuf``/``diloco``/``streaming_diloco`` under Lightning Fabric; the model each rank
+    holds at the end (the consensus or global model for ours)."""
     import torch
     import torch.distributed as dist
     from lightning.fabric import Fabric
@@ -220,15 +237,21 @@ def train_ours(spec: dict[str, Any], data: Data, clock: dict[str, Any]) -> tuple
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
+        clock.lap()
         if meter is not None:
             step_bytes.append(meter.end_step())
     clock.stop()
     extra: dict[str, Any] = {"comm_bytes": None, "step_bytes": None, "fragment_numels": None}
     if meter is not None:
-        strategy.load_global_model()
+        rounds = getattr(strategy, "rounds", None)
+        if rounds is not None:
+            strategy.load_global_model()
+        else:
+            strategy.load_consensus()
         extra = {"comm_bytes": meter.total_bytes, "step_bytes": step_bytes, "by_kind": dict(meter.by_kind),
-                 "fragment_numels": [p.global_params.numel() for p in strategy.rounds.parts]}  # fmt: skip
+                 "fragment_numels": None if rounds is None else [p.global_params.numel() for p in rounds.parts]}  # fmt: skip
     extra["train_loss_last"] = sum(losses[-10:]) / len(losses[-10:])
+    extra["losses"] = losses
     return model.module if hasattr(model, "module") else model, extra
 
 
@@ -280,6 +303,7 @@ def train_torchft(spec: dict[str, Any], data: Data, clock: Any) -> tuple[Any, di
                 loss.backward()
                 inner.step()  # DiLoCo's post-hook runs the quorum and the sync on schedule
                 losses.append(float(loss.detach()))
+                clock.lap()
             clock.stop()
     finally:
         manager.shutdown(wait=False)
@@ -287,18 +311,31 @@ def train_torchft(spec: dict[str, Any], data: Data, clock: Any) -> tuple[Any, di
             time.sleep(1.0)  # let the other replica's last calls finish
             lighthouse.shutdown()
     numel = sum(p.numel() for p in model.parameters())
-    return model, {"comm_bytes": None, "step_bytes": None, "fragment_numels": [numel],
+    return model, {"comm_bytes": None, "step_bytes": None, "fragment_numels": [numel], "losses": losses,
                    "train_loss_last": sum(losses[-10:]) / len(losses[-10:])}  # fmt: skip
 
 
 class Clock:
-    """Wall and CPU time, and this host's kernel tx bytes, over the training loop."""
+    """Wall and CPU time, and this host's kernel tx bytes, over the training loop and at the end of each step."""
 
     def __init__(self) -> None:
         self.ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+        self.step_end_s: list[float] = []
+        self.step_tx: list[int] | None = []
 
     def start(self) -> None:
         self.tx0, self.t0, self.cpu0 = read_tx(self.ifname), time.perf_counter(), time.process_time()
+        self.last_tx = self.tx0
+
+    def lap(self) -> None:
+        """The end of a step: its time since the loop's start, and the bytes the link sent during it."""
+        self.step_end_s.append(time.perf_counter() - self.t0)
+        tx = read_tx(self.ifname)
+        if tx is None or self.last_tx is None or self.step_tx is None:
+            self.step_tx = None
+        else:
+            self.step_tx.append(tx[0] - self.last_tx[0])
+            self.last_tx = tx
 
     def stop(self) -> None:
         self.loop_s, self.loop_cpu_s = time.perf_counter() - self.t0, time.process_time() - self.cpu0
@@ -323,7 +360,7 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         "step_s": clock.loop_s / spec["steps"], "loop_cpu_s": clock.loop_cpu_s, "val_loss": val_loss,
         "val_acc": val_acc, "model_params": flat.numel(), "loop_tx_bytes": clock.loop_tx,
         "param_digest": hashlib.sha256(flat.double().numpy().tobytes()).hexdigest()[:16], "text_bytes": spec["text_bytes"],
-        "text_sha": data.sha, **extra,
+        "text_sha": data.sha, "step_end_s": clock.step_end_s, "step_tx_bytes": clock.step_tx, **extra,
     }  # fmt: skip
 
 

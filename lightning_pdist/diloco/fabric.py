@@ -138,14 +138,15 @@ class StreamingDiLoCoFabricStrategy(DiLoCoFabricStrategy):
 
     def __init__(self, sync_every: int = 100, num_fragments: int | None = 2, fragments: list[list[str]] | None = None,
                  overlap_steps: int = 0, fragment_alpha: float = 0.0, quantize: str | None = None,
-                 outer_optimizer: Any = "nesterov", outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 outer_kwargs: dict | None = None, **kwargs: Any) -> None:  # fmt: skip
+                 balance: str = "layers", outer_optimizer: Any = "nesterov", outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, outer_kwargs: dict | None = None, **kwargs: Any) -> None:  # fmt: skip
         owner = type(self).__name__
         if fragments is not None and num_fragments == 2:
             num_fragments = None
-        count = check_fragments(owner, fragments, num_fragments)
+        count = check_fragments(owner, fragments, num_fragments, balance)
         schedule = StreamingSchedule(sync_every=sync_every, num_fragments=count, overlap_steps=overlap_steps,
-                                     fragment_alpha=fragment_alpha, quantize=quantize, owner=owner)  # fmt: skip
+                                     fragment_alpha=fragment_alpha, quantize=quantize, balance=balance,
+                                     owner=owner)  # fmt: skip
         names = None if fragments is None else [list(f) for f in fragments]
         self._init_rounds(schedule, outer_optimizer, outer_lr, outer_momentum, outer_kwargs, names, kwargs)
         self.fragments = names

@@ -7,6 +7,11 @@ round, fragment ``p`` starts its synchronization after inner step ``t`` (1-based
 exchange runs during the next ``τ`` (``overlap_steps``) inner steps; after step ``t + τ`` its outer step is taken
 and the replica merges: ``θ_r ← α·θ_r + (1−α)·θ_global`` (``fragment_alpha``; ``α = 0`` loads ``θ_global``).
 ``τ < H/P`` so a fragment's merge comes before the next fragment starts. ``P = 1, τ = 0, α = 0`` is DiLoCo.
+
+The peak traffic is the largest fragment's: ``balance="layers"`` cuts ``P`` blocks of (nearly) equal numbers of
+layers, whose parameter counts can differ a lot (an embedding beside a LayerNorm); ``balance="params"`` cuts the
+contiguous blocks whose largest parameter count is the smallest possible (exact, by dynamic programming over the
+cut points), so the peak comes as close to ``d/P`` as the layer granularity allows.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["ScheduleFields", "StreamingSchedule", "fragment_modules", "fragment_tensors", "layer_names"]
+__all__ = ["ScheduleFields", "StreamingSchedule", "balanced_cuts", "fragment_modules", "fragment_tensors", "layer_names"]
 
 QUANTIZE = (None, "int8", "int4")
+BALANCE = ("layers", "params")
 
 
 def _is_int(value: object) -> bool:
@@ -35,6 +41,7 @@ class StreamingSchedule:
     overlap_steps: int = 0
     fragment_alpha: float = 0.0
     quantize: str | None = None
+    balance: str = "layers"
     owner: str = "StreamingSchedule"
 
     def __post_init__(self) -> None:
@@ -53,6 +60,9 @@ class StreamingSchedule:
             raise ValueError(f"{o}(fragment_alpha={a!r}): fragment_alpha must be a number in [0, 1]")
         if self.quantize not in QUANTIZE:
             raise ValueError(f"{o}(quantize={self.quantize!r}): quantize must be None, 'int8' or 'int4'")
+        if self.balance not in BALANCE:
+            raise ValueError(f"{o}(balance={self.balance!r}): balance must be 'layers' (equal numbers of layers) or "
+                             "'params' (equal parameter counts, as near as contiguous blocks of layers allow)")  # fmt: skip
 
     def offset(self, fragment: int) -> int:
         """``p·H/P``: where in the round fragment ``p`` starts its synchronization."""
@@ -92,14 +102,48 @@ class ScheduleFields:
     def quantize(self) -> str | None:
         return self.schedule.quantize
 
+    @property
+    def balance(self) -> str:
+        return self.schedule.balance
+
 
 def layer_names(module: nn.Module) -> list[str]:
     """The model's layers, in registration order: the modules that own parameters directly (``recurse=False``)."""
     return [name for name, m in module.named_modules() if any(True for _ in m.parameters(recurse=False))]
 
 
-def fragment_modules(module: nn.Module, num_fragments: int, fragments: list[list[str]] | None, owner: str) -> list[list[str]]:
-    """The module names of each fragment: the user's ``fragments``, or ``P`` contiguous blocks of layers.
+def balanced_cuts(sizes: list[int], parts: int) -> list[int]:
+    """Where to cut ``sizes`` into ``parts`` non-empty contiguous blocks so the largest block sum is the smallest.
+
+    Returns the block lengths. Dynamic programming over ``best[k][i]`` = the smallest largest sum of the first ``i``
+    sizes in ``k`` blocks (``O(parts·n²)``; ties keep the earliest cut).
+    """
+    n = len(sizes)
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    lengths, i = [], n
+    for k in range(parts, 0, -1):
+        j = cut[k][i]
+        lengths.append(i - j)
+        i = j
+    return lengths[::-1]
+
+
+def fragment_modules(module: nn.Module, num_fragments: int, fragments: list[list[str]] | None, owner: str,
+                     balance: str = "layers") -> list[list[str]]:  # fmt: skip
+    """The module names of each fragment: the user's ``fragments``, or ``P`` contiguous blocks of layers (``balance``:
+    ``"layers"``, equal numbers of layers; ``"params"``, :func:`balanced_cuts` of the layers' own parameter counts).
 
     Every parameter must fall in exactly one fragment; buffers go with the fragment of the module holding them
     (buffers of modules outside every fragment go with fragment 0).
@@ -109,12 +153,17 @@ def fragment_modules(module: nn.Module, num_fragments: int, fragments: list[list
         if num_fragments > len(layers):
             raise ValueError(f"{owner}(num_fragments={num_fragments}): the model has {len(layers)} layers with "
                              "parameters; num_fragments must not exceed that (a fragment is a block of layers)")  # fmt: skip
-        size, extra = divmod(len(layers), num_fragments)
+        if balance == "params":
+            modules = dict(module.named_modules())
+            sizes = [sum(t.numel() for t in modules[name].parameters(recurse=False)) for name in layers]
+            lengths = balanced_cuts(sizes, num_fragments)
+        else:
+            size, extra = divmod(len(layers), num_fragments)
+            lengths = [size + (1 if p < extra else 0) for p in range(num_fragments)]
         out, start = [], 0
-        for p in range(num_fragments):
-            end = start + size + (1 if p < extra else 0)
-            out.append(layers[start:end])
-            start = end
+        for length in lengths:
+            out.append(layers[start : start + length])
+            start += length
         return out
     modules = dict(module.named_modules())
     owners: dict[int, int] = {}

@@ -69,7 +69,8 @@ class Rounds:
     def start(self, module: nn.Module, meter: CommMeter | None) -> None:
         """Build the fragments from ``module`` (every replica holds the same weights): ``θ_global`` = the module."""
         self.meter = meter
-        groups = fragment_modules(module, self.schedule.num_fragments, self.fragment_names, self.owner)
+        groups = fragment_modules(module, self.schedule.num_fragments, self.fragment_names, self.owner,
+                                  self.schedule.balance)
         self.parts = []
         for params, buffers in fragment_tensors(module, groups):
             global_params = nn.Parameter(flatten(params))

@@ -10,10 +10,14 @@ from lightning_pdist.diloco.strategy import DiLoCoStrategy
 __all__ = ["StreamingDiLoCoStrategy"]
 
 
-def check_fragments(owner: str, fragments: Any, num_fragments: Any) -> int:
-    """``num_fragments`` in force: ``len(fragments)`` when the user lists them (refusing a contradicting count)."""
+def check_fragments(owner: str, fragments: Any, num_fragments: Any, balance: Any = "layers") -> int:
+    """``num_fragments`` in force: ``len(fragments)`` when the user lists them (refusing a contradicting count, and a
+    ``balance`` other than the default: a list is taken as given)."""
     if fragments is None:
         return num_fragments
+    if balance != "layers":
+        raise ValueError(f"{owner}(balance={balance!r}): balance cuts num_fragments blocks of layers; with a fragments "
+                         "list the fragments are taken as given, so leave balance at 'layers'")  # fmt: skip
     if not (isinstance(fragments, (list, tuple)) and fragments
             and all(isinstance(f, (list, tuple)) and f and all(isinstance(n, str) for n in f) for f in fragments)):
         raise ValueError(f"{owner}(fragments={fragments!r}): fragments must be a non-empty list of non-empty lists of "
@@ -43,6 +47,9 @@ class StreamingDiLoCoStrategy(DiLoCoStrategy):
         overlap_steps: ``τ`` with ``0 <= τ < H/P`` (0).
         fragment_alpha: ``α`` in ``[0, 1]`` (0: replicas load ``θ_global``).
         quantize: ``None``, ``"int8"`` or ``"int4"``: the outer gradients' wire format (all-gather of codes).
+        balance: how ``num_fragments`` cuts the layers: ``"layers"`` (default; equal numbers of layers) or
+            ``"params"`` (contiguous blocks whose largest parameter count is the smallest possible, so the peak
+            traffic comes closest to ``1/P`` of the model); not with ``fragments``.
         outer_optimizer, outer_lr, outer_momentum, outer_kwargs, nonfinite, **kwargs: as :class:`DiLoCoStrategy`.
     """
 
@@ -50,14 +57,16 @@ class StreamingDiLoCoStrategy(DiLoCoStrategy):
 
     def __init__(self, sync_every: int = 100, num_fragments: int | None = 2, fragments: list[list[str]] | None = None,
                  overlap_steps: int = 0, fragment_alpha: float = 0.0, quantize: str | None = None,
-                 outer_optimizer: Any = "nesterov", outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 outer_kwargs: dict | None = None, nonfinite: str = "raise", **kwargs: Any) -> None:  # fmt: skip
+                 balance: str = "layers", outer_optimizer: Any = "nesterov", outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, outer_kwargs: dict | None = None, nonfinite: str = "raise",
+                 **kwargs: Any) -> None:  # fmt: skip
         owner = type(self).__name__
         if fragments is not None and num_fragments == 2:
             num_fragments = None  # the default yields to the list
-        count = check_fragments(owner, fragments, num_fragments)
+        count = check_fragments(owner, fragments, num_fragments, balance)
         schedule = StreamingSchedule(sync_every=sync_every, num_fragments=count, overlap_steps=overlap_steps,
-                                     fragment_alpha=fragment_alpha, quantize=quantize, owner=owner)  # fmt: skip
+                                     fragment_alpha=fragment_alpha, quantize=quantize, balance=balance,
+                                     owner=owner)  # fmt: skip
         names = None if fragments is None else [list(f) for f in fragments]
         self._init_rounds(schedule, outer_optimizer, outer_lr, outer_momentum, outer_kwargs, names, nonfinite, kwargs)
         self.fragments = names

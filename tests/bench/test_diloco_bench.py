@@ -5,7 +5,9 @@ import json
 import pytest
 
 from lightning_pdist.bench.__main__ import main as bench_main
-from lightning_pdist.bench.diloco import TABLE_COLUMNS, SuiteConfig, byte_model, docs_section, plan_runs, run_suite
+from lightning_pdist.bench.diloco import (TABLE_COLUMNS, SuiteConfig, byte_model, docs_section, plan_runs, run_suite,
+                                          step_bytes)  # fmt: skip
+from lightning_pdist.bench.diloco_curves import add_reach, curve_fields
 from lightning_pdist.bench.report import markdown_table
 
 
@@ -18,6 +20,8 @@ from lightning_pdist.bench.report import markdown_table
         ({"runs": ("ddp", "ddp")}, r"diloco\(--runs=\('ddp', 'ddp'\)\): give at least one value, none repeated"),
         ({"quantize": "int2"}, r"diloco\(--quantize='int2'\): must be int4 or int8"),
         ({"world_size": 1}, r"diloco\(--world-size=1\): must be an int >= 2"),
+        ({"balance": "bytes"}, r"diloco\(--balance='bytes'\): must be layers or params"),
+        ({"rates": ("100mbit", "100mbit")}, r"diloco\(--rate=\('100mbit', '100mbit'\)\): give at least one value"),
     ],
 )
 def test_config_rejects_bad_values_naming_option_value_and_rule(kwargs, match):
@@ -38,7 +42,27 @@ def test_byte_model_by_hand():
     assert byte_model({**common, "strategy": "streaming_diloco"}, 1000, [600, 400]) == (400, 2400)
     assert byte_model({**common, "strategy": "streaming_diloco", "quantize": "int4"}, 1000, [1000]) == (57.6, 576)
     labels = [s["strategy"] for s in plan_runs(SuiteConfig())]
-    assert labels == ["ddp", "diloco", "streaming_diloco", "streaming_diloco", "torchft_diloco"]
+    assert labels == ["ddp", "local_sgd", "bmuf", "diloco", "streaming_diloco", "streaming_diloco", "torchft_diloco"]
+    # per step (H=4, 8 steps): fragment 0 after steps 4 and 8, fragment 1 (offset 2) after steps 2 and 6
+    spec = {**common, "strategy": "streaming_diloco", "sync_every": 4, "steps": 8}
+    assert step_bytes(spec, 1000, [600, 400]) == [0, 1600, 0, 2400, 0, 1600, 0, 2400]
+    assert step_bytes({**spec, "strategy": "bmuf"}, 1000, None) == [0, 0, 0, 4000] * 2
+
+
+def test_curves_peak_rate_and_reach_by_hand():
+    """Two ranks, 3 steps: the rank-mean loss, its trailing mean, the slowest rank's clock, cumulative bytes, the
+    peak bytes per second of one step, and the first step within 2% of DDP's final loss."""
+    ranks = [{"losses": [4.0, 2.0, 1.0], "step_end_s": [1.0, 2.0, 4.0], "step_tx_bytes": [10, 300, 0]},
+             {"losses": [2.0, 2.0, 1.0], "step_end_s": [1.5, 2.0, 3.0], "step_tx_bytes": [100, 0, 50]}]  # fmt: skip
+    got = curve_fields(ranks, [0, 500, 0])
+    assert got["curve"] == {"step": [1, 2, 3], "seconds": [1.5, 2.0, 4.0], "model_bytes": [0, 500, 500],
+                            "loss": [3.0, 2.5, 2.0]}  # fmt: skip
+    assert (got["peak_kernel_bytes"], got["peak_kernel_bytes_per_s"]) == (300, 300)  # rank 0, step 2: 300 B in 1 s
+    ddp = {"network": "n", "strategy": "ddp", **curve_fields(ranks, [7, 7, 7])}
+    ours = {"network": "n", "strategy": "diloco", **got}
+    add_reach([ddp, ours])
+    assert ours["target_loss"] == 2.04 and (ours["reach_step"], ours["reach_s"], ours["reach_model_bytes"]) == (3, 4.0, 500)
+    assert "_curve_full" not in ours and ddp["reach_model_bytes"] == 21
 
 
 def test_a_tiny_real_run_of_ours_and_torchfts_diloco(tmp_path):
@@ -52,6 +76,7 @@ def test_a_tiny_real_run_of_ours_and_torchfts_diloco(tmp_path):
     assert ours["logged_bytes_per_step"] == ours["model_bytes_per_step"] == round(2 * 4 * ours["model_params"] / 2 / 2)
     assert ours["peak_logged_bytes"] == ours["peak_model_bytes"]
     assert ours["replicas_agree"] and theirs["replicas_agree"]
+    assert ours["curve"]["step"] == theirs["curve"]["step"] == [1, 2, 3, 4] and ours["reach_step"] is None  # no DDP row
     assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=0.05)  # same rule, same data, same start
     assert [g["goal"] for g in doc["goals"]] == ["ours >= torchft's DiLoCo in steps/s at H=2"]
     assert json.loads((tmp_path / "diloco.json").read_text())["rows"] == doc["rows"]

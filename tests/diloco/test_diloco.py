@@ -83,3 +83,27 @@ def test_streaming_fragments_overlap_alpha_int4_match_reference_and_resume_mid_o
     # After step 4: fragment 1 (net.2: 18 values -> 1 block of 64 int4 codes = 32 bytes + one fp32 scale), once;
     # the all-gather on 2 ranks sends the rank's own 36 bytes once.
     assert by_kind == {"nonfinite_flag": by_kind["nonfinite_flag"], "pseudo_grad_all_gather": 36}, by_kind
+
+
+def test_four_ranks_diloco_and_streaming_match_reference(tmp_path):
+    """4 ranks through the Trainer: DiLoCo(H=2) and Streaming DiLoCo(H=4, P=2 balanced by parameters, τ=1, α=0.5,
+    int4) with inner SGD-momentum; every replica after every step and the final global model equal plain torch."""
+    n, steps = 32, 6  # 4 ranks × batch 4: 2 steps per epoch
+    runs = {
+        "d": (DiLoCoStrategy(sync_every=2, start_method="fork"), {"H": 2}),
+        "s": (StreamingDiLoCoStrategy(sync_every=4, num_fragments=2, balance="params", overlap_steps=1,
+                                      fragment_alpha=0.5, quantize="int4", start_method="fork"),
+              {"H": 4, "P": 2, "tau": 1, "alpha": 0.5, "bits": 4}),
+    }  # fmt: skip
+    for name, (strategy, ref) in runs.items():
+        snaps = tmp_path / name
+        snaps.mkdir()
+        model = TinyRegression(lr=0.1, momentum=0.9, n=n)
+        fit(strategy, model, devices=4, max_steps=steps, callbacks=[SnapshotParams(snaps)])
+        history, final = diloco_reference(4, steps, outer=nesterov(), momentum=0.9, n=n, **ref)
+        for t, flats in history.items():
+            for r in range(4):
+                torch.testing.assert_close(load_snapshot(snaps, r, t), flats[r], atol=1e-6, rtol=0,
+                                           msg=lambda m: f"{name} rank {r} step {t}: {m}")  # noqa: B023
+        torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), final, atol=1e-6,
+                                   rtol=0)  # fmt: skip

@@ -1,12 +1,14 @@
 """Tier 1: DiLoCo's math without processes: the outer step, the Nesterov/BMUF relation, the schedule, fragments,
 quantization, and the refusals at construction."""
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
 
 from lightning_pdist import DiLoCoStrategy, StreamingDiLoCoStrategy
-from lightning_pdist.diloco.fragments import StreamingSchedule, fragment_modules, fragment_tensors
+from lightning_pdist.diloco.fragments import StreamingSchedule, balanced_cuts, fragment_modules, fragment_tensors
 from lightning_pdist.diloco.outer import OuterConfig, outer_step_
 from lightning_pdist.diloco.quantize import code_bytes, dequantize, quantize
 
@@ -72,6 +74,24 @@ def test_fragments_contiguous_layers_and_user_lists():
         fragment_modules(net, 2, [["0", "9"], ["2", "3"]], "X")
 
 
+def test_fragments_balanced_by_parameter_count():
+    """Layers of 110, 11, 2 and 20 parameters: equal layer counts give 121 | 22; balanced by parameters, 110 | 33
+    (the smallest largest block any contiguous cut allows), and every split is searched (checked by brute force)."""
+    net = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 1), nn.Linear(1, 1), nn.Linear(1, 10))
+    assert fragment_modules(net, 2, None, "X") == [["0", "1"], ["2", "3"]]
+    assert fragment_modules(net, 2, None, "X", "params") == [["0"], ["1", "2", "3"]]
+    assert fragment_modules(net, 4, None, "X", "params") == [["0"], ["1"], ["2"], ["3"]]
+    sizes = [5, 1, 1, 1, 4, 4, 2, 7, 1, 3]
+    for parts in range(1, len(sizes) + 1):
+        lengths = balanced_cuts(sizes, parts)
+        assert sum(lengths) == len(sizes) and len(lengths) == parts and min(lengths) >= 1
+        ends = list(itertools.accumulate(lengths))
+        largest = max(sum(sizes[a:b]) for a, b in zip([0, *ends], ends))
+        brute = min(max(sum(sizes[a:b]) for a, b in zip([0, *cut], [*cut, len(sizes)]))
+                    for cut in itertools.combinations(range(1, len(sizes)), parts - 1))  # fmt: skip
+        assert largest == brute, (parts, lengths)
+
+
 @pytest.mark.parametrize("fmt, qmax", [("int8", 127), ("int4", 7)])
 def test_quantize_round_trip_error_and_bytes(fmt, qmax):
     torch.manual_seed(0)
@@ -95,6 +115,8 @@ def test_quantize_round_trip_error_and_bytes(fmt, qmax):
     ({"quantize": "fp4"}, r"\(quantize='fp4'\): quantize must be None, 'int8' or 'int4'"),
     ({"fragments": [["a"], ["b"]], "num_fragments": 3}, r"\(num_fragments=3\): fragments lists 2 fragments"),
     ({"fragments": [[]]}, r"\(fragments=\[\[\]\]\): fragments must be a non-empty list of non-empty lists"),
+    ({"balance": "bytes"}, r"\(balance='bytes'\): balance must be 'layers' \(equal numbers of layers\) or 'params'"),
+    ({"fragments": [["a"], ["b"]], "balance": "params"}, r"\(balance='params'\): balance cuts num_fragments blocks"),
     ({"outer_lr": 0}, r"\(outer_lr=0\): outer_lr must be a finite number > 0"),
     ({"outer_momentum": 1.0}, r"\(outer_momentum=1.0\): outer_momentum must be a number in \[0, 1\)"),
     ({"outer_momentum": 0.0}, r"\(outer_momentum=0\): Nesterov momentum needs outer_momentum > 0"),
