@@ -133,6 +133,8 @@ class RowShard(ParameterShard):
     @torch.no_grad()
     def apply_rows_(self, grad: Tensor) -> None:
         """One optimizer step with the sparse ``grad`` of the flat buffer: each range gets its rows' part."""
+        if self.optimizers[0] is None:  # no rows here (a plan can leave a server without any)
+            return
         grad = grad.coalesce()
         index, value = grad.indices()[0], grad.values()
         for start, stop, piece in self.pieces[0]:

@@ -104,12 +104,18 @@ class ParallaxStrategy(ParameterServerStrategy):
         except ValueError as err:
             if self.sparse_params:
                 raise
-            raise ValueError(f"{owner}(sparse_params=None): {str(err).split(': ', 1)[1]}") from None
+            given = list(self.sparse_params) if self.sparse_params is not None else None
+            raise ValueError(f"{owner}(sparse_params={given!r}): {str(err).split(': ', 1)[1]}") from None
 
     @override
     def _plan(self, num_servers: int) -> RowPlan:
         params = dict(self.lightning_module.named_parameters())
-        return RowPlan.for_parameters([(n, params[n]) for n in self._sparse_names()], num_servers)
+        tables = [(n, params[n]) for n in self._sparse_names()]
+        rows = sum(p.shape[0] for _, p in tables)
+        if num_servers > rows:
+            raise ValueError(f"{type(self).__name__}(num_servers={num_servers}): the sparse tables have {rows} rows in "
+                             "all; num_servers must not exceed them (every server holds at least one row)")  # fmt: skip
+        return RowPlan.for_parameters(tables, num_servers)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -327,6 +333,7 @@ class ParallaxStrategy(ParameterServerStrategy):
         for _, p in self.tables:
             p.grad = None  # the servers step the tables; the worker's optimizer only the dense parameters
         optimizer.step()
+        self._average_buffers(meeting=False)  # BatchNorm statistics: the workers' mean, every step (counted)
         self.version += 1
         self.step += 1
         self.optimizer_steps = [self.step]

@@ -68,18 +68,23 @@ def reference(steps: int, world: int = 2) -> dict[int, torch.Tensor]:
     module = TextModule()
     opt = torch.optim.SGD(module.parameters(), lr=LR)
     x, y = text_data().tensors
-    out = {0: flat(module).clone()}
-    for t in range(steps):
-        epoch, i = divmod(t, N // (world * BATCH))
-        idx = []
+    out, t, epoch = {0: flat(module).clone()}, 0, 0
+    while t < steps:
+        shards = []
         for rank in range(world):
             sampler = DistributedSampler(text_data(), num_replicas=world, rank=rank, shuffle=True, seed=0)
             sampler.set_epoch(epoch)
-            idx += list(sampler)[i * BATCH : (i + 1) * BATCH]
-        opt.zero_grad()
-        nn.functional.mse_loss(module(x[idx]), y[idx]).backward()
-        opt.step()
-        out[t + 1] = flat(module).clone()
+            shards.append(list(sampler))
+        for i in range(0, len(shards[0]), BATCH):
+            if t == steps:
+                break
+            idx = [j for shard in shards for j in shard[i : i + BATCH]]
+            opt.zero_grad()
+            nn.functional.mse_loss(module(x[idx]), y[idx]).backward()
+            opt.step()
+            t += 1
+            out[t] = flat(module).clone()
+        epoch += 1
     return out
 
 
@@ -130,6 +135,18 @@ def test_two_workers_are_full_batch_sgd_push_touched_rows_and_resume_exactly(tmp
         logger=CSVLogger(tmp_path / "resumed"))  # fmt: skip
     for rank in range(2):
         assert torch.equal(torch.load(tmp_path / f"resumed{rank}.pt"), torch.load(tmp_path / f"full{rank}.pt"))
+
+
+def test_four_workers_three_servers_are_full_batch_sgd(tmp_path):
+    """4 workers (6 samples each: batches of 4 and 2), 3 servers (uneven row ranges): 3 steps end on the reference
+    (1e-5), untouched rows bit-identical."""
+    steps = 3
+    ref = reference(steps, world=4)
+    fit(ParallaxStrategy(start_method="fork", num_servers=3), TextModule(), devices=4, max_steps=steps,
+        callbacks=[Record(tmp_path, "four")], logger=CSVLogger(tmp_path))  # fmt: skip
+    end = torch.load(tmp_path / "four0.pt")
+    torch.testing.assert_close(end, ref[steps], atol=1e-5, rtol=0)
+    assert torch.equal(end[: VOCAB * DIM].view(VOCAB, DIM)[USED:], ref[0][: VOCAB * DIM].view(VOCAB, DIM)[USED:])
 
 
 def test_no_sparse_parameter_is_refused_before_any_server_and_bad_names_at_construction():
