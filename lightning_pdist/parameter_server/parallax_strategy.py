@@ -171,6 +171,7 @@ class ParallaxStrategy(ParameterServerStrategy):
         self._server_seen, self._server_now, self._exchanged = [], [], False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdist-parallax-push")
         self._install_hooks()
+        self._touched, self._pulled_bytes, self._pulling = {}, 0, False
         self._finalized = False
         self._loaded_rank_state = (None, "")
 
@@ -254,7 +255,7 @@ class ParallaxStrategy(ParameterServerStrategy):
                     out[s].append((t, r[mask], grads[t][mask] if grads is not None else None))
         return out
 
-    def _pull_rows(self, rows: dict[int, Tensor]) -> None:
+    def _pull_rows(self, rows: dict[int, Tensor], count: bool = True) -> None:
         """Fetch ``rows`` (sorted, unique per table) from the servers once step ``version`` closed; write them in."""
         per_server = self._split(rows)
         metas, payloads = [], []
@@ -267,7 +268,8 @@ class ParallaxStrategy(ParameterServerStrategy):
         with torch.no_grad():
             for entries, (meta, payload) in zip(per_server, replies):
                 values = bytes_to_tensor(payload, meta["dtype"])
-                self._pulled_bytes += len(payload) + 8 * sum(r.numel() for _, r, _ in entries)
+                if count:  # a training step's pulls (the logged pdist/parallax/pull_bytes)
+                    self._pulled_bytes += len(payload) + 8 * sum(r.numel() for _, r, _ in entries)
                 offset = 0
                 for t, r, _ in entries:
                     p = self.tables[t][1]
@@ -277,7 +279,7 @@ class ParallaxStrategy(ParameterServerStrategy):
 
     def _pull_tables(self) -> None:
         """Every row of every table (start, validation, checkpoints, end of fit), once step ``version`` closed."""
-        self._pull_rows({t: torch.arange(p.shape[0]) for t, (_, p) in enumerate(self.tables)})
+        self._pull_rows({t: torch.arange(p.shape[0]) for t, (_, p) in enumerate(self.tables)}, count=False)
 
     def _touched_rows(self, t: int) -> tuple[Tensor, Tensor]:
         """``(rows, row gradients)`` of table ``t`` this step: a sparse gradient's rows; else the forward's rows (or,
@@ -302,7 +304,7 @@ class ParallaxStrategy(ParameterServerStrategy):
         PdistStrategy.on_train_batch_start(self, batch, batch_idx)
         if self.client is None:
             return
-        self._touched, self._pulled_bytes, self._pulling = {}, 0, True
+        self._pulling = True  # (the touched rows and pulled bytes of a step gather over its accumulated batches)
         whole = {t: torch.arange(p.shape[0]) for t, (_, p) in enumerate(self.tables) if t not in self._hooked}
         if whole:  # a named parameter that is not an embedding's weight: its rows are not known before the backward
             self._pull_rows(whole)
@@ -342,6 +344,7 @@ class ParallaxStrategy(ParameterServerStrategy):
         self._diagnostics.note("pdist/parallax/pull_bytes", float(self._pulled_bytes))
         self._diagnostics.note("pdist/parallax/rows", float(sum(r.numel() for r in rows.values())))
         self._diagnostics.note("pdist/ps/wait_s", self.client.last_wait_s)
+        self._touched, self._pulled_bytes = {}, 0
         if not all(m.get("accepted", True) for m, _ in replies):
             raise RuntimeError(f"{type(self).__name__}: a server dropped worker {self.global_rank}'s rows of step "
                                f"{self.version - 1} (its step had moved on); the workers are out of step")  # fmt: skip
