@@ -31,6 +31,7 @@ __getattr__, __dir__ = lazy_names(__name__, {
     "SimuParallelSGDStrategy": "averaging",
     "SignSGDStrategy": "sign",
     "ParameterServerStrategy": "parameter_server",
+    "ParallaxStrategy": "parameter_server",
     "PipelineStrategy": "pipeline",
     "TensorParallelStrategy": "tensor_parallel",
     "DiLoCoStrategy": "diloco",
@@ -43,7 +44,7 @@ __getattr__, __dir__ = lazy_names(__name__, {
 __all__ = ["BMUFStrategy", "EASGDStrategy", "LocalSGDStrategy", "PdistStrategy", "SignSGDStrategy", "SimuParallelSGDStrategy"]
 __all__ += ["ParameterServerStrategy", "PipelineStrategy", "TensorParallelStrategy"]
 __all__ += ["DiLoCoStrategy", "StreamingDiLoCoStrategy", "DecentralizedStrategy", "HogwildStrategy"]
-__all__ += ["ApeXStrategy"]
+__all__ += ["ApeXStrategy", "ParallaxStrategy"]
 
 
 def _register() -> None:

@@ -3,7 +3,7 @@ asynchronous EASGD/EAMSGD.
 
 Math: :mod:`.sharding`, :mod:`.rules`, :mod:`.elastic`. Transport: :mod:`.wire`, :mod:`.auth`, :mod:`.shard`, :mod:`.layout`,
 :mod:`.loop`, :mod:`.server`, :mod:`.process` (``python -m lightning_pdist.parameter_server.process`` runs one by
-hand), :mod:`.client`, :mod:`.workers`. Wiring: :mod:`.config`, :mod:`.precision`, :mod:`.elastic_worker`, :mod:`.strategy`. Card: ``docs/algorithms/parameter_server.md``.
+hand), :mod:`.client`, :mod:`.workers`. Wiring: :mod:`.config`, :mod:`.precision`, :mod:`.elastic_worker`, :mod:`.strategy`; Parallax: :mod:`.parallax` (math), :mod:`.parallax_rows` (transport), :mod:`.parallax_strategy`. Card: ``docs/algorithms/parameter_server.md``.
 """
 
 from lightning_pdist.core.lazy import lazy_names
@@ -13,6 +13,7 @@ __getattr__, __dir__ = lazy_names(__name__, {  # imported on first use: importin
     "ShardingPlan": "sharding",
     "plan_sharding": "sharding",
     "ParameterServerStrategy": "strategy",
+    "ParallaxStrategy": "parallax_strategy",
 })
 
-__all__ = ["ParameterServerConfig", "ParameterServerStrategy", "ShardingPlan", "plan_sharding"]
+__all__ = ["ParallaxStrategy", "ParameterServerConfig", "ParameterServerStrategy", "ShardingPlan", "plan_sharding"]

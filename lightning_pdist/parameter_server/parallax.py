@@ -12,8 +12,8 @@ a sparse table of ``R`` rows of ``d`` elements with ``r`` rows touched costs ``r
 * :func:`auto_sparse`: the ``auto`` rule: sparse when the fraction of rows touched per step is under a threshold.
 * :class:`RowPlan`: the sparse tables' rows cut into contiguous, memory-balanced ranges, one per server.
 
-Not yet wired into a strategy (issue 23, item 3): the servers' row-sparse requests and the ``parallax`` strategy
-are still to come.
+The servers' row requests: :mod:`~lightning_pdist.parameter_server.parallax_rows`; the ``parallax`` strategy:
+:mod:`~lightning_pdist.parameter_server.parallax_strategy`; card: ``docs/algorithms/parallax.md``.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from lightning_pdist.parameter_server.rules import (
     StalenessTracker,
 )
 from lightning_pdist.parameter_server.elastic import ElasticCenter
+from lightning_pdist.parameter_server.parallax_rows import ROW_KINDS, RowShard, handle_rows, row_payload_limit
 from lightning_pdist.parameter_server.loop import Connection, ConnectionLoop, RequestRefused, ServerLimits
 from lightning_pdist.parameter_server.shard import ELEMENTWISE_OPTIMIZERS, ParameterShard, parse_present
 from lightning_pdist.core.push_codec import decode_push
@@ -63,6 +64,7 @@ __all__ = [
 ]
 
 MODES = ("sync", "async", "ssp", "easgd")
+SERVER_MODES = (*MODES, "parallax")  # "parallax": the sparse tables' row ranges (parallax_rows.py; ParallaxStrategy)
 STALENESS_BUCKETS = 16  # histogram bins 0..15, the last one also counts everything staler
 DTYPES = ("torch.float32", "torch.float64", "torch.float16", "torch.bfloat16")
 MAX_WORKERS = 1 << 16  # per-worker bookkeeping is allocated from INIT's num_workers: bound it
@@ -128,6 +130,7 @@ class _Pending:
     ack: dict
     since: float = 0.0  # when the request started waiting (monotonic)
     patience: float | None = None  # the worker's own timeout: answer by then, naming the workers we wait for
+    answer: Any = None  # () -> (extra meta, payload) of the reply; None: this shard (PULL_ROWS: the rows asked for)
 
 
 class ShardServer:
@@ -208,6 +211,8 @@ class ShardServer:
         shard_bytes = self.shard.flat.numel() * self.shard.flat.element_size()
         if kind in (Kind.PUSH, Kind.PUSHPULL):
             return shard_bytes
+        if kind in ROW_KINDS:
+            return row_payload_limit(self.shard, kind)
         if kind in CODED:
             return coded_payload_limit(self.shard.flat.numel(), len(self.shard.segments))
         if kind == Kind.ELASTIC:  # a worker's x_i, this shard's size; no other mode takes one
@@ -273,6 +278,11 @@ class ShardServer:
         elif kind == Kind.SET_STATE:
             self.load_state_dict(loads_state(payload))
             self._reply(conn, Kind.REPLY, {"version": self.version})
+        elif kind in ROW_KINDS:
+            handle_rows(self, conn, kind, meta, payload)
+        elif kind in (Kind.PUSH, Kind.PUSHPULL, Kind.ELASTIC) and isinstance(self.shard, RowShard):
+            raise RequestRefused(f"{kind.name}: this server runs mode='parallax', which takes PUSH_ROWS of the sparse "
+                                 "tables' touched rows")  # fmt: skip
         elif kind == Kind.ELASTIC:
             self._elastic(conn, meta, payload)
         elif kind in (Kind.PUSH, Kind.PUSHPULL) and self.elastic is not None:
@@ -326,7 +336,7 @@ class ShardServer:
 
     def _init(self, meta: dict, payload: bytearray) -> None:
         """Check every field, build everything, and only then replace the current state (a refused INIT changes nothing)."""
-        mode = _field(meta, "mode", "INIT", f"one of {MODES}", lambda v: v in MODES)
+        mode = _field(meta, "mode", "INIT", f"one of {SERVER_MODES}", lambda v: v in SERVER_MODES)
         num_workers = _field(meta, "num_workers", "INIT", f"an int in [1, {MAX_WORKERS}]",
                              lambda v: _is_int(v) and 1 <= v <= MAX_WORKERS)  # fmt: skip
         dtype = _field(meta, "dtype", "INIT", f"one of {DTYPES}", lambda v: v in DTYPES)
@@ -364,11 +374,12 @@ class ShardServer:
         if not torch.isfinite(values).all():
             raise RequestRefused("INIT: the initial shard holds non-finite values; they must be finite")
         try:
-            shard = ParameterShard(values, segments, optimizers)
+            shard = (ParameterShard(values, segments, optimizers) if mode != "parallax" else
+                     RowShard(values, segments, optimizers, meta.get("tables")))  # fmt: skip
         except ValueError as err:
             raise RequestRefused(f"INIT: {err}") from None
         elastic = ElasticCenter(shard.flat, float(alpha)) if alpha is not None else None
-        aggregator = BackupWorkerAggregator(num_workers, backup) if mode == "sync" else None
+        aggregator = BackupWorkerAggregator(num_workers, backup) if mode in ("sync", "parallax") else None
         clock = SSPClock(num_workers, staleness) if mode == "ssp" else None
         tracker = StalenessTracker(num_workers)
         dc = DelayCompensation.starting_from(shard.flat, num_workers, float(lam)) if lam > 0 else None
@@ -500,8 +511,9 @@ class ShardServer:
                 self.tracker.record_pull(pending.worker)
                 if self.dc is not None:
                     self.dc.record_pull(pending.worker, self.shard.flat)
-            meta = {**pending.ack, "version": self.version, "dtype": self.config["dtype"], **self._stats()}
-            self._reply(pending.conn, Kind.REPLY, meta, tensor_bytes(self.shard.flat))
+            extra, payload = pending.answer() if pending.answer is not None else ({}, tensor_bytes(self.shard.flat))
+            meta = {**pending.ack, "version": self.version, "dtype": self.config["dtype"], **self._stats(), **extra}
+            self._reply(pending.conn, Kind.REPLY, meta, payload)
 
     def _answer_stalled(self, pending: _Pending, now: float) -> None:
         """A request waited its worker's whole ``patience`` for other workers: answer, naming them (we are alive)."""
@@ -549,7 +561,7 @@ class ShardServer:
 
     def _stats(self) -> dict:
         stats = {"bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
-        if self.config.get("mode") == "sync":
+        if self.config.get("mode") in ("sync", "parallax"):
             stats["step_bytes_in"], stats["step_bytes_out"] = self.closed_bytes
         elif self.elastic is not None:
             stats["exchanges"] = self.elastic.exchanges

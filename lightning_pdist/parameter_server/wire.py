@@ -94,6 +94,8 @@ class Kind(enum.IntEnum):
     ELASTIC = 12  # worker -> server, mode="easgd": payload = its x_i shard; reply payload = e = α(x_i − x̃) (elastic.py)
     PUSH_CODED = 13  # PUSH whose payload is one compressed tensor per present piece (core/push_codec.py), in shard order
     PUSHPULL_CODED = 14  # PUSHPULL with that payload
+    PUSH_ROWS = 30  # worker -> server, mode="parallax": touched rows of the sparse tables + their gradients (parallax_rows.py)
+    PULL_ROWS = 31  # worker -> server, mode="parallax": rows wanted; reply payload = their values once the step closed
     REPLY = 20
     ERROR = 21
 

@@ -39,6 +39,8 @@ STRATEGIES: dict[str, tuple[str, dict, bool, str]] = {
     # exchanges land in arrival order (no barrier): the resumed state is exact, the resumed run is not reproducible
     "parameter_server_easgd": ("parameter_server_easgd", {"server_timeout": 60.0, "easgd_period": 3}, False,
                                "parameter server, asynchronous EASGD, τ=3"),
+    # no conformance module has a sparse embedding: every cell is refused, naming the rule, before any server starts
+    "parallax": ("parallax", {"server_timeout": 60.0}, True, "Parallax (sparse tables on servers, dense all-reduced)"),
     # 2 micro-batches of 2: BatchNorm cannot train on micro-batches of one sample
     "pipeline": ("pipeline", {"num_microbatches": 2}, True, "pipeline, 2 stages, 1F1B, 2 micro-batches"),
     "tensor_parallel": ("tensor_parallel", {}, True, "tensor parallelism, t=2, plan='auto'"),
@@ -101,6 +103,10 @@ REFUSALS: dict[tuple[str, str], tuple[str, str]] = {
 
 
 REFUSALS.update({("apex", module): _NO_LEARNER for module in MODULES})
+_NO_SPARSE = (r"ParallaxStrategy\(sparse_params=None\): the module has no sparse parameter: no nn.Embedding or "
+              r"nn.EmbeddingBag with sparse=True", "build the embedding with sparse=True or name its table in "
+              "sparse_params; a model without a table of rows trains with ddp or parameter_server")  # fmt: skip
+REFUSALS.update({("parallax", module): _NO_SPARSE for module in MODULES})
 
 
 def registry_name(strategy: str, unused: bool) -> str:

@@ -86,12 +86,29 @@ def _check_held(cls: type, arg: str, value) -> None:
     assert again == held, f"{cls.__name__}({arg}={held!r}) (the held value) is held as {again!r}: no round trip"
 
 
+class SparseRegression(TinyRegression):
+    """The regression with its inputs shifted by rows of a sparse embedding (Parallax needs a sparse table)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(8, 4, sparse=True)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        rows = (x.abs() * 2).long().clamp(max=7)
+        loss = torch.nn.functional.mse_loss(self.net(x + self.embed(rows).mean(dim=1)), y)
+        self.log("train/loss", loss)
+        return loss
+
+
 def _module(strategy):
     """The module a fit trains: a regression, or for the RL strategies (whose module is a learner) a small DQN."""
     if type(strategy).__name__ == "ApeXStrategy":
         from lightning_pdist.rl import DQNModule
 
         return DQNModule(hidden=8, steps_per_epoch=2)
+    if type(strategy).__name__ == "ParallaxStrategy":
+        return SparseRegression()
     return TinyRegression()
 
 
