@@ -5,6 +5,7 @@ embedding rows no batch touches stay bit-identical; a mid-epoch checkpoint resum
 from __future__ import annotations
 
 import copy
+from multiprocessing import resource_tracker
 
 import pytest
 import torch
@@ -163,7 +164,10 @@ def test_four_processes_under_spawn_share_one_copy():
     and bounded (without sharing rank 0 would see only its own: 3/4 lost); untouched embedding rows stay bit-identical."""
     module = Counter()
     w0, e0 = module.w.detach().clone(), module.emb.weight.detach().clone()
-    fit("hogwild_spawn", module, devices=4, max_steps=4)
+    try:
+        fit("hogwild_spawn", module, devices=4, max_steps=4)
+    finally:  # spawn started multiprocessing's resource tracker in this process: stop it (it restarts on demand)
+        resource_tracker._resource_tracker._stop()
     dw, de = counter_updates(4, 4, 0.0)
     lost_w = (module.w.detach() - (w0 - dw)) / B
     assert torch.equal(lost_w, lost_w.round()) and (lost_w >= 0).all()
