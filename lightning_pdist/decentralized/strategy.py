@@ -42,10 +42,11 @@ from lightning_pdist.core.config import refuse_owned_ddp_args
 from lightning_pdist.core.flat import flatten, unflatten_into_
 from lightning_pdist.core.nonfinite import all_finite, culprit_ranks, one_hot_flag
 from lightning_pdist.core.guard import optimizer_grads
+from lightning_pdist.core.momentum import compensate_optimizers, implicit_momentum
 from lightning_pdist.core.strategy import PdistStrategy, register_variants
 from lightning_pdist.decentralized.config import DecentralizedConfig, RankPlan
 from lightning_pdist.decentralized.gossip import NeighbourExchange, PassiveServer, average_with, send_stop
-from lightning_pdist.decentralized.topology import compensated_momentum, implicit_momentum, mix, pick_partner
+from lightning_pdist.decentralized.topology import mix, pick_partner
 
 __all__ = ["DecentralizedStrategy"]
 
@@ -168,24 +169,9 @@ class DecentralizedStrategy(PdistStrategy):
         self.momentum_from = []
         if self.config.implicit_momentum != "compensate":
             return
-        for optimizer in self.optimizers:
-            for group in optimizer.param_groups:
-                if "momentum" in group:
-                    self.momentum_from.append(float(group["momentum"]))
-                    group["momentum"] = compensated_momentum(float(group["momentum"]), workers)
-                elif "betas" in group:
-                    b1, b2 = group["betas"]
-                    self.momentum_from.append(float(b1))
-                    group["betas"] = (compensated_momentum(float(b1), workers), b2)
-                else:
-                    raise ValueError(f"{type(self).__name__}(implicit_momentum='compensate'): {type(optimizer).__name__} "
-                                     "has neither 'momentum' nor 'betas' to lower; use SGD, Adam-like optimizers or "
-                                     "implicit_momentum=None")  # fmt: skip
-        implied = implicit_momentum(workers)
-        if any(m < implied for m in self.momentum_from):
-            rank_zero_warn(f"{type(self).__name__}(implicit_momentum='compensate'): {workers} asynchronous ranks imply "
-                           f"momentum 1 − 1/{workers} = {implied:.3g}, above the momentum asked for "
-                           f"({sorted(set(self.momentum_from))}); the explicit momentum is set to 0")  # fmt: skip
+        self.momentum_from, warning = compensate_optimizers(self.optimizers, workers, type(self).__name__)
+        if warning:
+            rank_zero_warn(warning)
 
     # ------------------------------------------------------------------ the tensors that move
     def _all_tensors(self) -> list[Tensor]:

@@ -18,7 +18,8 @@ its passive neighbours uniformly at random per step (:func:`pick_partner`) and b
 
 **Asynchrony as momentum** (Mitliagkas et al. 2016, "Asynchrony begets momentum"): with ``M`` asynchronous workers the
 expected update carries an implicit momentum ``1 − 1/M``; :func:`compensated_momentum` lowers the explicit momentum by
-that much (floored at 0).
+that much (floored at 0). The rule lives in :mod:`lightning_pdist.core.momentum` (the parameter server's async mode
+uses it too) and is re-exported here.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightning_pdist.core.momentum import compensated_momentum, implicit_momentum
 
 __all__ = ["TOPOLOGIES", "bipartite_edges", "check_mixing_matrix", "compensated_momentum", "implicit_momentum",
            "is_connected", "min_ranks", "mix", "mixing_matrix", "neighbour_sets", "pick_partner", "torus_shape_for", "uniform_mixing"]  # fmt: skip
@@ -150,13 +153,3 @@ def is_connected(edges: list[set[int]]) -> bool:
 def pick_partner(rng: random.Random, partners: list[int]) -> int:
     """One passive neighbour, uniformly at random (AD-PSGD's per-step choice)."""
     return partners[rng.randrange(len(partners))]
-
-
-def implicit_momentum(workers: int) -> float:
-    """``1 − 1/M``: the momentum ``M`` asynchronous workers induce (Mitliagkas et al. 2016)."""
-    return 1.0 - 1.0 / workers
-
-
-def compensated_momentum(explicit: float, workers: int) -> float:
-    """``max(0, μ − (1 − 1/M))``: the explicit momentum that keeps the total at the user's ``μ``."""
-    return max(0.0, explicit - implicit_momentum(workers))

@@ -11,6 +11,7 @@ from lightning_pdist.parameter_server.elastic import default_alpha
 from lightning_pdist.parameter_server.server import MAX_PATIENCE, MODES
 from lightning_pdist.parameter_server.wire import parse_networks
 from lightning_pdist.core.config import ConfigErrors, is_int
+from lightning_pdist.core.momentum import IMPLICIT_MOMENTUM
 
 __all__ = ["ParameterServerConfig"]
 
@@ -36,6 +37,7 @@ class ParameterServerConfig(ConfigErrors):
     server_timeout: float = 300.0
     easgd_period: int | None = None
     easgd_alpha: float | None = None
+    implicit_momentum: str | None = None
     owner: str = "ParameterServerStrategy"
 
     def __post_init__(self) -> None:
@@ -76,6 +78,11 @@ class ParameterServerConfig(ConfigErrors):
             self._fail("delay_compensation", "delay compensation corrects stale gradients of mode='async' or 'ssp'; "
                                              "mode='easgd' pushes no gradients")  # fmt: skip
         self._check_easgd()
+        if self.implicit_momentum not in IMPLICIT_MOMENTUM:
+            self._fail("implicit_momentum", "implicit_momentum must be None or 'compensate'")
+        if self.implicit_momentum == "compensate" and self.mode != "async":
+            self._fail("implicit_momentum", "'compensate' lowers the momentum that asynchronous workers add "
+                                            f"(Mitliagkas et al. 2016); mode={self.mode!r} is not mode='async'")  # fmt: skip
         if dc > 0 and self.mode == "sync":
             self._fail("delay_compensation", "delay compensation corrects stale gradients of mode='async' or 'ssp'; "
                                              "sync gradients are never stale")  # fmt: skip

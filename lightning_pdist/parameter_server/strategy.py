@@ -68,6 +68,7 @@ from lightning_pdist.parameter_server.precision import ParameterServerMixedPreci
 from lightning_pdist.core.strategy import PdistStrategy
 from lightning_pdist.core.config import refuse_owned_ddp_args
 from lightning_pdist.core.guard import SkipStep, global_step
+from lightning_pdist.core.momentum import compensate_optimizers
 from lightning_pdist.parameter_server.config import ParameterServerConfig
 from lightning_pdist.core.run_logging import log_histogram
 
@@ -119,6 +120,9 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
             blamed itself. A server that dies fails its workers at once. Worker ``m`` is global rank ``m``.
         easgd_period: ``τ >= 1``, local steps between a worker's elastic exchanges (``mode="easgd"``; ``None``: 4).
         easgd_alpha: ``α`` in ``(0, 1]``, the elastic coefficient (``mode="easgd"``; ``None``: ``0.9 / N``).
+        implicit_momentum: ``"compensate"`` (``mode="async"`` only): the servers' optimizer runs with its momentum
+            (SGD's ``momentum``, Adam's ``beta1``) lowered by the ``1 − 1/N`` that ``N`` asynchronous workers imply,
+            floored at 0 (Mitliagkas et al. 2016; :mod:`lightning_pdist.core.momentum`).
         nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what the workers do when a gradient
             holds NaN/Inf before its push (the method card's "Non-finite values").
         compression: a compressor from :mod:`lightning_pdist.compression` (``TopK(0.01)``, ``DGC()``, ``QSGD()``,
@@ -156,6 +160,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
         server_timeout: float = 300.0,
         easgd_period: int | None = None,
         easgd_alpha: float | None = None,
+        implicit_momentum: str | None = None,
         nonfinite: str = "raise",
         compression: Compressor | None = None,
         **kwargs: Any,
@@ -172,7 +177,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
             partition_bytes=partition_bytes, server_host=server_host, server_port=server_port,
             server_addresses=_addresses(server_addresses, owner), server_secret_file=server_secret_file,
             allowed_networks=allowed_networks, server_timeout=server_timeout, easgd_period=easgd_period,
-            easgd_alpha=easgd_alpha, owner=owner,
+            easgd_alpha=easgd_alpha, implicit_momentum=implicit_momentum, owner=owner,
         )  # fmt: skip
         super().__init__(nonfinite=nonfinite, compression=compression, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
                          model_averaging_period=None, **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
@@ -183,7 +188,8 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
         self.num_servers, self.sharding, self.mode = num_servers, sharding, mode
         self.staleness, self.backup_workers, self.delay_compensation = staleness, backup_workers, delay_compensation
         self.push_every, self.pull_every = push_every, pull_every
-        self.easgd_period, self.easgd_alpha = easgd_period, easgd_alpha
+        self.easgd_period, self.easgd_alpha, self.implicit_momentum = easgd_period, easgd_alpha, implicit_momentum
+        self.momentum_from: list[float] = []  # implicit_momentum="compensate": each param group's momentum before
         self.servers: list[ServerProcess] = []  # the servers this process started (a node's local rank 0)
         self.server_addresses: list[str] = []
         self._secret: bytes | None = None  # the servers' shared secret for this fit (never logged or checkpointed)
@@ -310,6 +316,10 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
                 )
         if not self.elastic:  # easgd: Lightning's precision plugin runs the local step, its scaler included
             self._use_loss_scaling(owner)
+        if self.config.implicit_momentum == "compensate":  # before the servers' optimizers are built from the groups
+            self.momentum_from, warning = compensate_optimizers(self.optimizers, self.world_size, owner)
+            if warning:
+                rank_zero_warn(warning)
         params = self._params()
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
