@@ -26,6 +26,7 @@ __getattr__, __dir__ = lazy_names(__name__, {
     "SimuParallelSGDStrategy": "averaging",
     "SignSGDStrategy": "sign",
     "ParameterServerStrategy": "parameter_server",
+    "SandblasterStrategy": "parameter_server",
     "PipelineStrategy": "pipeline",
     "TensorParallelStrategy": "tensor_parallel",
     "DiLoCoStrategy": "diloco",
@@ -38,7 +39,7 @@ __getattr__, __dir__ = lazy_names(__name__, {
 __all__ = ["BMUFStrategy", "EASGDStrategy", "LocalSGDStrategy", "PdistStrategy", "SignSGDStrategy", "SimuParallelSGDStrategy"]
 __all__ += ["ParameterServerStrategy", "PipelineStrategy", "TensorParallelStrategy"]
 __all__ += ["DiLoCoStrategy", "StreamingDiLoCoStrategy", "DecentralizedStrategy", "HogwildStrategy"]
-__all__ += ["ApeXStrategy"]
+__all__ += ["ApeXStrategy", "SandblasterStrategy"]
 
 
 def _register() -> None:

@@ -94,6 +94,9 @@ class Kind(enum.IntEnum):
     ELASTIC = 12  # worker -> server, mode="easgd": payload = its x_i shard; reply payload = e = α(x_i − x̃) (elastic.py)
     PUSH_CODED = 13  # PUSH whose payload is one compressed tensor per present piece (core/push_codec.py), in shard order
     PUSHPULL_CODED = 14  # PUSHPULL with that payload
+    SB_CLAIM = 40  # worker -> server 0, Sandblaster: the next portion of a step (sandblaster_server.py)
+    SB_GRAD = 41  # worker -> server, Sandblaster: payload = this shard of one portion's gradient
+    SB_OPS = 42  # coordinator -> server, Sandblaster: vector commands on the shard; reply = their scalars
     REPLY = 20
     ERROR = 21
 

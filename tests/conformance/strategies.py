@@ -48,6 +48,8 @@ STRATEGIES: dict[str, tuple[str, dict, bool, str]] = {
     "dpsgd": ("dpsgd", {}, True, "D-PSGD, ring (on 2 ranks: the pair)"),
     "adpsgd": ("adpsgd", {}, False, "AD-PSGD, ring, asynchronous pairs"),
     "hogwild": ("hogwild", {}, False, "Hogwild! (lock-free steps on shared memory)"),
+    # batch L-BFGS: every module here returns another optimizer, so every cell is refused at setup
+    "sandblaster": ("sandblaster", {"server_timeout": 60.0}, True, "Sandblaster L-BFGS (refuses modules whose optimizer is not LBFGS)"),
     # an RL learner is not a supervised module: every cell is refused, before any actor starts (tests/rl trains DQNs)
     "apex": ("apex", {"num_actors": 1}, False, "Ape-X (a DQN learner and actor processes; refuses supervised modules)"),
 }
@@ -101,6 +103,10 @@ REFUSALS: dict[tuple[str, str], tuple[str, str]] = {
 
 
 REFUSALS.update({("apex", module): _NO_LEARNER for module in MODULES})
+_NOT_LBFGS = (r"SandblasterStrategy: configure_optimizers returned .*; Sandblaster runs batch L-BFGS and needs exactly "
+              r"one torch.optim.LBFGS", "return torch.optim.LBFGS(self.parameters(), max_iter=1) (ClassifierModule("
+              "optimizer='lbfgs')), or train the module with any other column")  # fmt: skip
+REFUSALS.update({("sandblaster", module): _NOT_LBFGS for module in MODULES})
 
 
 def registry_name(strategy: str, unused: bool) -> str:
