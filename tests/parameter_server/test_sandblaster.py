@@ -25,7 +25,7 @@ from lightning_pdist.parameter_server.wire import HEADER, MAGIC, Kind, dumps_sta
 
 TIMEOUT = 10.0
 SECRET = bytes(range(32))
-LR, HISTORY, BATCH, N, STEPS = 0.3, 3, 8, 16, 6
+LR, HISTORY, BATCH, N, STEPS = 0.3, 3, 8, 24, 6  # 3 batches per epoch: the checkpoint after epoch 0 is step 3
 
 
 # ---------------------------------------------------------------------- tier 3: Lightning, 2 workers
@@ -93,9 +93,9 @@ def test_two_workers_equal_torch_lbfgs_with_a_straggler_and_resume_exactly(tmp_p
     ref = torch_lbfgs(STEPS)
     run, resumed = tmp_path / "run", tmp_path / "resumed"
     run.mkdir(), resumed.mkdir()
-    ckpt = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=3)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=False)
     fit(sandblaster(backup_portions=1), LBFGSRegression(straggler=1, delay=0.4), max_steps=STEPS,
-        callbacks=[SnapshotParams(run), Counts(run), ckpt], enable_checkpointing=True)  # fmt: skip
+        callbacks=[SnapshotParams(run), Counts(run), ckpt], enable_checkpointing=True, limit_val_batches=1)  # fmt: skip
     for t in range(1, STEPS + 1):
         for rank in (0, 1):
             torch.testing.assert_close(load_snapshot(run, rank, t), ref[t], atol=1e-5, rtol=0)
@@ -108,7 +108,7 @@ def test_two_workers_equal_torch_lbfgs_with_a_straggler_and_resume_exactly(tmp_p
     assert saved["sandblaster"]["n_iter"] == 3 and len(saved["sandblaster"]["ro"]) == 2
     assert all(len(s["sandblaster"]["history"]) == 2 for s in saved["servers"])
     fit(sandblaster(), LBFGSRegression(), max_steps=STEPS, callbacks=[SnapshotParams(resumed)],
-        ckpt_path=str(tmp_path / "epoch=0-step=3.ckpt"))  # fmt: skip
+        ckpt_path=str(tmp_path / "epoch=0-step=3.ckpt"), limit_val_batches=1)  # fmt: skip
     for t in range(4, STEPS + 1):
         for rank in (0, 1):
             assert torch.equal(load_snapshot(resumed, rank, t), load_snapshot(run, rank, t)), (t, rank)
