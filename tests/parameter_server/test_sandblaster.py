@@ -84,12 +84,12 @@ def sandblaster(**kwargs):
 
 
 def test_two_workers_equal_torch_lbfgs_with_a_straggler_and_resume_exactly(tmp_path):
-    """2 workers, 2 servers, 4 portions of a batch of 8, history 3 (the ring drops pairs from step 5), worker 1 sleeping
-    0.4 s per portion and backup_portions=1. Every step equals torch.optim.LBFGS on the whole batch (1e-5) on both
-    workers; worker 0 answers the portions worker 1 sits on (backup copies, the first answer kept), so the steps
-    follow the fast worker: worker 1's answers count for at most one portion per step. Resumed from the step-3
-    checkpoint (history, direction, previous gradient on the servers; t, H, ρ on the coordinator), steps 4..6 are
-    the uninterrupted run's bit for bit."""
+    """2 workers, 2 servers, 4 portions of a batch of 8, history 3 (step 4's pair is skipped, y·s <= 1e-10; the ring
+    drops the oldest from step 6), worker 1 sleeping 0.4 s per portion and backup_portions=1. Every step equals
+    torch.optim.LBFGS on the whole batch (1e-5) on both workers; worker 0 answers the portions worker 1 sits on
+    (backup copies, the first answer kept), so the steps follow the fast worker: worker 1's answers count for at most
+    one portion per step. Resumed from the step-3 checkpoint (history, direction, previous gradient on the servers;
+    t, H, ρ on the coordinator), steps 4..6 are the uninterrupted run's bit for bit."""
     ref = torch_lbfgs(STEPS)
     run, resumed = tmp_path / "run", tmp_path / "resumed"
     run.mkdir(), resumed.mkdir()
