@@ -75,6 +75,7 @@ class SandblasterShard:
         self.dispatcher = PortionDispatcher(backup) if meta.get("dispatcher") is True else None
         self.waiting: list[_Waiting] = []
         self.step_portions = 0  # portions of the open step (from its first SB_GRAD or close)
+        self.closed_step = 0  # the last step whose gradient was closed (its late answers are dropped from then on)
         self.last_loss: float | None = None
         self.stats = {"claims": 0, "backups": 0, "answers": 0, "dropped": 0}
 
@@ -131,7 +132,7 @@ class SandblasterShard:
             raise RequestRefused(f"SB_GRAD: {err}") from None
         if grad.numel() != self.vectors.x.numel():
             raise RequestRefused(f"SB_GRAD: a gradient of {grad.numel()} elements; this shard holds {self.vectors.x.numel()}")
-        late = step <= self.server.version
+        late = step <= max(self.server.version, self.closed_step)  # closed, even if not yet finished
         if not late and self.vectors.portions and portions != self.step_portions:
             raise RequestRefused(f"SB_GRAD: portions={portions}: step {step} has {self.step_portions} portions")
         accepted = not late and self.vectors.add_portion(portion, samples, loss, grad)
@@ -160,16 +161,16 @@ class SandblasterShard:
             conn.pending = True
             self.waiting.append(_Waiting(conn, ops, step, ops[0][1], time.monotonic(), patience))
             return
-        self._run(conn, ops)
+        self._run(conn, ops, step)
 
-    def _run(self, conn: Connection, ops: list) -> None:
+    def _run(self, conn: Connection, ops: list, step: int) -> None:
         try:
             values = self.vectors.run(ops)
         except ValueError as err:
             raise RequestRefused(f"SB_OPS: {err}") from None
         if ops[0][0] == "close":
             self.last_loss = values[0]
-            self.step_portions = 0
+            self.step_portions, self.closed_step = 0, step
         if ops[-1][0] == "finish":
             self.server.version += 1
             if self.dispatcher is not None:
@@ -185,7 +186,7 @@ class SandblasterShard:
                 self.waiting.remove(w)
                 w.conn.pending = False
                 try:
-                    self._run(w.conn, w.ops)
+                    self._run(w.conn, w.ops, w.step)
                 except RequestRefused as err:
                     self.server._reply(w.conn, Kind.ERROR, {"message": f"RequestRefused: {err}"})
 
@@ -229,7 +230,7 @@ class SandblasterShard:
             raise ValueError("the sandblaster state must be a dict")
         self.vectors.load_state_dict(state)
         self.last_loss = state.get("last_loss")
-        self.step_portions = 0
+        self.step_portions, self.closed_step = 0, self.server.version
         if self.dispatcher is not None:
             self.dispatcher = PortionDispatcher(self.dispatcher.backup_portions)
             self.dispatcher.closed = self.server.version

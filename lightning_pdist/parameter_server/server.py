@@ -509,6 +509,8 @@ class ShardServer:
         return pending.wait_version is None or self.version >= pending.wait_version
 
     def serve_pending(self) -> None:
+        if self.sandblaster is not None:  # a coordinator's close waiting for portions
+            self.sandblaster.serve_pending()
         for pending in list(self.pending):
             if pending.conn.closed:
                 self.pending.remove(pending)

@@ -199,8 +199,11 @@ def test_portions_backups_first_answers_commands_and_a_named_straggler():
         assert answer(admin, 0, 1)["accepted"]  # the backup's answer first...
         assert not answer(w1, 1, 1, value=torch.full((6,), 99.0))["accepted"]  # ...the straggler's dropped
         ops = [["close", 4, 8], ["absmax", "g"], ["dot", "g", "g"], ["copy", "d", "g"], ["scale", "d", -1.0],
-               ["axpy", "x", 0.5, "d"], ["finish"]]  # fmt: skip
+               ["axpy", "x", 0.5, "d"]]  # fmt: skip
         values = admin.request(Kind.SB_OPS, {"worker": 0, "step": 1, "ops": ops})[0]["values"]
+        # closed but not finished: a late answer is dropped, not kept for the next step
+        assert not answer(w1, 1, 2)["accepted"] and not state_of(admin)["version"]
+        admin.request(Kind.SB_OPS, {"worker": 0, "step": 1, "ops": [["finish"]]})
         g = sum(grads[p] * (sizes[p] / 8) for p in range(4))
         assert values[0] == pytest.approx(sum(p * sizes[p] / 8 for p in range(4)))
         assert values[1] == pytest.approx(g.abs().max().item()) and values[2] == pytest.approx(g.dot(g).item())
