@@ -100,8 +100,8 @@ def check_ops(ops: Any, history: int) -> None:
                                  f"and S<i>, Y<i> for i < {history} (the history held now)")  # fmt: skip
         if name in ("axpy", "scale") and not _is_number(args[1]):
             raise ValueError(f"ops[{i}]: {name}'s coefficient {str(args[1])[:40]} must be a finite number")
-        written = args[0]
-        if written[0] in "SY" or (written == "x" and name != "axpy"):
+        written = args[0] if name in ("axpy", "scale", "copy", "sub") else None
+        if written is not None and (written[0] in "SY" or (written == "x" and name != "axpy")):
             raise ValueError(f"ops[{i}]: {name} may not write {written!r} (the history changes by remember/forget only, "
                              "x by axpy only)")  # fmt: skip
 

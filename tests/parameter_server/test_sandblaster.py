@@ -7,6 +7,7 @@ against ``torch.optim.LBFGS`` itself on the whole batch in this process, with a 
 
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 import socket
 import time
 
@@ -196,11 +197,15 @@ def test_portions_backups_first_answers_commands_and_a_named_straggler():
         with pytest.raises(WorkerStalled, match=r"worker 0 .*, worker 1 \(pid 4242.*\) have not answered portion\(s\) \[1\] "
                                                 r"of step 1 for 0.5 s: stopped, hung or dead; parameter server 0 is alive"):
             impatient.request(Kind.SB_OPS, {"worker": 0, "step": 1, "ops": [["close", 4, 8]]})
-        assert answer(admin, 0, 1)["accepted"]  # the backup's answer first...
-        assert not answer(w1, 1, 1, value=torch.full((6,), 99.0))["accepted"]  # ...the straggler's dropped
         ops = [["close", 4, 8], ["absmax", "g"], ["dot", "g", "g"], ["copy", "d", "g"], ["scale", "d", -1.0],
                ["axpy", "x", 0.5, "d"]]  # fmt: skip
-        values = admin.request(Kind.SB_OPS, {"worker": 0, "step": 1, "ops": ops})[0]["values"]
+        with ThreadPoolExecutor(1) as pool:  # the close waits for portion 1, and is answered once it arrives
+            waiting = pool.submit(admin.request, Kind.SB_OPS, {"worker": 0, "step": 1, "ops": ops})
+            time.sleep(0.2)
+            assert not waiting.done()
+            assert answer(impatient, 0, 1)["accepted"]  # the backup's answer first (worker 0, another connection)...
+            values = waiting.result(timeout=TIMEOUT)[0]["values"]
+        assert not answer(w1, 1, 1, value=torch.full((6,), 99.0))["accepted"]  # ...the straggler's dropped
         # closed but not finished: a late answer is dropped, not kept for the next step
         assert not answer(w1, 1, 2)["accepted"] and not state_of(admin)["version"]
         admin.request(Kind.SB_OPS, {"worker": 0, "step": 1, "ops": [["finish"]]})
