@@ -78,8 +78,11 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def check_ops(ops: Any, history: int) -> None:
-    """Refuse a command list that is not well formed (``ValueError`` naming the command, the field and the rule)."""
+def check_ops(ops: Any, history: int, history_size: int) -> None:
+    """Refuse a command list that is not well formed (``ValueError`` naming the command, the field and the rule).
+
+    ``history``: the pairs held before the list runs; ``remember`` and ``forget`` in it change that as they will.
+    """
     if not isinstance(ops, list) or not 1 <= len(ops) <= MAX_OPS:
         raise ValueError(f"ops must be a list of 1 to {MAX_OPS} commands")
     for i, op in enumerate(ops):
@@ -88,6 +91,9 @@ def check_ops(ops: Any, history: int) -> None:
         name, args = op[0], op[1:]
         if len(args) != _ARITY[name]:
             raise ValueError(f"ops[{i}]: {name} takes {_ARITY[name]} arguments, got {len(args)}")
+        if name in ("remember", "forget"):
+            history = min(history + 1, history_size) if name == "remember" else 0
+            continue
         if name == "close":
             if not (_is_int(args[0]) and _is_int(args[1]) and 1 <= args[0] <= args[1]):
                 raise ValueError(f"ops[{i}]: close takes portions and batch, ints with 1 <= portions <= batch")

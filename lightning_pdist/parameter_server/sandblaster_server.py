@@ -150,7 +150,7 @@ class SandblasterShard:
             raise RequestRefused(f"SB_OPS: step={step}: step {self.server.version + 1} is the open one")
         ops = meta.get("ops")
         try:
-            check_ops(ops, len(self.vectors.history))
+            check_ops(ops, len(self.vectors.history), self.history_size)
         except ValueError as err:
             raise RequestRefused(f"SB_OPS: {err}") from None
         patience = meta.get("patience")
