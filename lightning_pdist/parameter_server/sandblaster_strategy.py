@@ -88,6 +88,9 @@ class SandblasterStrategy(ParameterServerStrategy):
             bound = f"portions={portions}" if portions is not None else "portions"
             raise ValueError(f"{owner}(backup_portions={backup_portions!r}): backup_portions must be in [0, {bound}) "
                              "(re-issued copies of a step's last unanswered portions)")  # fmt: skip
+        if isinstance(server_timeout, (int, float)) and not isinstance(server_timeout, bool) and 0 < server_timeout < 1:
+            raise ValueError(f"{owner}(server_timeout={server_timeout!r}): server_timeout must be at least 1 second (every "
+                             "request, the authentication included, must complete within it)")  # fmt: skip
         super().__init__(num_servers=num_servers, sharding=sharding, mode="sync", partition_bytes=partition_bytes,
                          server_host=server_host, server_port=server_port, server_addresses=server_addresses,
                          server_secret_file=server_secret_file, allowed_networks=allowed_networks,

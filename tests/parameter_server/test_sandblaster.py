@@ -87,7 +87,7 @@ def sandblaster(**kwargs):
 def test_two_workers_equal_torch_lbfgs_with_a_straggler_and_resume_exactly(tmp_path):
     """2 workers, 2 servers, 4 portions of a batch of 8, history 3 (step 4's pair is skipped, y·s <= 1e-10; the ring
     drops the oldest from step 6), worker 1 sleeping 0.4 s per portion and backup_portions=1. Every step equals
-    torch.optim.LBFGS on the whole batch (1e-5) on both workers; worker 0 answers the portions worker 1 sits on
+    torch.optim.LBFGS on the whole batch (1e-5) on worker 0, and both workers end on it; worker 0 answers the portions worker 1 sits on
     (backup copies, the first answer kept), so the steps follow the fast worker: worker 1's answers count for at most
     one portion per step. Resumed from the step-3 checkpoint (history, direction, previous gradient on the servers;
     t, H, ρ on the coordinator), steps 4..6 are the uninterrupted run's bit for bit."""
@@ -97,9 +97,10 @@ def test_two_workers_equal_torch_lbfgs_with_a_straggler_and_resume_exactly(tmp_p
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=False)
     fit(sandblaster(backup_portions=1), LBFGSRegression(straggler=1, delay=0.4), max_steps=STEPS,
         callbacks=[SnapshotParams(run), Counts(run), ckpt], enable_checkpointing=True, limit_val_batches=1)  # fmt: skip
-    for t in range(1, STEPS + 1):
-        for rank in (0, 1):
-            torch.testing.assert_close(load_snapshot(run, rank, t), ref[t], atol=1e-5, rtol=0)
+    for t in range(1, STEPS + 1):  # worker 0 coordinates: it holds each step's x (a lagging worker pulls the latest)
+        torch.testing.assert_close(load_snapshot(run, 0, t), ref[t], atol=1e-5, rtol=0)
+    for rank in (0, 1):
+        torch.testing.assert_close(load_snapshot(run, rank, "final"), ref[STEPS], atol=1e-5, rtol=0)
     c0, c1 = (json.loads((run / f"counts{r}.json").read_text()) for r in (0, 1))
     assert c0["step"] == c1["step"] == STEPS
     assert c0["accepted"] + c1["accepted"] == 4 * STEPS  # every portion of every step answered once, first answer kept
@@ -111,8 +112,9 @@ def test_two_workers_equal_torch_lbfgs_with_a_straggler_and_resume_exactly(tmp_p
     fit(sandblaster(), LBFGSRegression(), max_steps=STEPS, callbacks=[SnapshotParams(resumed)],
         ckpt_path=str(tmp_path / "epoch=0-step=3.ckpt"), limit_val_batches=1)  # fmt: skip
     for t in range(4, STEPS + 1):
-        for rank in (0, 1):
-            assert torch.equal(load_snapshot(resumed, rank, t), load_snapshot(run, rank, t)), (t, rank)
+        assert torch.equal(load_snapshot(resumed, 0, t), load_snapshot(run, 0, t)), t
+    for rank in (0, 1):
+        assert torch.equal(load_snapshot(resumed, rank, "final"), load_snapshot(run, rank, "final")), rank
 
 
 # ---------------------------------------------------------------------- bad input
