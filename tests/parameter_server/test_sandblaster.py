@@ -129,6 +129,7 @@ def test_two_workers_equal_torch_lbfgs_with_a_straggler_and_resume_exactly(tmp_p
         ({"portions": 4, "backup_portions": 4}, ValueError, r"\(backup_portions=4\): backup_portions must be in \[0, portions=4\)"),
         ({"backup_portions": "1"}, TypeError, r"\(backup_portions='1'\): backup_portions must be an int"),
         ({"server_timeout": 0}, ValueError, r"\(server_timeout=0\): server_timeout must be a finite number"),
+        ({"server_timeout": 0.5}, ValueError, r"\(server_timeout=0.5\): server_timeout must be at least 1 second"),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(kwargs, error, match):
