@@ -84,6 +84,9 @@ def sandblaster(**kwargs):
     return SandblasterStrategy(start_method="fork", portions=4, num_servers=2, server_timeout=60.0, **kwargs)
 
 
+@pytest.mark.xfail(strict=True, reason="open bug (issue 23 item 2, h/sandblaster report): under Lightning the first "
+                   "step already differs from torch.optim.LBFGS by 0.018 (also with 1 device, 1 server, 1 portion), "
+                   "while the same commands on ShardVectors in one process match it to 3e-8")
 def test_two_workers_equal_torch_lbfgs_with_a_straggler_and_resume_exactly(tmp_path):
     """2 workers, 2 servers, 4 portions of a batch of 8, history 3 (step 4's pair is skipped, y·s <= 1e-10; the ring
     drops the oldest from step 6), worker 1 sleeping 0.4 s per portion and backup_portions=1. Every step equals
