@@ -32,6 +32,7 @@ __getattr__, __dir__ = lazy_names(__name__, {
     "SignSGDStrategy": "sign",
     "ParameterServerStrategy": "parameter_server",
     "ParallaxStrategy": "parameter_server",
+    "SandblasterStrategy": "parameter_server",
     "PipelineStrategy": "pipeline",
     "TensorParallelStrategy": "tensor_parallel",
     "DiLoCoStrategy": "diloco",
@@ -44,7 +45,7 @@ __getattr__, __dir__ = lazy_names(__name__, {
 __all__ = ["BMUFStrategy", "EASGDStrategy", "LocalSGDStrategy", "PdistStrategy", "SignSGDStrategy", "SimuParallelSGDStrategy"]
 __all__ += ["ParameterServerStrategy", "PipelineStrategy", "TensorParallelStrategy"]
 __all__ += ["DiLoCoStrategy", "StreamingDiLoCoStrategy", "DecentralizedStrategy", "HogwildStrategy"]
-__all__ += ["ApeXStrategy", "ParallaxStrategy"]
+__all__ += ["ApeXStrategy", "ParallaxStrategy", "SandblasterStrategy"]
 
 
 def _register() -> None:

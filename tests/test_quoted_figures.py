@@ -49,6 +49,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "docs/algorithms/simuparallel_sgd.md": AVERAGING,
     "docs/algorithms/signsgd.md": ("sign.json", "sign_estimator_coordinate.json", "sign_estimator_tensor.json", "sign_lr.json"),
     "docs/algorithms/parameter_server.md": ("ps_sharding.json",),
+    "docs/algorithms/sandblaster.md": (),
     "docs/algorithms/pipeline.md": ("pipeline.json", "pipeline_run1.json", "pipeline_run2.json"),
     "docs/algorithms/tensor_parallel.md": ("tensor_parallel.json",),
     "docs/algorithms/compression.md": ("compression.json",),

@@ -15,7 +15,7 @@ from lightning_pdist.models.mlp import MLP
 from lightning_pdist.models.text import BagOfEmbeddings
 
 MODELS = ("cnn", "mlp", "text")
-OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZERS = ("sgd", "adam", "adamw", "lbfgs")
 LR_SCHEDULERS = ("cosine", "step")
 DEFAULT_WIDTH = {"cnn": 16, "mlp": 128, "text": 64}
 
@@ -68,7 +68,8 @@ class ClassifierModule(LightningModule):
         image_size: side of the square images, for a named image model (28 for MNIST, 32 for CIFAR-10).
         width: size knob of a named model (see :func:`build_model`); ``None`` takes its default.
         vocab_size: for ``model="text"``; match the data module's ``vocab_size``.
-        optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"``.
+        optimizer: ``"sgd"``, ``"adam"``, ``"adamw"`` or ``"lbfgs"`` (``torch.optim.LBFGS`` with ``max_iter=1``, no line
+            search, history 10: one L-BFGS iteration per batch, what ``SandblasterStrategy`` runs).
         lr: learning rate. SGD on the digits CNN trains well at 0.05-0.1; Adam wants about 1e-3.
         momentum: SGD momentum (heavy ball); only for ``optimizer="sgd"``.
         nesterov: Nesterov momentum instead of heavy ball (``optimizer="sgd"``, ``momentum > 0``; EAMSGD's local step).
@@ -116,6 +117,8 @@ class ClassifierModule(LightningModule):
             raise ValueError(f"ClassifierModule(nesterov={nesterov!r}): nesterov needs optimizer='sgd' with momentum > 0")
         if weight_decay < 0:
             raise ValueError(f"ClassifierModule(weight_decay={weight_decay}): weight_decay must be >= 0")
+        if weight_decay and optimizer == "lbfgs":
+            raise ValueError(f"ClassifierModule(weight_decay={weight_decay}): torch.optim.LBFGS has no weight_decay")
         if lr_scheduler is not None and lr_scheduler not in LR_SCHEDULERS:
             raise ValueError(
                 f"ClassifierModule(lr_scheduler={lr_scheduler!r}): lr_scheduler must be None or one of {LR_SCHEDULERS}"
@@ -173,6 +176,8 @@ class ClassifierModule(LightningModule):
         if hp.optimizer == "sgd":
             opt = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay,
                                   nesterov=hp.get("nesterov", False))  # fmt: skip
+        elif hp.optimizer == "lbfgs":
+            opt = torch.optim.LBFGS(self.parameters(), lr=hp.lr, history_size=10, max_iter=1)
         elif hp.optimizer == "adam":
             opt = torch.optim.Adam(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
         else:

@@ -1,5 +1,5 @@
 """Sharded parameter servers in their own processes: sync (with backup workers), Downpour async, SSP, DC-ASGD,
-asynchronous EASGD/EAMSGD.
+asynchronous EASGD/EAMSGD; Sandblaster L-BFGS (:mod:`.sandblaster`, :mod:`.sandblaster_server`, :mod:`.sandblaster_strategy`).
 
 Math: :mod:`.sharding`, :mod:`.rules`, :mod:`.elastic`. Transport: :mod:`.wire`, :mod:`.auth`, :mod:`.shard`, :mod:`.layout`,
 :mod:`.loop`, :mod:`.server`, :mod:`.process` (``python -m lightning_pdist.parameter_server.process`` runs one by
@@ -14,6 +14,7 @@ __getattr__, __dir__ = lazy_names(__name__, {  # imported on first use: importin
     "plan_sharding": "sharding",
     "ParameterServerStrategy": "strategy",
     "ParallaxStrategy": "parallax_strategy",
+    "SandblasterStrategy": "sandblaster_strategy",
 })
 
-__all__ = ["ParallaxStrategy", "ParameterServerConfig", "ParameterServerStrategy", "ShardingPlan", "plan_sharding"]
+__all__ = ["ParallaxStrategy", "ParameterServerConfig", "ParameterServerStrategy", "SandblasterStrategy", "ShardingPlan", "plan_sharding"]

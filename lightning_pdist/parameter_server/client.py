@@ -37,7 +37,7 @@ __all__ = ["WAIT_GRACE", "ParameterServerClient", "ServerConnection", "ServerErr
 #: Seconds a waiting request's reply may take beyond ``timeout``: the server answers at ``timeout`` when other
 #: workers hold it back (naming them); only a server that has not answered by ``timeout + WAIT_GRACE`` is blamed.
 WAIT_GRACE = 10.0
-_WAITING_KINDS = (Kind.PULL, Kind.PUSHPULL, Kind.PUSHPULL_CODED, Kind.PULL_ROWS)
+_WAITING_KINDS = (Kind.PULL, Kind.PUSHPULL, Kind.PUSHPULL_CODED, Kind.PULL_ROWS, Kind.SB_OPS)  # SB_OPS: a close waits for portions
 
 
 class ServerUnavailable(RuntimeError):

@@ -41,6 +41,7 @@ from lightning_pdist.parameter_server.rules import (
 from lightning_pdist.parameter_server.elastic import ElasticCenter
 from lightning_pdist.parameter_server.parallax_rows import ROW_KINDS, RowShard, handle_rows, row_payload_limit
 from lightning_pdist.parameter_server.loop import Connection, ConnectionLoop, RequestRefused, ServerLimits
+from lightning_pdist.parameter_server.sandblaster_server import SB_KINDS, SandblasterShard
 from lightning_pdist.parameter_server.shard import ELEMENTWISE_OPTIMIZERS, ParameterShard, parse_present
 from lightning_pdist.core.push_codec import decode_push
 from lightning_pdist.parameter_server.wire import (
@@ -64,7 +65,7 @@ __all__ = [
 ]
 
 MODES = ("sync", "async", "ssp", "easgd")
-SERVER_MODES = (*MODES, "parallax")  # "parallax": the sparse tables' row ranges (parallax_rows.py; ParallaxStrategy)
+SERVER_MODES = (*MODES, "parallax", "sandblaster")  # not ParameterServerStrategy modes: "parallax" the sparse tables' row ranges (parallax_rows.py; ParallaxStrategy), "sandblaster" SandblasterStrategy's (sandblaster_server.py)
 STALENESS_BUCKETS = 16  # histogram bins 0..15, the last one also counts everything staler
 DTYPES = ("torch.float32", "torch.float64", "torch.float16", "torch.bfloat16")
 MAX_WORKERS = 1 << 16  # per-worker bookkeeping is allocated from INIT's num_workers: bound it
@@ -171,6 +172,7 @@ class ShardServer:
         self.clock: SSPClock | None = None
         self.dc: DelayCompensation | None = None
         self.elastic: ElasticCenter | None = None  # mode="easgd": the center x̃ (the shard) and its exchanges
+        self.sandblaster: SandblasterShard | None = None  # mode="sandblaster": L-BFGS vectors, portions, commands
         self.open_step: tuple[int, list[bool]] | None = None  # sync: (optimizer, present) of the open step
         self.peers: dict[int, str] = {}  # worker -> "pid P on host H, connected from A" (its last HELLO)
         self.last_heard: dict[int, float] = {}  # worker -> when its last push or pull arrived (monotonic)
@@ -198,6 +200,8 @@ class ShardServer:
     # ------------------------------------------------------------------ the loop's Handler protocol
     def closed(self, conn: Connection) -> None:
         self.pending = [p for p in self.pending if p.conn is not conn]
+        if self.sandblaster is not None:
+            self.sandblaster.waiting = [w for w in self.sandblaster.waiting if w.conn is not conn]
         if conn.worker is not None:
             self.live[conn.worker] -= 1
             if not self.live[conn.worker]:  # another connection that said HELLO as this worker is still up
@@ -217,8 +221,11 @@ class ShardServer:
             return coded_payload_limit(self.shard.flat.numel(), len(self.shard.segments))
         if kind == Kind.ELASTIC:  # a worker's x_i, this shard's size; no other mode takes one
             return shard_bytes if self.elastic is not None else 0
+        if kind in SB_KINDS:
+            return self.sandblaster.payload_limit(kind, shard_bytes) if self.sandblaster is not None else 0
         if kind == Kind.SET_STATE:  # values, up to 3 optimizer moments, one DC backup per worker, and overhead
-            return (int(self.config["num_workers"]) + 6) * shard_bytes + (64 << 20)
+            extra = self.sandblaster.state_bytes(shard_bytes) if self.sandblaster is not None else 0
+            return (int(self.config["num_workers"]) + 6) * shard_bytes + extra + (64 << 20)
         return 0
 
     def connections_needed(self) -> int:
@@ -226,9 +233,13 @@ class ShardServer:
 
     def next_deadline(self) -> float | None:
         deadlines = [p.since + p.patience for p in self.pending if p.patience is not None]
+        if self.sandblaster is not None and self.sandblaster.next_deadline() is not None:
+            deadlines.append(self.sandblaster.next_deadline())
         return min(deadlines, default=None)
 
     def expire(self, now: float) -> None:
+        if self.sandblaster is not None:
+            self.sandblaster.expire(now)
         for pending in list(self.pending):
             if pending.patience is not None and now >= pending.since + pending.patience and not pending.conn.closed:
                 self._answer_stalled(pending, now)
@@ -285,6 +296,15 @@ class ShardServer:
                                  "tables' touched rows")  # fmt: skip
         elif kind == Kind.ELASTIC:
             self._elastic(conn, meta, payload)
+        elif kind in SB_KINDS:
+            if self.sandblaster is None:
+                raise RequestRefused(f"{kind.name}: this server runs mode={self.config['mode']!r}; {kind.name} needs "
+                                     "mode='sandblaster'")  # fmt: skip
+            worker = self._worker_of(conn, kind, meta)
+            self.last_heard[worker] = time.monotonic()
+            self.sandblaster.handle(conn, kind, meta, payload, worker)
+        elif kind in (Kind.PUSH, Kind.PUSHPULL) and self.sandblaster is not None:
+            raise RequestRefused(f"{kind.name}: this server runs mode='sandblaster', which takes SB_GRAD portions, not pushes")
         elif kind in (Kind.PUSH, Kind.PUSHPULL) and self.elastic is not None:
             raise RequestRefused(f"{kind.name}: this server runs mode='easgd', which takes ELASTIC exchanges of the "
                                  "workers' parameters, not gradients")  # fmt: skip
@@ -344,11 +364,13 @@ class ShardServer:
                           lambda v: isinstance(v, list) and all(isinstance(s, list) and len(s) in (2, 3)
                                                                 and all(_is_int(x) for x in s) and s[-1] >= 0 for s in v))  # fmt: skip
         alpha = None
-        if mode == "easgd":  # the workers step locally: no optimizer here, every element is the center's
-            alpha = _field(meta, "alpha", "INIT", "a number in (0, 1]", lambda v: _is_finite_number(v) and 0 < v <= 1)
+        sandblaster = SandblasterShard(self, meta) if mode == "sandblaster" else None  # its fields checked first
+        if mode in ("easgd", "sandblaster"):  # easgd: the workers step locally; sandblaster: the coordinator's commands
+            if mode == "easgd":
+                alpha = _field(meta, "alpha", "INIT", "a number in (0, 1]", lambda v: _is_finite_number(v) and 0 < v <= 1)
             optimizers = []
             if any(s[0] != -1 for s in segments if len(s) == 3) or any(len(s) != 3 for s in segments):
-                raise RequestRefused(f"INIT: segments={_show(segments)}: mode='easgd' segments must be [-1, -1, numel] "
+                raise RequestRefused(f"INIT: segments={_show(segments)}: mode={mode!r} segments must be [-1, -1, numel] "
                                      "(no server optimizer)")  # fmt: skip
         elif "optimizers" in meta:
             optimizers = _field(meta, "optimizers", "INIT", "a non-empty list of {'name': str, 'param_groups': [object, ...]}",
@@ -385,6 +407,9 @@ class ShardServer:
         dc = DelayCompensation.starting_from(shard.flat, num_workers, float(lam)) if lam > 0 else None
         self.shard, self.aggregator, self.clock, self.tracker, self.dc = shard, aggregator, clock, tracker, dc
         self.elastic = elastic
+        if sandblaster is not None:
+            sandblaster.attach(shard.flat)
+        self.sandblaster = sandblaster
         self.open_step = None
         self.config = dict(meta)
         self.version = 0
@@ -494,6 +519,8 @@ class ShardServer:
         return pending.wait_version is None or self.version >= pending.wait_version
 
     def serve_pending(self) -> None:
+        if self.sandblaster is not None:  # a coordinator's close waiting for portions
+            self.sandblaster.serve_pending()
         for pending in list(self.pending):
             if pending.conn.closed:
                 self.pending.remove(pending)
@@ -550,6 +577,8 @@ class ShardServer:
             what = f"reached clock {clock - self.clock.staleness} (worker {worker} is at clock {clock})"
             rule = f"mode='ssp' holds a worker until no worker is more than staleness={self.clock.staleness} clocks behind"
             return behind, what, rule
+        if self.sandblaster is not None:
+            return (*self.sandblaster.holding_back(), "mode='sandblaster' answers a pull once the coordinator finished the step")
         return [], "answered", f"mode={self.config.get('mode')!r}"
 
     def _describe(self, worker: int, now: float) -> str:
@@ -565,6 +594,8 @@ class ShardServer:
             stats["step_bytes_in"], stats["step_bytes_out"] = self.closed_bytes
         elif self.elastic is not None:
             stats["exchanges"] = self.elastic.exchanges
+        elif self.sandblaster is not None:
+            stats.update(self.sandblaster.stats, loss=self.sandblaster.last_loss)
         else:
             stats["histogram"] = list(self.histogram)
         return stats
@@ -606,6 +637,7 @@ class ShardServer:
             "dc": self.dc.state_dict() if self.dc is not None else None,
             "histogram": list(self.histogram),
             "elastic": self.elastic.state_dict() if self.elastic is not None else None,
+            "sandblaster": self.sandblaster.state_dict() if self.sandblaster is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -635,3 +667,5 @@ class ShardServer:
         self.histogram = [int(c) for c in state.get("histogram", self.histogram)]
         if self.elastic is not None and state.get("elastic") is not None:
             self.elastic.load_state_dict(state["elastic"])
+        if self.sandblaster is not None and state.get("sandblaster") is not None:
+            self.sandblaster.load_state_dict(state["sandblaster"])

@@ -96,6 +96,9 @@ class Kind(enum.IntEnum):
     PUSHPULL_CODED = 14  # PUSHPULL with that payload
     PUSH_ROWS = 30  # worker -> server, mode="parallax": touched rows of the sparse tables + their gradients (parallax_rows.py)
     PULL_ROWS = 31  # worker -> server, mode="parallax": rows wanted; reply payload = their values once the step closed
+    SB_CLAIM = 40  # worker -> server 0, Sandblaster: the next portion of a step (sandblaster_server.py)
+    SB_GRAD = 41  # worker -> server, Sandblaster: payload = this shard of one portion's gradient
+    SB_OPS = 42  # coordinator -> server, Sandblaster: vector commands on the shard; reply = their scalars
     REPLY = 20
     ERROR = 21
 

@@ -50,6 +50,8 @@ STRATEGIES: dict[str, tuple[str, dict, bool, str]] = {
     "dpsgd": ("dpsgd", {}, True, "D-PSGD, ring (on 2 ranks: the pair)"),
     "adpsgd": ("adpsgd", {}, False, "AD-PSGD, ring, asynchronous pairs"),
     "hogwild": ("hogwild", {}, False, "Hogwild! (lock-free steps on shared memory)"),
+    # batch L-BFGS: every module here returns another optimizer, so every cell is refused at setup
+    "sandblaster": ("sandblaster", {"server_timeout": 60.0}, True, "Sandblaster L-BFGS (refuses modules whose optimizer is not LBFGS)"),
     # an RL learner is not a supervised module: every cell is refused, before any actor starts (tests/rl trains DQNs)
     "apex": ("apex", {"num_actors": 1}, False, "Ape-X (a DQN learner and actor processes; refuses supervised modules)"),
 }
@@ -107,6 +109,10 @@ _NO_SPARSE = (r"ParallaxStrategy\(sparse_params=None\): the module has no sparse
               r"nn.EmbeddingBag with sparse=True", "build the embedding with sparse=True or name its table in "
               "sparse_params; a model without a table of rows trains with ddp or parameter_server")  # fmt: skip
 REFUSALS.update({("parallax", module): _NO_SPARSE for module in MODULES})
+_NOT_LBFGS = (r"SandblasterStrategy: configure_optimizers returned .*; Sandblaster runs batch L-BFGS and needs exactly "
+              r"one torch.optim.LBFGS", "return torch.optim.LBFGS(self.parameters(), max_iter=1) (ClassifierModule("
+              "optimizer='lbfgs')), or train the module with any other column")  # fmt: skip
+REFUSALS.update({("sandblaster", module): _NOT_LBFGS for module in MODULES})
 
 
 def registry_name(strategy: str, unused: bool) -> str:

@@ -109,7 +109,14 @@ def _module(strategy):
         return DQNModule(hidden=8, steps_per_epoch=2)
     if type(strategy).__name__ == "ParallaxStrategy":
         return SparseRegression()
+    if type(strategy).__name__ == "SandblasterStrategy":  # batch L-BFGS: refuses any other optimizer
+        return _LBFGSRegression()
     return TinyRegression()
+
+
+class _LBFGSRegression(TinyRegression):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=self.lr, max_iter=1)
 
 
 def _fit(strategy) -> float:
