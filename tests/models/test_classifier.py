@@ -127,7 +127,7 @@ def test_cosine_without_horizon_raises():
         (dict(model="resnet"), ValueError, r"build_model\(name='resnet'\): name must be one of \('cnn', 'mlp'"),
         (dict(model=3), TypeError, r"ClassifierModule\(model=int\): model must be a name"),
         (dict(num_classes=1), ValueError, r"num_classes=1\): num_classes must be >= 2"),
-        (dict(optimizer="lbfgs"), ValueError, r"optimizer='lbfgs'\): optimizer must be one of"),
+        (dict(optimizer="lamb"), ValueError, r"optimizer='lamb'\): optimizer must be one of"),
         (dict(lr=0.0), ValueError, r"lr=0.0\): lr must be > 0"),
         (dict(momentum=1.0), ValueError, r"momentum=1.0\): momentum must be in \[0, 1\)"),
         (dict(momentum=0.9, optimizer="adam"), ValueError, r"momentum=0.9\): momentum .*'sgd' only, not 'adam'"),

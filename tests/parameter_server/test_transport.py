@@ -143,11 +143,13 @@ def test_server_exits_when_every_worker_is_gone_and_when_its_parent_lets_go():
 
 
 def test_server_refuses_connections_from_outside_the_allowed_networks():
-    """allowed_networks='10.0.0.0/8': a loopback client is disconnected before any request is served."""
+    """allowed_networks='10.0.0.0/8': a loopback client is disconnected before any request is served. Unauthenticated,
+    the client's request may already be on its way when the server's ERROR and close cross it (a reset then loses
+    the ERROR), so either is accepted here; the authenticated case, where the ERROR always arrives, is in test_auth."""
     handle = start_server(0, allowed_networks="10.0.0.0/8")
     try:
         conn = ServerConnection(0, handle.address)
-        with pytest.raises(ServerUnavailable, match="closed the connection|is gone"):
+        with pytest.raises((ServerUnavailable, ServerError), match="closed the connection|is gone|outside its allowed_networks"):
             conn.request(Kind.HELLO, {"worker": 0})
     finally:
         handle.stop(timeout=5)
