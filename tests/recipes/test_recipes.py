@@ -32,7 +32,7 @@ def test_recipe_parses_and_names_its_strategy(recipe, capsys):
     assert exit_info.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["trainer"]["strategy"]["class_path"].startswith("lightning_pdist.")
-    data = "IMDBDataModule" if recipe.stem in ("tensor_parallel", "pipeline_bert") else "DigitsDataModule"  # an encoder wants text
+    data = "IMDBDataModule" if recipe.stem in ("tensor_parallel", "pipeline_bert", "parallax") else "DigitsDataModule"  # text: an encoder, an embedding table
     assert printed["data"]["class_path"] == f"lightning_pdist.data.{data}"
 
 
