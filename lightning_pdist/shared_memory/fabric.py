@@ -23,15 +23,15 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pdist.core.fabric import PdistFabricStrategy
+from lightning_pdist.core.guard import float_buffers
 from lightning_pdist.core.strategy import register_variants
 from lightning_pdist.shared_memory.config import HogwildConfig
-from lightning_pdist.shared_memory.memory import ProcessLock, SharedTensors
+from lightning_pdist.shared_memory.memory import ProcessLock, SharedTensors, share
 
 __all__ = ["HogwildFabricStrategy"]
 
@@ -71,20 +71,8 @@ class HogwildFabricStrategy(PdistFabricStrategy):
             raise RuntimeError(f"{owner}: fabric.setup was called for a second module ({type(module).__name__}); put "
                                "the modules in one nn.Module and set that up once")  # fmt: skip
         self.module = module
-        tensors = list(module.parameters()) + [b for b in module.buffers() if torch.is_floating_point(b)]
-        run = self.broadcast(SharedTensors.new_run() if self.global_rank == 0 else None)
-        self.shared = SharedTensors(tensors, run)
-        if self.global_rank == 0:
-            self.shared.create()
-        self.barrier()
-        self.shared.attach()
-        if self.config.lock:
-            self._lock = ProcessLock(run)
-        self.barrier()  # every process mapped the memory and opened the lock: the names can go
-        if self.global_rank == 0:
-            self.shared.unlink()
-            if self._lock is not None:
-                self._lock.unlink()
+        tensors = list(module.parameters()) + float_buffers(module)
+        self.shared, self._lock = share(tensors, self.config.lock, self.global_rank, self.broadcast, self.barrier)
         return module
 
     @override

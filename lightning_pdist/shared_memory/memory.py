@@ -21,6 +21,7 @@ import os
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -121,3 +122,23 @@ class ProcessLock:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def share(tensors: list[Tensor], lock: bool, rank: int, broadcast: Callable[[Any], Any],
+          barrier: Callable[[], None]) -> tuple[SharedTensors, ProcessLock | None]:
+    """Rank 0's ``tensors`` into one shared mapping that every process maps in place (and, with ``lock``, the run's
+    lock file); the names are unlinked once every process holds them, so nothing is left behind. Collective:
+    ``broadcast``/``barrier`` are the caller's (a Trainer's or Fabric's strategy)."""
+    run = broadcast(SharedTensors.new_run() if rank == 0 else None)
+    shared = SharedTensors(tensors, run)
+    if rank == 0:
+        shared.create()
+    barrier()
+    shared.attach()
+    process_lock = ProcessLock(run) if lock else None
+    barrier()  # every process mapped the memory and opened the lock: the names can go
+    if rank == 0:
+        shared.unlink()
+        if process_lock is not None:
+            process_lock.unlink()
+    return shared, process_lock

@@ -40,7 +40,7 @@ from lightning_pdist.core.strategy import PdistStrategy, register_variants
 from lightning_pdist.shared_memory.config import HogwildConfig
 from lightning_pdist.core.control_collectives import ControlGroupCollectives
 from lightning_pdist.core.control_group import ControlGroup
-from lightning_pdist.shared_memory.memory import ProcessLock, SharedTensors
+from lightning_pdist.shared_memory.memory import ProcessLock, SharedTensors, share
 from lightning_pdist.shared_memory.snapshot import Snapshot
 from lightning_pdist.shared_memory.svrg import snapshot_due, variance_reduced
 
@@ -140,19 +140,7 @@ class HogwildStrategy(ControlGroupCollectives, PdistStrategy):
         """Rank 0's parameters and float buffers into shared memory, mapped by every process (and the lock file)."""
         module = self.lightning_module
         tensors = list(module.parameters()) + float_buffers(module)
-        run = self.broadcast(SharedTensors.new_run() if self.global_rank == 0 else None)
-        self.shared = SharedTensors(tensors, run)
-        if self.global_rank == 0:
-            self.shared.create()
-        self.barrier()
-        self.shared.attach()
-        if self.config.lock:
-            self._lock = ProcessLock(run)
-        self.barrier()  # every process mapped the memory and opened the lock: the names can go
-        if self.global_rank == 0:
-            self.shared.unlink()
-            if self._lock is not None:
-                self._lock.unlink()
+        self.shared, self._lock = share(tensors, self.config.lock, self.global_rank, self.broadcast, self.barrier)
 
     @override
     def setup_algorithm(self) -> None:
