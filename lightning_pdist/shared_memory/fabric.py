@@ -31,7 +31,7 @@ from lightning_pdist.core.fabric import PdistFabricStrategy
 from lightning_pdist.core.guard import float_buffers
 from lightning_pdist.core.strategy import register_variants
 from lightning_pdist.shared_memory.config import HogwildConfig
-from lightning_pdist.shared_memory.memory import ProcessLock, SharedTensors, share
+from lightning_pdist.shared_memory.memory import ProcessLock, SharedTensors, release, share
 
 __all__ = ["HogwildFabricStrategy"]
 
@@ -151,10 +151,6 @@ class HogwildFabricStrategy(PdistFabricStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.shared is not None:
-            self.shared.detach()
-            self.shared = None
-        lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.close()
+        shared, lock, self.shared, self._lock = self.shared, self._lock, None, None
+        release(shared, lock)
         super().teardown()

@@ -142,3 +142,11 @@ def share(tensors: list[Tensor], lock: bool, rank: int, broadcast: Callable[[Any
         if process_lock is not None:
             process_lock.unlink()
     return shared, process_lock
+
+
+def release(shared: SharedTensors | None, lock: ProcessLock | None) -> None:
+    """The end of :func:`share`: this process keeps a private copy of the weights and closes the lock."""
+    if shared is not None:
+        shared.detach()
+    if lock is not None:
+        lock.close()

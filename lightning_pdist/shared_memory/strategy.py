@@ -40,7 +40,7 @@ from lightning_pdist.core.strategy import PdistStrategy, register_variants
 from lightning_pdist.shared_memory.config import HogwildConfig
 from lightning_pdist.core.control_collectives import ControlGroupCollectives
 from lightning_pdist.core.control_group import ControlGroup
-from lightning_pdist.shared_memory.memory import ProcessLock, SharedTensors, share
+from lightning_pdist.shared_memory.memory import ProcessLock, SharedTensors, release, share
 from lightning_pdist.shared_memory.snapshot import Snapshot
 from lightning_pdist.shared_memory.svrg import snapshot_due, variance_reduced
 
@@ -287,12 +287,8 @@ class HogwildStrategy(ControlGroupCollectives, PdistStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.shared is not None:
-            self.shared.detach()
-            self.shared = None
-        lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.close()
+        shared, lock, self.shared, self._lock = self.shared, self._lock, None, None
+        release(shared, lock)
         group, self.control_group = self.control_group, None
         if group is not None:
             module = self.lightning_module
