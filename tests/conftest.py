@@ -1,6 +1,7 @@
 """Shared fixtures: a clean environment per test, no process outliving its test, tests/ on sys.path for _helpers."""
 
 import ctypes
+import functools
 import gc
 import os
 import signal
@@ -14,6 +15,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("PL_DISABLE_FORK", "0")
+
+# Every Trainer and Fabric constructor scans the entry points of every installed distribution for callback factories
+# (lightning.fabric.utilities.registry._load_external_callbacks): ~40 ms of CPU each here, for the ~1,500 Trainers the
+# suite builds (the conformance matrix alone builds several per cell and rank). What it finds cannot change while the
+# suite runs (nothing is installed meanwhile), so the scan runs once per pytest worker; forked ranks inherit the answer.
+# The factories it finds are still called per Trainer, as Lightning does (there are none installed here).
+from lightning.fabric.utilities import registry as _lightning_registry  # noqa: E402
+
+_lightning_registry.entry_points = functools.cache(_lightning_registry.entry_points)
 
 # libgomp's thread pool does not survive fork(): once this process has run an OpenMP team (MKL's tanh on a
 # few hundred numbers is enough), a forked child that starts a team of its own waits forever in
