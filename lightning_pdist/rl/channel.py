@@ -10,7 +10,7 @@ Nothing is unpickled: tensors travel as raw bytes described by ``(name, dtype, s
 read passes the most bytes that kind may carry (``recv_bytes(maxlength)``: a longer frame is refused before it is
 allocated), and the tensor sizes must add up to the frame's length.
 
-Why not the parameter server's own transport (``parameter_server/wire.py``, ``auth.py``): a family imports only
+Why not the parameter server's own transport (``core/ps_wire.py``, ``auth.py``): a family imports only
 ``core/`` and itself, and those files (with the server loop that gives them their semantics) are that family's; this
 file keeps the same guarantees with the standard library's authenticated connections in ~100 lines. Never imports
 Lightning (``tests/test_layering.py``).
