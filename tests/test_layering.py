@@ -45,7 +45,7 @@ TRANSPORT = {
     "diloco": {"exchange", "rounds", "fault_tolerance"},
     "decentralized": {"gossip"},
     "shared_memory": {"memory"},
-    "rl": {"channel", "actor", "actors"},
+    "rl": {"channel", "actor", "actors", "servers"},
 }
 
 
