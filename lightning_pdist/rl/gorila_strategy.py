@@ -100,6 +100,9 @@ class GorilaStrategy(PdistStrategy):
     @override
     def _configure_launcher(self) -> None:
         world = self.num_nodes * self.num_processes
+        if self.num_nodes > 1:
+            raise ValueError(f"{type(self).__name__}: Trainer(num_nodes={self.num_nodes}): the learners must share the "
+                             "first learner's machine (its parameter servers listen on 127.0.0.1); use num_nodes=1")  # fmt: skip
         if self.num_learners is not None and self.num_learners != world:
             raise ValueError(f"{type(self).__name__}(num_learners={self.num_learners}): num_learners must equal the "
                              f"Trainer's devices × num_nodes ({self.num_processes} × {self.num_nodes} = {world}): each "
