@@ -149,11 +149,14 @@ class _NotALearner(LightningModule):
 
 
 def test_a_learner_count_other_than_the_ranks_a_module_without_hooks_and_an_unknown_env_are_refused():
-    """Before any process starts: num_learners ≠ devices × num_nodes at Trainer construction; a module without the
-    learner hooks at fit; an environment id gymnasium does not know at the module's construction."""
+    """Before any process starts: num_learners ≠ devices × num_nodes, or num_nodes > 1, at Trainer construction; a
+    module without the learner hooks at fit; an environment id gymnasium does not know at the module's construction."""
     with pytest.raises(ValueError, match=r"GorilaStrategy\(num_learners=3\): num_learners must equal the Trainer's "
                                          r"devices × num_nodes \(2 × 1 = 2\)"):  # fmt: skip
         Trainer(accelerator="cpu", devices=2, strategy=GorilaStrategy(num_learners=3, start_method="fork"), logger=False)
+    with pytest.raises(ValueError, match=r"GorilaStrategy: Trainer\(num_nodes=2\): the learners must share the first "
+                                         r"learner's machine"):  # fmt: skip
+        Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=GorilaStrategy(start_method="fork"), logger=False)
     trainer = Trainer(**TRAINER, max_steps=1, strategy=GorilaStrategy())
     with pytest.raises(TypeError, match=r"GorilaStrategy: the LightningModule _NotALearner has no make_env, target_network, "
                                         r"td_errors; the learner hooks are make_env, q_network, target_network, td_errors"):  # fmt: skip
