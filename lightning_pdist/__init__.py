@@ -40,12 +40,13 @@ __getattr__, __dir__ = lazy_names(__name__, {
     "DecentralizedStrategy": "decentralized",
     "HogwildStrategy": "shared_memory",
     "ApeXStrategy": "rl",
+    "GorilaStrategy": "rl",
 })
 
 __all__ = ["BMUFStrategy", "EASGDStrategy", "LocalSGDStrategy", "PdistStrategy", "SignSGDStrategy", "SimuParallelSGDStrategy"]
 __all__ += ["ParameterServerStrategy", "PipelineStrategy", "TensorParallelStrategy"]
 __all__ += ["DiLoCoStrategy", "StreamingDiLoCoStrategy", "DecentralizedStrategy", "HogwildStrategy"]
-__all__ += ["ApeXStrategy", "ParallaxStrategy", "SandblasterStrategy"]
+__all__ += ["ApeXStrategy", "GorilaStrategy", "ParallaxStrategy", "SandblasterStrategy"]
 
 
 def _register() -> None:

@@ -9,9 +9,10 @@ Usage::
     pdist fit --trainer.strategy=easgd --trainer.devices=2 --trainer.accelerator=cpu
     pdist fit --trainer.strategy.help BMUFStrategy  # one strategy's arguments
 
-The model is :class:`~lightning_pdist.models.ClassifierModule`; the data module is any subclass of
-:class:`~lightning_pdist.data.PdistDataModule` chosen by ``class_path`` (default: the scikit-learn
-digits). Strategy names resolve because this module imports :mod:`lightning_pdist`, which registers
+The model is :class:`~lightning_pdist.models.ClassifierModule` by default (a recipe's ``model:`` gives its init
+args) or any LightningModule named by ``class_path`` (the RL recipes: ``lightning_pdist.rl.DQNModule``, with
+``data: null``: the module paces its own loop); the data module is any subclass of
+:class:`~lightning_pdist.data.PdistDataModule` chosen by ``class_path`` (default: the scikit-learn digits). Strategy names resolve because this module imports :mod:`lightning_pdist`, which registers
 them; ``class_path: lightning_pdist.BMUFStrategy`` works in any LightningCLI too.
 
 ``--config NAME`` (also ``NAME.yaml`` or ``recipes/NAME.yaml``) names a shipped recipe when no such file exists
@@ -27,12 +28,12 @@ import sys
 from pathlib import Path
 
 import yaml
+from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lightning_pdist  # noqa: F401  (registers the strategy names)
 from lightning_pdist.data import PdistDataModule
-from lightning_pdist.models import ClassifierModule
 
 __all__ = ["RECIPES_DIR", "LoggedConfig", "PdistCLI", "main", "resolve_recipe_args", "shipped_recipes"]
 
@@ -55,10 +56,11 @@ class LoggedConfig(SaveConfigCallback):
 
 
 class PdistCLI(LightningCLI):
-    """LightningCLI with the digits data as the default data module."""
+    """LightningCLI with ClassifierModule as the default model and the digits data as the default data module."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.set_defaults({"data": {"class_path": "lightning_pdist.data.DigitsDataModule"}})
+        parser.set_defaults({"data": {"class_path": "lightning_pdist.data.DigitsDataModule"},
+                             "model": {"class_path": "lightning_pdist.models.ClassifierModule"}})  # fmt: skip
 
 
 def shipped_recipes() -> dict[str, Path]:
@@ -141,8 +143,9 @@ def main(args: list[str] | None = None) -> None:
         print_recipes(argv[1:])
         return
     PdistCLI(
-        ClassifierModule,
+        LightningModule,
         PdistDataModule,
+        subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_callback=LoggedConfig,
         save_config_kwargs={"overwrite": True},

@@ -33,18 +33,19 @@ MATH = {
     "rl": {"config", "replay", "nstep", "dqn"},
 }
 TRANSPORT = {
-    "core": {"collectives", "hooks", "liveness", "forking", "compression", "control_group", "push_codec"},
+    "core": {"collectives", "hooks", "liveness", "forking", "compression", "control_group", "push_codec", "ps_wire",
+             "ps_auth", "ps_client"},
     "compression": {"codec", "exchange", "base", "sparsifiers", "quantizers", "powersgd"},
     "averaging": {"replicas"},
     "sign": {"bits", "stats", "participation", "overflow", "hooks", "config"},
-    "parameter_server": {"wire", "auth", "shard", "layout", "loop", "server", "process", "client", "coded_push",
-                         "parallax_rows", "sandblaster_server"},
+    "parameter_server": {"shard", "layout", "loop", "server", "process", "coded_push", "parallax_rows",
+                         "sandblaster_server"},
     "pipeline": {"p2p", "executor"},
     "tensor_parallel": {"meter", "comm", "layers", "shard"},
     "diloco": {"exchange", "rounds", "fault_tolerance"},
     "decentralized": {"gossip"},
     "shared_memory": {"memory"},
-    "rl": {"channel", "actor", "actors"},
+    "rl": {"channel", "actor", "actors", "servers"},
 }
 
 

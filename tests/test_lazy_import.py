@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 TRANSPORT_AND_MATH = [
-    "lightning_pdist.pipeline.executor", "lightning_pdist.pipeline.p2p", "lightning_pdist.parameter_server.client",
+    "lightning_pdist.pipeline.executor", "lightning_pdist.pipeline.p2p", "lightning_pdist.core.ps_client",
     "lightning_pdist.parameter_server.process", "lightning_pdist.tensor_parallel.plan", "lightning_pdist.sign.hooks",
     "lightning_pdist.averaging.rules", "lightning_pdist.compression.sparsifiers", "lightning_pdist.diloco.outer",
     "lightning_pdist.core.accounting", "lightning_pdist.bench.launch",

@@ -20,7 +20,7 @@ except ``tensor_parallel``, which refuses that CNN (nothing to shard) and runs o
 * averaging schedules: :class:`~lightning_pdist.averaging.schedule.PeriodicSchedule` (warm-up steps average
   gradients, then a model all-reduce after step ``t`` when ``(t − warm-up) % period == 0``);
 * sign votes: :func:`~lightning_pdist.sign.hooks.sign_hook_bytes` for the one DDP bucket;
-* parameter server: each worker's ``PUSHPULL`` message as :func:`~lightning_pdist.parameter_server.wire.encode_message`
+* parameter server: each worker's ``PUSHPULL`` message as :func:`~lightning_pdist.core.ps_wire.encode_message`
   frames it (header, JSON metadata with the request's ``patience``, the gradient);
 * pipeline: per micro-batch one frame (:data:`~lightning_pdist.pipeline.p2p.HEADER_BYTES` + the tensor) across the
   cut, plus a header-only frame announcing the shape the first time each peer sees it;
@@ -144,7 +144,7 @@ def _parameter_server(kwargs: dict, module, step: int, rank: int) -> int:
     """
     from lightning_pdist.parameter_server import ParameterServerStrategy
     from lightning_pdist.parameter_server.layout import numeric_hparams
-    from lightning_pdist.parameter_server.wire import Kind, encode_message
+    from lightning_pdist.core.ps_wire import Kind, encode_message
 
     optimizer = module.configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer

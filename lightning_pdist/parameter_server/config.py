@@ -6,10 +6,10 @@ import math
 from dataclasses import dataclass
 
 from lightning_pdist.parameter_server.sharding import SHARDINGS
-from lightning_pdist.parameter_server.auth import read_secret_file
+from lightning_pdist.core.ps_auth import read_secret_file
 from lightning_pdist.parameter_server.elastic import default_alpha
 from lightning_pdist.parameter_server.server import MAX_PATIENCE, MODES
-from lightning_pdist.parameter_server.wire import parse_networks
+from lightning_pdist.core.ps_wire import parse_networks
 from lightning_pdist.core.config import ConfigErrors, is_int
 from lightning_pdist.core.momentum import IMPLICIT_MOMENTUM
 

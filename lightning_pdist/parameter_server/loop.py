@@ -1,10 +1,10 @@
 """The connection loop of a parameter server: single-threaded over non-blocking sockets (``selectors``).
 
 Each connection is a small state machine (:class:`Connection`): a bounded
-:class:`~lightning_pdist.parameter_server.wire.FrameReader`, one request in flight, a queue of unsent reply bytes,
+:class:`~lightning_pdist.core.ps_wire.FrameReader`, one request in flight, a queue of unsent reply bytes,
 under the deadlines of :class:`ServerLimits` (a whole request, a whole reply, the first request); the number of
 connections is bounded. Given a shared secret, every connection first answers
-:mod:`~lightning_pdist.parameter_server.auth`'s challenge: until then its reader takes nothing but a 32-byte ``AUTH``
+:mod:`~lightning_pdist.core.ps_auth`'s challenge: until then its reader takes nothing but a 32-byte ``AUTH``
 (any other header is refused before its metadata is read), and a wrong proof closes the connection, logged. Any
 exception while serving one connection closes that connection and is logged; it never ends the loop.
 
@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from lightning_pdist.parameter_server.auth import (
+from lightning_pdist.core.ps_auth import (
     CLIENT_LABEL,
     NONCE_BYTES,
     PROOF_BYTES,
@@ -36,7 +36,7 @@ from lightning_pdist.parameter_server.auth import (
     proof,
     verify,
 )
-from lightning_pdist.parameter_server.wire import (
+from lightning_pdist.core.ps_wire import (
     FrameError,
     FrameReader,
     Kind,

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_pdist.parameter_server.shard import ParameterShard
-from lightning_pdist.parameter_server.wire import Kind, bytes_to_tensor, tensor_bytes
+from lightning_pdist.core.ps_wire import Kind, bytes_to_tensor, tensor_bytes
 
 __all__ = ["ROW_KINDS", "SPARSE_OPTIMIZERS", "RowShard", "handle_rows", "pack_rows", "row_payload_limit"]
 

@@ -14,7 +14,7 @@ import socket
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_pdist.core.multinode import interfaces
-from lightning_pdist.parameter_server.auth import new_secret
+from lightning_pdist.core.ps_auth import new_secret
 from lightning_pdist.parameter_server.config import ParameterServerConfig
 from lightning_pdist.parameter_server.process import ServerProcess, start_server
 from lightning_pdist.core.control_group import ControlGroup

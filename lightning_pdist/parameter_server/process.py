@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from lightning_pdist.core.forking import fork_process
-from lightning_pdist.parameter_server.auth import check_secret, read_secret_file
+from lightning_pdist.core.ps_auth import check_secret, read_secret_file
 from lightning_pdist.parameter_server.server import ServerLimits, ShardServer
-from lightning_pdist.parameter_server.wire import parse_networks
+from lightning_pdist.core.ps_wire import parse_networks
 
 __all__ = ["ServerProcess", "main", "start_server"]
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from lightning_pdist.parameter_server.loop import Connection, RequestRefused
 from lightning_pdist.parameter_server.sandblaster import PortionDispatcher, ShardVectors, check_ops
-from lightning_pdist.parameter_server.wire import Kind, bytes_to_tensor
+from lightning_pdist.core.ps_wire import Kind, bytes_to_tensor
 
 __all__ = ["MAX_HISTORY", "MAX_PORTIONS", "SB_KINDS", "SandblasterShard"]
 

@@ -33,11 +33,11 @@ from typing_extensions import override
 
 from lightning_pdist.core.config import is_int
 from lightning_pdist.core.strategy import PdistStrategy
-from lightning_pdist.parameter_server.client import ParameterServerClient
+from lightning_pdist.core.ps_client import ParameterServerClient
 from lightning_pdist.parameter_server.sandblaster import LBFGSCoordinator, combine, portion_bounds
 from lightning_pdist.parameter_server.sandblaster_server import MAX_HISTORY, MAX_PORTIONS
 from lightning_pdist.parameter_server.strategy import ParameterServerStrategy
-from lightning_pdist.parameter_server.wire import Kind
+from lightning_pdist.core.ps_wire import Kind
 
 __all__ = ["SandblasterStrategy"]
 

@@ -44,7 +44,7 @@ from lightning_pdist.parameter_server.loop import Connection, ConnectionLoop, Re
 from lightning_pdist.parameter_server.sandblaster_server import SB_KINDS, SandblasterShard
 from lightning_pdist.parameter_server.shard import ELEMENTWISE_OPTIMIZERS, ParameterShard, parse_present
 from lightning_pdist.core.push_codec import decode_push
-from lightning_pdist.parameter_server.wire import (
+from lightning_pdist.core.ps_wire import (
     CODED,
     Kind,
     bytes_to_tensor,

@@ -18,7 +18,7 @@ Why not ``torch.distributed``'s default group (``lightning-integration.md`` §0.
 broadcasts on it before every batch, which would keep asynchronous workers in lockstep. The default
 group is never initialized; the workers' Lightning collectives go through a private gloo group
 (:class:`~lightning_pdist.core.control_group.ControlGroup`) and the servers speak framed TCP
-(:mod:`lightning_pdist.parameter_server.wire`), which ``tc`` shapes and whose failures name the peer.
+(:mod:`lightning_pdist.core.ps_wire`), which ``tc`` shapes and whose failures name the peer.
 
 Several nodes: with torchrun/SLURM every node runs the same script; server ``i`` runs on node ``i mod N``
 (``num_servers`` adds link capacity). Left unset, ``server_host`` becomes each node's address on the route to
@@ -32,7 +32,7 @@ global rank 0's node) and ``allowed_networks``, or start servers yourself
 Authentication: servers the strategy starts get a fresh 32-byte secret from global rank 0, which sends it over
 the workers' private group to every worker, and so to each node's starter before it forks its servers (in memory,
 through the fork; never on a command line, in the store or in a file); every connection proves it holds it before
-its first request (:mod:`~lightning_pdist.parameter_server.auth`).
+its first request (:mod:`~lightning_pdist.core.ps_auth`).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ from typing_extensions import override
 from lightning_pdist.core.nonfinite import all_finite, nonfinite_error
 from lightning_pdist.parameter_server.sharding import ShardingPlan, param_specs, plan_sharding
 from lightning_pdist.core.accounting import all_reduce_bytes
-from lightning_pdist.parameter_server.auth import read_secret_file
-from lightning_pdist.parameter_server.client import ParameterServerClient
+from lightning_pdist.core.ps_auth import read_secret_file
+from lightning_pdist.core.ps_client import ParameterServerClient
 from lightning_pdist.parameter_server.coded_push import PushCompressor
 from lightning_pdist.core.compression import Compressor
 from lightning_pdist.parameter_server.elastic_worker import ElasticWorkerMixin
@@ -61,7 +61,7 @@ from lightning_pdist.parameter_server.layout import OptimizerLayout, accumulate_
 from lightning_pdist.parameter_server.placement import check_placement, placed_nodes, start_servers, stop_servers
 from lightning_pdist.parameter_server.process import ServerProcess
 from lightning_pdist.parameter_server.server import ELEMENTWISE_OPTIMIZERS, STALENESS_BUCKETS
-from lightning_pdist.parameter_server.wire import Kind, dumps_state, loads_state
+from lightning_pdist.core.ps_wire import Kind, dumps_state, loads_state
 from lightning_pdist.core.control_group import ControlGroup
 from lightning_pdist.core.control_collectives import ControlGroupCollectives
 from lightning_pdist.parameter_server.precision import ParameterServerMixedPrecision

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from lightning_pdist.core.ps_client import ParameterServerClient
 from lightning_pdist.rl.channel import Kind, receive, send
 from lightning_pdist.rl.config import _Common
 from lightning_pdist.rl.nstep import NStep, stack
@@ -103,15 +104,33 @@ class _Actor:
         return meta, {**batch, "td": td, "rng": self.generator.get_state()}
 
 
+def _server_client(servers: dict[str, Any] | None) -> ParameterServerClient | None:
+    """Gorila: this actor's own connections to the parameter servers (it pulls as its learner's worker index)."""
+    if servers is None:
+        return None
+    client = ParameterServerClient(servers["addresses"], servers["worker"], timeout=servers["timeout"],
+                                   secret=servers["secret"])  # fmt: skip
+    client.hello()
+    return client
+
+
 def run_actor(index: int, config: _Common, epsilon: float, address: Any, authkey: bytes, module: Any,
-              state: dict[str, Any] | None, parent: int, params_bytes: int) -> int:  # fmt: skip
-    """The actor's whole life (in the forked child); returns its exit status."""
+              state: dict[str, Any] | None, parent: int, params_bytes: int,
+              servers: dict[str, Any] | None = None) -> int:  # fmt: skip
+    """The actor's whole life (in the forked child); returns its exit status.
+
+    Ape-X (``servers`` None): the learner's ``PARAMS`` answer carries the parameters. Gorila: it carries none; it
+    is the learner's go-ahead (its last push has been applied), and the actor then pulls the online network from the
+    parameter servers (``servers``: their addresses, the secret, the learner's worker index) and uses it as its
+    target copy too (Gorila's replay is uniform: the actor's priorities are not used)."""
     _die_with_parent(parent)
     torch.set_num_threads(1)
     conn = Client(address, authkey=authkey)
+    client = None
     try:
         send(conn, Kind.HELLO, {"actor": index, "pid": os.getpid()})
         actor = _Actor(index, config, epsilon, module, state)
+        client = _server_client(servers)
         since_refresh = config.refresh_every
         while True:
             if since_refresh >= config.refresh_every:
@@ -119,6 +138,9 @@ def run_actor(index: int, config: _Common, epsilon: float, address: Any, authkey
                 kind, _, tensors = receive(conn, params_bytes, (Kind.PARAMS, Kind.STOP))
                 if kind == Kind.STOP:
                     return 0
+                if client is not None:
+                    online = torch.cat([s.float() for s in client.pull(record=False)[0]])
+                    tensors = {"flat": torch.cat([online, online])}
                 actor.load(tensors["flat"])
                 since_refresh = 0
             meta, tensors = actor.chunk()
@@ -132,3 +154,6 @@ def run_actor(index: int, config: _Common, epsilon: float, address: Any, authkey
         except OSError:
             pass
         return 1
+    finally:
+        if client is not None:
+            client.close()

@@ -39,8 +39,11 @@ class ActorPool:
     """``num_actors`` forked actor processes connected to this (the learner's) process."""
 
     def __init__(self, config: _Common, module: Any, params: Callable[[], torch.Tensor],
-                 states: list[dict[str, Any] | None], obs_numel: int, host: str = "127.0.0.1") -> None:  # fmt: skip
-        self.config, self.params, self.owner = config, params, config.owner
+                 states: list[dict[str, Any] | None], obs_numel: int, host: str = "127.0.0.1",
+                 servers: dict[str, Any] | None = None) -> None:  # fmt: skip
+        """``servers`` (Gorila): the actors pull from these parameter servers; a ``PULL`` is answered with a bare
+        ``PARAMS`` (the go-ahead) and ``params`` only sizes the frames."""
+        self.config, self.params, self.owner, self.servers = config, params, config.owner, servers
         numel = int(params().numel())
         self.params_bytes = 4 * numel + 4096
         # the most a chunk may hold: send_every transitions of two float32 observations, their fields, the actor's state
@@ -58,7 +61,7 @@ class ActorPool:
                     address = self.listener.address
                     self.listener.close()
                     status = run_actor(i, config, epsilons[i], address, authkey, module, states[i],
-                                       parent, self.params_bytes)  # fmt: skip
+                                       parent, self.params_bytes, servers)  # fmt: skip
                 except BaseException:  # before it could connect: stderr is all it has
                     traceback.print_exc()
                 finally:
@@ -114,7 +117,9 @@ class ActorPool:
             raise self._lost(i) from None
         if kind == Kind.ERROR:
             raise ActorFailed(f"{self.owner}: actor {i} (pid {self.pids[i]}) failed:\n{meta.get('error', '')}")
-        if kind == Kind.PULL:
+        if kind == Kind.PULL and self.servers is not None:
+            send(conn, Kind.PARAMS)
+        elif kind == Kind.PULL:
             if "flat" not in cache:
                 cache["flat"] = self.params()
             send(conn, Kind.PARAMS, {}, {"flat": cache["flat"]})

@@ -10,10 +10,10 @@ Nothing is unpickled: tensors travel as raw bytes described by ``(name, dtype, s
 read passes the most bytes that kind may carry (``recv_bytes(maxlength)``: a longer frame is refused before it is
 allocated), and the tensor sizes must add up to the frame's length.
 
-Why not the parameter server's own transport (``parameter_server/wire.py``, ``auth.py``): a family imports only
-``core/`` and itself, and those files (with the server loop that gives them their semantics) are that family's; this
-file keeps the same guarantees with the standard library's authenticated connections in ~100 lines. Never imports
-Lightning (``tests/test_layering.py``).
+These are learner↔actor messages (pull go-aheads, chunks of transitions, crash reports), which the parameter
+servers' protocol (``core/ps_wire.py``: shards, pushes, pulls) has no kinds for; Gorila's actors speak that protocol
+too, to the servers. This file keeps the same guarantees with the standard library's authenticated connections in
+~100 lines. Never imports Lightning (``tests/test_layering.py``).
 """
 
 from __future__ import annotations

@@ -10,11 +10,11 @@ exponent is 1 (``ε_0 = ε``; the formula's ``0/0`` is read as 0).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lightning_pdist.core.config import ConfigErrors, is_int
 
-__all__ = ["ApeXConfig", "GorilaConfig", "MAX_ACTORS", "MAX_CAPACITY", "MAX_SEND_EVERY", "actor_epsilon"]
+__all__ = ["ApeXConfig", "GorilaConfig", "MAX_ACTORS", "MAX_CAPACITY", "MAX_SEND_EVERY", "MAX_SERVERS", "actor_epsilon"]
 
 MAX_ACTORS = 256  # actor processes are forked on the learner's machine
 MAX_CAPACITY = 1 << 24  # the replay (and its sum tree) lives in the learner's memory
@@ -117,13 +117,29 @@ class ApeXConfig(_Common):
                                        "transition has probability 0)", TypeError if not _real(self.priority_eps) else ValueError)  # fmt: skip
 
 
+MAX_SERVERS = 64  # parameter-server processes started on the first learner's machine
+
+
 @dataclass(frozen=True)
 class GorilaConfig(_Common):
-    """Gorila: ``num_learners`` learner ranks, each with its actors' local (uniform) replay."""
+    """Gorila: ``num_learners`` learner ranks, each with ``num_actors`` actors and their local (uniform) replay, and
+    ``num_servers`` parameter-server processes holding contiguous shards of the Q-network and its optimizer."""
 
     num_learners: int = 1
+    num_servers: int = 2
+    server_timeout: float = 120.0
     owner: str = "GorilaStrategy"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._int_at_least("num_learners", 1, "learner ranks")
+        self._int_at_least("num_learners", 1, "learner ranks: the Trainer's devices × num_nodes")
+        self._int_at_least("num_servers", 1, "parameter-server processes, each holding one shard", MAX_SERVERS)
+        if not _real(self.server_timeout) or not 1 <= self.server_timeout <= 86_400:
+            self._fail("server_timeout", "server_timeout must be a number of seconds in [1, 86400] (how long a server "
+                                         "may take to start or to answer)", TypeError if not _real(self.server_timeout)
+                       else ValueError)  # fmt: skip
+
+    def worker_config(self, rank: int) -> "GorilaConfig":
+        """Learner ``rank``'s view: its actors seed with ``seed + rank·num_actors + i`` (every actor its own stream),
+        its replay with ``seed + rank·num_actors``."""
+        return replace(self, seed=self.seed + rank * self.num_actors)

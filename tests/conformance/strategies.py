@@ -54,6 +54,7 @@ STRATEGIES: dict[str, tuple[str, dict, bool, str]] = {
     "sandblaster": ("sandblaster", {"server_timeout": 60.0}, True, "Sandblaster L-BFGS (refuses modules whose optimizer is not LBFGS)"),
     # an RL learner is not a supervised module: every cell is refused, before any actor starts (tests/rl trains DQNs)
     "apex": ("apex", {"num_actors": 1}, False, "Ape-X (a DQN learner and actor processes; refuses supervised modules)"),
+    "gorila": ("gorila", {"num_actors": 1}, False, "Gorila (DQN learner ranks, actors, parameter servers; refuses supervised modules)"),
 }
 
 
@@ -105,6 +106,8 @@ REFUSALS: dict[tuple[str, str], tuple[str, str]] = {
 
 
 REFUSALS.update({("apex", module): _NO_LEARNER for module in MODULES})
+REFUSALS.update({("gorila", module): (_NO_LEARNER[0].replace("ApeXStrategy", "GorilaStrategy"), _NO_LEARNER[1])
+                 for module in MODULES})
 _NO_SPARSE = (r"ParallaxStrategy\(sparse_params=None\): the module has no sparse parameter: no nn.Embedding or "
               r"nn.EmbeddingBag with sparse=True", "build the embedding with sparse=True or name its table in "
               "sparse_params; a model without a table of rows trains with ddp or parameter_server")  # fmt: skip

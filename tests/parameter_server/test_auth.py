@@ -16,11 +16,11 @@ import pytest
 import torch
 from _helpers import closed_by_server
 
-from lightning_pdist.parameter_server.auth import CLIENT_LABEL, SERVER_LABEL, check_secret, new_secret, proof, read_secret_file
-from lightning_pdist.parameter_server.client import ParameterServerClient, ServerConnection, ServerError, ServerUnavailable
+from lightning_pdist.core.ps_auth import CLIENT_LABEL, SERVER_LABEL, check_secret, new_secret, proof, read_secret_file
+from lightning_pdist.core.ps_client import ParameterServerClient, ServerConnection, ServerError, ServerUnavailable
 from lightning_pdist.parameter_server.loop import ServerLimits
 from lightning_pdist.parameter_server.process import start_server
-from lightning_pdist.parameter_server.wire import HEADER, MAGIC, Kind, encode_message, recv_message, send_message
+from lightning_pdist.core.ps_wire import HEADER, MAGIC, Kind, encode_message, recv_message, send_message
 
 GOOD_TIMEOUT = 10.0
 SECRET = bytes(range(32))

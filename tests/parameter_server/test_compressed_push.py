@@ -22,12 +22,12 @@ from torch import nn
 from lightning_pdist import ParameterServerStrategy
 from lightning_pdist.compression import BF16, DGC, FP16, QSGD, PowerSGD, RandomK, Sign, TernGrad, TopK
 from lightning_pdist.core.push_codec import PushFormatError, decode_push
-from lightning_pdist.parameter_server.client import ParameterServerClient, ServerConnection, ServerError
+from lightning_pdist.core.ps_client import ParameterServerClient, ServerConnection, ServerError
 from lightning_pdist.parameter_server.coded_push import PushCompressor
 from lightning_pdist.parameter_server.layout import OptimizerLayout
 from lightning_pdist.parameter_server.process import start_server
 from lightning_pdist.parameter_server.sharding import param_specs, plan_sharding
-from lightning_pdist.parameter_server.wire import HEADER, MAGIC, Kind, recv_message
+from lightning_pdist.core.ps_wire import HEADER, MAGIC, Kind, recv_message
 
 ZSTD = zstandard.ZstdCompressor(level=3, write_checksum=False, write_content_size=True, write_dict_id=False)
 

@@ -17,9 +17,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_pdist import ParameterServerStrategy
-from lightning_pdist.parameter_server.client import ParameterServerClient, ServerConnection, ServerError
+from lightning_pdist.core.ps_client import ParameterServerClient, ServerConnection, ServerError
 from lightning_pdist.parameter_server.process import start_server
-from lightning_pdist.parameter_server.wire import HEADER, MAGIC, Kind, dumps_state, loads_state, recv_message
+from lightning_pdist.core.ps_wire import HEADER, MAGIC, Kind, dumps_state, loads_state, recv_message
 
 TIMEOUT = 10.0
 SECRET = bytes(range(32))

@@ -16,11 +16,11 @@ import pytest
 import torch
 from _helpers import closed_by_server
 
-from lightning_pdist.parameter_server.client import ParameterServerClient, ServerConnection, ServerError
+from lightning_pdist.core.ps_client import ParameterServerClient, ServerConnection, ServerError
 from lightning_pdist.parameter_server.loop import ServerLimits
 from lightning_pdist.parameter_server.process import start_server
 from lightning_pdist.parameter_server.server import ShardServer
-from lightning_pdist.parameter_server.wire import HEADER, MAGIC, FrameError, FrameReader, Kind, decode_meta, recv_message
+from lightning_pdist.core.ps_wire import HEADER, MAGIC, FrameError, FrameReader, Kind, decode_meta, recv_message
 
 GOOD_TIMEOUT = 10.0  # the well-behaved worker's bound on every request while an attack goes on
 RSS_SLACK = 50 << 20
@@ -313,7 +313,7 @@ def test_garbage_set_state_is_refused_and_the_state_kept():
         admin = init(server.address)
         client = good_worker(server.address)
         assert_serving(client)
-        from lightning_pdist.parameter_server.wire import dumps_state, loads_state
+        from lightning_pdist.core.ps_wire import dumps_state, loads_state
 
         before = loads_state(admin.request(Kind.GET_STATE, {})[1])
         with pytest.raises(ServerError):
@@ -372,8 +372,8 @@ def test_a_server_silent_past_the_grace_is_blamed_itself():
     """A server that never answers a PUSHPULL, not even to name a stalled worker, is blamed after timeout + wait_grace."""
     import socket as _socket
 
-    from lightning_pdist.parameter_server.client import ServerConnection, ServerUnavailable
-    from lightning_pdist.parameter_server.wire import Kind
+    from lightning_pdist.core.ps_client import ServerConnection, ServerUnavailable
+    from lightning_pdist.core.ps_wire import Kind
 
     with _socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

@@ -13,10 +13,10 @@ import pytest
 import torch
 from _helpers import closed_by_server
 
-from lightning_pdist.parameter_server.client import ServerConnection, ServerError, WorkerStalled
+from lightning_pdist.core.ps_client import ServerConnection, ServerError, WorkerStalled
 from lightning_pdist.parameter_server.parallax_rows import pack_rows
 from lightning_pdist.parameter_server.process import start_server
-from lightning_pdist.parameter_server.wire import HEADER, MAGIC, Kind, bytes_to_tensor, loads_state, recv_message
+from lightning_pdist.core.ps_wire import HEADER, MAGIC, Kind, bytes_to_tensor, loads_state, recv_message
 
 TIMEOUT = 10.0
 SECRET = bytes(range(32))

@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 from lightning_pdist import ParameterServerStrategy
-from lightning_pdist.parameter_server.wire import HEADER
+from lightning_pdist.core.ps_wire import HEADER
 
 
 def flat(module) -> torch.Tensor:

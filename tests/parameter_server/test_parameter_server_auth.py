@@ -5,10 +5,10 @@ import torch
 from _helpers import TinyRegression, fit
 
 from lightning_pdist import ParameterServerStrategy
-from lightning_pdist.parameter_server.auth import read_secret_file
-from lightning_pdist.parameter_server.client import ServerConnection, ServerError
+from lightning_pdist.core.ps_auth import read_secret_file
+from lightning_pdist.core.ps_client import ServerConnection, ServerError
 from lightning_pdist.parameter_server.process import start_server
-from lightning_pdist.parameter_server.wire import Kind
+from lightning_pdist.core.ps_wire import Kind
 
 
 def flat(module) -> torch.Tensor:

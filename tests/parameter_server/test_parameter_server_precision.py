@@ -19,7 +19,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import nn
 
 from lightning_pdist import ParameterServerStrategy
-from lightning_pdist.parameter_server.wire import Kind, loads_state
+from lightning_pdist.core.ps_wire import Kind, loads_state
 from lightning_pdist.parameter_server.precision import ParameterServerMixedPrecision
 from tests._scaling_reference import reference_scales
 

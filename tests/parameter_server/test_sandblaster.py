@@ -19,10 +19,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_pdist import SandblasterStrategy
-from lightning_pdist.parameter_server.client import ParameterServerClient, ServerConnection, ServerError, WorkerStalled
+from lightning_pdist.core.ps_client import ParameterServerClient, ServerConnection, ServerError, WorkerStalled
 from lightning_pdist.parameter_server.process import start_server
 from lightning_pdist.parameter_server.sandblaster import portion_bounds
-from lightning_pdist.parameter_server.wire import HEADER, MAGIC, Kind, dumps_state, loads_state, recv_message
+from lightning_pdist.core.ps_wire import HEADER, MAGIC, Kind, dumps_state, loads_state, recv_message
 
 TIMEOUT = 10.0
 SECRET = bytes(range(32))

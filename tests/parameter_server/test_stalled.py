@@ -13,9 +13,9 @@ import socket
 import pytest
 import torch
 
-from lightning_pdist.parameter_server.client import ParameterServerClient, ServerConnection, ServerError, WorkerStalled
+from lightning_pdist.core.ps_client import ParameterServerClient, ServerConnection, ServerError, WorkerStalled
 from lightning_pdist.parameter_server.process import start_server
-from lightning_pdist.parameter_server.wire import Kind, loads_state, recv_message
+from lightning_pdist.core.ps_wire import Kind, loads_state, recv_message
 
 PATIENCE = 1.0  # s: the waiting worker's timeout; the server answers then (the client allows WAIT_GRACE more)
 
@@ -136,7 +136,7 @@ def test_a_stopped_server_is_blamed_after_the_grace(server):
     """SIGSTOP the server: a waiting request fails after timeout + wait_grace, naming the server as stopped or hung."""
     import signal
 
-    from lightning_pdist.parameter_server.client import ServerUnavailable
+    from lightning_pdist.core.ps_client import ServerUnavailable
 
     init(server.address)
     client = ParameterServerClient([server.address], 0, timeout=0.5, wait_grace=0.5)

@@ -10,10 +10,10 @@ import pytest
 import torch
 from _helpers import server_processes
 
-from lightning_pdist.parameter_server.client import ParameterServerClient, ServerConnection, ServerError, ServerUnavailable
+from lightning_pdist.core.ps_client import ParameterServerClient, ServerConnection, ServerError, ServerUnavailable
 from lightning_pdist.parameter_server.process import start_server
 from lightning_pdist.parameter_server.shard import ParameterShard
-from lightning_pdist.parameter_server.wire import Kind, address_allowed, loads_state, parse_networks, recv_message, send_message
+from lightning_pdist.core.ps_wire import Kind, address_allowed, loads_state, parse_networks, recv_message, send_message
 
 
 @pytest.fixture

@@ -15,6 +15,9 @@ from lightning_pdist.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+#: DQN recipes: no data module (the module paces its own loop), no validation; trained by their own test below.
+RL_RECIPES = {"apex_cartpole", "gorila_cartpole"}
+SUPERVISED = [p for p in RECIPES if p.stem not in RL_RECIPES]
 PDIST = Path(sys.executable).with_name("pdist")
 
 
@@ -32,6 +35,10 @@ def test_recipe_parses_and_names_its_strategy(recipe, capsys):
     assert exit_info.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["trainer"]["strategy"]["class_path"].startswith("lightning_pdist.")
+    if recipe.stem in RL_RECIPES:
+        assert printed["model"]["class_path"] == "lightning_pdist.rl.DQNModule" and printed["data"] is None
+        return
+    assert printed["model"]["class_path"] == "lightning_pdist.models.ClassifierModule"
     data = "IMDBDataModule" if recipe.stem in ("tensor_parallel", "pipeline_bert", "parallax") else "DigitsDataModule"  # text: an encoder, an embedding table
     assert printed["data"]["class_path"] == f"lightning_pdist.data.{data}"
 
@@ -55,13 +62,13 @@ def trained(tmp_path_factory):
     env = dict(os.environ, MASTER_PORT=str(free_port()), WANDB_MODE="offline", WANDB_SILENT="true")
     for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "PDIST_LAUNCHER_PID"):
         env.pop(name, None)
-    cmd = [sys.executable, str(Path(__file__).with_name("_several_recipes.py")), str(out), *map(str, RECIPES)]
+    cmd = [sys.executable, str(Path(__file__).with_name("_several_recipes.py")), str(out), *map(str, SUPERVISED)]
     result = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
     return out, result
 
 
 @pytest.mark.standalone
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("recipe", SUPERVISED, ids=lambda p: p.stem)
 def test_recipe_trains_with_two_popen_ranks_and_logs_comm_bytes(recipe, trained):
     """The user path: `pdist fit --config`, 2 popen ranks; the logger receives pdist/comm_bytes and val/acc."""
     out, result = trained
@@ -104,3 +111,22 @@ def test_recipe_writes_an_offline_wandb_run(tmp_path):
     start = records.index(b'{"strategy":"bmuf"')
     settings = json.loads(records[start : records.index(b"}", start) + 1])
     assert settings["block_momentum"] == 0.5 and settings["period"] == 8 and settings["world_size"] == 2
+
+
+@pytest.mark.standalone
+@pytest.mark.parametrize("recipe", sorted(RL_RECIPES))
+def test_rl_recipe_trains_through_pdist_and_logs_episode_returns(recipe, tmp_path):
+    """`pdist fit --config <DQN recipe>` as a user runs it (gorila: 2 popen learner ranks and 2 server processes),
+    cut to 6 updates after 64 transitions; the offline W&B run holds the loss and the episode returns."""
+    env = dict(os.environ, MASTER_PORT=str(free_port()), WANDB_MODE="offline", WANDB_SILENT="true")
+    cmd = [str(PDIST), "fit", "--config", str(ROOT / "recipes" / f"{recipe}.yaml"), "--trainer.max_steps=6",
+           "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={tmp_path}",
+           f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.strategy.init_args.num_actors=1",
+           "--trainer.strategy.init_args.learning_starts=64", "--trainer.strategy.init_args.batch_size=8",
+           "--model.init_args.hidden=16"]  # fmt: skip
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    records = run_file.read_bytes()
+    for key in (b"train/loss", b"rl/episode_return", b"rl/env_steps"):
+        assert key in records, f"{key!r} missing from {run_file}"

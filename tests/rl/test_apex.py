@@ -40,8 +40,10 @@ class Losses(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def reference(q: torch.nn.Module, steps: int, resume_at: int | None = None) -> tuple[list[float], torch.nn.Module]:
-    """Single-process double DQN, n-step, proportional prioritized replay; ``resume_at``: restart the environment."""
+def reference(q: torch.nn.Module, steps: int, resume_at: int | None = None,
+              alpha: float = ALPHA) -> tuple[list[float], torch.nn.Module]:  # fmt: skip
+    """Single-process double DQN, n-step, proportional prioritized replay (``alpha=0``: uniform, every weight 1);
+    ``resume_at``: restart the environment."""
     q = copy.deepcopy(q)
     target = copy.deepcopy(q)
     opt = torch.optim.Adam(q.parameters(), lr=LR)
@@ -84,7 +86,7 @@ def reference(q: torch.nn.Module, steps: int, resume_at: int | None = None) -> t
             for j in range(len(ready)):
                 for key, value in zip(store, (o[j], a[j], g[j], n[j], d[j])):
                     store[key][pos] = value
-                prio[pos] = (abs(float(delta[j])) + 1e-6) ** ALPHA
+                prio[pos] = (abs(float(delta[j])) + 1e-6) ** alpha
                 pos, size = (pos + 1) % CAPACITY, min(CAPACITY, size + 1)
         if size < max(STARTS, BATCH):
             continue
@@ -100,7 +102,7 @@ def reference(q: torch.nn.Module, steps: int, resume_at: int | None = None) -> t
         opt.zero_grad()
         loss.backward()
         opt.step()
-        prio[idx] = (delta.detach().double().abs() + 1e-6) ** ALPHA
+        prio[idx] = (delta.detach().double().abs() + 1e-6) ** alpha
         updates += 1
         if updates % TARGET_EVERY == 0:
             target.load_state_dict(q.state_dict())

@@ -3,7 +3,7 @@
 Every failure names the server: a server that died closes its sockets, so the next request fails at once
 with ``ServerUnavailable("parameter server 1 at 127.0.0.1:40123 closed the connection ...")``; a server
 that hangs, or trickles its reply, fails the request ``timeout`` seconds after it was sent (one deadline for the
-whole reply, not per byte). Replies are read with the bounded reader of :mod:`~lightning_pdist.parameter_server.wire`:
+whole reply, not per byte). Replies are read with the bounded reader of :mod:`~lightning_pdist.core.ps_wire`:
 a header declaring more than the peer sends costs nothing, and a garbled reply fails the request, naming the
 server. One thread per server sends and then receives, so
 a server that is answering another worker never waits on this one (no cycle of full socket buffers).
@@ -15,7 +15,7 @@ it is stopped, hung or dead; parameter server 0 is alive``), so the client waits
 for that answer before it blames the server itself.
 
 Given the servers' shared secret, a connection first answers the server's challenge and checks the server's
-proof in turn (:mod:`~lightning_pdist.parameter_server.auth`); a wrong secret on either side fails the connection at once,
+proof in turn (:mod:`~lightning_pdist.core.ps_auth`); a wrong secret on either side fails the connection at once,
 naming the server. Handshake bytes are not counted in ``bytes_sent``/``bytes_received`` (training traffic only).
 """
 
@@ -29,8 +29,8 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_pdist.parameter_server.auth import CLIENT_LABEL, NONCE_BYTES, SERVER_LABEL, check_secret, new_nonce, proof, verify
-from lightning_pdist.parameter_server.wire import Kind, PeerClosed, bytes_to_tensor, recv_message, send_message
+from lightning_pdist.core.ps_auth import CLIENT_LABEL, NONCE_BYTES, SERVER_LABEL, check_secret, new_nonce, proof, verify
+from lightning_pdist.core.ps_wire import Kind, PeerClosed, bytes_to_tensor, recv_message, send_message
 
 __all__ = ["WAIT_GRACE", "ParameterServerClient", "ServerConnection", "ServerError", "ServerUnavailable", "WorkerStalled"]
 

@@ -8,7 +8,7 @@ Tensors travel as their raw little-endian bytes (``meta["dtype"]`` names the dty
 costs one ``sendall`` and one ``recv_into``, with no pickling. Nothing received is ever unpickled: the
 metadata is JSON and whole-state transfers (checkpoints) use ``torch.load(weights_only=True)``, so a
 peer can at worst send wrong numbers, not run code. A server with a shared secret first authenticates
-every connection (``CHALLENGE``/``AUTH``, :mod:`lightning_pdist.parameter_server.auth`); nothing is encrypted
+every connection (``CHALLENGE``/``AUTH``, :mod:`lightning_pdist.core.ps_auth`); nothing is encrypted
 (``docs/algorithms/parameter_server.md``, trust model): run it inside a trusted cluster network.
 
 Reading is bounded before it allocates (``docs/algorithms/parameter_server.md``, hostile and broken peers):
@@ -90,7 +90,7 @@ class Kind(enum.IntEnum):
     SHUTDOWN = 8  # rank 0 -> server: reply, then the server exits
     BYE = 9  # worker -> server: this worker is done (no reply)
     CHALLENGE = 10  # server -> client, first on a connection to a server with a secret: payload = nonce
-    AUTH = 11  # client -> server, the answer: payload = HMAC proof, {"nonce"}; reply {"proof"} (parameter_server/auth.py)
+    AUTH = 11  # client -> server, the answer: payload = HMAC proof, {"nonce"}; reply {"proof"} (core/ps_auth.py)
     ELASTIC = 12  # worker -> server, mode="easgd": payload = its x_i shard; reply payload = e = α(x_i − x̃) (elastic.py)
     PUSH_CODED = 13  # PUSH whose payload is one compressed tensor per present piece (core/push_codec.py), in shard order
     PUSHPULL_CODED = 14  # PUSHPULL with that payload
