@@ -101,7 +101,7 @@ class SuiteConfig(SuiteRules):
     """SGD momentum of both models (0 for dgc and dgc_warmup, whose momentum correction replaces it)"""
     width: int = 64
     """SmallCNN width"""
-    lm_lr: float = 0.5
+    lm_lr: float = 0.2
     """SGD learning rate of the LM"""
     lm_width: int = 64
     """LM width (4 heads, feed-forward 4x width)"""

@@ -60,6 +60,9 @@ DGC_RATIO = 0.001
 #: paper's 75 %, 93.75 %, 98.4 %, 99.6 %, 99.9 % sparsity.
 DGC_WARMUP_STAGES = 4
 TEXT_BYTES = 1 << 20
+#: The LM's fits clip the (aggregated) gradient to this norm and skip a step whose gradients are not finite
+#: (``nonfinite="skip_step"``): a method that diverges ends with its loss recorded as None instead of stopping the launch.
+LM_CLIP = 1.0
 
 
 @dataclass(frozen=True)
@@ -93,14 +96,15 @@ class Spec(WorkerSpec):
 check_spec = Spec.check
 
 
-def build_strategy(method: str, dgc_warmup_steps: int = 0) -> Any:
-    """The strategy of ``method`` (:data:`METHODS`), on gloo."""
+def build_strategy(method: str, dgc_warmup_steps: int = 0, nonfinite: str = "raise") -> Any:
+    """The strategy of ``method`` (:data:`METHODS`), on gloo, with the ``nonfinite`` policy (``local_only``:
+    ``propagate``, it has no step to skip)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     from lightning_pdist import BMUFStrategy, PdistStrategy, SimuParallelSGDStrategy
     from lightning_pdist.compression import DGC, QSGD, Sign, TernGrad, TopK
 
-    gloo = {"process_group_backend": "gloo"}
+    gloo = {"process_group_backend": "gloo", "nonfinite": nonfinite}
     warm = {"warmup_steps": dgc_warmup_steps, "warmup_stages": DGC_WARMUP_STAGES}
     compressors = {"topk": lambda: TopK(0.01), "dgc": lambda: DGC(DGC_RATIO), "dgc_warmup": lambda: DGC(DGC_RATIO, **warm),
                    "qsgd": lambda: QSGD(16), "terngrad": TernGrad, "sign": lambda: Sign(error_feedback=False),
@@ -116,7 +120,7 @@ def build_strategy(method: str, dgc_warmup_steps: int = 0) -> Any:
     if method == "bmuf_topk":
         return BMUFStrategy(period=BMUF_PERIOD, compression=TopK(0.01), **gloo)
     if method == "local_only":
-        return SimuParallelSGDStrategy(nonfinite="propagate", **gloo)
+        return SimuParallelSGDStrategy(**{**gloo, "nonfinite": "propagate"})
     return PdistStrategy(**gloo)
 
 
@@ -212,13 +216,15 @@ def fit_one(spec: dict[str, Any], method: str, task: Task) -> dict[str, Any]:
 
     seed_everything(spec["seed"], workers=True, verbose=False)
     momentum = 0.0 if method in NO_OPTIMIZER_MOMENTUM else spec["momentum"]
+    lm = spec["model"] == "lm"
     module, data = task.fresh(momentum)
     probe = Probe()
     trainer = Trainer(accelerator="cpu", devices=1, num_nodes=spec["world_size"],
-                      strategy=build_strategy(method, spec["dgc_warmup_steps"]), max_steps=spec["steps"],
+                      strategy=build_strategy(method, spec["dgc_warmup_steps"], "skip_step" if lm else "raise"),
+                      gradient_clip_val=LM_CLIP if lm else None, max_steps=spec["steps"],
                       limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[probe], log_every_n_steps=1,
-                      use_distributed_sampler=spec["model"] == "cnn")  # fmt: skip
+                      use_distributed_sampler=not lm)  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the peers' "bytes not counted" warning: the suite models their bytes
         trainer.fit(module, **data)
