@@ -48,8 +48,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
-from lightning_pdist.bench.compression_worker import (BMUF_PERIOD, DGC_RATIO, DGC_WARMUP_STAGES, METHODS, MODELS, PEERS,
-                                                      TEXT_BYTES)  # fmt: skip
+from lightning_pdist.bench.compression_worker import (BMUF_PERIOD, DGC_RATIO, DGC_WARMUP_STAGES, LM_CLIP, METHODS, MODELS,
+                                                      PEERS, TEXT_BYTES)  # fmt: skip
 from lightning_pdist.bench.launch import Launcher, emulated_network
 from lightning_pdist.bench.netns import LOOPBACK, parse_rate
 from lightning_pdist.bench.report import (check_rows, finish_suite, markdown_table, network_lines, new_document,
@@ -495,7 +495,8 @@ def model_line(doc: dict[str, Any], model: str) -> str:
     else:
         what = (f"**Byte-level Transformer LM** (width {c['lm_width']}, {c['lm_layers']} blocks, {params:,} parameters) "
                 f"on the standard library's source ({TEXT_BYTES:,} bytes, the last 65,536 held out): {steps} steps of "
-                f"{c['batch_size']} windows of {c['lm_context']} bytes per rank, SGD lr {c['lm_lr']}")  # fmt: skip
+                f"{c['batch_size']} windows of {c['lm_context']} bytes per rank, SGD lr {c['lm_lr']}, the aggregated "
+                f"gradient clipped to norm {LM_CLIP}, a step with non-finite gradients skipped")  # fmt: skip
         target = "val_loss (nats per byte on 64 held-out windows; val_acc is the next byte's)"
     return (f"{what}, momentum {c['momentum']} (0 for dgc and dgc_warmup), seed {c['seed']}; evaluated every "
             f"{c['eval_every']} steps; \"s to DDP's final\" is the time to DDP's final {target}.")  # fmt: skip

@@ -5,8 +5,9 @@ its own Lightning node, gloo over TCP). The rank trains ``spec["model"]`` once p
 (:data:`METHODS`), in turn, in this process, every fit from the same seed, data order and weights: ``cnn``,
 ``ClassifierModule(model="cnn", width=...)`` on the digits; ``lm``, the byte-level Transformer LM of
 :mod:`~lightning_pdist.bench.text_lm` (the DiLoCo suite's) on the standard library's source, ``batch_size``
-windows per rank and step. Both train with SGD (``lr``, ``momentum``; momentum 0 for DGC, whose momentum
-correction replaces it). Per fit it records:
+windows per rank and step, the aggregated gradient clipped to norm :data:`LM_CLIP`, a step with non-finite
+gradients skipped. Both train with SGD (``lr``, ``momentum``; momentum 0 for DGC, whose momentum correction
+replaces it). Per fit it records:
 
 * the bytes our :class:`~lightning_pdist.core.accounting.CommMeter` counted in the training loop (torch's hooks, the
   peers, are not counted by it: the suite models theirs), and by kind;
