@@ -1,9 +1,10 @@
 """One rank of the DiLoCo suite: ``python -m lightning_pdist.bench.diloco_worker --spec JSON --out-dir DIR``.
 
-Every run trains the same byte-level Transformer language model (:class:`TinyLM`) on the same text — the Python
-standard library's own ``*.py`` files, concatenated in name order (:func:`stdlib_text`; ships with the
-interpreter, no download) — with the same inner optimizer (AdamW), seed and per-rank batches, then evaluates the
-model it holds at the end on the same held-out windows (the last ``VAL_BYTES`` of the text). Strategies:
+Every run trains the same byte-level Transformer language model (:mod:`~lightning_pdist.bench.text_lm`, shared with
+the compression suite) on the same text — the Python standard library's own ``*.py`` files, concatenated in name
+order (ships with the interpreter, no download) — with the same inner optimizer (AdamW), seed and per-rank
+batches, then evaluates the model it holds at the end on the same held-out windows (the last ``VAL_BYTES`` of the
+text). Strategies:
 
 * ``ddp``: Lightning Fabric's own ``DDPStrategy`` (synchronous baseline: every step all-reduces the gradients);
 * ``local_sgd`` / ``bmuf``: ours, :class:`~lightning_pdist.averaging.LocalSGDFabricStrategy` (period ``H``) /
@@ -38,13 +39,12 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from lightning_pdist.bench.launch import WorkerSpec, worker_main
+from lightning_pdist.bench.text_lm import VAL_BYTES, Data, evaluate, loss_of, make_model
 from lightning_pdist.bench.worker import read_tx
 
 STRATEGIES = ("ddp", "local_sgd", "bmuf", "diloco", "streaming_diloco", "torchft_diloco")
 BALANCE = ("layers", "params")
 QUANTIZE = (None, "int8", "int4")
-VAL_BYTES = 1 << 16
-VAL_WINDOWS = 64
 
 
 @dataclass(frozen=True)
@@ -84,102 +84,6 @@ class Spec(WorkerSpec):
 
 
 check_spec = Spec.check
-
-
-def stdlib_text(limit: int) -> bytes:
-    """The first ``limit`` bytes of the standard library's top-level ``*.py`` files, concatenated in name order."""
-    root = Path(os.__file__).parent
-    out, size = [], 0
-    for path in sorted(root.glob("*.py")):
-        data = path.read_bytes()
-        out.append(data)
-        size += len(data)
-        if size >= limit:
-            break
-    text = b"".join(out)[:limit]
-    if len(text) < limit:
-        raise ValueError(f"stdlib_text(limit={limit}): the standard library at {root} holds only {len(text)} bytes")
-    return text
-
-
-def make_model(spec: dict[str, Any]) -> Any:
-    """The byte-level Transformer LM (same weights on every rank for one seed)."""
-    import torch
-    from torch import nn
-
-    class TinyLM(nn.Module):
-        """Embedding (256 bytes) + learned positions, ``layers`` pre-norm causal Transformer blocks, linear head."""
-
-        def __init__(self, width: int, layers: int, context: int) -> None:
-            super().__init__()
-            self.embed = nn.Embedding(256, width)
-            self.pos = nn.Embedding(context, width)
-            self.blocks = nn.ModuleList(
-                nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=4 * width, dropout=0.0, batch_first=True,
-                                           norm_first=True) for _ in range(layers))  # fmt: skip
-            self.norm = nn.LayerNorm(width)
-            self.head = nn.Linear(width, 256)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            n = x.shape[1]
-            h = self.embed(x) + self.pos(torch.arange(n))
-            mask = nn.Transformer.generate_square_subsequent_mask(n)
-            for block in self.blocks:
-                h = block(h, src_mask=mask, is_causal=True)
-            return self.head(self.norm(h))
-
-    torch.manual_seed(spec["seed"])
-    return TinyLM(spec["width"], spec["layers"], spec["context"])
-
-
-class Data:
-    """Training windows drawn per rank and step from a seeded generator; fixed held-out windows."""
-
-    def __init__(self, spec: dict[str, Any], rank: int) -> None:
-        import torch
-
-        text = stdlib_text(spec["text_bytes"])
-        self.sha = hashlib.sha256(text).hexdigest()[:16]
-        data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-        self.train, self.val = data[:-VAL_BYTES], data[-VAL_BYTES:]
-        self.ctx, self.batch = spec["context"], spec["batch_size"]
-        self.gen = torch.Generator().manual_seed(1000 * spec["seed"] + rank)
-
-    def windows(self, data: Any, starts: Any) -> tuple[Any, Any]:
-        import torch
-
-        idx = starts[:, None] + torch.arange(self.ctx + 1)
-        chunk = data[idx]
-        return chunk[:, :-1], chunk[:, 1:]
-
-    def next(self) -> tuple[Any, Any]:
-        import torch
-
-        starts = torch.randint(0, len(self.train) - self.ctx - 1, (self.batch,), generator=self.gen)
-        return self.windows(self.train, starts)
-
-    def held_out(self) -> tuple[Any, Any]:
-        import torch
-
-        starts = torch.linspace(0, len(self.val) - self.ctx - 2, VAL_WINDOWS).long()
-        return self.windows(self.val, starts)
-
-
-def loss_of(model: Any, x: Any, y: Any) -> Any:
-    from torch.nn import functional as F
-
-    logits = model(x)
-    return F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1)), logits
-
-
-def evaluate(model: Any, data: Data) -> tuple[float, float]:
-    """Mean cross-entropy (nats/byte) and next-byte accuracy of ``model`` on the held-out windows."""
-    import torch
-
-    x, y = data.held_out()
-    with torch.no_grad():
-        loss, logits = loss_of(model, x, y)
-    return float(loss), float((logits.argmax(-1) == y).float().mean())
 
 
 def own_address() -> str:
