@@ -10,8 +10,10 @@ for ``steps`` optimizer steps of ``batch_size``, from the same seed and weights 
 * ``sgp`` is fairscale's ``SlowMoDistributedDataParallel(slowmo_base_algorithm=SGP)`` in a plain torch loop over the
   same shard (``DistributedSampler``); if fairscale refuses to build it here, the process records the exact error.
 
-The process runs one fit per entry of ``spec["stragglers"]``, in turn. In a fit with a straggler, that rank sleeps ``slowdown − 1`` times the main thread's CPU time
-of its forward and backward pass after every step, so each of its steps takes ``slowdown``× its compute. Every
+The process runs one fit per entry of ``spec["stragglers"]``, in turn (a fit that could not be built is not retried:
+the later ones carry its error). In a fit with a straggler, that rank sleeps ``slowdown − 1`` times the wall time of
+its step after every step, so each of its steps takes ``slowdown``× as long. The clock starts at the end of the first
+step (set-up and first-batch costs stay out). Every
 ``eval_every`` steps rank 0 copies the parameters it holds and the training time so far (the clock excludes the
 copies); after ``fit`` it evaluates the copies and the model ``fit`` leaves on the whole validation split.
 
@@ -34,7 +36,7 @@ from lightning_pdist.bench.worker import evaluate
 #: method -> what it runs.
 METHODS: dict[str, str] = {
     "ddp": "PdistStrategy() (fp32 all-reduce every step)",
-    "ps_async": "ParameterServerStrategy(mode='async') (Downpour; its default ceil(N/2) servers, forked on nodes 0..)",
+    "ps_async": "ParameterServerStrategy(mode='async', implicit_momentum='compensate') (Downpour; ceil(N/2) servers)",
     "dpsgd": "DecentralizedStrategy(topology='ring') (D-PSGD)",
     "adpsgd": "DecentralizedStrategy(topology='ring', mode='async') (AD-PSGD)",
     "sgp": "fairscale SlowMoDistributedDataParallel(slowmo_base_algorithm=SGP) (peer)",
@@ -91,11 +93,8 @@ class Clock:
         self.slept = self.compute = self.copy_s = 0.0
         self.steps = 0
 
-    def start(self) -> None:
-        self.t0 = time.perf_counter()
-
     def batch_start(self) -> None:
-        self.cpu0 = time.thread_time()
+        self.cpu0, self.wall0 = time.thread_time(), time.perf_counter()
 
     def after_backward(self) -> None:
         self.cost = time.thread_time() - self.cpu0
@@ -104,9 +103,11 @@ class Clock:
     def batch_end(self, module: Any) -> None:
         self.steps += 1
         if self.slow:
-            pause = (self.spec["slowdown"] - 1) * self.cost
+            pause = (self.spec["slowdown"] - 1) * (time.perf_counter() - self.wall0)
             time.sleep(pause)
             self.slept += pause
+        if self.steps == 1:  # the clock starts after the first step: set-up and first-batch costs stay out
+            self.t0 = time.perf_counter()
         if self.rank == 0 and self.steps % self.spec["eval_every"] == 0:
             now = time.perf_counter()
             state = {k: v.detach().clone() for k, v in module.state_dict().items()}
@@ -132,7 +133,7 @@ def build_strategy(method: str) -> Any:
     from lightning_pdist import DecentralizedStrategy, HogwildStrategy, ParameterServerStrategy, PdistStrategy
 
     gloo = {"process_group_backend": "gloo"}
-    return {"ddp": lambda: PdistStrategy(**gloo), "ps_async": lambda: ParameterServerStrategy(mode="async"),
+    return {"ddp": lambda: PdistStrategy(**gloo), "ps_async": lambda: ParameterServerStrategy(mode="async", implicit_momentum="compensate"),
             "dpsgd": lambda: DecentralizedStrategy(topology="ring", **gloo),
             "adpsgd": lambda: DecentralizedStrategy(topology="ring", mode="async", **gloo),
             "hogwild": HogwildStrategy, "hogwild_lock": lambda: HogwildStrategy(lock=True), "single": lambda: "auto"}[method]()  # fmt: skip
@@ -142,9 +143,6 @@ def fit_lightning(spec: dict[str, Any], clock: Clock, module: Any, data: Any) ->
     from lightning.pytorch import Callback, Trainer
 
     class Probe(Callback):
-        def on_train_start(self, *_: Any) -> None:
-            clock.start()
-
         def on_train_batch_start(self, *_: Any) -> None:
             clock.batch_start()
 
@@ -195,7 +193,6 @@ def fit_sgp(spec: dict[str, Any], clock: Clock, module: Any, data: Any) -> str |
     optimizer = module.configure_optimizers()
     optimizer = optimizer[0][0] if isinstance(optimizer, tuple) else optimizer
     sampler = DistributedSampler(data.train_set, num_replicas=ws, rank=rank, shuffle=True, seed=spec["seed"])
-    clock.start()
     epoch = 0
     while clock.steps < spec["steps"]:
         sampler.set_epoch(epoch)
@@ -246,6 +243,9 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     for straggler in spec["stragglers"]:
         os.environ.clear()
         os.environ.update(env)
+        if fits and fits[0].get("error"):  # not retried: a process group of a failed launch may be half-built
+            fits.append({"straggler": straggler, "error": fits[0]["error"]})
+            continue
         fits.append(fit_one(spec, straggler, rank))
     os.environ.clear()
     os.environ.update(env)
