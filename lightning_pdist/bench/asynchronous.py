@@ -21,8 +21,6 @@ issue 22's goals on the rows, ``doc["not_run"]`` says what the issue names that 
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -34,8 +32,8 @@ from lightning_pdist.bench.asynchronous_worker import METHODS
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import Launcher, emulated_network
 from lightning_pdist.bench.netns import LOOPBACK, parse_rate
-from lightning_pdist.bench.report import (check_rows, finish_suite, markdown_table, network_lines, new_document,
-                                          output_dir, run_documented_suite, run_lines)  # fmt: skip
+from lightning_pdist.bench.report import (check_rows, finish_suite, goal_lines, markdown_table, network_lines,
+                                          new_document, output_dir, run_documented_suite, run_lines)  # fmt: skip
 
 SUITE = "asynchronous"
 WORKER = "lightning_pdist.bench.asynchronous_worker"
@@ -221,25 +219,19 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
     out = output_dir(SUITE, out)
     doc = new_document(SUITE, command, asdict(config))
     started = time.perf_counter()
-    scratch = Path(tempfile.mkdtemp(prefix="pdist-bench-async-"))
-    launcher = Launcher(SUITE, scratch, config.timeout)
-    launches = plan(config)
     doc["networks"]["loopback"] = {"detail": "loopback: " + LOOPBACK.describe()}
-    try:
-        with ExitStack() as stack:
-            net = None
-            if "network" in config.parts:
-                net = stack.enter_context(emulated_network(SUITE, doc, config.rate, config.world_size, config.rate, log))
-            for part, spec in launches:
-                if part == "network" and net is None:
-                    continue
-                got = launcher.run(WORKER, spec, spec["world_size"], net if part == "network" else LOOPBACK, errors=400)
-                for row in build_rows(part, spec, got):
-                    doc["rows"].append(row)
-                    log(f"{part} {row['method']} n={row['world_size']} straggler={row['straggler']}: " + (row["error"] or
-                        f"{row['ms_per_step']} ms/step, {row['samples_per_s']} samples/s, val_acc {row['val_acc']}"))  # fmt: skip
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    with Launcher.temporary(SUITE, config.timeout) as launcher, ExitStack() as stack:
+        net = None
+        if "network" in config.parts:
+            net = stack.enter_context(emulated_network(SUITE, doc, config.rate, config.world_size, config.rate, log))
+        for part, spec in plan(config):
+            if part == "network" and net is None:
+                continue
+            got = launcher.run(WORKER, spec, spec["world_size"], net if part == "network" else LOOPBACK, errors=400)
+            for row in build_rows(part, spec, got):
+                doc["rows"].append(row)
+                log(f"{part} {row['method']} n={row['world_size']} straggler={row['straggler']}: " + (row["error"] or
+                    f"{row['ms_per_step']} ms/step, {row['samples_per_s']} samples/s, val_acc {row['val_acc']}"))  # fmt: skip
     check_rows(doc["rows"], ROW_KEYS, SUITE)
     compare(doc["rows"])
     doc["goals"] = goals(doc["rows"], config.slowdown)
@@ -277,7 +269,6 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
     cfg, rows = doc["config"], doc["rows"]
     net = [r for r in rows if r["part"] == "network"]
     first = next((r for r in rows if not r["error"]), {})
-    verdict = {True: "met", False: "**not met**", None: "not measured"}
     lines = [*run_lines(doc, json_path), "",
              f"Model: digits CNN (width {cfg['width']}, {first.get('model_params', 0):,} parameters), batches of "
              f"{cfg['batch_size']} per process, SGD lr {cfg['lr']} momentum {cfg['momentum']}, seed {cfg['seed']}. "
@@ -298,7 +289,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
     if errors := [r for r in rows if r["error"]]:
         lines += ["", "Runs that failed:", "", *(f"- {r['part']} {r['method']} (straggler {r['straggler']}): "
                                                   f"{r['error']}" for r in errors)]  # fmt: skip
-    lines += ["", "Goals (issue 22):", "", *(f"- {g['goal']}: {verdict[g['met']]}. {g['measured']}." for g in doc["goals"])]
+    lines += ["", "Goals (issue 22):", "", *goal_lines(doc["goals"])]
     if doc.get("not_run"):
         lines += ["", "Not in this run:", "", *[f"- {n}" for n in doc["not_run"]]]
     return "\n".join(lines)
