@@ -269,22 +269,28 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
     cfg, rows = doc["config"], doc["rows"]
     net = [r for r in rows if r["part"] == "network"]
     first = next((r for r in rows if not r["error"]), {})
+    load = [r["other_load_cores"] for r in rows if r.get("other_load_cores") is not None]
     lines = [*run_lines(doc, json_path), "",
              f"Model: digits CNN (width {cfg['width']}, {first.get('model_params', 0):,} parameters), batches of "
              f"{cfg['batch_size']} per process, SGD lr {cfg['lr']} momentum {cfg['momentum']}, seed {cfg['seed']}. "
              "Each process has one core's thread (torch.set_num_threads(1)); the machine has "
              f"{doc['host']['cpus']} cores, shared with other sessions (\"other load\": the cores their work kept busy "
-             "on average during the launch).", "", "Networks:", "", *network_lines(doc, named=True, goodput="short")]  # fmt: skip
+             "on average during the launch"
+             + (f"; {min(load):.2f} to {max(load):.2f} cores in this run" if load else "") + ").", "",
+             "Networks:", "", *network_lines(doc, named=True, goodput="short")]  # fmt: skip
     if net:
         lines += ["", f"Network part: {cfg['world_size']} ranks, one per emulated host, {cfg['steps']} steps per rank; "
                   f"the straggler (last rank) sleeps {cfg['slowdown'] - 1:g}× its step's wall time after each step. "
-                  "Clocks start at the end of the first step. Rank 0's model is copied every {cfg['eval_every']} steps and evaluated on the 359 held-out "
-                  "digits after the fit; \"s to target\": rank 0's training time when its model first reached DDP's "
-                  "final accuracy of the same setting.", "", markdown_table(net, NETWORK_COLUMNS)]  # fmt: skip
+                  f"Clocks start at the end of the first step. Rank 0's model is copied every {cfg['eval_every']} steps "
+                  "and evaluated on the 359 held-out digits after the fit; \"s to target\": rank 0's training time "
+                  "when its model first reached DDP's final accuracy of the same setting; samples/s: every rank's "
+                  "samples over the slowest rank's loop (the straggler's, where it is slowest).", "",
+                  markdown_table(net, NETWORK_COLUMNS)]  # fmt: skip
     shared = [r for r in rows if r["part"] == "shared"]
     if shared:
         lines += ["", f"Shared part (this machine, loopback): {cfg['shared_samples']} training samples per run, split "
-                  "over its processes; samples/s: the samples after each process's first step over the slowest process's training loop.", "",
+                  "over its processes; samples/s: the samples after each process's first step over the slowest "
+                  "process's training loop.", "",
                   markdown_table(shared, SHARED_COLUMNS)]  # fmt: skip
     if errors := [r for r in rows if r["error"]]:
         lines += ["", "Runs that failed:", "", *(f"- {r['part']} {r['method']} (straggler {r['straggler']}): "
@@ -307,8 +313,9 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
 
     ok = [r for r in doc["rows"] if not r["error"]]
     fig, (ax_acc, ax_rate) = plt.subplots(1, 2, figsize=(13, 5))
+    colors = {m: f"C{i}" for i, m in enumerate(dict.fromkeys(r["method"] for r in ok))}
     for r in (x for x in ok if x["part"] == "network" and x["evals"]):
-        ax_acc.plot([e[1] for e in r["evals"]], [e[2] for e in r["evals"]], marker=".",
+        ax_acc.plot([e[1] for e in r["evals"]], [e[2] for e in r["evals"]], marker=".", color=colors[r["method"]],
                     linestyle="-" if r["straggler"] is not None else "--",
                     label=f"{r['method']}" + (" (straggler)" if r["straggler"] is not None else ""))  # fmt: skip
     ax_acc.set_xlabel(f"training time (s, rank 0), {doc['config']['rate']} links")
