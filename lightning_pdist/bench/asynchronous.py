@@ -321,7 +321,8 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
     ax_acc.set_xlabel(f"training time (s, rank 0), {doc['config']['rate']} links")
     ax_acc.set_ylabel("validation accuracy (rank 0's model)")
     ax_acc.grid(True, alpha=0.3)
-    ax_acc.legend(fontsize=7)
+    if ax_acc.lines:
+        ax_acc.legend(fontsize=7)
     shared = [r for r in ok if r["part"] == "shared"]
     ax_rate.barh([f"{r['method']} ×{r['world_size']}" for r in shared], [r["samples_per_s"] for r in shared])
     ax_rate.invert_yaxis()
