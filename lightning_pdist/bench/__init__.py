@@ -25,6 +25,7 @@ SUITES: dict[str, str] = {
     "bytes": "lightning_pdist.bench.bytes",
     "compression": "lightning_pdist.bench.compression",
     "diloco": "lightning_pdist.bench.diloco",
+    "asynchronous": "lightning_pdist.bench.asynchronous",
 }
 
 __all__ = ["SUITES"]

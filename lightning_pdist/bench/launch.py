@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -63,6 +65,16 @@ class Launcher:
         self.suite, self.scratch, self.timeout, self.port = suite, Path(scratch), timeout, port
         self.env = worker_env()
         self.count = 0
+
+    @classmethod
+    @contextmanager
+    def temporary(cls, suite: str, timeout: float, **kwargs: Any) -> Iterator[Launcher]:
+        """A launcher whose scratch folder (under the system's temporary folder) is removed when the block ends."""
+        scratch = Path(tempfile.mkdtemp(prefix=f"pdist-bench-{suite}-"))
+        try:
+            yield cls(suite, scratch, timeout, **kwargs)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     def run(
         self,

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_rows", "command_line", "host_info", "markdown_table", "new_document", "run_documented_suite",
+__all__ = ["check_rows", "command_line", "goal_lines", "host_info", "markdown_table", "new_document", "run_documented_suite",
            "utc_now", "write_json"]
 
 
@@ -196,6 +196,12 @@ def network_lines(doc: Mapping[str, Any], named: bool = True, goodput: str | Non
             what += f" (TCP goodput {rate * 8 / 1e6:.1f} Mbit/s)"
         lines.append(f"- {what}")
     return lines
+
+
+def goal_lines(goals: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Goals ``{"goal", "met", "measured"}`` as markdown bullets: met / **not met** / not measured, then the figures."""
+    verdict = {True: "met", False: "**not met**", None: "not measured"}
+    return [f"- {g['goal']}: {verdict[g['met']]}. {g['measured']}." for g in goals]
 
 
 def finish_suite(doc: dict[str, Any], out: Path, suite: str, started: float, plot: Callable[[dict, Path], Any]) -> dict[str, Any]:

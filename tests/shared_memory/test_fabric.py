@@ -77,3 +77,52 @@ def test_refusals():
         HogwildFabricStrategy(lock="yes")
     with pytest.raises(ValueError, match=r"HogwildFabricStrategy\(num_nodes=2\): Hogwild! shares the parameters"):
         Fabric(accelerator="cpu", devices=1, num_nodes=2, strategy=HogwildFabricStrategy())
+
+
+def run_lock_free(fabric, path, resume: bool):
+    """SGD(lr=1) on loss = w·1: every update lowers every coordinate by exactly 1, whatever the weights; saves at
+    ``SAVE_AT`` (or resumes from there). Returns the final weights, the weights right after ``fabric.load``, the
+    process's step count after the load, and its own steps."""
+    model = nn.Linear(D, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(w0())
+    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    state, loaded, steps_after_load = {"model": model, "optimizer": opt, "step": 0}, None, None
+    if resume:
+        fabric.load(path, state)
+        loaded, steps_after_load = model.weight.detach().reshape(-1).clone().numpy(), fabric.strategy.steps
+    for t in range(state["step"] + 1, STEPS + 1):
+        fabric.backward(model(torch.ones(1, D)).sum())
+        opt.step()
+        opt.zero_grad()
+        if t == SAVE_AT and not resume:
+            state["step"] = t
+            fabric.save(path, state)
+    fabric.strategy.load_consensus()
+    return model.weight.detach().reshape(-1).clone().numpy(), loaded, steps_after_load, fabric.strategy.steps
+
+
+def lost_updates(final: torch.Tensor, start: torch.Tensor, updates_per_coordinate: int) -> torch.Tensor:
+    """Per coordinate, how many of the unit updates did not land: whole updates, never negative."""
+    lost = final - (start - updates_per_coordinate)
+    assert torch.equal(lost, lost.round()) and (lost >= 0).all(), lost
+    return lost
+
+
+def test_lock_free_loses_whole_updates_only_and_resumes_exactly_from_the_checkpoint(tmp_path):
+    """Without the lock, 2 processes × STEPS unit updates: the shared weights end at w0 − 2·STEPS + (lost updates),
+    counted per coordinate (whole, never negative) and few; the checkpoint holds w0 − 2·SAVE_AT + its own lost ones.
+    A resumed run starts from exactly the saved weights and step counts, and ends at the saved weights − 2·(STEPS −
+    SAVE_AT) + the lost updates of the resumed part."""
+    path = tmp_path / "hogwild.ckpt"
+    final, _, _, steps = launch(HogwildFabricStrategy(start_method="fork"), lambda f: run_lock_free(f, path, False))
+    lost = lost_updates(torch.from_numpy(final), w0(), 2 * STEPS)
+    saved = torch.load(path, weights_only=False)["model"]["weight"].reshape(-1)
+    lost_at_save = lost_updates(saved, w0(), 2 * SAVE_AT)
+    assert steps == STEPS and int(lost.sum()) <= 0.2 * 2 * STEPS * D and (lost >= lost_at_save).all()
+    final, loaded, after_load, steps = launch(HogwildFabricStrategy(start_method="fork"),
+                                              lambda f: run_lock_free(f, path, True))  # fmt: skip
+    torch.testing.assert_close(torch.from_numpy(loaded), saved, rtol=0, atol=0)
+    assert (after_load, steps) == (SAVE_AT, STEPS)
+    lost = lost_updates(torch.from_numpy(final), saved, 2 * (STEPS - SAVE_AT))
+    assert int(lost.sum()) <= 0.2 * 2 * (STEPS - SAVE_AT) * D
