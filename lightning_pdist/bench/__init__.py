@@ -25,6 +25,7 @@ SUITES: dict[str, str] = {
     "bytes": "lightning_pdist.bench.bytes",
     "compression": "lightning_pdist.bench.compression",
     "diloco": "lightning_pdist.bench.diloco",
+    "parameter_server": "lightning_pdist.bench.parameter_server",
 }
 
 __all__ = ["SUITES"]
