@@ -89,3 +89,16 @@ def test_a_tiny_real_run_sandblaster_ends_where_one_process_lbfgs_does(tmp_path)
     saved = json.loads((tmp_path / "parameter_server.json").read_text())
     assert (tmp_path / "parameter_server.png").stat().st_size > 0
     assert "| sandblaster |" in docs_section(saved, "x.json") and saved["goals"][0]["met"] is None
+
+
+def test_the_command_line_builds_the_config_and_refuses_a_bad_value(tmp_path, capsys):
+    """The suite is registered; --quick picks the small plan; a bad value exits 2 naming it, running nothing."""
+    from lightning_pdist.bench.__main__ import build_parser, main
+    from lightning_pdist.bench.parameter_server import CLI
+
+    args = build_parser().parse_args(["parameter_server", "--quick", "--out", str(tmp_path), "--parts", "parallax"])
+    config = CLI.config_of(args["parameter_server"])
+    assert (config.parts, config.parallax_workers, config.parallax_steps, config.vocab) == (("parallax",), 2, 4, 200_000)
+    assert main(["parameter_server", "--out", str(tmp_path), "--slow-factor", "0.5"]) == 2
+    assert "parameter_server(--slow-factor=0.5): must be >= 1" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
