@@ -111,6 +111,8 @@ class SuiteConfig(SuiteRules):
     """seed of weights and data"""
     timeout: float = 600.0
     """seconds per launch"""
+    keep_from: str = ""
+    """an earlier parameter_server.json: its rows of the parts not in --parts are kept, with that run's command and time"""
     quick: bool = True
     SUITE: ClassVar[str] = SUITE
 
@@ -135,6 +137,8 @@ class SuiteConfig(SuiteRules):
         if not 0 <= self.momentum < 1:
             raise self.bad("momentum", self.momentum, "must be in [0, 1)")
         parse_rate(self.rate)  # raises with the rule
+        if self.keep_from and not Path(self.keep_from).is_file():
+            raise self.bad("keep_from", self.keep_from, "must be a parameter_server.json written by this suite")
 
 
 def worker_spec(config: SuiteConfig, method: str, task: str) -> dict[str, Any]:
@@ -265,9 +269,26 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
                     launch(method, "text", net, network)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    if config.keep_from:
+        keep(doc, config)
     compare(doc["rows"])
     doc["goals"], doc["findings"] = goals(doc["rows"]), findings(doc["rows"], config.target_acc)
     return finish_suite(doc, out, SUITE, started, plot)
+
+
+def keep(doc: dict[str, Any], config: SuiteConfig) -> None:
+    """Add the rows (and networks) of the parts not run from ``config.keep_from`` (in place), recording that run."""
+    import json
+
+    old = json.loads(Path(config.keep_from).read_text())
+    if old.get("suite") != SUITE:
+        raise ValueError(f"{SUITE}(--keep-from={config.keep_from!r}): holds suite {old.get('suite')!r}, not {SUITE!r}")
+    kept = [r for r in old["rows"] if r["part"] not in config.parts]
+    doc["kept"] = {"parts": sorted({r["part"] for r in kept}, key=PARTS.index), "created": old["created"],
+                   "command": old["command"], "loadavg_1m_at_start": old["host"]["loadavg_1m_at_start"]}  # fmt: skip
+    for row in kept:
+        doc["networks"].setdefault(row["network"], old["networks"][row["network"]])
+    doc["rows"] = sorted(doc["rows"] + kept, key=lambda r: PARTS.index(r["part"]))
 
 
 # -- output -------------------------------------------------------------------------------------
@@ -295,7 +316,12 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
     """The suite's section of docs/benchmarks.md, everything read from ``doc``."""
     cfg = doc["config"]
     verdict = {True: "met", False: "**not met**", None: "not measured"}
-    lines = [*run_lines(doc, json_path), "", "Networks:", "", *network_lines(doc, goodput="short")]
+    lines = [*run_lines(doc, json_path)]
+    if doc.get("kept"):
+        k = doc["kept"]
+        lines += [f"Rows of the {' and '.join(k['parts'])} parts kept from the run of {k['created']} (`{k['command']}`, "
+                  f"1-min load average {k['loadavg_1m_at_start']} at its start)."]  # fmt: skip
+    lines += ["", "Networks:", "", *network_lines(doc, goodput="short")]
     notes = {"easgd": f"the last rank sleeps {cfg['slow_factor'] - 1:g}x its own forward + backward before every batch "
                       f"({cfg['slow_factor']:g}x slower); τ = {cfg['period']}, SGD lr {cfg['lr']} momentum "
                       f"{cfg['momentum']}, batch {cfg['batch_size']} per rank; 's to target': rank 0's training time "

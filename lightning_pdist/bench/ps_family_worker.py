@@ -146,7 +146,8 @@ def build_module(spec: dict[str, Any]) -> Any:
 
 def build_data(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
     """(data module or train loader, train set, validation set); the batch per rank follows the method."""
-    from torch.utils.data import DataLoader
+    import torch
+    from torch.utils.data import DataLoader, Subset
 
     from lightning_pdist.data import DigitsDataModule
 
@@ -159,7 +160,12 @@ def build_data(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
         return DataLoader(train, batch_size=per_rank, shuffle=False), train, val
     data = DigitsDataModule(batch_size=per_rank, seed=spec["seed"])
     data.setup("fit")
-    return data, data.train_set, data.val_set
+    if METHODS[spec["method"]][0] != "sandblaster":
+        return data, data.train_set, data.val_set
+    # The same global batch at every step for LBFGS (one process), Sandblaster (one replica: every worker the whole
+    # batch) and sgd_ddp (Lightning's sampler deals the batch's samples to the ranks): one fixed shuffle, in order.
+    order = torch.randperm(len(data.train_set), generator=torch.Generator().manual_seed(spec["seed"])).tolist()
+    return DataLoader(Subset(data.train_set, order), batch_size=per_rank, shuffle=False), data.train_set, data.val_set
 
 
 def measure(module: Any, dataset: Any) -> tuple[float, float]:

@@ -102,3 +102,19 @@ def test_the_command_line_builds_the_config_and_refuses_a_bad_value(tmp_path, ca
     assert main(["parameter_server", "--out", str(tmp_path), "--slow-factor", "0.5"]) == 2
     assert "parameter_server(--slow-factor=0.5): must be >= 1" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_keep_from_adds_the_parts_not_run_and_names_their_run(tmp_path):
+    from lightning_pdist.bench.parameter_server import keep
+
+    old = {"suite": "parameter_server", "created": "T0", "command": "python ... parameter_server --out D",
+           "host": {"loadavg_1m_at_start": 1.5}, "networks": {"emulated 100mbit": {"detail": "d"}},
+           "rows": [{"part": "parallax", "network": "emulated 100mbit"}, {"part": "sandblaster", "network": "loopback"}]}  # fmt: skip
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    doc = {"networks": {"loopback": {}}, "rows": [{"part": "sandblaster", "network": "loopback", "new": True}]}
+    keep(doc, SuiteConfig(parts=("sandblaster",), keep_from=str(path)))
+    assert [r["part"] for r in doc["rows"]] == ["sandblaster", "parallax"] and doc["rows"][0]["new"]
+    assert doc["kept"]["parts"] == ["parallax"] and doc["kept"]["created"] == "T0" and "emulated 100mbit" in doc["networks"]
+    with pytest.raises(ValueError, match=r"--keep-from='nowhere.json'\): must be a parameter_server.json"):
+        SuiteConfig(keep_from="nowhere.json")
