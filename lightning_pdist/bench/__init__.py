@@ -26,6 +26,7 @@ SUITES: dict[str, str] = {
     "compression": "lightning_pdist.bench.compression",
     "diloco": "lightning_pdist.bench.diloco",
     "asynchronous": "lightning_pdist.bench.asynchronous",
+    "parameter_server": "lightning_pdist.bench.parameter_server",
 }
 
 __all__ = ["SUITES"]

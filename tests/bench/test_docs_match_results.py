@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
-SUITES = ["averaging", "sign", "ps_sharding", "pipeline", "tensor_parallel", "compression", "diloco", "asynchronous"]
+SUITES = ["averaging", "sign", "ps_sharding", "pipeline", "tensor_parallel", "compression", "diloco", "asynchronous",
+          "parameter_server"]
 
 
 def tables(markdown: str) -> list[str]:
