@@ -23,17 +23,26 @@
    against a baseline with the same update pattern and one version (2BW against 1F1B, PipeDream against
    PipeDream without stashing): the difference is the stash.
 4. **convergence** (``convergence``): validation accuracy after every epoch against samples seen, through
-   Lightning on digits with ``ClassifierModule(model="cnn")``: DDP (``PdistStrategy``: Lightning's DDP plus
-   byte accounting, same global batch), ``gpipe``, ``pipedream`` with and without weight stashing, ``2bw``.
+   Lightning, per model: digits with ``ClassifierModule(model="cnn")``, and synthetic IMDB reviews with a small BERT
+   cut by ``split_points`` (``"transformer"``). DDP (``PdistStrategy``: Lightning's DDP plus byte accounting, same
+   global batch), ``gpipe``, ``pipedream`` with and without weight stashing, ``2bw``, and the delayed-gradient
+   family: ``spectrain``, ``ddg``, ``features_replay`` and DNI (``synthetic_gradients=True``); every method the same
+   SGD (lr and momentum: SpecTrain predicts from the momentum) and epochs.
 5. **bytes** (``bytes.rows``): the convergence runs' training bytes per epoch (all ranks, from the ``CommMeter``;
    evaluation traffic apart) against survey 002's Table 1: pipelined SGD moves activations, ``O(N·T·M)``
    (2 directions × cuts × samples × activation bytes, plus a 128-byte header per message and one frame per shape change), data parallelism
-   the model, ``O(N²·L·M)`` (per rank ``2(R-1)/R`` × model bytes per step).
+   the model, ``O(N²·L·M)`` (per rank ``2(R-1)/R`` × model bytes per step). CNN runs only (the BERT's boundary
+   is packed by :mod:`~lightning_pdist.pipeline.ownership`).
+6. **bert** (``bert.rows``): samples/s of the BERT cut at one named block (``split_points``), ours (through
+   Lightning: a module that is not one ``nn.Sequential`` pipelines only through the strategy) against torch's
+   ``pipeline()`` traced at the same point (``ScheduleGPipe``/``Schedule1F1B`` at the executor level, as in part 1),
+   same batches and micro-batches, loopback. A cut torch cannot trace or run is recorded in ``not_run`` with its error.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -51,12 +60,13 @@ from lightning_pdist.bench.report import (check_rows, finish_suite, markdown_tab
                                           output_dir, run_documented_suite, run_lines, save_figure)
 
 SUITE = "pipeline"
-PARTS = ("throughput", "bubble", "stash", "convergence")
+PARTS = ("throughput", "bubble", "stash", "convergence", "bert")
 NETWORKS = ("loopback", "emulated")
 SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw")
 ENGINES = ("ours_gpipe", "ours_1f1b", "ours_pipedream", "ours_2bw", "torch_gpipe", "torch_1f1b", "ddp", "deepspeed",
            "fairscale", "lightning")  # fmt: skip
-METHODS = ("ddp", "gpipe", "pipedream", "pipedream_nostash", "2bw")  # convergence runs
+METHODS = ("ddp", "gpipe", "pipedream", "pipedream_nostash", "2bw", "spectrain", "ddg", "features_replay", "dni")  # convergence runs
+CONVERGE_MODELS = ("cnn", "transformer")
 STASH_VARIANTS = ("1f1b", "2bw", "pipedream", "pipedream_nostash")
 BASELINE = {"1f1b": "1f1b", "2bw": "1f1b", "pipedream": "pipedream_nostash", "pipedream_nostash": "pipedream_nostash"}
 ROW_KEYS = ("engine", "schedule", "stages", "processes", "network", "samples_per_s", "median_step_s", "error")
@@ -74,7 +84,7 @@ class SuiteConfig(SuiteRules):
     """
 
     parts: tuple[str, ...] = PARTS
-    """any of throughput, bubble, stash, convergence (bytes come with convergence)"""
+    """any of throughput, bubble, stash, convergence, bert (bytes come with convergence)"""
     networks: tuple[str, ...] = NETWORKS
     """throughput networks"""
     rate: str = "100mbit"
@@ -106,17 +116,29 @@ class SuiteConfig(SuiteRules):
     stash_width: int = 2048
     """layer width of the stash part (2048: 16.8 MB a layer)"""
     methods: tuple[str, ...] = METHODS
-    """convergence runs, any of ddp gpipe pipedream pipedream_nostash 2bw"""
+    """convergence runs, any of ddp gpipe pipedream pipedream_nostash 2bw spectrain ddg features_replay dni"""
+    converge_models: tuple[str, ...] = CONVERGE_MODELS
+    """convergence models: cnn (digits), transformer (a small BERT on synthetic IMDB, cut by split_points)"""
     converge_stages: int = 2
     """ranks of the convergence part"""
-    converge_lr: float = 0.2
-    """SGD lr of the convergence part"""
+    converge_lr: float = 0.02
+    """SGD lr of the convergence part's CNN (every method)"""
+    converge_lr_transformer: float = 0.05
+    """SGD lr of the convergence part's transformer (every method)"""
+    converge_momentum: float = 0.9
+    """SGD momentum of the convergence part (every method; SpecTrain needs it)"""
     converge_batch_size: int = 32
     """global batch of the convergence part"""
     epochs: int = QUICK["epochs"]
     """epochs of the convergence part"""
     seeds: tuple[int, ...] = QUICK["seeds"]
     """seeds of the convergence part"""
+    bert_schedules: tuple[str, ...] = ("1f1b",)
+    """schedules of the bert part, any of gpipe 1f1b (ours and torch's each)"""
+    bert_batch_size: int = 32
+    """global batch of the bert part (2 stages, --microbatches micro-batches)"""
+    keep_from: str | None = None
+    """a pipeline.json whose parts not run now are kept as they are (its command and date are recorded with them)"""
     timeout: float = 600.0
     """seconds per launch"""
     quick: bool = True
@@ -130,13 +152,14 @@ class SuiteConfig(SuiteRules):
     def __post_init__(self) -> None:
         bad = self.bad
         for name, allowed in (("parts", PARTS), ("networks", NETWORKS), ("engines", ENGINES), ("methods", METHODS),
-                              ("stages", None), ("stash_stages", None), ("seeds", None), ("bubble_points", None)):  # fmt: skip
+                              ("converge_models", CONVERGE_MODELS), ("bert_schedules", ("gpipe", "1f1b")), ("stages", None),
+                              ("stash_stages", None), ("seeds", None), ("bubble_points", None)):  # fmt: skip
             self.distinct(name, allowed)
         for name, values in (("stages", self.stages), ("stash_stages", self.stash_stages), ("converge_stages", (self.converge_stages,))):
             if any(isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= 8 for k in values):
                 raise bad(name, values if len(values) > 1 else values[0], "a stage count must be an int in [2, 8]")
         self.ints("width", "depth", "batch_size", "num_microbatches", "warmup_steps", "steps", "bubble_width", "stash_width",
-                  "converge_batch_size", "epochs")  # fmt: skip
+                  "converge_batch_size", "epochs", "bert_batch_size")  # fmt: skip
         if any(not isinstance(s, int) or s < 0 for s in self.seeds):
             raise bad("seeds", self.seeds, "each seed must be an int >= 0")
         # The throughput and bubble parts' own rules apply only when they run (a tiny stash-only run needs no K:m).
@@ -156,11 +179,20 @@ class SuiteConfig(SuiteRules):
         if self.converge_batch_size % self.converge_microbatches or self.converge_batch_size % self.converge_stages:
             raise bad("converge_batch_size", self.converge_batch_size, f"must be a multiple of the {self.converge_microbatches} "
                       "micro-batches and of --converge-stages (DDP's shards of the same global batch are whole)")  # fmt: skip
+        if "bert" in self.parts and (self.bert_batch_size % self.num_microbatches or self.num_microbatches < 2):
+            raise bad("bert_batch_size", self.bert_batch_size, f"must be a multiple of --microbatches ({self.num_microbatches}), "
+                      "which must be >= the bert part's 2 stages")  # fmt: skip
+        if not 0 <= self.converge_momentum < 1:
+            raise bad("converge_momentum", self.converge_momentum, "must be in [0, 1)")
+        if "spectrain" in self.methods and "convergence" in self.parts and not self.converge_momentum > 0:
+            raise bad("converge_momentum", self.converge_momentum, "spectrain predicts the weights from SGD's momentum: must be > 0")
         try:
             parse_rate(self.rate)
         except ValueError:
             raise bad("rate", self.rate, "must look like '100mbit' or '1gbit'") from None
-        self.positive("lr", "converge_lr", "timeout")
+        self.positive("lr", "converge_lr", "converge_lr_transformer", "timeout")
+        if self.keep_from is not None and not Path(self.keep_from).is_file():
+            raise bad("keep_from", self.keep_from, "must be an existing pipeline.json")
 
 
 # -- the plan --------------------------------------------------------------------------------------------
@@ -367,63 +399,94 @@ def run_stash(runner: Runner, config: SuiteConfig) -> list[dict[str, Any]]:
 
 
 def run_convergence(runner: Runner, config: SuiteConfig) -> dict[str, Any]:
-    """Parts 4 and 5: accuracy per epoch of every method, and its training bytes per epoch against the formulas."""
+    """Parts 4 and 5: accuracy per epoch of every model and method, and the CNN's training bytes per epoch against the
+    formulas."""
     from lightning_pdist.bench.pipeline_worker import check_spec
 
     curves, bytes_rows, runs = [], [], []
     k = config.converge_stages
-    for seed in config.seeds:
-        for method in config.methods:
-            spec = check_spec({"job": "converge", "num_stages": k, "seed": seed, "strategy": method.split("_")[0],
-                               "weight_stashing": method != "pipedream_nostash", "num_microbatches": config.converge_microbatches,
-                               "batch_size": config.converge_batch_size, "lr": config.converge_lr, "epochs": config.epochs})  # fmt: skip
-            result = runner.launch(spec, k, "loopback")
-            if result["error"] is not None:
-                runs.append({"method": method, "seed": seed, "error": result["error"]})
-                continue
-            ranks = result["ranks"]
-            r0 = ranks[0]
-            for e in r0["epochs"]:
-                samples = e["samples"] * (k if method == "ddp" else 1)
-                curves.append({"method": method, "seed": seed, "stages": k, "epoch": e["epoch"], "samples": samples,
-                               "val_acc": round(e["val_acc"], 4), "lr": config.converge_lr, "network": "loopback"})  # fmt: skip
-            measured = sum(r["train_bytes"] for r in ranks)
-            if method == "ddp":
-                formula, term = ddp_bytes(r0["train_steps"], r0["params"], k), "N²·L·M: R · 2(R-1)/R · 4·params per step"
-            else:
-                formula = pipeline_bytes(r0["samples"], r0["microbatches"], r0["activation_numel"], r0["announced_after"])
-                term = "N·T·M: 2 · cuts · samples · 4·activation numel, + 128 B per message, + 1 frame per shape change"
-            if seed == config.seeds[0]:
-                bytes_rows.append({"method": method, "ranks": k, "network": "loopback (bytes do not depend on it)",
-                                   "epochs": config.epochs, "params": r0["params"], "activation_numel": r0["activation_numel"],
-                                   "samples_per_epoch": r0["samples"] * (k if method == "ddp" else 1) // config.epochs,
-                                   "measured_bytes_per_epoch": measured / config.epochs,
-                                   "formula_bytes_per_epoch": formula / config.epochs, "survey_term": term,
-                                   "measured_over_formula": round(measured / formula, 6) if formula else None})  # fmt: skip
-            runs.append({"method": method, "seed": seed, "error": None, "final_val_acc": round(r0["epochs"][-1]["val_acc"], 4),
-                         "fit_s": round(r0["fit_s"], 1), "eval_bytes": sum(r["eval_bytes"] for r in ranks)})  # fmt: skip
-            runner.log(f"[convergence] {method} seed {seed}: val_acc {[round(e['val_acc'], 3) for e in r0['epochs']]}, "
-                       f"{measured / config.epochs / 1e6:.2f} MB/epoch (formula {formula / config.epochs / 1e6:.2f})")  # fmt: skip
+    for model, seed, method in ((mo, se, me) for mo in config.converge_models for se in config.seeds for me in config.methods):
+        spec = check_spec({"job": "converge", "num_stages": k, "seed": seed, "strategy": method.split("_nostash")[0],
+                           "weight_stashing": method != "pipedream_nostash", "num_microbatches": config.converge_microbatches,
+                           "batch_size": config.converge_batch_size,
+                           "lr": config.converge_lr if model == "cnn" else config.converge_lr_transformer, "momentum": config.converge_momentum, "epochs": config.epochs, "model": model})  # fmt: skip
+        result = runner.launch(spec, k, "loopback")
+        if result["error"] is not None:
+            runs.append({"model": model, "method": method, "seed": seed, "error": result["error"]})
+            runner.log(f"[convergence] {model} {method} seed {seed}: {result['error']}")
+            continue
+        ranks = result["ranks"]
+        r0 = ranks[0]
+        for e in r0["epochs"]:
+            curves.append({"model": model, "method": method, "seed": seed, "stages": k, "epoch": e["epoch"],
+                           "samples": e["samples"] * (k if method == "ddp" else 1), "val_acc": round(e["val_acc"], 4),
+                           "lr": spec["lr"], "network": "loopback"})  # fmt: skip
+        measured = sum(r["train_bytes"] for r in ranks)
+        if model == "cnn" and seed == config.seeds[0]:
+            bytes_rows.append(bytes_row(method, r0, measured, k, config.epochs))
+        runs.append({"model": model, "method": method, "seed": seed, "error": None, "final_val_acc": round(r0["epochs"][-1]["val_acc"], 4),
+                     "fit_s": round(r0["fit_s"], 1), "eval_bytes": sum(r["eval_bytes"] for r in ranks)})  # fmt: skip
+        runner.log(f"[convergence] {model} {method} seed {seed}: val_acc {[round(e['val_acc'], 3) for e in r0['epochs']]}, "
+                   f"{measured / config.epochs / 1e6:.2f} MB/epoch")  # fmt: skip
     return {"rows": curves, "runs": runs, "summary": convergence_summary(runs), "bytes_rows": bytes_rows}
 
 
-def convergence_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Final accuracy per method (mean over seeds) and what stashing bought, in words the JSON keeps."""
-    final = {}
-    for method in METHODS:
-        accs = [r["final_val_acc"] for r in runs if r["method"] == method and r.get("error") is None]
-        final[method] = round(statistics.mean(accs), 4) if accs else None
-    stash, nostash = final.get("pipedream"), final.get("pipedream_nostash")
-    if stash is None or nostash is None:
-        note = "stashing was not compared (a run is missing)"
-    elif abs(stash - nostash) < 0.01:
-        note = (f"no difference at this lr and stage count ({stash:.4f} vs {nostash:.4f}): with few stages a backward "
-                "without stashing uses weights only K-1-s updates newer than its forward's, which a small lr barely moves")
+def bytes_row(method: str, r0: dict[str, Any], measured: int, k: int, epochs: int) -> dict[str, Any]:
+    """Part 5's row of one CNN run: measured training bytes per epoch against survey 002 Table 1's term."""
+    if method == "ddp":
+        formula, term = ddp_bytes(r0["train_steps"], r0["params"], k), "N²·L·M: R · 2(R-1)/R · 4·params per step"
     else:
-        note = (f"stashing {stash:.4f} vs no stashing {nostash:.4f} ({stash - nostash:+.4f}): without stashing a backward "
-                "uses newer weights than its forward, and at this lr the mismatched gradients "
-                + ("do not train" if nostash < 0.2 else "train worse"))  # fmt: skip
-    return {"final_val_acc": final, "stashing_note": note}
+        formula = pipeline_bytes(r0["samples"], r0["microbatches"], r0["activation_numel"], r0["announced_after"])
+        term = "N·T·M: 2 · cuts · samples · 4·activation numel, + 128 B per message, + 1 frame per shape change"
+    return {"method": method, "ranks": k, "network": "loopback (bytes do not depend on it)", "epochs": epochs,
+            "params": r0["params"], "activation_numel": r0["activation_numel"],
+            "samples_per_epoch": r0["samples"] * (k if method == "ddp" else 1) // epochs,
+            "measured_bytes_per_epoch": measured / epochs, "formula_bytes_per_epoch": formula / epochs, "survey_term": term,
+            "measured_over_formula": round(measured / formula, 6) if formula else None}  # fmt: skip
+
+
+def convergence_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Final accuracy per model and method (mean over seeds) and what stashing bought, in words the JSON keeps."""
+    final: dict[str, dict[str, float | None]] = {}
+    for model in dict.fromkeys(r.get("model", "cnn") for r in runs):
+        for method in METHODS:
+            accs = [r["final_val_acc"] for r in runs if r.get("model", "cnn") == model and r["method"] == method and r.get("error") is None]
+            final.setdefault(model, {})[method] = round(statistics.mean(accs), 4) if accs else None
+    notes = {}
+    for model, by in final.items():
+        stash, nostash = by.get("pipedream"), by.get("pipedream_nostash")
+        if stash is None or nostash is None:
+            notes[model] = "stashing was not compared (a run is missing)"
+        elif abs(stash - nostash) < 0.01:
+            notes[model] = (f"no difference at this lr and stage count ({stash:.4f} vs {nostash:.4f}): with few stages a "
+                            "backward without stashing uses weights only K-1-s updates newer than its forward's, which a "
+                            "small lr barely moves")  # fmt: skip
+        else:
+            notes[model] = (f"stashing {stash:.4f} vs no stashing {nostash:.4f} ({stash - nostash:+.4f}): without stashing a "
+                            "backward uses newer weights than its forward, and at this lr the mismatched gradients "
+                            + ("do not train" if nostash < 0.2 else "train worse"))  # fmt: skip
+    return {"final_val_acc": final, "stashing_note": notes}
+
+
+def run_bert(runner: Runner, config: SuiteConfig) -> tuple[list[dict[str, Any]], list[str]]:
+    """Part 6: the BERT cut by ``split_points``, ours and torch's, per schedule; rows, and what could not run."""
+    from lightning_pdist.bench.pipeline_worker import BERT_SPLIT, TRANSFORMER, check_spec
+
+    rows, not_run = [], []
+    for schedule in config.bert_schedules:
+        for engine in ("ours", "torch"):
+            spec = check_spec({"job": "bert", "num_stages": 2, "seed": 0, "batch_size": config.bert_batch_size,
+                               "num_microbatches": config.num_microbatches, "warmup_steps": config.warmup_steps,
+                               "steps": config.steps, "lr": config.lr, "engine": engine, "schedule": schedule})  # fmt: skip
+            result = runner.launch(spec, 2, "loopback")
+            for row in throughput_rows(result, {**spec, "width": TRANSFORMER["hidden_size"], "depth": TRANSFORMER["num_layers"]},
+                                       2, "loopback", "ours+lightning" if engine == "ours" else "torch"):  # fmt: skip
+                row.update(schedule=schedule, split_point=f"model.{BERT_SPLIT}" if engine == "ours" else BERT_SPLIT)
+                rows.append(row)
+                if row["error"]:
+                    not_run.append(f"bert {engine} {schedule}: {row['error']}")
+                runner.log(f"[bert] {row['engine']} {schedule}: {row['error'] or str(row['samples_per_s']) + ' samples/s'}")
+    return rows, not_run
 
 
 def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any] | None:
@@ -473,9 +536,51 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
             doc["bytes"] = {"rows": conv.pop("bytes_rows")}
             doc["convergence"] = conv
             lap("convergence")
+        if "bert" in config.parts:
+            rows, not_run = run_bert(runner, config)
+            doc["bert"] = {"rows": rows}
+            doc["not_run"] = not_run
+            lap("bert")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    if config.keep_from is not None:
+        keep_parts(doc, json.loads(Path(config.keep_from).read_text()), config)
     return finish_suite(doc, out, SUITE, t_suite, plot)
+
+
+#: What each part writes into the document.
+PART_KEYS = {"throughput": ("rows", "ratios", "networks"), "bubble": ("bubble",), "stash": ("stash",),
+             "convergence": ("convergence", "bytes"), "bert": ("bert", "not_run")}  # fmt: skip
+#: The settings each part's figures depend on (a kept part must have been run with the same, as this run's text says).
+PART_SETTINGS = {"throughput": ("networks", "rate", "stages", "engines", "width", "depth", "batch_size", "num_microbatches",
+                                "warmup_steps", "steps", "lr"),
+                 "bubble": ("bubble_points", "bubble_width", "depth", "batch_size", "steps", "warmup_steps"),
+                 "stash": ("stash_stages", "stash_width", "lr"),
+                 "convergence": ("methods", "converge_models", "converge_stages", "converge_lr", "converge_lr_transformer", "converge_momentum",
+                                 "converge_batch_size", "epochs", "seeds"),
+                 "bert": ("bert_schedules", "bert_batch_size", "num_microbatches", "warmup_steps", "steps", "lr")}  # fmt: skip
+
+
+def keep_parts(doc: dict[str, Any], old: dict[str, Any], config: SuiteConfig) -> None:
+    """Copy into ``doc`` the parts ``old`` holds that this run did not run; ``doc["kept"]`` says from which run.
+
+    Raises:
+        ValueError: a kept part was run with other settings than this run's (its figures would be described wrongly).
+    """
+    kept = [p for p in PARTS if p not in config.parts and all(k in old for k in PART_KEYS[p][:1])]
+    for part in kept:
+        now = json.loads(json.dumps(doc["config"]))  # tuples as the file's lists
+        differ = [k for k in PART_SETTINGS[part] if k in old["config"] and old["config"][k] != now[k]]
+        if differ:
+            raise ValueError(f"pipeline(--keep-from={config.keep_from}): its {part} part ran with other settings "
+                             f"({', '.join(k + '=' + repr(old['config'][k]) for k in differ)}); re-run that part")  # fmt: skip
+        for key in PART_KEYS[part]:
+            if key == "networks":
+                doc["networks"] = {**old["networks"], **doc["networks"]}
+            elif key in old:
+                doc[key] = old[key]
+        doc["part_wall_s"][part] = old.get("part_wall_s", {}).get(part)
+    doc["kept"] = {"parts": kept, "from_command": old["command"], "from_created": old["created"], "from_host": old["host"]}
 
 
 # -- output --------------------------------------------------------------------------------------------
@@ -500,6 +605,15 @@ STASH_COLUMNS = (
     ("over baseline MB", "rss_over_baseline", lambda b: f"{b / 1e6:+.1f}"),
     ("expected MB", "expected_over_baseline", lambda b: f"{b / 1e6:+.1f}"),
 )  # fmt: skip
+FINAL_COLUMNS = (
+    ("method", "method", None), ("cnn val_acc", "acc_cnn", ".4f"), ("transformer val_acc", "acc_transformer", ".4f"),
+    ("cnn fit s", "fit_s_cnn", ".1f"), ("transformer fit s", "fit_s_transformer", ".1f"),
+)  # fmt: skip
+BERT_COLUMNS = (
+    ("engine", "engine", None), ("schedule", "schedule", None), ("split point", "split_point", None),
+    ("m", "num_microbatches", None), ("samples/s", "samples_per_s", ".1f"),
+    ("median ms", "median_step_s", lambda s: f"{1000 * s:.1f}"), ("other load", "other_load_cores", ".2f"), ("error", "error", None),
+)  # fmt: skip
 BYTES_COLUMNS = (
     ("method", "method", None), ("ranks", "ranks", None), ("samples/epoch", "samples_per_epoch", None),
     ("measured MB/epoch", "measured_bytes_per_epoch", lambda b: f"{b / 1e6:.3f}"),
@@ -514,6 +628,10 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
     lines = [
         *run_lines(doc, json_path),
     ]
+    if doc.get("kept", {}).get("parts"):
+        kept = doc["kept"]
+        lines += ["", f"Parts {', '.join(kept['parts'])} are kept from the run `{kept['from_command']}` of {kept['from_created']} "
+                  f"(1-min load average {kept['from_host']['loadavg_1m_at_start']} at its start); the others ran in the run above."]  # fmt: skip
     if doc["rows"]:
         nets = "\n".join(network_lines(doc, goodput=None))
         lines += ["", "### Throughput", "", f"MLP: {cfg['depth']} × Linear({cfg['width']}, {cfg['width']}), batch "
@@ -535,16 +653,42 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         lines += ["", "### Weight stashing memory (loopback)", "", markdown_table(doc["stash"]["rows"], STASH_COLUMNS)]
     conv = doc.get("convergence")
     if conv:
-        finals = ", ".join(f"{k} {v}" for k, v in conv["summary"]["final_val_acc"].items())
-        lines += ["", "### Convergence (Lightning, digits, loopback)", "",
-                  f"ClassifierModule(model='cnn'), SGD lr {cfg['converge_lr']}, batch {cfg['converge_batch_size']}, "
-                  f"{cfg['converge_stages']} stages/ranks, {cfg['epochs']} epochs, seeds {list(cfg['seeds'])}; pipedream "
-                  "updates after every micro-batch (batch/m samples, the same lr), the others once per batch. "
-                  f"Final val_acc: {finals}.", "", f"Stashing: {conv['summary']['stashing_note']}"]  # fmt: skip
-        lines += [f"- {r['method']} seed {r['seed']}: error {r['error']}" for r in conv["runs"] if r.get("error")]
-    if doc.get("bytes"):
+        lines += ["", "### Convergence (Lightning, loopback)", "",
+                  f"SGD for every method, momentum {cfg.get('converge_momentum', 0.0)}, lr {cfg['converge_lr']} (cnn) and "
+                  f"{cfg.get('converge_lr_transformer', '–')} (transformer), batch "
+                  f"{cfg['converge_batch_size']} in {max(4, cfg['converge_stages'])} micro-batches, {cfg['converge_stages']} "
+                  f"stages/ranks, {cfg['epochs']} epochs, seeds {list(cfg['seeds'])}. cnn: ClassifierModule(model='cnn') on "
+                  "digits; transformer: a 2-block BERT (hidden 128, 4 heads, max 128 tokens, no dropout) on synthetic IMDB "
+                  "reviews, cut by split_points at its second block. pipedream, spectrain, ddg, features_replay and dni "
+                  "update after every micro-batch (batch/m samples, the same lr), the others once per batch; dni is "
+                  "pipedream's timing with synthetic_gradients=True.", "",
+                  markdown_table(final_rows(conv), FINAL_COLUMNS), ""]  # fmt: skip
+        notes = conv["summary"]["stashing_note"]
+        lines += [f"Stashing ({model}): {note}" for model, note in (notes.items() if isinstance(notes, dict) else [("cnn", notes)])]
+        lines += [f"- {r.get('model', 'cnn')} {r['method']} seed {r['seed']}: error {r['error']}" for r in conv["runs"] if r.get("error")]
+    if (doc.get("bytes") or {}).get("rows"):
         lines += ["", "### Bytes per epoch against survey 002 Table 1", "", markdown_table(doc["bytes"]["rows"], BYTES_COLUMNS)]
+    if doc.get("bert"):
+        lines += ["", "### BERT cut by split_points (loopback)", "", "The convergence part's BERT (batch "
+                  f"{cfg.get('bert_batch_size')} of random token ids, {cfg['num_microbatches']} micro-batches, 2 stages, "
+                  f"{cfg['warmup_steps']} untimed + {cfg['steps']} timed steps): ours through Lightning "
+                  "(PipelineStrategy(split_points=...), the only way such a module pipelines here: its per-step overhead "
+                  "is in the figure, see ours+lightning against ours 1f1b above), torch's pipeline() traced at the same "
+                  "block with its schedule at the executor level.", "", markdown_table(doc["bert"]["rows"], BERT_COLUMNS)]  # fmt: skip
+    if doc.get("not_run"):
+        lines += ["", "Not in this run:", "", *[f"- {n}" for n in doc["not_run"]]]
     return "\n".join(lines)
+
+
+def final_rows(conv: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per method: final val_acc per model (mean over seeds) and the fit seconds of the first seed."""
+    finals = conv["summary"]["final_val_acc"]
+    if finals and not isinstance(next(iter(finals.values())), dict):  # one model (the CNN), as older files hold
+        finals = {"cnn": finals}
+    fit = {(r.get("model", "cnn"), r["method"]): r.get("fit_s") for r in conv["runs"] if r.get("error") is None}
+    methods = [m for m in METHODS if any(by.get(m) is not None for by in finals.values())]
+    return [{"method": m, **{f"acc_{mo}": by.get(m) for mo, by in finals.items()},
+             **{f"fit_s_{mo}": fit.get((mo, m)) for mo in finals}} for m in methods]  # fmt: skip
 
 
 def _legend(ax: Any, **kwargs: Any) -> None:
@@ -605,13 +749,16 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
     axes[2].set_xticks(range(len(stash)), names, rotation=90, fontsize=6)
     axes[2].set(ylabel="MB", title="stashed weights per stage")
     _legend(axes[2], fontsize=7)
-    for method in METHODS:
-        for seed in dict.fromkeys(r["seed"] for r in (doc.get("convergence") or {}).get("rows", [])):
-            pts = [r for r in doc["convergence"]["rows"] if r["method"] == method and r["seed"] == seed]
-            if pts:
-                axes[3].plot([r["samples"] for r in pts], [r["val_acc"] for r in pts], "o-", label=f"{method} s{seed}")
-    axes[3].set(xlabel="training samples", ylabel="val accuracy", title="convergence (digits, Lightning)")
-    _legend(axes[3], fontsize=7)
+    curves = (doc.get("convergence") or {}).get("rows", [])
+    for model, style in zip(CONVERGE_MODELS, ("o-", "s--")):
+        for i, method in enumerate(METHODS):
+            for seed in dict.fromkeys(r["seed"] for r in curves):
+                pts = [r for r in curves if r.get("model", "cnn") == model and r["method"] == method and r["seed"] == seed]
+                if pts:
+                    axes[3].plot([r["samples"] for r in pts], [r["val_acc"] for r in pts], style, color=f"C{i}",
+                                 label=f"{model} {method} s{seed}")  # fmt: skip
+    axes[3].set(xlabel="training samples", ylabel="val accuracy", title="convergence (cnn: digits, o-; transformer: IMDB, s--)")
+    _legend(axes[3], fontsize=5, ncol=2)
     brows = (doc.get("bytes") or {}).get("rows", [])
     axes[4].bar([i - 0.2 for i in range(len(brows))], [r["measured_bytes_per_epoch"] / 1e6 for r in brows], 0.4, label="measured")
     axes[4].bar([i + 0.2 for i in range(len(brows))], [r["formula_bytes_per_epoch"] / 1e6 for r in brows], 0.4, label="formula")
