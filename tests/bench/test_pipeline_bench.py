@@ -193,6 +193,9 @@ def test_real_throughput_and_bubble_run_on_loopback(tmp_path):
     for row in doc["bubble"]["rows"]:
         assert row["simulated_steady"] == (row["formula"] if row["schedule"] in ("gpipe", "1f1b") else 0.0)
         assert 0 <= row["bubble_measured"] < 1 and row["network"] == "loopback"
+        # the bubble point is the throughput launch's own (K=2, m=2, width 32): its rows are reused, not launched again
+        assert (row["bubble_measured"], row["median_step_s"]) == (by[("ours", row["schedule"])]["bubble_measured"],
+                                                                  by[("ours", row["schedule"])]["median_step_s"])  # fmt: skip
 
 
 @pytest.mark.standalone
