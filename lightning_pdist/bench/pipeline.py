@@ -104,7 +104,10 @@ class SuiteConfig(SuiteRules):
     warmup_steps: int = QUICK["warmup_steps"]
     """untimed steps"""
     steps: int = QUICK["steps"]
-    """timed steps"""
+    """timed steps (per round)"""
+    rounds: int = 1
+    """the engines launch runs its cases this many times in turn (ours, torch, ..., ours, torch, ...): every engine
+    then samples the same stretches of the machine's load, and a row pools its rounds' steps"""
     lr: float = 1e-3
     """SGD lr of the throughput MLP"""
     bubble_points: tuple[tuple[int, int], ...] = ((2, 2), (2, 4), (2, 8), (4, 4))
@@ -158,7 +161,7 @@ class SuiteConfig(SuiteRules):
         for name, values in (("stages", self.stages), ("stash_stages", self.stash_stages), ("converge_stages", (self.converge_stages,))):
             if any(isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= 8 for k in values):
                 raise bad(name, values if len(values) > 1 else values[0], "a stage count must be an int in [2, 8]")
-        self.ints("width", "depth", "batch_size", "num_microbatches", "warmup_steps", "steps", "bubble_width", "stash_width",
+        self.ints("rounds", "width", "depth", "batch_size", "num_microbatches", "warmup_steps", "steps", "bubble_width", "stash_width",
                   "converge_batch_size", "epochs", "bert_batch_size")  # fmt: skip
         if any(not isinstance(s, int) or s < 0 for s in self.seeds):
             raise bad("seeds", self.seeds, "each seed must be an int >= 0")
@@ -217,7 +220,7 @@ def engine_cases(config: SuiteConfig) -> list[dict[str, Any]]:
             cases.append({"engine": engine, "schedule": schedule, "num_microbatches": m})
         elif engine == "ddp":
             cases.append({"engine": "ddp", "schedule": None, "num_microbatches": m})
-    return cases
+    return cases * config.rounds
 
 
 def steady_bubble(schedule: str, stages: int, microbatches: int, batches: int) -> tuple[float, float]:
@@ -281,17 +284,25 @@ def throughput_rows(result: dict[str, Any], spec: dict[str, Any], processes: int
         return [{"engine": engine, "schedule": schedule, **common, "num_microbatches": spec.get("num_microbatches"),
                  "samples_per_s": None, "median_step_s": None, "error": result["error"]}]  # fmt: skip
     rows = []
+    groups: dict[tuple, list[int]] = {}  # the cases of one engine and schedule over the rounds, pooled into one row
     for i, case in enumerate(result["ranks"][0]["cases"]):
-        per_rank = [r["cases"][i] for r in result["ranks"]]
+        groups.setdefault((case["engine"], case["schedule"], case["num_microbatches"]), []).append(i)
+    for indices in groups.values():
+        case = result["ranks"][0]["cases"][indices[0]]
+        per_rank = [{key: None if r["cases"][indices[0]][key] is None else [v for i in indices for v in r["cases"][i][key]]
+                     for key in ("step_s", "wait_s", "bytes")} | {"loop_s": sum(r["cases"][i]["loop_s"] for i in indices)}
+                    for r in result["ranks"]]  # fmt: skip
         step = max(statistics.median(c["step_s"]) for c in per_rank)
         waits = [sum(c["wait_s"]) / sum(c["step_s"]) for c in per_rank if c["wait_s"] is not None]
         sent = [statistics.mean(c["bytes"]) for c in per_rank if c["bytes"] is not None]
+        rounds = [max(statistics.median(r["cases"][i]["step_s"]) for r in result["ranks"]) for i in indices]
         rows.append({
             "engine": case["engine"], "schedule": None if case["engine"] == "ddp" else case["schedule"], **common,
             "num_microbatches": case["num_microbatches"], "samples_per_s": round(spec["batch_size"] / step, 2),
             "median_step_s": round(step, 5), "mean_step_s": round(max(c["loop_s"] for c in per_rank) / len(per_rank[0]["step_s"]), 5),
             "bubble_measured": round(statistics.mean(waits), 4) if waits else None,
-            "bytes_per_step": round(sum(sent)) if sent else None, "max_versions": case.get("max_versions"), "error": None,
+            "bytes_per_step": round(sum(sent)) if sent else None, "max_versions": result["ranks"][0]["cases"][indices[-1]].get("max_versions"),
+            "error": None, **({"round_median_step_s": [round(t, 5) for t in rounds]} if len(indices) > 1 else {}),
         })  # fmt: skip
     return rows
 
@@ -332,6 +343,8 @@ def ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"stages": key[0], "network": key[1], "ours_1f1b_samples_per_s": ours["samples_per_s"],
                         "torch_1f1b_samples_per_s": theirs["samples_per_s"],
                         "ratio": round(ours["samples_per_s"] / theirs["samples_per_s"], 3)})  # fmt: skip
+            if "round_median_step_s" in ours and "round_median_step_s" in theirs:  # same batch: the inverse ratio of steps
+                out[-1]["round_ratios"] = [round(t / o, 3) for o, t in zip(ours["round_median_step_s"], theirs["round_median_step_s"])]
     return out
 
 
@@ -561,7 +574,7 @@ PART_KEYS = {"throughput": ("rows", "ratios", "networks"), "bubble": ("bubble",)
              "convergence": ("convergence", "bytes"), "bert": ("bert", "not_run")}  # fmt: skip
 #: The settings each part's figures depend on (a kept part must have been run with the same, as this run's text says).
 PART_SETTINGS = {"throughput": ("networks", "rate", "stages", "engines", "width", "depth", "batch_size", "num_microbatches",
-                                "warmup_steps", "steps", "lr"),
+                                "warmup_steps", "steps", "lr", "rounds"),
                  "bubble": ("bubble_points", "bubble_width", "depth", "batch_size", "steps", "warmup_steps"),
                  "stash": ("stash_stages", "stash_width", "lr"),
                  "convergence": ("methods", "converge_models", "converge_stages", "converge_lr", "converge_lr_transformer", "converge_momentum",
@@ -647,7 +660,9 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
                   f"{cfg['steps']} timed steps (median of the slowest stage). More processes than CPUs means "
                   "oversubscribed; fairscale is one process.", "", "Networks:", "", nets, "",
                   markdown_table(doc["rows"], THROUGHPUT_COLUMNS), ""]  # fmt: skip
-        lines += [f"- ours 1F1B / torch Schedule1F1B, {r['network']}, K={r['stages']}: {r['ratio']:.3f}" for r in doc.get("ratios", [])]
+        lines += [f"- ours 1F1B / torch Schedule1F1B, {r['network']}, K={r['stages']}: {r['ratio']:.3f}"
+                  + (f" (per round: {', '.join(f'{x:.3f}' for x in r['round_ratios'])})" if r.get("round_ratios") else "")
+                  for r in doc.get("ratios", [])]  # fmt: skip
         lines += ["- DeepSpeed runs with its shared-memory all-reduce op switched off (a 75-80 s JIT build the pipeline's "
                   "p2p never uses) and plain SGD, so no JIT happens; its traffic goes over gloo like everyone's."]  # fmt: skip
         lines += mlp_bytes_lines(doc["rows"])

@@ -15,6 +15,7 @@ from lightning_pdist.bench.pipeline import (
     SuiteConfig,
     convergence_summary,
     ddp_bytes,
+    engine_cases,
     keep_parts,
     pipeline_bytes,
     ratios,
@@ -128,6 +129,21 @@ def test_ratios_and_the_stashing_note_come_from_the_rows():
     assert summary["stashing_note"]["transformer"] == "stashing was not compared (a run is missing)"
     runs[1]["final_val_acc"] = 0.1
     assert "do not train" in convergence_summary(runs)["stashing_note"]["cnn"]
+
+
+def test_rounds_pool_into_one_row_per_engine_with_each_rounds_ratio():
+    """--rounds R: the launch runs its cases R times in turn; one row per engine pools the steps, ratios keep each round's."""
+    assert [c["engine"] for c in engine_cases(SuiteConfig(engines=("ours_1f1b", "torch_1f1b"), rounds=3))] == ["ours", "torch"] * 3
+
+    def case(engine, steps, per_step=None):
+        return {"engine": engine, "schedule": "1f1b", "num_microbatches": 4, "step_s": steps, "loop_s": sum(steps),
+                "wait_s": per_step and [0.1] * len(steps), "bytes": per_step and [per_step] * len(steps)}  # fmt: skip
+
+    ranks = [{"cases": [case("ours", [1, 1, 3], 5), case("torch", [2, 2, 2]), case("ours", [2, 2, 2], 5), case("torch", [4, 4, 4])]}] * 2
+    rows = throughput_rows({"error": None, "ranks": ranks}, {"num_stages": 2, "width": 8, "depth": 2, "batch_size": 8}, 2, "loopback")
+    assert [(r["engine"], r["median_step_s"], r["round_median_step_s"]) for r in rows] == [("ours", 2, [1, 2]), ("torch", 3, [2, 4])]
+    assert rows[0]["bytes_per_step"] == 10 and rows[0]["bubble_measured"] == round(0.6 / 11, 4)
+    assert ratios(rows)[0]["ratio"] == 1.498 and ratios(rows)[0]["round_ratios"] == [2.0, 2.0]
 
 
 def test_kept_parts_come_from_the_earlier_run_with_its_command_and_must_match_its_settings():
