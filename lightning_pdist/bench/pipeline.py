@@ -676,16 +676,18 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         lines += ["", "### Weight stashing memory (loopback)", "", markdown_table(doc["stash"]["rows"], STASH_COLUMNS)]
     conv = doc.get("convergence")
     if conv:
+        models = list(dict.fromkeys(r.get("model", "cnn") for r in conv["runs"]))
+        lrs = " and ".join(f"{cfg.get('converge_lr' if m == 'cnn' else 'converge_lr_transformer')} ({m})" for m in models)
+        what = {"cnn": "cnn: ClassifierModule(model='cnn') on digits",
+                "transformer": "transformer: a 2-block BERT (hidden 128, 4 heads, max 128 tokens, no dropout) on synthetic "
+                               "IMDB reviews, cut by split_points at its second block"}  # fmt: skip
         lines += ["", "### Convergence (Lightning, loopback)", "",
-                  f"SGD for every method, momentum {cfg.get('converge_momentum', 0.0)}, lr {cfg['converge_lr']} (cnn) and "
-                  f"{cfg.get('converge_lr_transformer', '–')} (transformer), batch "
+                  f"SGD for every method, momentum {cfg.get('converge_momentum', 0.0)}, lr {lrs}, batch "
                   f"{cfg['converge_batch_size']} in {max(4, cfg['converge_stages'])} micro-batches, {cfg['converge_stages']} "
-                  f"stages/ranks, {cfg['epochs']} epochs, seeds {list(cfg['seeds'])}. cnn: ClassifierModule(model='cnn') on "
-                  "digits; transformer: a 2-block BERT (hidden 128, 4 heads, max 128 tokens, no dropout) on synthetic IMDB "
-                  "reviews, cut by split_points at its second block. pipedream, spectrain, ddg, features_replay and dni "
-                  "update after every micro-batch (batch/m samples, the same lr), the others once per batch; dni is "
-                  "pipedream's timing with synthetic_gradients=True.", "",
-                  markdown_table(final_rows(conv), FINAL_COLUMNS), ""]  # fmt: skip
+                  f"stages/ranks, {cfg['epochs']} epochs, seeds {list(cfg['seeds'])}. {'; '.join(what[m] for m in models)}. "
+                  "pipedream (and spectrain, ddg, features_replay, dni) update after every micro-batch (batch/m samples, "
+                  "the same lr), the others once per batch; dni is pipedream's timing with synthetic_gradients=True.", "",
+                  markdown_table(final_rows(conv), [c for c in FINAL_COLUMNS if c[1].rsplit("_", 1)[-1] in ("method", *models)]), ""]  # fmt: skip
         notes = conv["summary"]["stashing_note"]
         lines += [f"Stashing ({model}): {note}" for model, note in (notes.items() if isinstance(notes, dict) else [("cnn", notes)])]
         lines += [f"- {r.get('model', 'cnn')} {r['method']} seed {r['seed']}: error {r['error']}" for r in conv["runs"] if r.get("error")]
