@@ -96,17 +96,15 @@ class P2P:
     _received: dict[tuple[int, int], Meta] = field(default_factory=dict)
 
     def _frame(self, kind: int, stream: int, microbatch: int, version: int, meta: Meta, payload: Tensor | None, size: int) -> Tensor:
-        # One allocation, no zero fill, and the header from one Python list: this runs twice per micro-batch
-        # on the critical path (measured 110-170 us per frame when built field by field with zeroed buffers).
+        frame = torch.zeros(HEADER_BYTES + size, dtype=torch.uint8, device=self.device)
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         code, shape = meta
-        header = [MAGIC, stream, microbatch, version, code, len(shape), *shape]
-        header += [0] * (14 - len(header)) + [kind, 0]
-        frame = torch.empty(HEADER_BYTES + size, dtype=torch.uint8, device=self.device)
-        frame[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
+        header[:6] = torch.tensor([MAGIC, stream, microbatch, version, code, len(shape)])
+        header[6 : 6 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+        header[14] = kind
+        frame[:HEADER_BYTES] = header.view(torch.uint8).to(self.device)
         if payload is not None:
-            frame[HEADER_BYTES:].copy_(payload.reshape(-1).view(torch.uint8))
-        elif size:
-            frame[HEADER_BYTES:].zero_()
+            frame[HEADER_BYTES:] = payload.reshape(-1).view(torch.uint8)
         return frame
 
     def send(self, tensor: Tensor, dst: int, stream: int, microbatch: int, version: int = 0, count: bool = True) -> None:
