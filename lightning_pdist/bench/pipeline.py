@@ -23,17 +23,26 @@
    against a baseline with the same update pattern and one version (2BW against 1F1B, PipeDream against
    PipeDream without stashing): the difference is the stash.
 4. **convergence** (``convergence``): validation accuracy after every epoch against samples seen, through
-   Lightning on digits with ``ClassifierModule(model="cnn")``: DDP (``PdistStrategy``: Lightning's DDP plus
-   byte accounting, same global batch), ``gpipe``, ``pipedream`` with and without weight stashing, ``2bw``.
+   Lightning, per model: digits with ``ClassifierModule(model="cnn")``, and synthetic IMDB reviews with a small BERT
+   cut by ``split_points`` (``"transformer"``). DDP (``PdistStrategy``: Lightning's DDP plus byte accounting, same
+   global batch), ``gpipe``, ``pipedream`` with and without weight stashing, ``2bw``, and the delayed-gradient
+   family: ``spectrain``, ``ddg``, ``features_replay`` and DNI (``synthetic_gradients=True``); every method the same
+   SGD (lr and momentum: SpecTrain predicts from the momentum) and epochs.
 5. **bytes** (``bytes.rows``): the convergence runs' training bytes per epoch (all ranks, from the ``CommMeter``;
    evaluation traffic apart) against survey 002's Table 1: pipelined SGD moves activations, ``O(N·T·M)``
    (2 directions × cuts × samples × activation bytes, plus a 128-byte header per message and one frame per shape change), data parallelism
-   the model, ``O(N²·L·M)`` (per rank ``2(R-1)/R`` × model bytes per step).
+   the model, ``O(N²·L·M)`` (per rank ``2(R-1)/R`` × model bytes per step). CNN runs only (the BERT's boundary
+   is packed by :mod:`~lightning_pdist.pipeline.ownership`).
+6. **bert** (``bert.rows``): samples/s of the BERT cut at one named block (``split_points``), ours (through
+   Lightning: a module that is not one ``nn.Sequential`` pipelines only through the strategy) against torch's
+   ``pipeline()`` traced at the same point (``ScheduleGPipe``/``Schedule1F1B`` at the executor level, as in part 1),
+   same batches and micro-batches, loopback. A cut torch cannot trace or run is recorded in ``not_run`` with its error.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -51,12 +60,13 @@ from lightning_pdist.bench.report import (check_rows, finish_suite, markdown_tab
                                           output_dir, run_documented_suite, run_lines, save_figure)
 
 SUITE = "pipeline"
-PARTS = ("throughput", "bubble", "stash", "convergence")
+PARTS = ("throughput", "bubble", "stash", "convergence", "bert")
 NETWORKS = ("loopback", "emulated")
 SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw")
 ENGINES = ("ours_gpipe", "ours_1f1b", "ours_pipedream", "ours_2bw", "torch_gpipe", "torch_1f1b", "ddp", "deepspeed",
            "fairscale", "lightning")  # fmt: skip
-METHODS = ("ddp", "gpipe", "pipedream", "pipedream_nostash", "2bw")  # convergence runs
+METHODS = ("ddp", "gpipe", "pipedream", "pipedream_nostash", "2bw", "spectrain", "ddg", "features_replay", "dni")  # convergence runs
+CONVERGE_MODELS = ("cnn", "transformer")
 STASH_VARIANTS = ("1f1b", "2bw", "pipedream", "pipedream_nostash")
 BASELINE = {"1f1b": "1f1b", "2bw": "1f1b", "pipedream": "pipedream_nostash", "pipedream_nostash": "pipedream_nostash"}
 ROW_KEYS = ("engine", "schedule", "stages", "processes", "network", "samples_per_s", "median_step_s", "error")
@@ -74,7 +84,7 @@ class SuiteConfig(SuiteRules):
     """
 
     parts: tuple[str, ...] = PARTS
-    """any of throughput, bubble, stash, convergence (bytes come with convergence)"""
+    """any of throughput, bubble, stash, convergence, bert (bytes come with convergence)"""
     networks: tuple[str, ...] = NETWORKS
     """throughput networks"""
     rate: str = "100mbit"
@@ -94,7 +104,10 @@ class SuiteConfig(SuiteRules):
     warmup_steps: int = QUICK["warmup_steps"]
     """untimed steps"""
     steps: int = QUICK["steps"]
-    """timed steps"""
+    """timed steps (per round)"""
+    rounds: int = 1
+    """the engines launch runs its cases this many times in turn (ours, torch, ..., ours, torch, ...): every engine
+    then samples the same stretches of the machine's load, and a row pools its rounds' steps"""
     lr: float = 1e-3
     """SGD lr of the throughput MLP"""
     bubble_points: tuple[tuple[int, int], ...] = ((2, 2), (2, 4), (2, 8), (4, 4))
@@ -106,17 +119,29 @@ class SuiteConfig(SuiteRules):
     stash_width: int = 2048
     """layer width of the stash part (2048: 16.8 MB a layer)"""
     methods: tuple[str, ...] = METHODS
-    """convergence runs, any of ddp gpipe pipedream pipedream_nostash 2bw"""
+    """convergence runs, any of ddp gpipe pipedream pipedream_nostash 2bw spectrain ddg features_replay dni"""
+    converge_models: tuple[str, ...] = CONVERGE_MODELS
+    """convergence models: cnn (digits), transformer (a small BERT on synthetic IMDB, cut by split_points)"""
     converge_stages: int = 2
     """ranks of the convergence part"""
-    converge_lr: float = 0.2
-    """SGD lr of the convergence part"""
+    converge_lr: float = 0.02
+    """SGD lr of the convergence part's CNN (every method)"""
+    converge_lr_transformer: float = 0.05
+    """SGD lr of the convergence part's transformer (every method)"""
+    converge_momentum: float = 0.9
+    """SGD momentum of the convergence part (every method; SpecTrain needs it)"""
     converge_batch_size: int = 32
     """global batch of the convergence part"""
     epochs: int = QUICK["epochs"]
     """epochs of the convergence part"""
     seeds: tuple[int, ...] = QUICK["seeds"]
     """seeds of the convergence part"""
+    bert_schedules: tuple[str, ...] = ("1f1b",)
+    """schedules of the bert part, any of gpipe 1f1b (ours and torch's each)"""
+    bert_batch_size: int = 32
+    """global batch of the bert part (2 stages, --microbatches micro-batches)"""
+    keep_from: str | None = None
+    """a pipeline.json whose parts not run now are kept as they are (its command and date are recorded with them)"""
     timeout: float = 600.0
     """seconds per launch"""
     quick: bool = True
@@ -130,13 +155,14 @@ class SuiteConfig(SuiteRules):
     def __post_init__(self) -> None:
         bad = self.bad
         for name, allowed in (("parts", PARTS), ("networks", NETWORKS), ("engines", ENGINES), ("methods", METHODS),
-                              ("stages", None), ("stash_stages", None), ("seeds", None), ("bubble_points", None)):  # fmt: skip
+                              ("converge_models", CONVERGE_MODELS), ("bert_schedules", ("gpipe", "1f1b")), ("stages", None),
+                              ("stash_stages", None), ("seeds", None), ("bubble_points", None)):  # fmt: skip
             self.distinct(name, allowed)
         for name, values in (("stages", self.stages), ("stash_stages", self.stash_stages), ("converge_stages", (self.converge_stages,))):
             if any(isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= 8 for k in values):
                 raise bad(name, values if len(values) > 1 else values[0], "a stage count must be an int in [2, 8]")
-        self.ints("width", "depth", "batch_size", "num_microbatches", "warmup_steps", "steps", "bubble_width", "stash_width",
-                  "converge_batch_size", "epochs")  # fmt: skip
+        self.ints("rounds", "width", "depth", "batch_size", "num_microbatches", "warmup_steps", "steps", "bubble_width", "stash_width",
+                  "converge_batch_size", "epochs", "bert_batch_size")  # fmt: skip
         if any(not isinstance(s, int) or s < 0 for s in self.seeds):
             raise bad("seeds", self.seeds, "each seed must be an int >= 0")
         # The throughput and bubble parts' own rules apply only when they run (a tiny stash-only run needs no K:m).
@@ -156,11 +182,20 @@ class SuiteConfig(SuiteRules):
         if self.converge_batch_size % self.converge_microbatches or self.converge_batch_size % self.converge_stages:
             raise bad("converge_batch_size", self.converge_batch_size, f"must be a multiple of the {self.converge_microbatches} "
                       "micro-batches and of --converge-stages (DDP's shards of the same global batch are whole)")  # fmt: skip
+        if "bert" in self.parts and (self.bert_batch_size % self.num_microbatches or self.num_microbatches < 2):
+            raise bad("bert_batch_size", self.bert_batch_size, f"must be a multiple of --microbatches ({self.num_microbatches}), "
+                      "which must be >= the bert part's 2 stages")  # fmt: skip
+        if not 0 <= self.converge_momentum < 1:
+            raise bad("converge_momentum", self.converge_momentum, "must be in [0, 1)")
+        if "spectrain" in self.methods and "convergence" in self.parts and not self.converge_momentum > 0:
+            raise bad("converge_momentum", self.converge_momentum, "spectrain predicts the weights from SGD's momentum: must be > 0")
         try:
             parse_rate(self.rate)
         except ValueError:
             raise bad("rate", self.rate, "must look like '100mbit' or '1gbit'") from None
-        self.positive("lr", "converge_lr", "timeout")
+        self.positive("lr", "converge_lr", "converge_lr_transformer", "timeout")
+        if self.keep_from is not None and not Path(self.keep_from).is_file():
+            raise bad("keep_from", self.keep_from, "must be an existing pipeline.json")
 
 
 # -- the plan --------------------------------------------------------------------------------------------
@@ -185,7 +220,7 @@ def engine_cases(config: SuiteConfig) -> list[dict[str, Any]]:
             cases.append({"engine": engine, "schedule": schedule, "num_microbatches": m})
         elif engine == "ddp":
             cases.append({"engine": "ddp", "schedule": None, "num_microbatches": m})
-    return cases
+    return cases * config.rounds
 
 
 def steady_bubble(schedule: str, stages: int, microbatches: int, batches: int) -> tuple[float, float]:
@@ -249,17 +284,25 @@ def throughput_rows(result: dict[str, Any], spec: dict[str, Any], processes: int
         return [{"engine": engine, "schedule": schedule, **common, "num_microbatches": spec.get("num_microbatches"),
                  "samples_per_s": None, "median_step_s": None, "error": result["error"]}]  # fmt: skip
     rows = []
+    groups: dict[tuple, list[int]] = {}  # the cases of one engine and schedule over the rounds, pooled into one row
     for i, case in enumerate(result["ranks"][0]["cases"]):
-        per_rank = [r["cases"][i] for r in result["ranks"]]
+        groups.setdefault((case["engine"], case["schedule"], case["num_microbatches"]), []).append(i)
+    for indices in groups.values():
+        case = result["ranks"][0]["cases"][indices[0]]
+        per_rank = [{key: None if r["cases"][indices[0]][key] is None else [v for i in indices for v in r["cases"][i][key]]
+                     for key in ("step_s", "wait_s", "bytes")} | {"loop_s": sum(r["cases"][i]["loop_s"] for i in indices)}
+                    for r in result["ranks"]]  # fmt: skip
         step = max(statistics.median(c["step_s"]) for c in per_rank)
         waits = [sum(c["wait_s"]) / sum(c["step_s"]) for c in per_rank if c["wait_s"] is not None]
         sent = [statistics.mean(c["bytes"]) for c in per_rank if c["bytes"] is not None]
+        rounds = [max(statistics.median(r["cases"][i]["step_s"]) for r in result["ranks"]) for i in indices]
         rows.append({
             "engine": case["engine"], "schedule": None if case["engine"] == "ddp" else case["schedule"], **common,
             "num_microbatches": case["num_microbatches"], "samples_per_s": round(spec["batch_size"] / step, 2),
             "median_step_s": round(step, 5), "mean_step_s": round(max(c["loop_s"] for c in per_rank) / len(per_rank[0]["step_s"]), 5),
             "bubble_measured": round(statistics.mean(waits), 4) if waits else None,
-            "bytes_per_step": round(sum(sent)) if sent else None, "max_versions": case.get("max_versions"), "error": None,
+            "bytes_per_step": round(sum(sent)) if sent else None, "max_versions": result["ranks"][0]["cases"][indices[-1]].get("max_versions"),
+            "error": None, **({"round_median_step_s": [round(t, 5) for t in rounds]} if len(indices) > 1 else {}),
         })  # fmt: skip
     return rows
 
@@ -300,18 +343,28 @@ def ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"stages": key[0], "network": key[1], "ours_1f1b_samples_per_s": ours["samples_per_s"],
                         "torch_1f1b_samples_per_s": theirs["samples_per_s"],
                         "ratio": round(ours["samples_per_s"] / theirs["samples_per_s"], 3)})  # fmt: skip
+            if "round_median_step_s" in ours and "round_median_step_s" in theirs:  # same batch: the inverse ratio of steps
+                out[-1]["round_ratios"] = [round(t / o, 3) for o, t in zip(ours["round_median_step_s"], theirs["round_median_step_s"])]
     return out
 
 
-def run_bubble(runner: Runner, config: SuiteConfig) -> list[dict[str, Any]]:
-    """Part 2: ours' measured bubble at each K:m point, on loopback, against the formula and the simulation."""
+def run_bubble(runner: Runner, config: SuiteConfig, measured: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Part 2: ours' measured bubble at each K:m point, on loopback, against the formula and the simulation.
+
+    ``measured``: throughput rows of this run; where they already hold ours' four schedules on loopback at a point's K
+    and m with the bubble width (a run whose bubble width is its MLP width), that launch is not repeated.
+    """
     from lightning_pdist.pipeline.schedule import bubble_formula
 
     rows = []
     for k in dict.fromkeys(p[0] for p in config.bubble_points):
         cases = [{"engine": "ours", "schedule": s, "num_microbatches": m} for kk, m in config.bubble_points if kk == k for s in SCHEDULES]
         spec = {**mlp_spec(config, "engines", k, cases=cases), "width": config.bubble_width}
-        for row in throughput_rows(runner.launch(spec, k, "loopback"), spec, k, "loopback", "ours"):
+        done = {(r["schedule"], r["num_microbatches"]): r for r in measured if r["engine"] == "ours" and r["network"] == "loopback"
+                and r["stages"] == k and r["width"] == config.bubble_width and r["error"] is None}  # fmt: skip
+        have = [done.get((c["schedule"], c["num_microbatches"])) for c in cases]
+        got = have if all(have) else throughput_rows(runner.launch(spec, k, "loopback"), spec, k, "loopback", "ours")
+        for row in got:
             if row["error"] is not None:
                 rows.append({"stages": k, "network": "loopback", "error": row["error"]})
                 continue
@@ -367,63 +420,94 @@ def run_stash(runner: Runner, config: SuiteConfig) -> list[dict[str, Any]]:
 
 
 def run_convergence(runner: Runner, config: SuiteConfig) -> dict[str, Any]:
-    """Parts 4 and 5: accuracy per epoch of every method, and its training bytes per epoch against the formulas."""
+    """Parts 4 and 5: accuracy per epoch of every model and method, and the CNN's training bytes per epoch against the
+    formulas."""
     from lightning_pdist.bench.pipeline_worker import check_spec
 
     curves, bytes_rows, runs = [], [], []
     k = config.converge_stages
-    for seed in config.seeds:
-        for method in config.methods:
-            spec = check_spec({"job": "converge", "num_stages": k, "seed": seed, "strategy": method.split("_")[0],
-                               "weight_stashing": method != "pipedream_nostash", "num_microbatches": config.converge_microbatches,
-                               "batch_size": config.converge_batch_size, "lr": config.converge_lr, "epochs": config.epochs})  # fmt: skip
-            result = runner.launch(spec, k, "loopback")
-            if result["error"] is not None:
-                runs.append({"method": method, "seed": seed, "error": result["error"]})
-                continue
-            ranks = result["ranks"]
-            r0 = ranks[0]
-            for e in r0["epochs"]:
-                samples = e["samples"] * (k if method == "ddp" else 1)
-                curves.append({"method": method, "seed": seed, "stages": k, "epoch": e["epoch"], "samples": samples,
-                               "val_acc": round(e["val_acc"], 4), "lr": config.converge_lr, "network": "loopback"})  # fmt: skip
-            measured = sum(r["train_bytes"] for r in ranks)
-            if method == "ddp":
-                formula, term = ddp_bytes(r0["train_steps"], r0["params"], k), "N²·L·M: R · 2(R-1)/R · 4·params per step"
-            else:
-                formula = pipeline_bytes(r0["samples"], r0["microbatches"], r0["activation_numel"], r0["announced_after"])
-                term = "N·T·M: 2 · cuts · samples · 4·activation numel, + 128 B per message, + 1 frame per shape change"
-            if seed == config.seeds[0]:
-                bytes_rows.append({"method": method, "ranks": k, "network": "loopback (bytes do not depend on it)",
-                                   "epochs": config.epochs, "params": r0["params"], "activation_numel": r0["activation_numel"],
-                                   "samples_per_epoch": r0["samples"] * (k if method == "ddp" else 1) // config.epochs,
-                                   "measured_bytes_per_epoch": measured / config.epochs,
-                                   "formula_bytes_per_epoch": formula / config.epochs, "survey_term": term,
-                                   "measured_over_formula": round(measured / formula, 6) if formula else None})  # fmt: skip
-            runs.append({"method": method, "seed": seed, "error": None, "final_val_acc": round(r0["epochs"][-1]["val_acc"], 4),
-                         "fit_s": round(r0["fit_s"], 1), "eval_bytes": sum(r["eval_bytes"] for r in ranks)})  # fmt: skip
-            runner.log(f"[convergence] {method} seed {seed}: val_acc {[round(e['val_acc'], 3) for e in r0['epochs']]}, "
-                       f"{measured / config.epochs / 1e6:.2f} MB/epoch (formula {formula / config.epochs / 1e6:.2f})")  # fmt: skip
+    for model, seed, method in ((mo, se, me) for mo in config.converge_models for se in config.seeds for me in config.methods):
+        spec = check_spec({"job": "converge", "num_stages": k, "seed": seed, "strategy": method.split("_nostash")[0],
+                           "weight_stashing": method != "pipedream_nostash", "num_microbatches": config.converge_microbatches,
+                           "batch_size": config.converge_batch_size,
+                           "lr": config.converge_lr if model == "cnn" else config.converge_lr_transformer, "momentum": config.converge_momentum, "epochs": config.epochs, "model": model})  # fmt: skip
+        result = runner.launch(spec, k, "loopback")
+        if result["error"] is not None:
+            runs.append({"model": model, "method": method, "seed": seed, "error": result["error"]})
+            runner.log(f"[convergence] {model} {method} seed {seed}: {result['error']}")
+            continue
+        ranks = result["ranks"]
+        r0 = ranks[0]
+        for e in r0["epochs"]:
+            curves.append({"model": model, "method": method, "seed": seed, "stages": k, "epoch": e["epoch"],
+                           "samples": e["samples"] * (k if method == "ddp" else 1), "val_acc": round(e["val_acc"], 4),
+                           "lr": spec["lr"], "network": "loopback"})  # fmt: skip
+        measured = sum(r["train_bytes"] for r in ranks)
+        if model == "cnn" and seed == config.seeds[0]:
+            bytes_rows.append(bytes_row(method, r0, measured, k, config.epochs))
+        runs.append({"model": model, "method": method, "seed": seed, "error": None, "final_val_acc": round(r0["epochs"][-1]["val_acc"], 4),
+                     "fit_s": round(r0["fit_s"], 1), "eval_bytes": sum(r["eval_bytes"] for r in ranks)})  # fmt: skip
+        runner.log(f"[convergence] {model} {method} seed {seed}: val_acc {[round(e['val_acc'], 3) for e in r0['epochs']]}, "
+                   f"{measured / config.epochs / 1e6:.2f} MB/epoch")  # fmt: skip
     return {"rows": curves, "runs": runs, "summary": convergence_summary(runs), "bytes_rows": bytes_rows}
 
 
-def convergence_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Final accuracy per method (mean over seeds) and what stashing bought, in words the JSON keeps."""
-    final = {}
-    for method in METHODS:
-        accs = [r["final_val_acc"] for r in runs if r["method"] == method and r.get("error") is None]
-        final[method] = round(statistics.mean(accs), 4) if accs else None
-    stash, nostash = final.get("pipedream"), final.get("pipedream_nostash")
-    if stash is None or nostash is None:
-        note = "stashing was not compared (a run is missing)"
-    elif abs(stash - nostash) < 0.01:
-        note = (f"no difference at this lr and stage count ({stash:.4f} vs {nostash:.4f}): with few stages a backward "
-                "without stashing uses weights only K-1-s updates newer than its forward's, which a small lr barely moves")
+def bytes_row(method: str, r0: dict[str, Any], measured: int, k: int, epochs: int) -> dict[str, Any]:
+    """Part 5's row of one CNN run: measured training bytes per epoch against survey 002 Table 1's term."""
+    if method == "ddp":
+        formula, term = ddp_bytes(r0["train_steps"], r0["params"], k), "N²·L·M: R · 2(R-1)/R · 4·params per step"
     else:
-        note = (f"stashing {stash:.4f} vs no stashing {nostash:.4f} ({stash - nostash:+.4f}): without stashing a backward "
-                "uses newer weights than its forward, and at this lr the mismatched gradients "
-                + ("do not train" if nostash < 0.2 else "train worse"))  # fmt: skip
-    return {"final_val_acc": final, "stashing_note": note}
+        formula = pipeline_bytes(r0["samples"], r0["microbatches"], r0["activation_numel"], r0["announced_after"])
+        term = "N·T·M: 2 · cuts · samples · 4·activation numel, + 128 B per message, + 1 frame per shape change"
+    return {"method": method, "ranks": k, "network": "loopback (bytes do not depend on it)", "epochs": epochs,
+            "params": r0["params"], "activation_numel": r0["activation_numel"],
+            "samples_per_epoch": r0["samples"] * (k if method == "ddp" else 1) // epochs,
+            "measured_bytes_per_epoch": measured / epochs, "formula_bytes_per_epoch": formula / epochs, "survey_term": term,
+            "measured_over_formula": round(measured / formula, 6) if formula else None}  # fmt: skip
+
+
+def convergence_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Final accuracy per model and method (mean over seeds) and what stashing bought, in words the JSON keeps."""
+    final: dict[str, dict[str, float | None]] = {}
+    for model in dict.fromkeys(r.get("model", "cnn") for r in runs):
+        for method in METHODS:
+            accs = [r["final_val_acc"] for r in runs if r.get("model", "cnn") == model and r["method"] == method and r.get("error") is None]
+            final.setdefault(model, {})[method] = round(statistics.mean(accs), 4) if accs else None
+    notes = {}
+    for model, by in final.items():
+        stash, nostash = by.get("pipedream"), by.get("pipedream_nostash")
+        if stash is None or nostash is None:
+            notes[model] = "stashing was not compared (a run is missing)"
+        elif abs(stash - nostash) < 0.01:
+            notes[model] = (f"no difference at this lr and stage count ({stash:.4f} vs {nostash:.4f}): with few stages a "
+                            "backward without stashing uses weights only K-1-s updates newer than its forward's, which a "
+                            "small lr barely moves")  # fmt: skip
+        else:
+            notes[model] = (f"stashing {stash:.4f} vs no stashing {nostash:.4f} ({stash - nostash:+.4f}): without stashing a "
+                            "backward uses newer weights than its forward, and at this lr the mismatched gradients "
+                            + ("do not train" if nostash < 0.2 else "train worse"))  # fmt: skip
+    return {"final_val_acc": final, "stashing_note": notes}
+
+
+def run_bert(runner: Runner, config: SuiteConfig) -> tuple[list[dict[str, Any]], list[str]]:
+    """Part 6: the BERT cut by ``split_points``, ours and torch's, per schedule; rows, and what could not run."""
+    from lightning_pdist.bench.pipeline_worker import BERT_SPLIT, TRANSFORMER, check_spec
+
+    rows, not_run = [], []
+    for schedule in config.bert_schedules:
+        for engine in ("ours", "torch"):
+            spec = check_spec({"job": "bert", "num_stages": 2, "seed": 0, "batch_size": config.bert_batch_size,
+                               "num_microbatches": config.num_microbatches, "warmup_steps": config.warmup_steps,
+                               "steps": config.steps, "lr": config.lr, "engine": engine, "schedule": schedule})  # fmt: skip
+            result = runner.launch(spec, 2, "loopback")
+            for row in throughput_rows(result, {**spec, "width": TRANSFORMER["hidden_size"], "depth": TRANSFORMER["num_layers"]},
+                                       2, "loopback", "ours+lightning" if engine == "ours" else "torch"):  # fmt: skip
+                row.update(schedule=schedule, split_point=f"model.{BERT_SPLIT}" if engine == "ours" else BERT_SPLIT)
+                rows.append(row)
+                if row["error"]:
+                    not_run.append(f"bert {engine} {schedule}: {row['error']}")
+                runner.log(f"[bert] {row['engine']} {schedule}: {row['error'] or str(row['samples_per_s']) + ' samples/s'}")
+    return rows, not_run
 
 
 def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any] | None:
@@ -463,7 +547,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
             doc["ratios"] = ratios(doc["rows"])
             lap("throughput")
         if "bubble" in config.parts:
-            doc["bubble"] = {"rows": run_bubble(runner, config), "backward_cost": BACKWARD_COST}
+            doc["bubble"] = {"rows": run_bubble(runner, config, doc["rows"]), "backward_cost": BACKWARD_COST}
             lap("bubble")
         if "stash" in config.parts:
             doc["stash"] = {"rows": run_stash(runner, config)}
@@ -473,9 +557,51 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
             doc["bytes"] = {"rows": conv.pop("bytes_rows")}
             doc["convergence"] = conv
             lap("convergence")
+        if "bert" in config.parts:
+            rows, not_run = run_bert(runner, config)
+            doc["bert"] = {"rows": rows}
+            doc["not_run"] = not_run
+            lap("bert")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    if config.keep_from is not None:
+        keep_parts(doc, json.loads(Path(config.keep_from).read_text()), config)
     return finish_suite(doc, out, SUITE, t_suite, plot)
+
+
+#: What each part writes into the document.
+PART_KEYS = {"throughput": ("rows", "ratios", "networks"), "bubble": ("bubble",), "stash": ("stash",),
+             "convergence": ("convergence", "bytes"), "bert": ("bert", "not_run")}  # fmt: skip
+#: The settings each part's figures depend on (a kept part must have been run with the same, as this run's text says).
+PART_SETTINGS = {"throughput": ("networks", "rate", "stages", "engines", "width", "depth", "batch_size", "num_microbatches",
+                                "warmup_steps", "steps", "lr", "rounds"),
+                 "bubble": ("bubble_points", "bubble_width", "depth", "batch_size", "steps", "warmup_steps"),
+                 "stash": ("stash_stages", "stash_width", "lr"),
+                 "convergence": ("methods", "converge_models", "converge_stages", "converge_lr", "converge_lr_transformer", "converge_momentum",
+                                 "converge_batch_size", "epochs", "seeds"),
+                 "bert": ("bert_schedules", "bert_batch_size", "num_microbatches", "warmup_steps", "steps", "lr")}  # fmt: skip
+
+
+def keep_parts(doc: dict[str, Any], old: dict[str, Any], config: SuiteConfig) -> None:
+    """Copy into ``doc`` the parts ``old`` holds that this run did not run; ``doc["kept"]`` says from which run.
+
+    Raises:
+        ValueError: a kept part was run with other settings than this run's (its figures would be described wrongly).
+    """
+    kept = [p for p in PARTS if p not in config.parts and all(k in old for k in PART_KEYS[p][:1])]
+    for part in kept:
+        now = json.loads(json.dumps(doc["config"]))  # tuples as the file's lists
+        differ = [k for k in PART_SETTINGS[part] if k in old["config"] and old["config"][k] != now[k]]
+        if differ:
+            raise ValueError(f"pipeline(--keep-from={config.keep_from}): its {part} part ran with other settings "
+                             f"({', '.join(k + '=' + repr(old['config'][k]) for k in differ)}); re-run that part")  # fmt: skip
+        for key in PART_KEYS[part]:
+            if key == "networks":
+                doc["networks"] = {**old["networks"], **doc["networks"]}
+            elif key in old:
+                doc[key] = old[key]
+        doc["part_wall_s"][part] = old.get("part_wall_s", {}).get(part)
+    doc["kept"] = {"parts": kept, "from_command": old["command"], "from_created": old["created"], "from_host": old["host"]}
 
 
 # -- output --------------------------------------------------------------------------------------------
@@ -500,6 +626,15 @@ STASH_COLUMNS = (
     ("over baseline MB", "rss_over_baseline", lambda b: f"{b / 1e6:+.1f}"),
     ("expected MB", "expected_over_baseline", lambda b: f"{b / 1e6:+.1f}"),
 )  # fmt: skip
+FINAL_COLUMNS = (
+    ("method", "method", None), ("cnn val_acc", "acc_cnn", ".4f"), ("transformer val_acc", "acc_transformer", ".4f"),
+    ("cnn fit s", "fit_s_cnn", ".1f"), ("transformer fit s", "fit_s_transformer", ".1f"),
+)  # fmt: skip
+BERT_COLUMNS = (
+    ("engine", "engine", None), ("schedule", "schedule", None), ("split point", "split_point", None),
+    ("m", "num_microbatches", None), ("samples/s", "samples_per_s", ".1f"),
+    ("median ms", "median_step_s", lambda s: f"{1000 * s:.1f}"), ("other load", "other_load_cores", ".2f"), ("error", "error", None),
+)  # fmt: skip
 BYTES_COLUMNS = (
     ("method", "method", None), ("ranks", "ranks", None), ("samples/epoch", "samples_per_epoch", None),
     ("measured MB/epoch", "measured_bytes_per_epoch", lambda b: f"{b / 1e6:.3f}"),
@@ -514,6 +649,10 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
     lines = [
         *run_lines(doc, json_path),
     ]
+    if doc.get("kept", {}).get("parts"):
+        kept = doc["kept"]
+        lines += ["", f"Parts {', '.join(kept['parts'])} are kept from the run `{kept['from_command']}` of {kept['from_created']} "
+                  f"(1-min load average {kept['from_host']['loadavg_1m_at_start']} at its start); the others ran in the run above."]  # fmt: skip
     if doc["rows"]:
         nets = "\n".join(network_lines(doc, goodput=None))
         lines += ["", "### Throughput", "", f"MLP: {cfg['depth']} × Linear({cfg['width']}, {cfg['width']}), batch "
@@ -521,7 +660,9 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
                   f"{cfg['steps']} timed steps (median of the slowest stage). More processes than CPUs means "
                   "oversubscribed; fairscale is one process.", "", "Networks:", "", nets, "",
                   markdown_table(doc["rows"], THROUGHPUT_COLUMNS), ""]  # fmt: skip
-        lines += [f"- ours 1F1B / torch Schedule1F1B, {r['network']}, K={r['stages']}: {r['ratio']:.3f}" for r in doc.get("ratios", [])]
+        lines += [f"- ours 1F1B / torch Schedule1F1B, {r['network']}, K={r['stages']}: {r['ratio']:.3f}"
+                  + (f" (per round: {', '.join(f'{x:.3f}' for x in r['round_ratios'])})" if r.get("round_ratios") else "")
+                  for r in doc.get("ratios", [])]  # fmt: skip
         lines += ["- DeepSpeed runs with its shared-memory all-reduce op switched off (a 75-80 s JIT build the pipeline's "
                   "p2p never uses) and plain SGD, so no JIT happens; its traffic goes over gloo like everyone's."]  # fmt: skip
         lines += mlp_bytes_lines(doc["rows"])
@@ -535,16 +676,44 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         lines += ["", "### Weight stashing memory (loopback)", "", markdown_table(doc["stash"]["rows"], STASH_COLUMNS)]
     conv = doc.get("convergence")
     if conv:
-        finals = ", ".join(f"{k} {v}" for k, v in conv["summary"]["final_val_acc"].items())
-        lines += ["", "### Convergence (Lightning, digits, loopback)", "",
-                  f"ClassifierModule(model='cnn'), SGD lr {cfg['converge_lr']}, batch {cfg['converge_batch_size']}, "
-                  f"{cfg['converge_stages']} stages/ranks, {cfg['epochs']} epochs, seeds {list(cfg['seeds'])}; pipedream "
-                  "updates after every micro-batch (batch/m samples, the same lr), the others once per batch. "
-                  f"Final val_acc: {finals}.", "", f"Stashing: {conv['summary']['stashing_note']}"]  # fmt: skip
-        lines += [f"- {r['method']} seed {r['seed']}: error {r['error']}" for r in conv["runs"] if r.get("error")]
-    if doc.get("bytes"):
+        models = list(dict.fromkeys(r.get("model", "cnn") for r in conv["runs"]))
+        lrs = " and ".join(f"{cfg.get('converge_lr' if m == 'cnn' else 'converge_lr_transformer')} ({m})" for m in models)
+        what = {"cnn": "cnn: ClassifierModule(model='cnn') on digits",
+                "transformer": "transformer: a 2-block BERT (hidden 128, 4 heads, max 128 tokens, no dropout) on synthetic "
+                               "IMDB reviews, cut by split_points at its second block"}  # fmt: skip
+        lines += ["", "### Convergence (Lightning, loopback)", "",
+                  f"SGD for every method, momentum {cfg.get('converge_momentum', 0.0)}, lr {lrs}, batch "
+                  f"{cfg['converge_batch_size']} in {max(4, cfg['converge_stages'])} micro-batches, {cfg['converge_stages']} "
+                  f"stages/ranks, {cfg['epochs']} epochs, seeds {list(cfg['seeds'])}. {'; '.join(what[m] for m in models)}. "
+                  "pipedream (and spectrain, ddg, features_replay, dni) update after every micro-batch (batch/m samples, "
+                  "the same lr), the others once per batch; dni is pipedream's timing with synthetic_gradients=True.", "",
+                  markdown_table(final_rows(conv), [c for c in FINAL_COLUMNS if c[1].rsplit("_", 1)[-1] in ("method", *models)]), ""]  # fmt: skip
+        notes = conv["summary"]["stashing_note"]
+        lines += [f"Stashing ({model}): {note}" for model, note in (notes.items() if isinstance(notes, dict) else [("cnn", notes)])]
+        lines += [f"- {r.get('model', 'cnn')} {r['method']} seed {r['seed']}: error {r['error']}" for r in conv["runs"] if r.get("error")]
+    if (doc.get("bytes") or {}).get("rows"):
         lines += ["", "### Bytes per epoch against survey 002 Table 1", "", markdown_table(doc["bytes"]["rows"], BYTES_COLUMNS)]
+    if doc.get("bert"):
+        lines += ["", "### BERT cut by split_points (loopback)", "", "The convergence part's BERT (batch "
+                  f"{cfg.get('bert_batch_size')} of random token ids, {cfg['num_microbatches']} micro-batches, 2 stages, "
+                  f"{cfg['warmup_steps']} untimed + {cfg['steps']} timed steps): ours through Lightning "
+                  "(PipelineStrategy(split_points=...), the only way such a module pipelines here: its per-step overhead "
+                  "is in the figure, see ours+lightning against ours 1f1b above), torch's pipeline() traced at the same "
+                  "block with its schedule at the executor level.", "", markdown_table(doc["bert"]["rows"], BERT_COLUMNS)]  # fmt: skip
+    if doc.get("not_run"):
+        lines += ["", "Not in this run:", "", *[f"- {n}" for n in doc["not_run"]]]
     return "\n".join(lines)
+
+
+def final_rows(conv: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per method: final val_acc per model (mean over seeds) and the fit seconds of the first seed."""
+    finals = conv["summary"]["final_val_acc"]
+    if finals and not isinstance(next(iter(finals.values())), dict):  # one model (the CNN), as older files hold
+        finals = {"cnn": finals}
+    fit = {(r.get("model", "cnn"), r["method"]): r.get("fit_s") for r in conv["runs"] if r.get("error") is None}
+    methods = [m for m in METHODS if any(by.get(m) is not None for by in finals.values())]
+    return [{"method": m, **{f"acc_{mo}": by.get(m) for mo, by in finals.items()},
+             **{f"fit_s_{mo}": fit.get((mo, m)) for mo in finals}} for m in methods]  # fmt: skip
 
 
 def _legend(ax: Any, **kwargs: Any) -> None:
@@ -605,13 +774,16 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
     axes[2].set_xticks(range(len(stash)), names, rotation=90, fontsize=6)
     axes[2].set(ylabel="MB", title="stashed weights per stage")
     _legend(axes[2], fontsize=7)
-    for method in METHODS:
-        for seed in dict.fromkeys(r["seed"] for r in (doc.get("convergence") or {}).get("rows", [])):
-            pts = [r for r in doc["convergence"]["rows"] if r["method"] == method and r["seed"] == seed]
-            if pts:
-                axes[3].plot([r["samples"] for r in pts], [r["val_acc"] for r in pts], "o-", label=f"{method} s{seed}")
-    axes[3].set(xlabel="training samples", ylabel="val accuracy", title="convergence (digits, Lightning)")
-    _legend(axes[3], fontsize=7)
+    curves = (doc.get("convergence") or {}).get("rows", [])
+    for model, style in zip(CONVERGE_MODELS, ("o-", "s--")):
+        for i, method in enumerate(METHODS):
+            for seed in dict.fromkeys(r["seed"] for r in curves):
+                pts = [r for r in curves if r.get("model", "cnn") == model and r["method"] == method and r["seed"] == seed]
+                if pts:
+                    axes[3].plot([r["samples"] for r in pts], [r["val_acc"] for r in pts], style, color=f"C{i}",
+                                 label=f"{model} {method} s{seed}")  # fmt: skip
+    axes[3].set(xlabel="training samples", ylabel="val accuracy", title="convergence (cnn: digits, o-; transformer: IMDB, s--)")
+    _legend(axes[3], fontsize=5, ncol=2)
     brows = (doc.get("bytes") or {}).get("rows", [])
     axes[4].bar([i - 0.2 for i in range(len(brows))], [r["measured_bytes_per_epoch"] / 1e6 for r in brows], 0.4, label="measured")
     axes[4].bar([i + 0.2 for i in range(len(brows))], [r["formula_bytes_per_epoch"] / 1e6 for r in brows], 0.4, label="formula")

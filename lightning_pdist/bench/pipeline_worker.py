@@ -16,9 +16,15 @@ what the rank runs, and each rank writes ``DIR/rank<r>.json``:
 * ``stash``: one schedule on a stage with large weights; weight versions alive (``executor.max_versions``), the
   bytes :meth:`~lightning_pdist.pipeline.executor.StageExecutor.weight_versions` counts at the same instants,
   and the process's resident-memory growth (``/proc/self/status`` VmRSS before, VmHWM after).
-* ``converge``: ``Trainer`` with ``PipelineStrategy`` (or ``PdistStrategy``, Lightning's DDP with byte accounting)
-  on :class:`~lightning_pdist.data.DigitsDataModule` and ``ClassifierModule(model="cnn")``; validation accuracy
-  after every epoch, and the training bytes (evaluation traffic is counted apart).
+* ``converge``: ``Trainer`` with ``PipelineStrategy`` (any schedule, DNI as ``synthetic_gradients=True``) or
+  ``PdistStrategy`` (Lightning's DDP with byte accounting), SGD with momentum, on
+  :class:`~lightning_pdist.data.DigitsDataModule` and ``ClassifierModule(model="cnn")`` or on synthetic IMDB reviews
+  and a small BERT (:data:`TRANSFORMER`, cut by ``split_points`` at :data:`BERT_SPLIT`); validation accuracy after
+  every epoch, and the training bytes (evaluation traffic is counted apart).
+* ``bert``: the same BERT, the same batches and the same cut under ``engine="ours"`` (``Trainer`` with
+  ``PipelineStrategy(split_points=[BERT_SPLIT])``, the only way a module that is not one ``nn.Sequential``
+  pipelines here) or ``engine="torch"`` (``torch.distributed.pipelining.pipeline()`` traced at the same point,
+  ``build_stage`` and ``ScheduleGPipe``/``Schedule1F1B``); a failure of either is its row's reason.
 
 Every rank uses one thread (``torch.set_num_threads(1)``): the ranks already share the machine's cores.
 """
@@ -26,6 +32,7 @@ Every rank uses one thread (``torch.set_num_threads(1)``): the ranks already sha
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -34,7 +41,15 @@ from lightning_pdist.bench.report import check_spec_keys
 from lightning_pdist.bench.launch import worker_main
 
 SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw")
+DELAYED = ("spectrain", "ddg", "features_replay", "dni")  # dni: pipedream with synthetic_gradients=True
+CONVERGE_MODELS = ("cnn", "transformer")
 ENGINES = ("ours", "torch", "ddp")
+#: The BERT of the ``converge`` (model "transformer") and ``bert`` jobs: recipes/pipeline_bert.yaml's sizes, no dropout
+#: (torch's tracer and ours then run the same deterministic forward), on reviews cut to ``max_len`` tokens.
+TRANSFORMER = {"family": "bert", "vocab_size": 5000, "max_len": 128, "hidden_size": 128, "num_layers": 2, "num_heads": 4,
+               "intermediate_size": 512, "dropout": 0.0}  # fmt: skip
+BERT_SPLIT = "encoder.bert.encoder.layer.1"  # in EncoderClassifier; under ClassifierModule: "model." + this
+REVIEWS_PER_CLASS = 300
 TORCH_SCHEDULES = ("gpipe", "1f1b")
 MLP_KEYS = ("job", "num_stages", "seed", "width", "depth", "batch_size", "warmup_steps", "steps", "lr")
 SPEC_KEYS = {
@@ -44,7 +59,9 @@ SPEC_KEYS = {
     "lightning": (*MLP_KEYS, "num_microbatches", "schedule"),
     "stash": ("job", "num_stages", "seed", "width", "depth", "batch_size", "num_microbatches", "batches", "lr", "schedule",
               "weight_stashing"),
-    "converge": ("job", "num_stages", "seed", "strategy", "weight_stashing", "num_microbatches", "batch_size", "lr", "epochs"),
+    "converge": ("job", "num_stages", "seed", "strategy", "weight_stashing", "num_microbatches", "batch_size", "lr", "momentum",
+                 "epochs", "model"),
+    "bert": ("job", "num_stages", "seed", "batch_size", "num_microbatches", "warmup_steps", "steps", "lr", "engine", "schedule"),
 }
 HEADER_BYTES = 16 * 8  # lightning_pdist.pipeline.p2p.HEADER_BYTES (not imported: this module imports torch lazily)
 
@@ -70,8 +87,13 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"pipeline_worker spec(lr={spec['lr']!r}): lr must be > 0")
     if spec.get("schedule", "gpipe") not in SCHEDULES:
         raise ValueError(f"pipeline_worker spec(schedule={spec['schedule']!r}): schedule must be one of {SCHEDULES}")
-    if job == "converge" and spec["strategy"] not in ("ddp", *SCHEDULES):
-        raise ValueError(f"pipeline_worker spec(strategy={spec['strategy']!r}): strategy must be 'ddp' or one of {SCHEDULES}")
+    if job == "converge" and spec["strategy"] not in ("ddp", *SCHEDULES, *DELAYED):
+        raise ValueError(f"pipeline_worker spec(strategy={spec['strategy']!r}): strategy must be 'ddp' or one of {SCHEDULES + DELAYED}")
+    if job == "converge" and spec["model"] not in CONVERGE_MODELS:
+        raise ValueError(f"pipeline_worker spec(model={spec['model']!r}): model must be one of {CONVERGE_MODELS}")
+    if job == "bert" and (spec["engine"] not in ("ours", "torch") or spec["schedule"] not in TORCH_SCHEDULES):
+        raise ValueError(f"pipeline_worker spec(engine={spec['engine']!r}, schedule={spec['schedule']!r}): the bert job runs "
+                         f"engine 'ours' or 'torch' with a schedule of {TORCH_SCHEDULES}")  # fmt: skip
     for case in spec.get("cases", []):
         if case.get("engine") not in ENGINES or (case["engine"] != "ddp" and case.get("schedule") not in SCHEDULES):
             raise ValueError(f"pipeline_worker spec(cases=[..., {case!r}]): engine must be one of {ENGINES}, schedule one of {SCHEDULES}")
@@ -188,18 +210,32 @@ def run_ours(spec: dict[str, Any], case: dict[str, Any], rank: int) -> dict[str,
 def run_torch(spec: dict[str, Any], case: dict[str, Any], rank: int) -> dict[str, Any]:
     """``torch.distributed.pipelining``: ``PipelineStage`` + ``ScheduleGPipe`` or ``Schedule1F1B``, SGD after each batch."""
     import torch
-    import torch.distributed as dist
     from torch import nn
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-    from torch.nn import functional as F
+    from torch.distributed.pipelining import PipelineStage
 
-    K, m = spec["num_stages"], case["num_microbatches"]
+    K = spec["num_stages"]
     a, b = stage_bounds(spec["depth"], K, rank)
     stage_module = nn.Sequential(*mlp_layers(spec["width"], spec["depth"], spec["seed"])[a:b])
-    data = batches(spec)
-    optimizer = torch.optim.SGD(stage_module.parameters(), lr=spec["lr"])
     stage = PipelineStage(stage_module, rank, K, torch.device("cpu"))
-    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[case["schedule"]](stage, m, loss_fn=F.cross_entropy)
+    return torch_timed(stage, stage_module.parameters(), spec, case["schedule"], case["num_microbatches"], batches(spec), rank)
+
+
+def torch_timed(stage: Any, params: Any, spec: dict[str, Any], schedule_name: str, m: int, data: list[tuple[Any, Any]],
+                rank: int) -> dict[str, Any]:
+    """Time torch's ``ScheduleGPipe``/``Schedule1F1B`` over ``stage`` (a ``PipelineStage``, whatever built it), SGD on
+    ``params`` after each batch, the batches of ``data`` in turn."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.nn import functional as F
+
+    K = spec["num_stages"]
+    optimizer = torch.optim.SGD(params, lr=spec["lr"])
+
+    def loss_fn(output: Any, target: Any) -> Any:  # a traced stage returns its one output in a tuple
+        return F.cross_entropy(output[0] if isinstance(output, (tuple, list)) else output, target)
+
+    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name](stage, m, loss_fn=loss_fn)
 
     def step(i: int) -> None:
         x, y = data[i % len(data)]
@@ -330,20 +366,27 @@ def job_fairscale(spec: dict[str, Any], rank: int) -> dict[str, Any]:
 
 def job_lightning(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     """``Trainer(strategy=PipelineStrategy(...))`` on the same layers and batches; each step timed by a callback."""
-    import torch
-    from lightning.pytorch import Callback, Trainer
     from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_pdist.models.classifier import ClassifierModule
+
+    module = ClassifierModule(model=nn.Sequential(*mlp_layers(spec["width"], spec["depth"], spec["seed"])),
+                              num_classes=spec["width"], optimizer="sgd", lr=spec["lr"])  # fmt: skip
+    return {"cases": [lightning_timed(module, batches(spec), spec, "ours+lightning")]}
+
+
+def lightning_timed(module: Any, data: list[tuple[Any, Any]], spec: dict[str, Any], engine: str, **strategy: Any) -> dict[str, Any]:
+    """Fit ``module`` under ``PipelineStrategy(schedule, num_microbatches, **strategy)`` for ``warmup_steps + steps``
+    batches of ``data`` in turn; each step timed by a callback (the warm-up dropped)."""
+    import torch
+    from lightning.pytorch import Callback, Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
     from lightning_pdist.pipeline.strategy import PipelineStrategy
 
-    data = batches(spec)
     total = spec["warmup_steps"] + spec["steps"]
     xs = torch.cat([data[i % len(data)][0] for i in range(total)])
     ys = torch.cat([data[i % len(data)][1] for i in range(total)])
-    module = ClassifierModule(model=nn.Sequential(*mlp_layers(spec["width"], spec["depth"], spec["seed"])),
-                              num_classes=spec["width"], optimizer="sgd", lr=spec["lr"])  # fmt: skip
     times: list[float] = []
 
     class Clock(Callback):
@@ -354,15 +397,69 @@ def job_lightning(spec: dict[str, Any], rank: int) -> dict[str, Any]:
             times.append(time.perf_counter() - self.t0)
 
     K = spec["num_stages"]
-    strategy = PipelineStrategy(schedule=spec["schedule"], num_microbatches=spec["num_microbatches"], process_group_backend="gloo")
-    trainer = Trainer(accelerator="cpu", devices=1, num_nodes=K, strategy=strategy, max_steps=total, logger=False,
+    pipeline = PipelineStrategy(schedule=spec["schedule"], num_microbatches=spec["num_microbatches"], process_group_backend="gloo",
+                                **strategy)  # fmt: skip
+    trainer = Trainer(accelerator="cpu", devices=1, num_nodes=K, strategy=pipeline, max_steps=total, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Clock()])  # fmt: skip
     trainer.fit(module, DataLoader(TensorDataset(xs, ys), batch_size=spec["batch_size"]))
     _close_group()
     step_s = times[spec["warmup_steps"] :]
-    return {"cases": [{"engine": "ours+lightning", "schedule": spec["schedule"], "num_microbatches": spec["num_microbatches"],
-                       "step_s": step_s, "loop_s": sum(step_s), "wait_s": None, "bytes": None}]}  # fmt: skip
+    return {"engine": engine, "schedule": spec["schedule"], "num_microbatches": spec["num_microbatches"], "step_s": step_s,
+            "loop_s": sum(step_s), "wait_s": None, "bytes": None}  # fmt: skip
+
+
+def bert_model(seed: int) -> Any:
+    """:data:`TRANSFORMER` (an ``EncoderClassifier``), seeded."""
+    import torch
+
+    from lightning_pdist.models.encoder import EncoderClassifier
+
+    torch.manual_seed(seed)
+    return EncoderClassifier(num_classes=2, **{k: v for k, v in TRANSFORMER.items()})
+
+
+def token_batches(spec: dict[str, Any], count: int = 4) -> list[tuple[Any, Any]]:
+    """``count`` batches of token ids ``(B, max_len)`` (each row padded with 0 after a random length >= 16) and labels."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + spec["seed"])
+    B, L = spec["batch_size"], TRANSFORMER["max_len"]
+    out = []
+    for _ in range(count):
+        x = torch.randint(1, TRANSFORMER["vocab_size"], (B, L), generator=g)
+        x[torch.arange(L) >= torch.randint(16, L + 1, (B, 1), generator=g)] = 0
+        out.append((x, torch.randint(0, 2, (B,), generator=g)))
+    return out
+
+
+def job_bert(spec: dict[str, Any], rank: int) -> dict[str, Any]:
+    """The BERT cut at :data:`BERT_SPLIT`: ours through Lightning, or torch's ``pipeline()`` on the same cut."""
+    data = token_batches(spec)
+    if spec["engine"] == "ours":
+        from lightning_pdist.models.classifier import ClassifierModule
+
+        module = ClassifierModule(model=bert_model(spec["seed"]), num_classes=2, optimizer="sgd", lr=spec["lr"])
+        return {"cases": [lightning_timed(module, data, spec, "ours+lightning", split_points=[f"model.{BERT_SPLIT}"])]}
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    dist.init_process_group("gloo")
+    try:
+        m = spec["num_microbatches"]
+        try:
+            pipe = pipeline(bert_model(spec["seed"]), mb_args=(data[0][0].tensor_split(m)[0],),
+                            split_spec={BERT_SPLIT: SplitPoint.BEGINNING})  # fmt: skip
+            stage = pipe.build_stage(rank, torch.device("cpu"))
+        except Exception as err:  # the row says why torch cannot run this cut
+            dist.barrier()
+            return {"error": f"torch pipeline() on split {BERT_SPLIT!r}: {type(err).__name__}: {str(err).splitlines()[0][:300]}"}
+        case = torch_timed(stage, stage.submod.parameters(), spec, spec["schedule"], m, data, rank)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return {"cases": [{"engine": "torch", "schedule": spec["schedule"], "num_microbatches": m, **case}]}
 
 
 def _close_group() -> None:
@@ -438,27 +535,35 @@ def job_converge(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     import torch
     from lightning.pytorch import Callback, Trainer, seed_everything
 
-    from lightning_pdist.data import DigitsDataModule
-    from lightning_pdist.models.classifier import ClassifierModule
     from lightning_pdist.core.strategy import PdistStrategy
+    from lightning_pdist.data import DigitsDataModule, IMDBDataModule
+    from lightning_pdist.models.classifier import ClassifierModule
     from lightning_pdist.pipeline.strategy import PipelineStrategy
 
     K, B, m = spec["num_stages"], spec["batch_size"], spec["num_microbatches"]
     seed_everything(spec["seed"], verbose=False)
-    module = ClassifierModule(model="cnn", optimizer="sgd", lr=spec["lr"])
-    if spec["strategy"] == "ddp":  # the same global batch, split over the ranks
-        strategy, data = PdistStrategy(process_group_backend="gloo"), DigitsDataModule(batch_size=B // K, seed=spec["seed"])
+    cnn = spec["model"] == "cnn"
+    model = "cnn" if cnn else bert_model(spec["seed"])
+    module = ClassifierModule(model=model, num_classes=10 if cnn else 2, optimizer="sgd", lr=spec["lr"], momentum=spec["momentum"])
+    batch = B // K if spec["strategy"] == "ddp" else B  # DDP: the same global batch, split over the ranks
+    scratch = tempfile.TemporaryDirectory(prefix="pdist-imdb-")  # each rank writes the same reviews (seeded) apart
+    data = (DigitsDataModule(batch_size=batch, seed=spec["seed"]) if cnn else
+            IMDBDataModule(data_dir=scratch.name, vocab_size=TRANSFORMER["vocab_size"], max_len=TRANSFORMER["max_len"],
+                           batch_size=batch, seed=spec["seed"], synthetic_reviews_per_class=REVIEWS_PER_CLASS))  # fmt: skip
+    if spec["strategy"] == "ddp":
+        strategy = PdistStrategy(process_group_backend="gloo")
     else:
-        strategy = PipelineStrategy(schedule=spec["strategy"], num_microbatches=m, weight_stashing=spec["weight_stashing"],
-                                    process_group_backend="gloo")  # fmt: skip
-        data = DigitsDataModule(batch_size=B, seed=spec["seed"])
+        schedule, synthetic = ("pipedream", True) if spec["strategy"] == "dni" else (spec["strategy"], False)
+        strategy = PipelineStrategy(schedule=schedule, synthetic_gradients=synthetic, num_microbatches=m,
+                                    weight_stashing=spec["weight_stashing"], process_group_backend="gloo",
+                                    split_points=None if cnn else [f"model.{BERT_SPLIT}"])  # fmt: skip
     log: dict[str, Any] = {"epochs": [], "samples": 0, "microbatches": 0, "eval_bytes": 0, "bounds": None, "announced_after": []}
     sizes: list[int] = []  # micro-batch sizes in order: a change of shape costs an announce frame of the old size
 
     class Probe(Callback):
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            split = getattr(trainer.strategy, "split", None)
-            log["bounds"] = None if split is None else [list(bd) for bd in split.partition.bounds]
+            split = getattr(trainer.strategy, "split", None)  # the CNN's cut (bytes against Table 1's formula)
+            log["bounds"] = None if split is None or not cnn else [list(bd) for bd in split.partition.bounds]
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             log["samples"] += len(batch[1])
@@ -485,6 +590,7 @@ def job_converge(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     trainer.fit(module, datamodule=data)
     fit_s = time.perf_counter() - t0
     _close_group()
+    scratch.cleanup()
     activation_numel = []
     if log["bounds"]:  # per-sample numel of what crosses each cut
         from lightning_pdist.pipeline.partition import list_layers
@@ -502,7 +608,7 @@ def job_converge(spec: dict[str, Any], rank: int) -> dict[str, Any]:
 
 
 JOBS = {"engines": job_engines, "deepspeed": job_deepspeed, "fairscale": job_fairscale, "lightning": job_lightning,
-        "stash": job_stash, "converge": job_converge}  # fmt: skip
+        "stash": job_stash, "converge": job_converge, "bert": job_bert}  # fmt: skip
 
 
 def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:

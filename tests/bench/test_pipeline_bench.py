@@ -2,6 +2,7 @@
 
 import json
 import os
+from dataclasses import asdict
 
 import pytest
 
@@ -14,6 +15,8 @@ from lightning_pdist.bench.pipeline import (
     SuiteConfig,
     convergence_summary,
     ddp_bytes,
+    engine_cases,
+    keep_parts,
     pipeline_bytes,
     ratios,
     steady_bubble,
@@ -44,6 +47,10 @@ TINY = ["--width", "32", "--depth", "4", "--batch-size", "8", "--microbatches", 
         ({"steps": 0}, r"pipeline\(--steps=0\): must be an int >= 1"),
         ({"converge_lr": 0.0}, r"pipeline\(--converge-lr=0.0\): must be > 0"),
         ({"seeds": (-1,)}, r"pipeline\(--seeds=\(-1,\)\): each seed must be an int >= 0"),
+        ({"converge_models": ("rnn",)}, r"pipeline\(--converge-models=\('rnn',\)\): each value must be one of"),
+        ({"converge_momentum": 0.0}, r"pipeline\(--converge-momentum=0.0\): spectrain predicts the weights from SGD's momentum"),
+        ({"bert_batch_size": 30}, r"pipeline\(--bert-batch-size=30\): must be a multiple of --microbatches \(4\)"),
+        ({"keep_from": "/nonexistent.json"}, r"pipeline\(--keep-from='/nonexistent.json'\): must be an existing pipeline.json"),
     ],
 )
 def test_config_rejects_bad_values_naming_option_value_and_rule(kwargs, match):
@@ -113,12 +120,48 @@ def test_ratios_and_the_stashing_note_come_from_the_rows():
     rows.append({"engine": "ours", "schedule": "1f1b", "stages": 4, "network": "loopback", "samples_per_s": 10.0})
     assert ratios(rows) == [{"stages": 2, "network": "loopback", "ours_1f1b_samples_per_s": 80.0,
                              "torch_1f1b_samples_per_s": 100.0, "ratio": 0.8}]  # fmt: skip
-    runs = [{"method": "pipedream", "final_val_acc": 0.9}, {"method": "pipedream_nostash", "final_val_acc": 0.895}]
+    runs = [{"model": "cnn", "method": "pipedream", "final_val_acc": 0.9}, {"model": "cnn", "method": "pipedream_nostash", "final_val_acc": 0.895},
+            {"model": "transformer", "method": "dni", "final_val_acc": 0.7}, {"model": "transformer", "method": "dni", "final_val_acc": 0.8}]  # fmt: skip
     summary = convergence_summary(runs)
-    assert summary["final_val_acc"]["pipedream"] == 0.9 and summary["final_val_acc"]["ddp"] is None
-    assert summary["stashing_note"].startswith("no difference at this lr")
+    assert summary["final_val_acc"]["cnn"]["pipedream"] == 0.9 and summary["final_val_acc"]["cnn"]["ddp"] is None
+    assert summary["final_val_acc"]["transformer"]["dni"] == 0.75  # the mean over seeds
+    assert summary["stashing_note"]["cnn"].startswith("no difference at this lr")
+    assert summary["stashing_note"]["transformer"] == "stashing was not compared (a run is missing)"
     runs[1]["final_val_acc"] = 0.1
-    assert "do not train" in convergence_summary(runs)["stashing_note"]
+    assert "do not train" in convergence_summary(runs)["stashing_note"]["cnn"]
+
+
+def test_rounds_pool_into_one_row_per_engine_with_each_rounds_ratio():
+    """--rounds R: the launch runs its cases R times in turn; one row per engine pools the steps, ratios keep each round's."""
+    assert [c["engine"] for c in engine_cases(SuiteConfig(engines=("ours_1f1b", "torch_1f1b"), rounds=3))] == ["ours", "torch"] * 3
+
+    def case(engine, steps, per_step=None):
+        return {"engine": engine, "schedule": "1f1b", "num_microbatches": 4, "step_s": steps, "loop_s": sum(steps),
+                "wait_s": per_step and [0.1] * len(steps), "bytes": per_step and [per_step] * len(steps)}  # fmt: skip
+
+    ranks = [{"cases": [case("ours", [1, 1, 3], 5), case("torch", [2, 2, 2]), case("ours", [2, 2, 2], 5), case("torch", [4, 4, 4])]}] * 2
+    rows = throughput_rows({"error": None, "ranks": ranks}, {"num_stages": 2, "width": 8, "depth": 2, "batch_size": 8}, 2, "loopback")
+    assert [(r["engine"], r["median_step_s"], r["round_median_step_s"]) for r in rows] == [("ours", 2, [1, 2]), ("torch", 3, [2, 4])]
+    assert rows[0]["bytes_per_step"] == 10 and rows[0]["bubble_measured"] == round(0.6 / 11, 4)
+    assert ratios(rows)[0]["ratio"] == 1.498 and ratios(rows)[0]["round_ratios"] == [2.0, 2.0]
+
+
+def test_kept_parts_come_from_the_earlier_run_with_its_command_and_must_match_its_settings():
+    """--keep-from copies the parts not run now, says from which run, and refuses a part run with other settings."""
+    cfg = SuiteConfig(parts=("bert",), epochs=3)
+    old = {"command": "python -m lightning_pdist.bench pipeline --quick", "created": "2026-01-01T00:00:00Z",
+           "host": {"loadavg_1m_at_start": 1.5}, "config": json.loads(json.dumps(asdict(cfg))), "rows": [{"engine": "ours"}],
+           "ratios": [], "networks": {"emulated 100mbit": {"detail": "d"}}, "stash": {"rows": [1]},
+           "convergence": {"rows": [2]}, "bytes": {"rows": [3]}, "part_wall_s": {"stash": 5.0}}  # fmt: skip
+    doc = {"config": asdict(cfg), "networks": {"loopback": {"detail": "lo"}}, "part_wall_s": {"bert": 1.0}, "bert": {"rows": []}}
+    keep_parts(doc, old, cfg)
+    assert doc["kept"]["parts"] == ["throughput", "stash", "convergence"] and doc["kept"]["from_created"] == old["created"]
+    assert doc["rows"] == old["rows"] and doc["stash"] == old["stash"] and doc["bytes"] == old["bytes"] and "bubble" not in doc
+    assert set(doc["networks"]) == {"loopback", "emulated 100mbit"} and doc["part_wall_s"] == {"bert": 1.0, "throughput": None,
+                                                                                                "stash": 5.0, "convergence": None}
+    old["config"]["epochs"] = 8
+    with pytest.raises(ValueError, match=r"its convergence part ran with other settings \(epochs=8\); re-run that part"):
+        keep_parts(doc, old, cfg)
 
 
 def test_a_failed_launch_gives_a_row_with_its_reason_and_no_figure():
@@ -166,6 +209,9 @@ def test_real_throughput_and_bubble_run_on_loopback(tmp_path):
     for row in doc["bubble"]["rows"]:
         assert row["simulated_steady"] == (row["formula"] if row["schedule"] in ("gpipe", "1f1b") else 0.0)
         assert 0 <= row["bubble_measured"] < 1 and row["network"] == "loopback"
+        # the bubble point is the throughput launch's own (K=2, m=2, width 32): its rows are reused, not launched again
+        assert (row["bubble_measured"], row["median_step_s"]) == (by[("ours", row["schedule"])]["bubble_measured"],
+                                                                  by[("ours", row["schedule"])]["median_step_s"])  # fmt: skip
 
 
 @pytest.mark.standalone
@@ -184,11 +230,14 @@ def test_real_throughput_run_on_emulated_links_names_the_network(tmp_path):
 
 
 @pytest.mark.standalone
-def test_real_stash_and_convergence_runs(tmp_path):
-    """Versions and their bytes equal the schedule's depth; training bytes per epoch equal Table 1's formulas exactly."""
+def test_real_stash_convergence_and_bert_runs(tmp_path):
+    """Versions and their bytes equal the schedule's depth; training bytes per epoch equal Table 1's formulas exactly
+    (DDP, and DNI: the delayed-gradient family sends what PipeDream sends); the BERT cut by split_points runs under ours
+    and under torch's pipeline() on the same block."""
     out = tmp_path / "out"
-    argv = ["pipeline", "--out", str(out), "--parts", "stash", "convergence", "--stash-width", "64", "--epochs", "1",
-            "--methods", "ddp", "pipedream", "--seeds", "0"]  # fmt: skip
+    argv = ["pipeline", "--out", str(out), "--parts", "stash", "convergence", "bert", "--stash-width", "64", "--epochs", "1",
+            "--methods", "ddp", "dni", "--converge-models", "cnn", "--seeds", "0", "--microbatches", "2",
+            "--bert-batch-size", "8", "--warmup-steps", "1", "--steps", "2"]  # fmt: skip
     assert bench_main(argv) == 0
     doc = json.loads((out / "pipeline.json").read_text())
     stash = {(r["variant"], r["stage"]): r for r in doc["stash"]["rows"]}
@@ -203,14 +252,20 @@ def test_real_stash_and_convergence_runs(tmp_path):
     # 2BW's second version is the only weight memory it holds beyond 1F1B; PipeDream's first stage one beyond no stashing
     assert stash[("2bw", 1)]["expected_over_baseline"] == stash[("pipedream", 0)]["expected_over_baseline"] == row["param_bytes"]
     curves = doc["convergence"]["rows"]
-    assert [(r["method"], r["epoch"], r["samples"]) for r in curves] == [("ddp", 1, 1438), ("pipedream", 1, 1438)]
-    assert all(0 <= r["val_acc"] <= 1 and r["network"] == "loopback" for r in curves)
-    assert "not compared" in doc["convergence"]["summary"]["stashing_note"]
+    assert [(r["model"], r["method"], r["epoch"], r["samples"]) for r in curves] == [("cnn", "ddp", 1, 1438), ("cnn", "dni", 1, 1438)]
+    assert all(0 <= r["val_acc"] <= 1 and r["network"] == "loopback" and r["lr"] == 0.02 for r in curves)
+    assert "not compared" in doc["convergence"]["summary"]["stashing_note"]["cnn"]
     rows = {r["method"]: r for r in doc["bytes"]["rows"]}
     assert rows["ddp"]["measured_bytes_per_epoch"] == rows["ddp"]["formula_bytes_per_epoch"] > 0
-    assert rows["pipedream"]["measured_bytes_per_epoch"] == rows["pipedream"]["formula_bytes_per_epoch"] > 0
+    assert rows["dni"]["measured_bytes_per_epoch"] == rows["dni"]["formula_bytes_per_epoch"] > 0
     # the CNN's cut carries 512 floats a sample both ways, plus a header per micro-batch message
-    assert rows["pipedream"]["activation_numel"] == [512]
+    assert rows["dni"]["activation_numel"] == [512]
     # 180 data frames each way, plus two announce frames: the first message's (header only) and the epoch's short
     # last batch's (32 -> 8, 8, 7, 7: sized like the 8-sample frame before it)
-    assert rows["pipedream"]["measured_bytes_per_epoch"] == 2 * (1438 * 512 * 4 + 180 * HEADER_BYTES + HEADER_BYTES + HEADER_BYTES + 8 * 512 * 4)
+    assert rows["dni"]["measured_bytes_per_epoch"] == 2 * (1438 * 512 * 4 + 180 * HEADER_BYTES + HEADER_BYTES + HEADER_BYTES + 8 * 512 * 4)
+    bert = {r["engine"]: r for r in doc["bert"]["rows"]}
+    assert set(bert) == {"ours+lightning", "torch"} and doc["not_run"] == []
+    assert bert["ours+lightning"]["split_point"] == "model." + bert["torch"]["split_point"] == "model.encoder.bert.encoder.layer.1"
+    for row in bert.values():
+        assert row["samples_per_s"] > 0 and row["error"] is None and (row["schedule"], row["num_microbatches"]) == ("1f1b", 2)
+    assert "### BERT cut by split_points" in (out / "docs_section.md").read_text()
