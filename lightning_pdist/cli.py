@@ -11,8 +11,9 @@ Usage::
 
 The model is :class:`~lightning_pdist.models.ClassifierModule` by default (a recipe's ``model:`` gives its init
 args) or any LightningModule named by ``class_path`` (the RL recipes: ``lightning_pdist.rl.DQNModule``, with
-``data: null``: the module paces its own loop); the data module is any subclass of
-:class:`~lightning_pdist.data.PdistDataModule` chosen by ``class_path`` (default: the scikit-learn digits). Strategy names resolve because this module imports :mod:`lightning_pdist`, which registers
+``data: null``: the module paces its own loop); the data module is any LightningDataModule chosen by ``class_path``
+(default: the scikit-learn digits; the shipped ones are :class:`~lightning_pdist.data.PdistDataModule`'s
+subclasses). Strategy names resolve because this module imports :mod:`lightning_pdist`, which registers
 them; ``class_path: lightning_pdist.BMUFStrategy`` works in any LightningCLI too.
 
 ``--config NAME`` (also ``NAME.yaml`` or ``recipes/NAME.yaml``) names a shipped recipe when no such file exists
@@ -33,7 +34,6 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lightning_pdist  # noqa: F401  (registers the strategy names)
-from lightning_pdist.data import PdistDataModule
 
 __all__ = ["RECIPES_DIR", "LoggedConfig", "PdistCLI", "main", "resolve_recipe_args", "shipped_recipes"]
 
@@ -144,7 +144,7 @@ def main(args: list[str] | None = None) -> None:
         return
     PdistCLI(
         LightningModule,
-        PdistDataModule,
+        None,  # data not required: a DQN module paces its own loop (``data: null``); the default stays the digits
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_callback=LoggedConfig,
