@@ -103,7 +103,7 @@ class SparseRegression(TinyRegression):
 
 def _module(strategy):
     """The module a fit trains: a regression, or for the RL strategies (whose module is a learner) a small DQN."""
-    if type(strategy).__name__ == "ApeXStrategy":
+    if type(strategy).__name__ in ("ApeXStrategy", "GorilaStrategy"):
         from lightning_pdist.rl import DQNModule
 
         return DQNModule(hidden=8, steps_per_epoch=2)
