@@ -81,7 +81,7 @@ class ActorPool:
             try:
                 conn = self.listener.accept()
             except TimeoutError:
-                raise ActorFailed(self._silence(f"did not connect within {self.config.actor_timeout} s")) from None
+                raise ActorFailed(self._silence(f"did not connect within actor_timeout={self.config.actor_timeout} s")) from None
             if not conn.poll(self.config.actor_timeout):
                 raise ActorFailed(self._silence("connected but never said which actor it is"))
             _, meta, _ = receive(conn, 4096, (Kind.HELLO,))
@@ -137,7 +137,7 @@ class ActorPool:
             while not out:
                 if not self.conns[actor].poll(max(0.0, deadline - time.monotonic())):
                     raise ActorFailed(f"{self.owner}: actor {actor} (pid {self.pids[actor]}) sent nothing for "
-                                      f"{self.config.actor_timeout} s and {self._status(actor)}")  # fmt: skip
+                                      f"actor_timeout={self.config.actor_timeout} s and {self._status(actor)}")  # fmt: skip
                 self._handle(actor, out, cache)
             return out
         rounds = 0
@@ -151,7 +151,7 @@ class ActorPool:
             if not ready:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise ActorFailed(f"{self.owner}: no actor sent transitions for {self.config.actor_timeout} s "
+                    raise ActorFailed(f"{self.owner}: no actor sent transitions for actor_timeout={self.config.actor_timeout} s "
                                       f"({'; '.join(f'actor {i} {self._status(i)}' for i in range(len(self.pids)))})")
                 wait(list(self.by_conn), timeout=remaining)
 

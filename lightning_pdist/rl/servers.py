@@ -38,6 +38,11 @@ from lightning_pdist.core.ps_wire import Kind, dumps_state, loads_state
 __all__ = ["ServerGroup", "bounds", "group_hparams", "segments"]
 
 _PR_SET_PDEATHSIG = 1
+#: A started server's idle timeout (seconds without a message). Only a backstop: each server dies with its learner
+#: (PDEATHSIG) and is closed by it. It counts from the server's start, so the server timeout (how long a server may
+#: take to start or answer) was too short for it: on a loaded machine the learner connected after its first server,
+#: started before the others and Lightning's set-up, had already left.
+IDLE_BACKSTOP_S = 3600.0
 _LISTENING = re.compile(rb"listening on (\S+):(\d+)")
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -104,7 +109,7 @@ class ServerGroup:
                     self.procs.append(subprocess.Popen(
                         [sys.executable, "-m", "lightning_pdist.parameter_server.process", "--index", str(s),
                          "--host", "127.0.0.1", "--port", "0", "--secret-file", self.secret_file,
-                         "--idle-timeout", str(timeout)],
+                         "--idle-timeout", str(IDLE_BACKSTOP_S)],
                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, close_fds=True,
                         preexec_fn=lambda: _die_with_parent(parent)))  # fmt: skip
                 self.logs.append(log)
@@ -127,7 +132,7 @@ class ServerGroup:
                 return f"{found.group(1).decode()}:{found.group(2).decode()}"
             code = self.procs[s].poll()
             if code is not None or time.monotonic() > deadline:
-                what = f"exited with status {code}" if code is not None else f"did not listen within {self.timeout:g} s"
+                what = f"exited with status {code}" if code is not None else f"did not listen within server_timeout={self.timeout:g} s"
                 raise RuntimeError(f"{self.owner}: parameter server {s} (pid {self.procs[s].pid}, python -m "
                                    f"lightning_pdist.parameter_server.process) {what}; its output:\n{self._tail(s)}")  # fmt: skip
             time.sleep(0.05)
