@@ -129,12 +129,13 @@ def test_a_killed_replica_is_left_out_and_a_restarted_one_heals_and_catches_up(t
     # heals nobody (torchft's step came back with the checkpoint; reset to 0, init_sync would heal replicas 1 and 2
     # from replica 0 and drop their steps CKPT_AT-1..CKPT_AT), keeps each replica's own mid-round weights, and the
     # round at STEPS averages all three: θ_global, inner and outer optimizer states end bitwise where they did.
+    resumed = {r: [json.loads(line) for line in (tmp_path / f"rounds{r}.resumed.jsonl").read_text().splitlines()]
+               for r in range(3)}  # fmt: skip
+    assert [[(rec["step"], rec["contributors"], rec["participants"], rec["healed"], rec["committed"]) for rec in recs]
+            for recs in resumed.values()] == [[(CKPT_AT, 0, 3, False, True), (STEPS, 3, 3, False, True)]] * 3  # fmt: skip
     for r in range(3):
-        join, last = [json.loads(line) for line in (tmp_path / f"rounds{r}.resumed.jsonl").read_text().splitlines()]
-        assert (join["step"], join["contributors"], join["healed"], join["committed"]) == (CKPT_AT, 0, False, True)
-        assert (last["step"], last["contributors"], last["participants"]) == (STEPS, 3, 3)
-        assert last["manager_step"] == records[r][-1]["manager_step"] + 1  # + the join's commit
         again = torch.load(tmp_path / f"final{r}.resumed.pt")
         assert again["step"] == STEPS and again["global_step"] == finals[r]["global_step"]
         for key in ("params", "inner", "outer"):
             torch.testing.assert_close(again[key], finals[r][key], atol=0, rtol=0, msg=lambda m: f"{r} {key}: {m}")
+        assert resumed[r][-1]["manager_step"] == records[r][-1]["manager_step"] + 1  # + the join's commit
