@@ -80,8 +80,8 @@ def add_reach(rows: list[dict[str, Any]]) -> None:
 
 
 def plot(doc: dict[str, Any], path: Path) -> Path | None:
-    """Loss against cumulative bytes (left, the first network's runs; bytes do not depend on the link) and against
-    wall time (one panel per network), one line per run."""
+    """Loss against cumulative bytes (left, the runs of the network with the most; bytes do not depend on the link)
+    and against wall time (one panel per network), one line per run."""
     rows = [r for r in doc["rows"] if not r.get("error") and r.get("curve")]
     if not rows:
         return None
@@ -94,7 +94,8 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
     sizes = sorted({r["world_size"] for r in rows})
     name = lambda r: r["label"] + (f" ×{r['world_size']}" if len(sizes) > 1 else "")  # noqa: E731
     fig, axes = plt.subplots(1, 1 + len(networks), figsize=(6 * (1 + len(networks)), 5.5), squeeze=False)
-    first = [r for r in rows if r["network"] == networks[0]]
+    most = max(networks, key=lambda n: sum(r["network"] == n for r in rows))
+    first = [r for r in rows if r["network"] == most]
     ax = axes[0][0]
     for r in first:
         c = r["curve"]  # from the first byte sent (a log axis has no 0)
@@ -103,7 +104,7 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
     ax.set_xscale("log")
     ax.set_xlabel("cumulative bytes sent per rank (byte model, log)")
     ax.set_ylabel(f"training loss, rank mean, trailing mean of {SMOOTH} steps")
-    ax.set_title(f"loss against bytes ({networks[0]})", fontsize=9)
+    ax.set_title(f"loss against bytes ({most})", fontsize=9)
     ax.legend(fontsize=6)
     for ax, net in zip(axes[0][1:], networks):
         for r in (r for r in rows if r["network"] == net):
