@@ -20,8 +20,9 @@ Lifecycle (every rank):
   (``nonfinite_flag``) makes every rank agree (``"raise"``/``"skip_step"``); the exchange's mean is checked before
   an outer step applies it (the same on every rank: no collective); ``"propagate"`` checks neither.
 * ``fault_tolerant=True``: each process is one replica (``devices=1``) and the rounds go through torchft
-  (:mod:`.fault_tolerance`): at setup the replica joins (and heals from a live peer if it is behind), every round
-  end averages the replicas present; a healed replica ends ``fit`` when its healed step reaches ``max_steps``.
+  (:mod:`.fault_tolerance`): at setup, after a checkpoint's state (torchft's step included) is loaded, the replica
+  joins (and heals from a live peer if it is behind), every round end averages the replicas present; a healed
+  replica ends ``fit`` when its healed step reaches ``max_steps``.
 """
 
 from __future__ import annotations
