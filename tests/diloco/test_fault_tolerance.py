@@ -126,8 +126,8 @@ def test_a_killed_replica_is_left_out_and_a_restarted_one_heals_and_catches_up(t
     assert finals[VICTIM]["global_step"] == STEPS - healed["step"]  # the restarted replica trained only what was left
 
     # The resume (every replica from its own checkpoint at CKPT_AT, mid the last round, all three together): the join
-    # heals nobody (torchft's step came back with the checkpoint; reset to 0, init_sync would heal replicas 1 and 2
-    # from replica 0 and drop their steps CKPT_AT-1..CKPT_AT), keeps each replica's own mid-round weights, and the
+    # heals nobody (torchft's step came back with the checkpoint; reset to 0, torchft's init_sync heals replicas from
+    # a peer and drops their steps CKPT_AT-1..CKPT_AT), keeps each replica's own mid-round weights, and the
     # round at STEPS averages all three: θ_global, inner and outer optimizer states end bitwise where they did.
     resumed = {r: [json.loads(line) for line in (tmp_path / f"rounds{r}.resumed.jsonl").read_text().splitlines()]
                for r in range(3)}  # fmt: skip
