@@ -24,12 +24,16 @@ DiLoCo ``Σ_p AR(4 d_p)`` (fp32) or ``Σ_p AG(codes_p + 4·blocks_p)`` (int8: 1 
 ``d_p`` padded to blocks of 64) per ``H`` steps, the peak being the largest fragment's; local SGD and BMUF like
 DiLoCo. Per row also (:mod:`~lightning_pdist.bench.diloco_curves`): the loss curve (rank-mean training loss, trailing
 mean of 20 steps) against the cumulative model bytes and the slowest rank's wall time, the step, seconds and bytes
-at which it first comes within 2% of DDP's final value on the same network, and the peak kernel bytes per second
-(the most one rank's link sent in one step, over that step's duration; emulated links only).
+at which it first comes within 2% of DDP's final value on the same network with as many ranks, and the peak kernel
+bytes per second (the most one rank's link sent in one step, over that step's duration; emulated links only).
+
+``--keep-from OLD.json`` keeps the rows of an earlier run of this suite that this run does not make again (another
+world size, network or run; :func:`keep_rows`), so a short run can add rows to a long one.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import time
@@ -98,6 +102,9 @@ class SuiteConfig(SuiteRules):
     """seed of weights and batches"""
     timeout: float = 300.0
     """seconds per run"""
+    keep_from: str | None = None
+    """a diloco.json whose rows this run does not make again (same network, ranks and run) are kept beside this
+    run's (its command, date and load are recorded with them; its model, data and optimizer settings must match)"""
     quick: bool = True
     SUITE: ClassVar[str] = SUITE
     FLAGS: ClassVar[dict[str, str]] = {"networks": "--network", "rates": "--rate"}
@@ -130,6 +137,8 @@ class SuiteConfig(SuiteRules):
             raise self.bad("quantize", self.quantize, "must be int4 or int8")
         if self.balance not in ("layers", "params"):
             raise self.bad("balance", self.balance, "must be layers or params")
+        if self.keep_from is not None and not Path(self.keep_from).is_file():
+            raise self.bad("keep_from", self.keep_from, "must be an existing diloco.json")
 
 
 def plan_runs(config: SuiteConfig) -> list[dict[str, Any]]:
@@ -244,10 +253,12 @@ def build_row(spec: dict[str, Any], got: Any, network: str, rate: str | None) ->
 
 
 def goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 21's benchmark goals, per network, checked on the rows (``met`` is ``None`` where a row is missing)."""
+    """Issue 21's benchmark goals, per network and world size, checked on the rows (``met`` is ``None`` where a row
+    is missing)."""
     out = []
-    for network in dict.fromkeys(r["network"] for r in rows):
-        ok = [r for r in rows if r["network"] == network and not r["error"]]
+    for network, world_size in dict.fromkeys((r["network"], r["world_size"]) for r in rows):
+        ok = [r for r in rows if r["network"] == network and r["world_size"] == world_size and not r["error"]]
+        start = len(out)
         ddp = next((r for r in ok if r["strategy"] == "ddp"), None)
         ours = [r for r in ok if r["strategy"] == "diloco"]
         top = max(ours, key=lambda r: r["sync_every"], default=None)
@@ -280,7 +291,40 @@ def goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 out.append({"network": network, "goal": f"ours >= torchft's DiLoCo in steps/s at H={ft['sync_every']}",
                             "measured": f"{ref['steps_per_s']} vs {ft['steps_per_s']} steps/s",
                             "met": ref["steps_per_s"] >= ft["steps_per_s"]})  # fmt: skip
+        for goal in out[start:]:
+            goal["world_size"] = world_size
     return out
+
+
+#: The settings every row's figures depend on that a row does not record: a kept row must share them.
+KEEP_SETTINGS = ("steps", "batch_size", "context", "width", "layers", "lr", "text_bytes", "seed", "balance")
+
+
+def keep_rows(doc: dict[str, Any], old: dict[str, Any], config: SuiteConfig) -> None:
+    """Add to ``doc`` (this run) the rows of ``old`` (an earlier diloco.json) that this run did not make again — same
+    network, world size and label — and ``doc["kept"]``: how many, and the earlier run's command, date, host, wall
+    time and networks (``doc["networks"]`` stays this run's). Rows are ordered loopback first, then by network, then by world size.
+
+    Raises:
+        ValueError: ``old`` is another suite's, or was run with other :data:`KEEP_SETTINGS` (its rows would be
+            described by this run's text wrongly).
+    """
+    if old.get("suite") != SUITE:
+        raise ValueError(f"{SUITE}(--keep-from={config.keep_from!r}): holds suite {old.get('suite')!r}, not {SUITE!r}")
+    now = json.loads(json.dumps(doc["config"]))  # tuples as the file's lists
+    differ = [k for k in KEEP_SETTINGS if old["config"].get(k) != now[k]]
+    if differ:
+        raise ValueError(f"{SUITE}(--keep-from={config.keep_from!r}): its rows ran with other settings ("
+                         + ", ".join(f"{k}={old['config'].get(k)!r} (now {now[k]!r})" for k in differ) + ")")
+    made = {(r["network"], r["world_size"], r["label"]) for r in doc["rows"]}
+    kept = [r for r in old["rows"] if (r["network"], r["world_size"], r["label"]) not in made]
+    names = list(dict.fromkeys([*doc["networks"], *old["networks"]]))  # doc["networks"]: this run's only
+    rows = doc["rows"] + kept
+    rows.sort(key=lambda r: (r["network"] != "loopback", names.index(r["network"]), r["world_size"]))
+    doc["rows"] = rows
+    doc["kept"] = {"rows": len(kept), "from_command": old["command"], "from_created": old["created"],
+                   "from_host": old["host"], "from_suite_wall_s": old.get("suite_wall_s"),
+                   "from_networks": old["networks"]}  # fmt: skip
 
 
 def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -318,6 +362,8 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
     doc["rows"].sort(key=lambda r: order.index(r["network"]) if r["network"] in order else len(order))
     check_rows(doc["rows"], ROW_KEYS, SUITE)
     add_reach(doc["rows"])
+    if config.keep_from is not None:
+        keep_rows(doc, json.loads(Path(config.keep_from).read_text()), config)
     doc["goals"] = goals(doc["rows"])
     return finish_suite(doc, out, SUITE, started, plot)
 
@@ -328,6 +374,7 @@ _kb = lambda b: "—" if b is None else f"{b / 1e3:.1f}"  # noqa: E731
 _mb = lambda b: "—" if b is None else f"{b / 1e6:.2f}"  # noqa: E731
 TABLE_COLUMNS = (
     ("network", "network", None),
+    ("ranks", "world_size", None),
     ("run", "label", None),
     ("ms/step", "step_ms", ".1f"),
     ("steps/s", "steps_per_s", ".2f"),
@@ -345,7 +392,7 @@ TABLE_COLUMNS = (
     ("MB to reach", "reach_model_bytes", _mb),
     ("other load", "other_load_cores", ".2f"),
 )
-GOAL_COLUMNS = (("network", "network", None), ("goal", "goal", None), ("measured", "measured", None),
+GOAL_COLUMNS = (("network", "network", None), ("ranks", "world_size", None), ("goal", "goal", None), ("measured", "measured", None),
                 ("met", "met", lambda m: "—" if m is None else ("yes" if m else "no")))  # fmt: skip
 
 
@@ -356,17 +403,25 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
     cfg = doc["config"]
     streaming = {r["num_fragments"]: r["fragment_numels"] for r in rows if r["strategy"] == "streaming_diloco"}
     sizes = ", ".join(f"P={p}: {numels}" for p, numels in streaming.items())
-    lines = [*run_lines(doc, json_path), "",
+    ranks = " and ".join(str(n) for n in sorted({r["world_size"] for r in doc["rows"]})) or str(cfg["world_size"])
+    kept = []
+    if k := doc.get("kept"):
+        host = k["from_host"]
+        kept = [f"Kept: {k['rows']} rows (those this run did not make again) from `{k['from_command']}`, run "
+                f"{k['from_created']}, {k['from_suite_wall_s']} s, on {host['cpus']} CPUs (1-min load average "
+                f"{host['loadavg_1m_at_start']} at its start); its networks:", "",
+                *network_lines({"networks": k["from_networks"]}, named=True)]  # fmt: skip
+    lines = [*run_lines(doc, json_path), *([""] + kept if kept else []), "",
              f"Model: byte-level Transformer LM, {cfg['layers']} blocks of width {cfg['width']}, "
              f"{first.get('model_params', 0):,} parameters; text: the first {cfg['text_bytes']:,} bytes of the Python "
              f"standard library's `*.py` files (sha256 {first.get('text_sha')}, last 65,536 held out); "
-             f"{cfg['world_size']} ranks × {cfg['batch_size']} windows of {cfg['context']} bytes per step, "
+             f"{ranks} ranks × {cfg['batch_size']} windows of {cfg['context']} bytes per step, "
              f"{cfg['steps']} AdamW steps (lr {cfg['lr']}), seed {cfg['seed']}; every DiLoCo's outer step Nesterov SGD(0.7, "
              f"0.9); Streaming's fragments cut by {cfg['balance']}"
              + (f" ({sizes} parameters)" if sizes else "") + ".", "",
              f"\"reach\": the first step at which the run's training loss (mean of the ranks, trailing mean of {SMOOTH} "
-             f"steps) is within 2% of DDP's final one on the same network, the seconds and the model bytes per rank "
-             "sent by then; \"peak kernel kB/s\": the most one rank's link sent in one step over that step's duration.",
+             f"steps) is within 2% of DDP's final one on the same network with as many ranks, the seconds and the model "
+             "bytes per rank sent by then; \"peak kernel kB/s\": the most one rank's link sent in one step over that step's duration.",
              "", "Networks:", "", *network_lines(doc, named=True), "", markdown_table(doc["rows"], TABLE_COLUMNS)]
     if errors := [r for r in doc["rows"] if r.get("error")]:
         lines += ["", "Runs that failed:", "", *(f"- {r['network']} {r['label']}: {r['error']}" for r in errors)]

@@ -61,11 +61,12 @@ def curve_fields(ranks: Sequence[dict[str, Any]], step_bytes: Sequence[float]) -
 
 
 def add_reach(rows: list[dict[str, Any]]) -> None:
-    """Each row's first step within ``REACH`` of DDP's final smoothed loss on its network (see the module)."""
+    """Each row's first step within ``REACH`` of DDP's final smoothed loss on its network with as many ranks (see
+    the module)."""
     for row in rows:
         full = row.pop(FULL, None)
-        ddp = next((r for r in rows if r["network"] == row["network"] and r["strategy"] == "ddp" and r.get("curve")),
-                   None)  # fmt: skip
+        ddp = next((r for r in rows if r["network"] == row["network"] and r.get("world_size") == row.get("world_size")
+                    and r["strategy"] == "ddp" and r.get("curve")), None)  # fmt: skip
         row.update(target_loss=None, reach_step=None, reach_s=None, reach_model_bytes=None)
         if full is None or ddp is None:
             continue
@@ -79,8 +80,8 @@ def add_reach(rows: list[dict[str, Any]]) -> None:
 
 
 def plot(doc: dict[str, Any], path: Path) -> Path | None:
-    """Loss against cumulative bytes (left, the first network's runs; bytes do not depend on the link) and against
-    wall time (one panel per network), one line per run."""
+    """Loss against cumulative bytes (left, the runs of the network with the most; bytes do not depend on the link)
+    and against wall time (one panel per network), one line per run."""
     rows = [r for r in doc["rows"] if not r.get("error") and r.get("curve")]
     if not rows:
         return None
@@ -90,24 +91,27 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     networks = list(dict.fromkeys(r["network"] for r in rows))
+    sizes = sorted({r["world_size"] for r in rows})
+    name = lambda r: r["label"] + (f" ×{r['world_size']}" if len(sizes) > 1 else "")  # noqa: E731
     fig, axes = plt.subplots(1, 1 + len(networks), figsize=(6 * (1 + len(networks)), 5.5), squeeze=False)
-    first = [r for r in rows if r["network"] == networks[0]]
+    most = max(networks, key=lambda n: sum(r["network"] == n for r in rows))
+    first = [r for r in rows if r["network"] == most]
     ax = axes[0][0]
     for r in first:
         c = r["curve"]  # from the first byte sent (a log axis has no 0)
         points = [(b, loss) for b, loss in zip(c["model_bytes"], c["loss"]) if b > 0]
-        ax.plot([b for b, _ in points], [loss for _, loss in points], label=r["label"], lw=1, drawstyle="steps-post")
+        ax.plot([b for b, _ in points], [loss for _, loss in points], label=name(r), lw=1, drawstyle="steps-post")
     ax.set_xscale("log")
     ax.set_xlabel("cumulative bytes sent per rank (byte model, log)")
     ax.set_ylabel(f"training loss, rank mean, trailing mean of {SMOOTH} steps")
-    ax.set_title(f"loss against bytes ({networks[0]})", fontsize=9)
+    ax.set_title(f"loss against bytes ({most})", fontsize=9)
     ax.legend(fontsize=6)
     for ax, net in zip(axes[0][1:], networks):
         for r in (r for r in rows if r["network"] == net):
-            ax.plot(r["curve"]["seconds"], r["curve"]["loss"], label=r["label"], lw=1)
+            ax.plot(r["curve"]["seconds"], r["curve"]["loss"], label=name(r), lw=1)
         ax.set_xlabel("seconds since the loop's start (slowest rank)")
         ax.set_title(f"loss against wall time ({net})", fontsize=9)
         ax.legend(fontsize=6)
-    fig.suptitle(f"diloco suite, {doc['created']}, {rows[0]['world_size']} ranks", fontsize=9)
+    fig.suptitle(f"diloco suite, {doc['created']}, {' and '.join(map(str, sizes))} ranks", fontsize=9)
     fig.tight_layout()
     return save_figure(fig, path, dpi=100)

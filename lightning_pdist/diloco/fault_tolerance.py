@@ -9,13 +9,14 @@ Each replica is its own process (its own Lightning world of one) and its own tor
     heal    : a replica behind the quorum's step loads a live peer's state (θ_global, outer optimizer state, step)
               through torchft's checkpoint transport before anything else (torchft's ``load_state_dict`` hooks)
     w_r     = 1 if replica r ran this round from θ_global, else 0 (it has just joined or healed)
-    S       = Σ_{r in quorum} [w_r·Δ_r, w_r·b_r, w_r]      one torchft all-reduce (SUM) over the quorum
+    S       = Σ_{r in quorum} [w_r·Δ_r, w_r·b_r, w_r, w_r·t_r]   one torchft all-reduce (SUM) over the quorum
     mean Δ  = S_Δ / S_w,  mean b = S_b / S_w                 the mean over the replicas present, only
+    step    = S_t / S_w                                      the contributors' step t (a joining replica takes it)
     commit  = torchft's should_commit (every replica of the quorum healthy and the collective clean)
 
 The caller takes the outer step only if the round committed and ``S_w > 0``; otherwise every replica goes back to
 ``θ_global`` (the round's local steps are discarded, as in torchft's own DiLoCo). Bytes this replica sends: one
-all-reduce of ``d + 1`` fp32 values over the quorum (``2(n−1)/n · 4(d+1)``, kind ``pseudo_grad_ft_all_reduce``).
+all-reduce of ``d + 2`` fp32 values over the quorum (``2(n−1)/n · 4(d+2)``, kind ``pseudo_grad_ft_all_reduce``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class RoundOutcome:
     committed: bool
     healed: bool  # this replica loaded a peer's state in this round's quorum
     contributed: bool
+    step: int  # the contributors' step (every contributor's is the same), or the caller's when none contributed
 
 
 def check_ft_args(owner: str, fault_tolerant: Any, lighthouse: str | None, replica_id: str | None,
@@ -111,30 +113,32 @@ class FaultTolerantReplica:
         self._load(state)
 
     def average(self, contribution: Callable[[], tuple[Tensor, Tensor] | None], size: tuple[int, int],
-                meter: CommMeter | None) -> RoundOutcome:  # fmt: skip
+                meter: CommMeter | None, step: int) -> RoundOutcome:  # fmt: skip
         """One round: quorum (and heal), the weighted all-reduce over the quorum, commit.
 
         ``contribution()`` is called after the quorum (so after a heal) and returns ``(Δ_r, b_r)`` flat fp32, or
-        ``None`` when this replica has nothing to contribute this round; ``size`` = ``(len Δ, len b)``.
+        ``None`` when this replica has nothing to contribute this round; ``size`` = ``(len Δ, len b)``; ``step``:
+        the caller's step, summed with the weights (``S_t = Σ w_r·t_r``) so that a replica that joins a round
+        without contributing learns its step (``S_t / S_w``).
         """
         self.healed = False
         self.manager.start_quorum()  # synchronous: a replica behind heals here (self._heal)
         mine = None if self.healed else contribution()
         n_delta, n_buffers = size
-        vec = torch.zeros(n_delta + n_buffers + 1)
+        vec = torch.zeros(n_delta + n_buffers + 2)
         if mine is not None:
-            torch.cat([mine[0], mine[1], torch.ones(1)], out=vec)
+            torch.cat([mine[0], mine[1], torch.tensor([1.0, float(step)])], out=vec)
         participants = self.manager.num_participants()
         self.manager.allreduce(vec, reduce_op=ReduceOp.SUM).wait()
         if meter is not None and participants > 1:
             meter.add("pseudo_grad_ft_all_reduce", all_reduce_bytes(vec.numel() * 4, participants))
         committed = bool(self.manager.should_commit())
-        count = int(round(float(vec[-1])))
+        count = int(round(float(vec[-2])))
         ok = committed and count > 0
         return RoundOutcome(
-            mean_delta=vec[:n_delta] / count if ok else None, mean_buffers=vec[n_delta:-1] / count if ok else None,
+            mean_delta=vec[:n_delta] / count if ok else None, mean_buffers=vec[n_delta:-2] / count if ok else None,
             contributors=count, participants=participants, committed=committed, healed=self.healed,
-            contributed=mine is not None,
+            contributed=mine is not None, step=int(round(float(vec[-1]) / count)) if count > 0 else step,
         )  # fmt: skip
 
     def shutdown(self) -> None:

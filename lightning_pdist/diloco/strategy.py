@@ -20,8 +20,9 @@ Lifecycle (every rank):
   (``nonfinite_flag``) makes every rank agree (``"raise"``/``"skip_step"``); the exchange's mean is checked before
   an outer step applies it (the same on every rank: no collective); ``"propagate"`` checks neither.
 * ``fault_tolerant=True``: each process is one replica (``devices=1``) and the rounds go through torchft
-  (:mod:`.fault_tolerance`): at setup the replica joins (and heals from a live peer if it is behind), every round
-  end averages the replicas present; a healed replica ends ``fit`` when its healed step reaches ``max_steps``.
+  (:mod:`.fault_tolerance`): at setup, after a checkpoint's state (torchft's step included) is loaded, the replica
+  joins (and heals from a live peer if it is behind), every round end averages the replicas present; a healed
+  replica ends ``fit`` when its healed step reaches ``max_steps``.
 """
 
 from __future__ import annotations
@@ -178,7 +179,13 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
         self.rounds.start(self.lightning_module, self.comm_meter)
         self.ft_history = []
         self._ft = FaultTolerantReplica(**self.ft_settings, state_dict=self._ft_state, load_state_dict=self._ft_load)
-        self._ft_round(contribute=False)  # join: the first quorum, where a restarted replica heals
+        # the join (the first quorum, where a replica behind heals) waits for a checkpoint's state: see setup
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)  # setup_algorithm, then a checkpoint's state (torchft's step included)
+        if self._ft is not None and not self.ft_history:
+            self._ft_round(contribute=False)  # the join: after the checkpoint, so a heal is not overwritten by it
 
     def _ft_state(self) -> dict:
         return {"step": self.step, "rounds": self.rounds.state_dict()}
@@ -192,14 +199,17 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
         part = self.rounds.parts[0]
         sizes = (part.global_params.numel(), part.global_buffers.numel())
         own = lambda: (part.global_params.detach() - flatten(part.params), flatten(part.buffers))  # noqa: E731
-        out: RoundOutcome = self._ft.average(own if contribute else (lambda: None), sizes, self.comm_meter)
+        out: RoundOutcome = self._ft.average(own if contribute else (lambda: None), sizes, self.comm_meter, self.step)
         if out.mean_delta is not None:
+            self.step = out.step  # a replica resumed from its checkpoint into the others' round takes their step
             part.pending = Exchange.done(out.mean_delta, out.mean_buffers)
             self.rounds.merge(0)
-        else:  # not committed, or nobody ran this round: back to θ_global, the local steps are discarded
+        elif out.healed or not out.committed:  # back to θ_global (not committed: the round's local steps are lost)
             self.rounds.load_vector(self.rounds.global_vector())
+        # else nobody contributed (the join of a fresh or resumed run): the module keeps its (mid-round) weights
         self.ft_history.append({"step": self.step, "contributors": out.contributors, "participants": out.participants,
-                                "committed": out.committed, "healed": out.healed, "contributed": out.contributed})  # fmt: skip
+                                "committed": out.committed, "healed": out.healed, "contributed": out.contributed,
+                                "manager_step": self._ft.manager.current_step()})  # fmt: skip
 
     @override
     def teardown(self) -> None:
@@ -285,6 +295,8 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
         self._close_training_step()
         state = super().pdist_state_dict()
         state.update(step=self.step, rounds=self.rounds.state_dict())
+        if self._ft is not None:
+            state["torchft"] = self._ft.manager.state_dict()  # its step: whether a resumed replica is behind
         return state
 
     @override
@@ -292,6 +304,8 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
         super().load_pdist_state_dict(state)
         self.step = int(state.get("step", 0))
         self.rounds.load_state_dict(state["rounds"])
+        if self._ft is not None and "torchft" in state:
+            self._ft.manager.load_state_dict(state["torchft"])
 
     @override
     def pdist_rank_state(self) -> dict | None:

@@ -1,12 +1,13 @@
 """The diloco suite: config rules, the byte model, and one tiny real run (ours and torchft's DiLoCo, loopback)."""
 
 import json
+from dataclasses import asdict
 
 import pytest
 
 from lightning_pdist.bench.__main__ import main as bench_main
-from lightning_pdist.bench.diloco import (TABLE_COLUMNS, SuiteConfig, byte_model, docs_section, plan_runs, run_suite,
-                                          step_bytes)  # fmt: skip
+from lightning_pdist.bench.diloco import (TABLE_COLUMNS, SuiteConfig, byte_model, docs_section, goals, keep_rows,
+                                          plan_runs, run_suite, step_bytes)  # fmt: skip
 from lightning_pdist.bench.diloco_curves import add_reach, curve_fields
 from lightning_pdist.bench.report import markdown_table
 
@@ -82,3 +83,31 @@ def test_a_tiny_real_run_of_ours_and_torchfts_diloco(tmp_path):
     assert json.loads((tmp_path / "diloco.json").read_text())["rows"] == doc["rows"]
     section = docs_section(doc, "x.json")
     assert markdown_table(doc["rows"], TABLE_COLUMNS) in section
+
+
+def test_keep_from_adds_the_rows_this_run_did_not_make_again(tmp_path):
+    """--keep-from: an earlier run's rows of other (network, ranks, run) are kept, its same ones replaced; goals and the
+    reach are per network and world size; another model's file is refused by setting."""
+    row = lambda net, n, lab, loss: {"network": net, "world_size": n, "label": lab, "strategy": lab.split()[0],  # noqa: E731
+                                     "error": None, "val_loss": loss, "sync_every": 4, "steps_per_s": 1.0,
+                                     "model_bytes_per_step": 8.0, "peak_model_bytes": 32.0}  # fmt: skip
+    old = {"suite": "diloco", "command": "old", "created": "then", "host": {"cpus": 2, "loadavg_1m_at_start": 3.0},
+           "suite_wall_s": 9.0, "networks": {"emulated 1gbit": {"detail": "4 hosts"}},
+           "config": json.loads(json.dumps(asdict(SuiteConfig()))),
+           "rows": [row("emulated 1gbit", 4, "ddp", 2.0), row("emulated 1gbit", 4, "diloco H=4", 2.2),
+                    row("loopback", 2, "ddp", 9.9)]}  # fmt: skip
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    config = SuiteConfig(keep_from=str(tmp_path / "old.json"))
+    doc = {"config": asdict(config), "networks": {"loopback": {"detail": "lo"}},
+           "rows": [row("loopback", 2, "ddp", 1.0), row("loopback", 2, "diloco H=4", 1.01)]}
+    keep_rows(doc, old, config)
+    assert [(r["network"], r["world_size"], r["label"], r["val_loss"]) for r in doc["rows"]] == [
+        ("loopback", 2, "ddp", 1.0), ("loopback", 2, "diloco H=4", 1.01),
+        ("emulated 1gbit", 4, "ddp", 2.0), ("emulated 1gbit", 4, "diloco H=4", 2.2)]  # fmt: skip
+    assert doc["kept"]["rows"] == 2 and list(doc["networks"]) == ["loopback"]
+    assert [(g["network"], g["world_size"], g["met"]) for g in goals(doc["rows"])] == [
+        ("loopback", 2, False), ("emulated 1gbit", 4, False)]  # fmt: skip
+    with pytest.raises(ValueError, match=r"diloco\(--keep-from=.*\): its rows ran with other settings \(width=64 \(now 32\)\)"):
+        keep_rows(dict(doc, config=asdict(SuiteConfig(width=32))), old, config)
+    with pytest.raises(ValueError, match=r"--keep-from=.*must be an existing diloco.json"):
+        SuiteConfig(keep_from=str(tmp_path / "missing.json"))

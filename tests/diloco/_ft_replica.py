@@ -5,7 +5,10 @@ sees what the reference gives it). Files in ``DIR``: ``ready{r}.{life}`` and ``m
 all three before setup and again, with their torchft Managers heartbeating, before the first quorum: the lighthouse
 then waits for everyone, so the first round has all three), ``stalled`` (the victim's first life stops mid-round there, to be SIGKILLed),
 ``rejoining`` (the restarted victim; the survivors wait for it after the kill round, then slow down so it catches
-a round), ``rounds{r}.jsonl`` (this replica's torchft rounds, written as they happen), ``final{r}.pt``.
+a round), ``rounds{r}.jsonl`` (this replica's torchft rounds, written as they happen), ``final{r}.pt``, ``mid{r}.ckpt``
+(a Lightning checkpoint at step ``CKPT_AT``, mid-round). Then each replica resumes its own ``mid{r}.ckpt`` in a second
+``fit`` in the same process (all three together, as after a whole-job restart; ``manager{r}.resumed`` is their
+barrier before the join): ``rounds{r}.resumed.jsonl``, ``final{r}.resumed.pt``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 H, STEPS, VICTIM, STALL_AT, WAIT_AT = 4, 24, 2, 10, 12  # the victim stops before step 10 (mid round 3: steps 9-12)
+CKPT_AT = 22  # mid the last round (steps 21-24)
 
 
 def ft_batch(data, replica: int, t: int, bs: int = 4):
@@ -47,6 +51,7 @@ def main() -> None:
 
     out, r, life = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     data = regression_data(64)
+    resumed = False  # the second fit, from mid{r}.ckpt
 
     class Replica(LightningModule):
         def __init__(self):
@@ -54,6 +59,8 @@ def main() -> None:
             self.net, self.written, self.slow = make_net(), 0, False
 
         def setup(self, stage):
+            if resumed:
+                return
             (out / f"ready{r}.{life}").touch()
             if life == 1:
                 for other in range(3):
@@ -77,8 +84,11 @@ def main() -> None:
                 time.sleep(0.15)
 
         def on_train_batch_end(self, *args):
-            history = self.trainer.strategy.ft_history
-            with open(out / f"rounds{r}.jsonl", "a") as f:
+            strategy = self.trainer.strategy
+            if args and not resumed and strategy.step == CKPT_AT:
+                self.trainer.save_checkpoint(out / f"mid{r}.ckpt")
+            history = strategy.ft_history
+            with open(out / f"rounds{r}{'.resumed' if resumed else ''}.jsonl", "a") as f:
                 for record in history[self.written :]:
                     f.write(json.dumps(dict(record, life=life)) + "\n")
             self.written = len(history)
@@ -91,21 +101,26 @@ def main() -> None:
 
     class Strategy(DiLoCoStrategy):
         def _ft_round(self, contribute):
-            if life == 1 and not self.ft_history:  # the join: every first life's Manager heartbeats before it
-                (out / f"manager{r}").touch()
+            if (life == 1 or resumed) and not self.ft_history:  # the join: every Manager heartbeats before it
+                tag = ".resumed" if resumed else ""
+                (out / f"manager{r}{tag}").touch()
                 for other in range(3):
-                    _wait_for(out / f"manager{other}")
+                    _wait_for(out / f"manager{other}{tag}")
                 time.sleep(0.5)  # a few heartbeats (every 0.1 s) reach the lighthouse
             super()._ft_round(contribute)
 
-    model = Replica()
-    strategy = Strategy(sync_every=H, fault_tolerant=True, replica_id=f"replica_{r}", ft_timeout=20.0)
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=STEPS, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
-    trainer.fit(model)
-    model.on_train_batch_end()
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    torch.save({"params": flat, "step": strategy.step, "global_step": trainer.global_step}, out / f"final{r}.pt")
+    for resumed in (False, True):
+        model = Replica()
+        strategy = Strategy(sync_every=H, fault_tolerant=True, replica_id=f"replica_{r}", ft_timeout=20.0)
+        trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=STEPS, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+        trainer.fit(model, ckpt_path=out / f"mid{r}.ckpt" if resumed else None)
+        model.on_train_batch_end()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        torch.save({"params": flat, "step": strategy.step, "global_step": trainer.global_step,
+                    "inner": trainer.optimizers[0].state_dict()["state"],
+                    "outer": strategy.rounds.parts[0].optimizer.state_dict()["state"]},
+                   out / f"final{r}{'.resumed' if resumed else ''}.pt")  # fmt: skip
 
 
 if __name__ == "__main__":

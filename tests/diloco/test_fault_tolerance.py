@@ -1,4 +1,5 @@
 """DiLoCo on torchft: 3 replica processes, one SIGKILLed mid-round and restarted; against a plain-torch DiLoCo.
+Then, in the same processes, all three resume their own mid-round checkpoints and must end exactly where they did.
 
 The reference (written here from the paper's rule, no lightning_pdist import) runs each round over the replicas that
 contributed to it in the real run (read from their round records): each starts from θ_global, takes H SGD steps on
@@ -20,7 +21,7 @@ from _helpers import make_net, regression_data
 from torch import nn
 
 torchft = pytest.importorskip("torchft")
-from diloco._ft_replica import H, STALL_AT, STEPS, VICTIM, ft_batch  # noqa: E402
+from diloco._ft_replica import CKPT_AT, H, STALL_AT, STEPS, VICTIM, ft_batch  # noqa: E402
 
 WORKER = Path(__file__).with_name("_ft_replica.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,7 +111,7 @@ def test_a_killed_replica_is_left_out_and_a_restarted_one_heals_and_catches_up(t
     assert [r for r, _ in contributors[kill_round]] == [0, 1]
     # the restarted victim healed (from a live peer, at a round end after the kill) and contributed afterwards
     (healed,) = [rec for rec in records[VICTIM] if rec["healed"] and rec["life"] == 2]
-    assert kill_round < healed["step"] < STEPS and healed["participants"] == 3
+    assert kill_round < healed["step"] < CKPT_AT and healed["participants"] == 3
     assert healed["contributors"] == 2
     assert [r for r, _ in contributors[STEPS]] == [0, 1, 2]
     for s, rs in contributors.items():
@@ -123,3 +124,18 @@ def test_a_killed_replica_is_left_out_and_a_restarted_one_heals_and_catches_up(t
         assert final["step"] == STEPS
         torch.testing.assert_close(final["params"], expected, atol=1e-5, rtol=0, msg=lambda m: f"replica {r}: {m}")
     assert finals[VICTIM]["global_step"] == STEPS - healed["step"]  # the restarted replica trained only what was left
+
+    # The resume (every replica from its own checkpoint at CKPT_AT, mid the last round, all three together): the join
+    # heals nobody (torchft's step came back with the checkpoint; reset to 0, torchft's init_sync heals replicas from
+    # a peer and drops their steps CKPT_AT-1..CKPT_AT), keeps each replica's own mid-round weights, and the
+    # round at STEPS averages all three: θ_global, inner and outer optimizer states end bitwise where they did.
+    resumed = {r: [json.loads(line) for line in (tmp_path / f"rounds{r}.resumed.jsonl").read_text().splitlines()]
+               for r in range(3)}  # fmt: skip
+    assert [[(rec["step"], rec["contributors"], rec["participants"], rec["healed"], rec["committed"]) for rec in recs]
+            for recs in resumed.values()] == [[(CKPT_AT, 0, 3, False, True), (STEPS, 3, 3, False, True)]] * 3  # fmt: skip
+    for r in range(3):
+        again = torch.load(tmp_path / f"final{r}.resumed.pt")
+        assert again["step"] == STEPS and again["global_step"] == finals[r]["global_step"]
+        for key in ("params", "inner", "outer"):
+            torch.testing.assert_close(again[key], finals[r][key], atol=0, rtol=0, msg=lambda m: f"{r} {key}: {m}")
+        assert resumed[r][-1]["manager_step"] == records[r][-1]["manager_step"] + 1  # + the join's commit
