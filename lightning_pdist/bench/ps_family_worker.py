@@ -144,12 +144,19 @@ def build_module(spec: dict[str, Any]) -> Any:
     return ClassifierModule(model=task, **opt)
 
 
-def build_data(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
-    """(data module or train loader, train set, validation set); the batch per rank follows the method."""
+def build_data(spec: dict[str, Any], rank: int = 0) -> tuple[Any, Any, Any]:
+    """(data module or train loader, train set, validation set); the batch per rank follows the method.
+
+    The Sandblaster part's loaders are final: the Trainer runs them with ``use_distributed_sampler=False``
+    (:func:`sampler_kwargs`), because Lightning otherwise puts every distributed strategy's training loader behind a
+    ``DistributedSampler(shuffle=True)`` (even Sandblaster's one replica) while one process reads it in order, so
+    the two L-BFGS rows saw different batches from step 1.
+    """
     import torch
     from torch.utils.data import DataLoader, Subset
 
     from lightning_pdist.data import DigitsDataModule
+    from lightning_pdist.parameter_server.sandblaster import portion_bounds
 
     per_rank = spec["batch_size"]
     if spec["method"] in ("sgd_ddp",):  # the global batch split over the ranks, as Sandblaster/LBFGS see it whole
@@ -162,10 +169,21 @@ def build_data(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
     data.setup("fit")
     if METHODS[spec["method"]][0] != "sandblaster":
         return data, data.train_set, data.val_set
-    # The same global batch at every step for LBFGS (one process), Sandblaster (one replica: every worker the whole
-    # batch) and sgd_ddp (Lightning's sampler deals the batch's samples to the ranks): one fixed shuffle, in order.
+    # The same global batch at every step for LBFGS (one process), Sandblaster (every worker the whole batch) and
+    # sgd_ddp (rank r the r-th contiguous slice of it): one fixed shuffle, read in order, every epoch alike.
     order = torch.randperm(len(data.train_set), generator=torch.Generator().manual_seed(spec["seed"])).tolist()
-    return DataLoader(Subset(data.train_set, order), batch_size=per_rank, shuffle=False), data.train_set, data.val_set
+    batch, ranks = spec["batch_size"], spec["world_size"] if spec["method"] == "sgd_ddp" else 1
+    batches = []
+    for start in range(0, len(order), batch):
+        whole = order[start : start + batch]
+        lo, hi = portion_bounds(len(whole), ranks)[rank if ranks > 1 else 0]
+        batches.append(whole[lo:hi])
+    return DataLoader(data.train_set, batch_sampler=batches), data.train_set, data.val_set
+
+
+def sampler_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
+    """Trainer arguments for the data: the Sandblaster part's loaders go unchanged (see :func:`build_data`)."""
+    return {"use_distributed_sampler": False} if METHODS[spec["method"]][0] == "sandblaster" else {}
 
 
 def measure(module: Any, dataset: Any) -> tuple[float, float]:
@@ -218,7 +236,7 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     rank, ifname = int(os.environ.get("RANK", "0")), os.environ.get("GLOO_SOCKET_IFNAME")
     seed_everything(spec["seed"], workers=True, verbose=False)
     module = build_module(spec)
-    data, train_set, val_set = build_data(spec)
+    data, train_set, val_set = build_data(spec, rank)
     own_ms = compute_ms(module, train_set, spec["batch_size"])
     sleep_s = (spec["slow_factor"] - 1) * own_ms / 1000 if spec["slow_rank"] == rank else 0.0
     evaluating = rank == 0 and spec["task"] != "text"  # Parallax's workers hold only the rows they pulled
@@ -258,7 +276,7 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     trainer = Trainer(accelerator="cpu", devices=1, num_nodes=nodes, strategy=build_strategy(spec),
                       max_steps=spec["steps"], limit_val_batches=0, num_sanity_val_steps=0, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[probe], log_every_n_steps=1)  # fmt: skip
+                      callbacks=[probe], log_every_n_steps=1, **sampler_kwargs(spec))  # fmt: skip
     trainer.fit(module, data)
     timed = spec["steps"] - spec["warmup_steps"]
     (t_w, b_w, x_w), (t_e, b_e, x_e) = probe.warm, probe.end
