@@ -89,7 +89,11 @@ def test_rows_speedup_goal_and_section_by_hand():
     assert "| not solved in 60 s |" in section and "- apex2: ApeXStrategy: actor 1" in section and "3.00" in section
     apex_slow = {**apex, "time_to_solve_s": None, "best_mean": None, "best_screen": 300.0}
     [goal] = goals([dqn, apex_slow])
-    assert goal["met"] is False and "did not solve within 60 s (best greedy mean 300.0 (10 ep)); DQN solved after 15.0 s" in goal["measured"]
+    assert goal["met"] is False
+    assert "did not solve within 60 s (best greedy mean 300.0 (10 ep)); DQN solved after 15.0 s" in goal["measured"]
+    dqn_slow = {**dqn, "time_to_solve_s": None}
+    assert goals([dqn_slow, apex])[0]["met"] is True  # 5 s against more than 60 s
+    assert goals([dqn_slow, {**apex, "time_to_solve_s": 40.0}])[0]["met"] is None  # 40 s against more than 60 s
 
 
 def asdict_config():
