@@ -27,6 +27,7 @@ SUITES: dict[str, str] = {
     "diloco": "lightning_pdist.bench.diloco",
     "asynchronous": "lightning_pdist.bench.asynchronous",
     "parameter_server": "lightning_pdist.bench.parameter_server",
+    "rl": "lightning_pdist.bench.rl",
 }
 
 __all__ = ["SUITES"]

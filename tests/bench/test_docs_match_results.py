@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
 SUITES = ["averaging", "sign", "ps_sharding", "pipeline", "tensor_parallel", "compression", "diloco", "asynchronous",
-          "parameter_server"]
+          "parameter_server", "rl"]
 
 
 def tables(markdown: str) -> list[str]:

@@ -68,7 +68,7 @@ def test_worker_main_refuses_a_spec_that_is_not_a_json_object(tmp_path, capsys):
         assert exc.value.code == 2 and "must be a JSON object" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("suite", ["averaging", "sign", "ps_sharding", "pipeline", "tensor_parallel", "compression"])
+@pytest.mark.parametrize("suite", ["averaging", "sign", "ps_sharding", "pipeline", "tensor_parallel", "compression", "rl"])
 def test_every_config_field_is_an_option_with_its_docstring_and_plan(suite):
     """The CLI is the config: one option per SuiteConfig field, helped by the field's docstring; --quick and its
     absence pick the plans' values for the fields they name and the dataclass defaults for the others."""

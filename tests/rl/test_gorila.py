@@ -7,7 +7,8 @@ two shards being the reference's Adam. The target network changes exactly every 
 A resume from a mid-run checkpoint restores the servers (parameters, Adam moments, versions), the replay, the target
 network, the counters and the actor's exploration generator, and continues as the reference does when its
 environment restarts (the environment's state is what cannot come back). Two learners train through
-``Trainer(devices=2)`` on forked ranks, and every push of both reaches the servers; a killed actor is named.
+``Trainer(devices=2)`` on forked ranks, every push of both reaches the servers, and they resume from a mid-run
+checkpoint (each learner's state and the servers' shards and versions); a killed actor is named.
 """
 
 from __future__ import annotations
@@ -98,7 +99,15 @@ def test_gorila_equals_single_process_dqn_syncs_targets_and_resumes(tmp_path):
 
 
 class _EveryPushArrives(Callback):
-    """On each learner, at the end: it made max_steps updates, and (once both are done) each server applied 2·max_steps."""
+    """On each learner, at the end: it made max_steps updates, and (once both are done) each server applied 2·max_steps;
+    both learners save a checkpoint at step ``save_at``."""
+
+    def __init__(self, save_at, path):
+        self.save_at, self.path = save_at, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.save_at:
+            trainer.save_checkpoint(self.path)
 
     def on_train_end(self, trainer, pl_module):
         strategy = trainer.strategy
@@ -109,20 +118,61 @@ class _EveryPushArrives(Callback):
         assert [m["version"] for m in metas] == [2 * trainer.max_steps] * 2, metas
 
 
+class _ResumedLearners(Callback):
+    """At the start of the resumed 2-learner run, on each learner: its replay, counters, target network and actors'
+    generators are its rank file's, the servers hold the checkpoint's shards at its versions (checked before either
+    learner pushes: both meet at a barrier first); at the end every server applied exactly 2·(max_steps − save_at)
+    pushes on top of the checkpoint's version."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module):
+        strategy, rank = trainer.strategy, trainer.global_rank
+        own = torch.load(f"{self.path}.pdist-rank{rank}-of-2", weights_only=True)
+        assert (strategy.updates, strategy.turn, list(strategy.returns)) == (own["updates"], own["turn"], own["returns"])
+        mine = strategy.replay.state_dict()
+        for key in ("tree", "generator", "size", "position", "added"):
+            assert torch.equal(torch.as_tensor(mine[key]), torch.as_tensor(own["replay"][key])), key
+        assert all(torch.equal(a["rng"], b["rng"]) for a, b in zip(strategy.actor_states, own["actors"]))
+        for key, value in pl_module.target_network.state_dict().items():
+            assert torch.equal(value, own["target"][key]), key
+        servers = torch.load(self.path, weights_only=True)["pdist"]["servers"]
+        self.saved_version = servers[0]["version"]
+        shards, metas = strategy.client.pull(record=False)
+        assert [m["version"] for m in metas] == [s["version"] for s in servers]
+        assert all(torch.equal(a.float(), s["shard"]["values"].float()) for a, s in zip(shards, servers))
+        strategy.barrier("test_resumed_checked")
+
+    def on_train_end(self, trainer, pl_module):
+        strategy = trainer.strategy
+        strategy.barrier("test_resumed_all_pushed")
+        _, metas = strategy.client.pull(record=False)
+        extra = 2 * (trainer.max_steps - torch.load(f"{self.path}.pdist-rank0-of-2", weights_only=True)["updates"])
+        assert [m["version"] for m in metas] == [self.saved_version + extra] * 2, metas
+
+
 class _KillActor(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == 2:
             os.kill(trainer.strategy.pool.pids[1], signal.SIGKILL)
 
 
-def test_two_learners_train_through_the_trainer_and_a_killed_actor_is_named():
+def test_two_learners_train_through_the_trainer_resume_and_a_killed_actor_is_named(tmp_path):
     """Trainer(strategy=gorila, devices=2) on forked ranks, 2 actors each: 12 updates per learner, 24 pushes on every
-    server; then one learner's killed actor stops the run, named."""
+    server, a checkpoint at step 6; resumed from it to step 10, each learner gets back its replay, counters, target
+    network and actors' generators, the servers their shards and versions, and each server applies exactly the 8 new
+    pushes (the order in which the two learners' pushes arrive is not reproducible); then one learner's killed actor
+    stops the run, named."""
     from _helpers import fit
 
-    strategy = GorilaStrategy(num_actors=2, num_learners=2, learning_starts=16, batch_size=8, send_every=4,
-                              refresh_every=8, target_every=5, start_method="fork")  # fmt: skip
-    fit(strategy, DQNModule(hidden=16, steps_per_epoch=100), devices=2, max_steps=12, callbacks=[_EveryPushArrives()])
+    settings = dict(num_actors=2, num_learners=2, learning_starts=16, batch_size=8, send_every=4, refresh_every=8,
+                    target_every=5, start_method="fork")  # fmt: skip
+    ckpt = str(tmp_path / "gorila2.ckpt")
+    fit(GorilaStrategy(**settings), DQNModule(hidden=16, steps_per_epoch=100), devices=2, max_steps=12,
+        callbacks=[_EveryPushArrives(save_at=6, path=ckpt)])  # fmt: skip
+    fit(GorilaStrategy(**settings), DQNModule(hidden=16, steps_per_epoch=100), devices=2, max_steps=10,
+        callbacks=[_ResumedLearners(ckpt)], ckpt_path=ckpt)  # fmt: skip
 
     killed = Trainer(**TRAINER, max_steps=10_000, callbacks=[_KillActor()],
                      strategy=GorilaStrategy(num_actors=2, learning_starts=16, batch_size=8, send_every=4, refresh_every=8))  # fmt: skip
