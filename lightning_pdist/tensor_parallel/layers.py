@@ -6,7 +6,11 @@ the explicit collectives of :mod:`.comm`. The DTensor parameters keep the plan's
 (``get_model_state_dict`` gathers them, ``set_model_state_dict`` shards them) and for :func:`unshard`.
 
 * column-wise ``nn.Linear``: weight and bias ``Shard(0)``; forward ``x W_i^T + b_i`` after ``f``
-  (or the sequence all-gather);
+  (or the sequence all-gather). Column-wise siblings that read the same input (BERT's ``query``, ``key``,
+  ``value``) share one ``f`` (:class:`SharedInput`): autograd sums their three input gradients on this rank and
+  one all-reduce sums that over the group, as a fused qkv projection does, where one ``f`` each would cost three
+  (the all-reduce is linear: ``AR(a) + AR(b) + AR(c) = AR(a + b + c)``). Under sequence parallelism they share
+  one all-gather forward and one reduce-scatter backward the same way;
 * row-wise ``nn.Linear``: weight ``Shard(1)``, bias ``Replicate()`` (a DTensor, so that torch's ``GradScaler`` sees
   no mix of DTensor and plain gradients in a fully sharded stack); forward ``g(x_i W_i^T) + b``
   (or the sequence reduce-scatter);
@@ -33,8 +37,8 @@ from torch.nn import functional as F
 from lightning_pdist.tensor_parallel.comm import TPComm, copy_to, gather_seq, gather_seq_replicated, reduce_from
 from lightning_pdist.tensor_parallel.comm import scatter_seq, split_seq
 
-__all__ = ["Sharding", "is_strided", "local_shard", "shard_attention", "shard_linear", "sequence_parallel_encoder",
-           "unshard"]
+__all__ = ["SharedInput", "Sharding", "is_strided", "local_shard", "shard_attention", "shard_linear",
+           "sequence_parallel_encoder", "unshard"]
 
 
 class Sharding:
@@ -54,6 +58,40 @@ class Sharding:
         setattr(module, name, value)
 
 
+class SharedInput:
+    """Megatron's ``f`` (or the sequence all-gather) of the column-parallel layers of one module, applied once per input.
+
+    Called with the input of one of those layers, it returns ``f(x)``; called again with the same tensor (same
+    object, same version, same grad mode) before the module's call ends, it returns that same ``f(x)``, so the
+    layers' input gradients meet in autograd before the one collective of ``f``'s backward. :meth:`install` clears
+    the memo when the module's call starts and ends (hooks recorded in ``sharding``); until installed, nothing is
+    shared.
+    """
+
+    def __init__(self, comm: TPComm, seq_dim: int | None = None) -> None:
+        self.comm, self.seq_dim, self.caching = comm, seq_dim, False
+        self._key: tuple[Any, ...] | None = None
+        self._out: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        key = (x, x._version, torch.is_grad_enabled())
+        if self._key is not None and self._key[0] is x and self._key[1:] == key[1:]:
+            return self._out  # type: ignore[return-value]
+        out = copy_to(x, self.comm) if self.seq_dim is None else gather_seq(x, self.comm, self.seq_dim)
+        if self.caching:
+            self._key, self._out = key, out
+        return out
+
+    def clear(self, *args: Any) -> None:
+        self._key = self._out = None
+
+    def install(self, module: nn.Module, sharding: Sharding) -> None:
+        """Share within each call of ``module`` (the parent of the layers)."""
+        self.caching = True
+        sharding.hooks.append(module.register_forward_pre_hook(self.clear))
+        sharding.hooks.append(module.register_forward_hook(self.clear))
+
+
 def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Any) -> None:
     p = getattr(module, name)
     if p is None:
@@ -67,8 +105,9 @@ def _local(p: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def shard_linear(linear: nn.Linear, placement: str, mesh: DeviceMesh, comm: TPComm, sharding: Sharding,
-                 seq_dim: int | None = None) -> None:  # fmt: skip
-    """``placement``: ``"colwise"``, ``"rowwise"`` or ``"qkv"``; ``seq_dim``: sequence-parallel (its dimension)."""
+                 seq_dim: int | None = None, shared: SharedInput | None = None) -> None:  # fmt: skip
+    """``placement``: ``"colwise"``, ``"rowwise"`` or ``"qkv"``; ``seq_dim``: sequence-parallel (its dimension);
+    ``shared``: the column-wise input's ``f``, shared with sibling layers (default: this layer's own)."""
     if placement == "rowwise":
         _distribute(linear, "weight", mesh, Shard(1))
         _distribute(linear, "bias", mesh, Replicate())
@@ -86,10 +125,10 @@ def shard_linear(linear: nn.Linear, placement: str, mesh: DeviceMesh, comm: TPCo
     rows = Shard(0) if placement == "colwise" else _StridedShard(0, split_factor=3)
     _distribute(linear, "weight", mesh, rows)
     _distribute(linear, "bias", mesh, rows)
+    enter = shared if shared is not None else SharedInput(comm, seq_dim)
 
     def col_forward(x: torch.Tensor) -> torch.Tensor:
-        x = copy_to(x, comm) if seq_dim is None else gather_seq(x, comm, seq_dim)
-        return F.linear(x, _local(linear.weight), _local(linear.bias))
+        return F.linear(enter(x), _local(linear.weight), _local(linear.bias))
 
     sharding.set_forward(linear, col_forward)
 

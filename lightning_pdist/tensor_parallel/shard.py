@@ -1,6 +1,8 @@
 """Apply a :class:`~lightning_pdist.tensor_parallel.plan.TPPlan` to a module over the tensor-parallel mesh.
 
-Linear layers and ``nn.MultiheadAttention`` get the plain-tensor layers of :mod:`.layers`; ``nn.Embedding``
+Linear layers and ``nn.MultiheadAttention`` get the plain-tensor layers of :mod:`.layers`; the column-wise
+``nn.Linear`` children of one module share one :class:`~lightning_pdist.tensor_parallel.layers.SharedInput`
+(BERT's query, key and value: one backward all-reduce for the three); ``nn.Embedding``
 placements and the hybrid plan's batch gather use ``torch.distributed.tensor.parallel`` styles. Everything
 changed is recorded in a :class:`~lightning_pdist.tensor_parallel.layers.Sharding`, which
 :func:`~lightning_pdist.tensor_parallel.layers.unshard` undoes.
@@ -23,8 +25,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_pdist.tensor_parallel.comm import TPComm
-from lightning_pdist.tensor_parallel.layers import Sharding, sequence_parallel_encoder, sequence_parallel_norm
-from lightning_pdist.tensor_parallel.layers import shard_attention, shard_linear
+from lightning_pdist.tensor_parallel.layers import SharedInput, Sharding, sequence_parallel_encoder
+from lightning_pdist.tensor_parallel.layers import sequence_parallel_norm, shard_attention, shard_linear
 from lightning_pdist.tensor_parallel.plan import COLWISE, ELEMENTWISE, HEADS, QKV, ROWWISE, TPPlan
 
 __all__ = ["apply_plan", "sequence_parallel_encoders"]
@@ -94,12 +96,20 @@ def apply_plan(module: nn.Module, plan: TPPlan, mesh: DeviceMesh, comm: TPComm, 
         if isinstance(child, nn.TransformerEncoder):
             sharding.set_attribute(child, "use_nested_tensor", False)
     styles: dict[str, Any] = {}
+    shared: dict[str, SharedInput] = {}  # parent name -> the one f of its column-wise Linear children
     for name, placement in plan.layers:
         child = modules[name]
         if placement == HEADS:
             shard_attention(child, mesh, comm, sharding, seq_dim=seq_dims.get(name))
         elif placement in (COLWISE, ROWWISE, QKV) and isinstance(child, nn.Linear):
-            shard_linear(child, placement, mesh, comm, sharding, seq_dim=seq_dims.get(name))
+            gate = None
+            if placement == COLWISE:
+                parent_name = name.rsplit(".", 1)[0] if "." in name else ""
+                gate = shared.get(parent_name)
+                if gate is None:
+                    gate = shared[parent_name] = SharedInput(comm, seq_dims.get(name))
+                    gate.install(modules[parent_name], sharding)
+            shard_linear(child, placement, mesh, comm, sharding, seq_dim=seq_dims.get(name), shared=gate)
         elif placement in _DTENSOR_STYLES:
             styles[name] = _DTENSOR_STYLES[placement]()  # nn.Embedding
         if placement in (COLWISE, ROWWISE, QKV):

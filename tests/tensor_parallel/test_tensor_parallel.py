@@ -92,7 +92,8 @@ class Record(Callback):
         self.losses.append(float(outputs["loss"]))
         if trainer.global_rank == 0:
             kinds = dict(trainer.strategy.comm_meter.by_kind)
-            torch.save({"grads": self.grads, "losses": self.losses, "kinds": kinds}, self.path)
+            calls = dict(trainer.strategy._tp_comm.calls)  # the sharded layers' collectives, by kind
+            torch.save({"grads": self.grads, "losses": self.losses, "kinds": kinds, "calls": calls}, self.path)
 
 
 class SaveAfterFit(Callback):
@@ -163,9 +164,11 @@ def test_encoder_gradients_losses_and_weights_equal_the_unsharded_model(tmp_path
     for g, w in zip(got["grads"], want["grads"]):
         _assert_close(g, w)
     _assert_close(dict(trainer.lightning_module.named_parameters()), want["weights"])
-    # Each step: per layer, 2 forward all-reduces (attention output, FFN output) and 4 backward ones (the input
-    # gradients of q, k, v and the first FFN linear), each of a (B, L, H) float activation.
-    per_step = LAYERS * 6 * all_reduce_bytes(BATCH * SEQ * HIDDEN * 4, 2)
+    # Each step: per layer, 2 forward all-reduces (attention output, FFN output) and 2 backward ones (the input
+    # gradient of q, k and v, summed on the rank and all-reduced once; that of the first FFN linear), each of a
+    # (B, L, H) float activation: 4 collectives per layer and step, where one per column-wise module would be 6.
+    assert got["calls"] == {"all_reduce": 3 * LAYERS * 4}
+    per_step = LAYERS * 4 * all_reduce_bytes(BATCH * SEQ * HIDDEN * 4, 2)
     flag = all_reduce_bytes(2 * 4, 2)  # nonfinite='raise': the ranks agree on 2 float flags before every step
     assert trainer.callback_metrics["pdist/comm_bytes"].item() == per_step + flag
     assert got["kinds"] == {"tp_all_reduce": 3 * per_step, "nonfinite_flag": 3 * flag}
