@@ -56,6 +56,16 @@ class TPComm:
         dist.all_reduce(t, group=self.group)
         return t
 
+    def sum_flat_(self, tensors: list[torch.Tensor]) -> None:
+        """Sum ``tensors`` over the group in place, in one all-reduce of their concatenation."""
+        if not tensors or self.size == 1:
+            return
+        flat = self.all_reduce(torch.cat([t.reshape(-1) for t in tensors]))
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
     def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         t = t.contiguous()
         self._count("all_gather", all_gather_bytes(t.numel() * t.element_size(), self.size))

@@ -19,8 +19,10 @@ the explicit collectives of :mod:`.comm`. The DTensor parameters keep the plan's
 * ``nn.MultiheadAttention``: its packed ``in_proj_weight``/``in_proj_bias`` the same way, ``out_proj``
   row-wise; rank ``i`` computes heads ``i*H/t .. (i+1)*H/t - 1`` with ``scaled_dot_product_attention``;
 * under sequence parallelism, ``nn.LayerNorm`` keeps replicated weights whose gradient, computed from this rank's
-  positions only, is summed over the group (``f`` on the weight), and the input of an ``nn.TransformerEncoder``
-  is split along the sequence at its first layer and gathered at its output.
+  positions only, is summed over the group once per step (:attr:`Sharding.partial`, one flat all-reduce for all
+  of them and the row-wise biases), and the input of an ``nn.TransformerEncoder``
+  (or of transformers' BERT/ALBERT encoder stack) is split along the sequence at its first layer and gathered at
+  its output.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from lightning_pdist.tensor_parallel.comm import TPComm, copy_to, gather_seq, ga
 from lightning_pdist.tensor_parallel.comm import scatter_seq, split_seq
 
 __all__ = ["SharedInput", "Sharding", "is_strided", "local_shard", "shard_attention", "shard_linear",
-           "sequence_parallel_encoder", "unshard"]
+           "sequence_parallel_encoder", "sequence_parallel_stack", "unshard"]
 
 
 class Sharding:
@@ -48,6 +50,12 @@ class Sharding:
         self.forwards: list[nn.Module] = []  # modules given an instance ``forward``
         self.hooks: list[Any] = []  # RemovableHandles
         self.attributes: list[tuple[nn.Module, str, Any]] = []  # (module, name, value to restore)
+        #: replicated parameters used on this rank's positions only (sequence parallelism: LayerNorm weights,
+        #: row-wise biases): each rank's gradient is a partial sum, to be summed over the group once per step
+        self.partial: list[nn.Parameter] = []
+
+    def add_partial(self, *params: Any) -> None:
+        self.partial += [p for p in params if p is not None and all(p is not q for q in self.partial)]
 
     def set_forward(self, module: nn.Module, forward: Callable[..., Any]) -> None:
         module.forward = forward
@@ -115,11 +123,10 @@ def shard_linear(linear: nn.Linear, placement: str, mesh: DeviceMesh, comm: TPCo
         def row_forward(x: torch.Tensor) -> torch.Tensor:
             y = F.linear(x, _local(linear.weight))
             y = reduce_from(y, comm) if seq_dim is None else scatter_seq(y, comm, seq_dim)
-            if linear.bias is None:
-                return y
-            bias = _local(linear.bias)
-            return y + (bias if seq_dim is None else copy_to(bias, comm))
+            return y if linear.bias is None else y + _local(linear.bias)
 
+        if seq_dim is not None:
+            sharding.add_partial(linear.bias)  # added on this rank's positions: its gradient is summed per step
         sharding.set_forward(linear, row_forward)
         return
     rows = Shard(0) if placement == "colwise" else _StridedShard(0, split_factor=3)
@@ -215,15 +222,10 @@ def _additive_mask(attn_mask: Any, key_padding_mask: Any, batch: int, num_heads:
     return mask
 
 
-def sequence_parallel_norm(norm: nn.LayerNorm, comm: TPComm, sharding: Sharding) -> None:
-    """A LayerNorm on this rank's positions: its weight's gradient is summed over the group."""
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        w = None if norm.weight is None else copy_to(norm.weight, comm)
-        b = None if norm.bias is None else copy_to(norm.bias, comm)
-        return F.layer_norm(x, norm.normalized_shape, w, b, norm.eps)
-
-    sharding.set_forward(norm, forward)
+def sequence_parallel_norm(norm: nn.LayerNorm, sharding: Sharding) -> None:
+    """A LayerNorm on this rank's positions: its weight's gradient is a partial sum (:attr:`Sharding.partial`),
+    summed over the group once per step (Megatron does the same, in one flat all-reduce after the backward)."""
+    sharding.add_partial(norm.weight, norm.bias)
 
 
 def sequence_parallel_encoder(encoder: nn.TransformerEncoder, comm: TPComm, sharding: Sharding,
@@ -249,6 +251,50 @@ def sequence_parallel_encoder(encoder: nn.TransformerEncoder, comm: TPComm, shar
     sharding.hooks.append(first.register_forward_pre_hook(split))
     sharding.hooks.append(encoder.register_forward_hook(gather))
     return dim
+
+
+def sequence_parallel_stack(stack: nn.Module, blocks: list[nn.Module], comm: TPComm, sharding: Sharding,
+                            check: Callable[[int], None], owner: str) -> int:  # fmt: skip
+    """transformers' encoder stacks (``BertEncoder``, ALBERT's ``AlbertTransformer``; batch-first): split the input
+    of the first of ``blocks`` to run in each call of ``stack`` along the sequence, gather ``stack``'s output (its
+    ``last_hidden_state``); returns the dimension (1). ALBERT runs one block group several times per call: only its
+    first run splits. ``check(length)`` raises when the length cannot be split (every rank, before any collective).
+    """
+    pending = [False]
+
+    def arm(module: nn.Module, args: tuple) -> None:
+        pending[0] = True
+
+    def split(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not pending[0]:
+            return None
+        pending[0] = False
+        x = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError(f"{owner}: sequence_parallel=True splits the (batch, sequence, hidden) input of "
+                             f"{type(module).__name__}; it got {type(x).__name__} {tuple(getattr(x, 'shape', ()))}")  # fmt: skip
+        check(x.shape[1])
+        x = split_seq(x, comm, 1)
+        return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+
+    def gather(module: nn.Module, args: tuple, output: Any) -> Any:
+        pending[0] = False
+        if isinstance(output, torch.Tensor):
+            return gather_seq_replicated(output, comm, 1)
+        if isinstance(output, tuple):
+            return (gather_seq_replicated(output[0], comm, 1), *output[1:])
+        if getattr(output, "hidden_states", None) is not None:
+            raise ValueError(f"{owner}: sequence_parallel=True: {type(module).__name__} returned per-layer "
+                             "hidden_states, which hold this rank's positions only; leave output_hidden_states "
+                             "False")  # fmt: skip
+        output.last_hidden_state = gather_seq_replicated(output.last_hidden_state, comm, 1)
+        return output
+
+    sharding.hooks.append(stack.register_forward_pre_hook(arm))
+    for block in dict.fromkeys(blocks):  # a block listed twice is hooked once
+        sharding.hooks.append(block.register_forward_pre_hook(split, with_kwargs=True))
+    sharding.hooks.append(stack.register_forward_hook(gather))
+    return 1
 
 
 def local_shard(full: torch.Tensor, placement: Any, rank: int, size: int) -> torch.Tensor:
@@ -285,4 +331,4 @@ def unshard(module: nn.Module, sharding: Sharding | None) -> None:
         handle.remove()
     for child, name, value in reversed(sharding.attributes):
         setattr(child, name, value)
-    sharding.forwards.clear(), sharding.hooks.clear(), sharding.attributes.clear()
+    sharding.forwards.clear(), sharding.hooks.clear(), sharding.attributes.clear(), sharding.partial.clear()
