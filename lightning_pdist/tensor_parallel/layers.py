@@ -21,8 +21,9 @@ the explicit collectives of :mod:`.comm`. The DTensor parameters keep the plan's
 * under sequence parallelism, ``nn.LayerNorm`` keeps replicated weights whose gradient, computed from this rank's
   positions only, is summed over the group once per step (:attr:`Sharding.partial`, one flat all-reduce for all
   of them and the row-wise biases), and the input of an ``nn.TransformerEncoder``
-  (or of transformers' BERT/ALBERT encoder stack) is split along the sequence at its first layer and gathered at
-  its output.
+  (or of transformers' BERT encoder stack) is split along the sequence at its first layer and gathered at its
+  output; in transformers' stacks the sequence is gathered at the input of the column-wise layers' parent
+  (:meth:`SharedInput.enter_at_input`), whose attention shapes heads by its input's length.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ class SharedInput:
         self._out: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._out is not None and x is self._out:
+            return x  # already entered (at the module's input: :meth:`enter_at_input`)
         key = (x, x._version, torch.is_grad_enabled())
         if self._key is not None and self._key[0] is x and self._key[1:] == key[1:]:
             return self._out  # type: ignore[return-value]
@@ -98,6 +101,18 @@ class SharedInput:
         self.caching = True
         sharding.hooks.append(module.register_forward_pre_hook(self.clear))
         sharding.hooks.append(module.register_forward_hook(self.clear))
+
+    def enter_at_input(self, module: nn.Module, sharding: Sharding) -> None:
+        """Apply ``f`` (the sequence all-gather) to ``module``'s input (``hidden_states``) instead, so that all of
+        ``module`` sees the whole sequence: transformers' attention modules shape their heads by their input's
+        length. After :meth:`install`."""
+
+        def enter(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (self(args[0]), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": self(kwargs["hidden_states"])}
+
+        sharding.hooks.append(module.register_forward_pre_hook(enter, with_kwargs=True))
 
 
 def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Any) -> None:
@@ -255,10 +270,10 @@ def sequence_parallel_encoder(encoder: nn.TransformerEncoder, comm: TPComm, shar
 
 def sequence_parallel_stack(stack: nn.Module, blocks: list[nn.Module], comm: TPComm, sharding: Sharding,
                             check: Callable[[int], None], owner: str) -> int:  # fmt: skip
-    """transformers' encoder stacks (``BertEncoder``, ALBERT's ``AlbertTransformer``; batch-first): split the input
-    of the first of ``blocks`` to run in each call of ``stack`` along the sequence, gather ``stack``'s output (its
-    ``last_hidden_state``); returns the dimension (1). ALBERT runs one block group several times per call: only its
-    first run splits. ``check(length)`` raises when the length cannot be split (every rank, before any collective).
+    """transformers' encoder stacks (``BertEncoder``; batch-first): split the input of the first of ``blocks`` to
+    run in each call of ``stack`` along the sequence, gather ``stack``'s output (its ``last_hidden_state``); returns
+    the dimension (1). A block that runs several times per call (a shared one) splits on its first run only.
+    ``check(length)`` raises when the length cannot be split (every rank, before any collective).
     """
     pending = [False]
 

@@ -8,7 +8,7 @@ changed is recorded in a :class:`~lightning_pdist.tensor_parallel.layers.Shardin
 :func:`~lightning_pdist.tensor_parallel.layers.unshard` undoes.
 
 Sequence parallelism (``sequence_parallel=True``) covers every ``nn.TransformerEncoder`` with sharded layers, and
-transformers' BERT/ALBERT-style encoder stacks (:data:`HF_STACKS`): its input is split along the sequence at the
+transformers' BERT-style encoder stacks (:data:`HF_STACKS`; ALBERT's is refused, by name): its input is split along the sequence at the
 first layer, its LayerNorms, dropouts and residual additions run
 on ``L / t`` positions per rank, its sharded layers all-gather / reduce-scatter along the sequence instead of
 the all-reduces, and its output is gathered. Every ``nn.Linear`` and attention inside must be sharded (a
@@ -53,10 +53,27 @@ def _hook_dicts(module: nn.Module) -> list[dict]:
 #: transformers' encoder stacks sequence parallelism covers: the ModuleList of blocks, and the stack's other children
 #: with parameters, which run before the first block (ALBERT's embedding projection), replicated on the full sequence
 HF_STACKS = {"layer": (), "albert_layer_groups": ("embedding_hidden_mapping_in",)}
+# (ALBERT's stack is recognised so that its attention, which holds its row-wise output projection, is refused by name)
 
 
 def _sharded_inside(prefix: str, placed: dict[str, str]) -> bool:
     return any(n.startswith(prefix) and p != "replicate" for n, p in placed.items())
+
+
+def _check_stack_parents(name: str, attr: str, modules: dict[str, nn.Module], placed: dict[str, str], owner: str) -> None:
+    """transformers' modules shape their heads by their input's length, so the sequence is gathered at the input of
+    each column-wise layer's parent; a parent that also holds a row-wise layer (ALBERT's attention, with its output
+    projection and residual inside) would mix gathered and sequence-parallel activations: refused, named."""
+    region = f"{name}.{attr}." if name else f"{attr}."
+    for col in (n for n, p in placed.items() if p == COLWISE and n.startswith(region)):
+        parent = col.rsplit(".", 1)[0]
+        row = next((n for n, p in placed.items() if p == ROWWISE and n.startswith(f"{parent}.")), None)
+        if row is not None:
+            raise ValueError(f"{owner}: sequence_parallel=True: {parent!r} ({type(modules[parent]).__name__}) "
+                             f"holds the column-wise {col!r} and the row-wise {row!r}; transformers' modules shape "
+                             "heads by their input's length, so the sequence is gathered at the input of a "
+                             "column-wise layer's parent, which must hold no row-wise layer (BERT's layout; ALBERT's "
+                             "attention is not covered)")  # fmt: skip
 
 
 def sequence_parallel_encoders(module: nn.Module, plan: TPPlan, owner: str) -> dict[str, tuple[nn.Module, str | None]]:
@@ -80,13 +97,14 @@ def sequence_parallel_encoders(module: nn.Module, plan: TPPlan, owner: str) -> d
                           and any(True for _ in child.parameters())]  # fmt: skip
                 if others:
                     raise ValueError(f"{owner}: sequence_parallel=True: {name!r} ({type(m).__name__}) holds "
-                                     f"{others[0]!r} with parameters beside its blocks; only transformers' BERT/ALBERT "
+                                     f"{others[0]!r} with parameters beside its blocks; only transformers' BERT "
                                      "encoder stacks and nn.TransformerEncoder are covered")  # fmt: skip
+                _check_stack_parents(name, attr, modules, placed, owner)
                 stacks[name] = (m, attr)
                 break
     if not stacks:
         raise ValueError(f"{owner}: sequence_parallel=True shards the LayerNorm/dropout regions of "
-                         f"nn.TransformerEncoder stacks and transformers' BERT/ALBERT encoders, and "
+                         f"nn.TransformerEncoder stacks and transformers' BERT encoders, and "
                          f"{type(module).__name__} has none with sharded layers (decoders are not covered); leave it "
                          "False")  # fmt: skip
     for stack_name, (stack, attr) in stacks.items():
@@ -143,6 +161,7 @@ def apply_plan(module: nn.Module, plan: TPPlan, mesh: DeviceMesh, comm: TPComm, 
             sharding.set_attribute(child, "use_nested_tensor", False)
     styles: dict[str, Any] = {}
     shared: dict[str, SharedInput] = {}  # parent name -> the one f of its column-wise Linear children
+    hf_regions = [f"{n}.{attr}." if n else f"{attr}." for n, (_, attr) in stacks.items() if attr is not None]
     for name, placement in plan.layers:
         child = modules[name]
         if placement == HEADS:
@@ -155,6 +174,8 @@ def apply_plan(module: nn.Module, plan: TPPlan, mesh: DeviceMesh, comm: TPComm, 
                 if gate is None:
                     gate = shared[parent_name] = SharedInput(comm, seq_dims.get(name))
                     gate.install(modules[parent_name], sharding)
+                    if any(name.startswith(r) for r in hf_regions):
+                        gate.enter_at_input(modules[parent_name], sharding)
             shard_linear(child, placement, mesh, comm, sharding, seq_dim=seq_dims.get(name), shared=gate)
         elif placement in _DTENSOR_STYLES:
             styles[name] = _DTENSOR_STYLES[placement]()  # nn.Embedding

@@ -107,18 +107,21 @@ def test_fused_qkv_linear_is_split_by_heads_and_checked():
 
 
 def test_sequence_parallelism_covers_torch_and_transformers_encoders_with_every_layer_sharded():
-    """sequence_parallel=True covers nn.TransformerEncoder stacks and transformers' BERT/ALBERT encoder stacks;
-    refused, named: a model without one, a replicated Linear inside, a stack holding parameters beside its blocks,
-    a parameterised module inside that is not a LayerNorm, and BERT's cross-attention."""
+    """sequence_parallel=True covers nn.TransformerEncoder stacks and transformers' BERT encoder stacks; refused,
+    named: ALBERT (its attention holds its row-wise output projection), a model without a stack, a replicated Linear
+    inside, a stack holding parameters beside its blocks, a parameterised module inside that is not a LayerNorm, and
+    BERT's cross-attention."""
     from transformers import BertConfig, BertModel
 
     bert, albert = _encoder("bert", num_layers=1), _encoder("albert", num_layers=2)
     assert list(sequence_parallel_encoders(bert, plan_for(bert), "O")) == ["encoder.bert.encoder"]
-    assert {k: v[1] for k, v in sequence_parallel_encoders(albert, plan_for(albert), "O").items()} == {
-        "encoder.albert.encoder": "albert_layer_groups"}
+    with pytest.raises(ValueError, match=r"O: sequence_parallel=True: 'encoder.albert.encoder.albert_layer_groups.0."
+                                         r"albert_layers.0.attention' \(AlbertAttention\) holds the column-wise .*"
+                                         r"and the row-wise .*ALBERT's attention is not covered"):
+        sequence_parallel_encoders(albert, plan_for(albert), "O")
     mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
     with pytest.raises(ValueError, match=r"O: sequence_parallel=True shards the LayerNorm/dropout regions of "
-                                         r"nn.TransformerEncoder stacks and transformers' BERT/ALBERT encoders, and "
+                                         r"nn.TransformerEncoder stacks and transformers' BERT encoders, and "
                                          r"Sequential has none"):
         sequence_parallel_encoders(mlp, plan_for(mlp), "O")
     net = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1)
