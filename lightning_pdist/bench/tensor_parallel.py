@@ -259,7 +259,8 @@ def step_bytes(run: dict[str, Any], facts: dict[str, Any]) -> Any:
     shape = (facts["seq_len"], facts["hidden_size"], facts["num_layers"])
     if name == "dp_tp":
         return dp_tp_bytes(facts["params_local_tp2"], facts["global_batch"] * tp // ws, *shape, dp_size=ws // tp, tp_size=tp)
-    return tp_encoder_bytes(facts["global_batch"], *shape, tp_size=tp)
+    # DeepSpeed AutoTP all-reduces the input gradient of query, key and value separately; we once for the three
+    return tp_encoder_bytes(facts["global_batch"], *shape, tp_size=tp, fused_qkv=name != "deepspeed_tp")
 
 
 # -- running ---------------------------------------------------------------------------------------------
@@ -429,14 +430,16 @@ def crossover(rows: Sequence[dict[str, Any]], networks: dict[str, Any], config: 
                         "measured_ratio": round(measured[engine] / measured["dp"], 3)
                         if measured["dp"] and measured[engine] else None}  # fmt: skip
                 if model in ENCODERS:
-                    rate.update(scaling_crossovers(model, config, c_dp, c_tp, b_dp, bw))
+                    rate.update(scaling_crossovers(model, config, c_dp, c_tp, b_dp, bw, fused_qkv=engine == "tp"))
                 entry["rates"].append(rate)
             out.append(entry)
     return out
 
 
-def scaling_crossovers(model: str, config: SuiteConfig, c_dp: float, c_tp: float, b_dp: int, bw: float) -> dict[str, Any]:
-    """At bandwidth ``bw``: the global batch and the hidden size where TP (2 ranks) and DP (2 ranks) swap places.
+def scaling_crossovers(model: str, config: SuiteConfig, c_dp: float, c_tp: float, b_dp: int, bw: float,
+                       fused_qkv: bool = True) -> dict[str, Any]:  # fmt: skip
+    """At bandwidth ``bw``: the global batch and the hidden size where TP (2 ranks) and DP (2 ranks) swap places
+    (``fused_qkv``: as :func:`~lightning_pdist.tensor_parallel.cost.tp_encoder_bytes`; ``False`` for DeepSpeed).
 
     Compute scales linearly with the batch and as :func:`~lightning_pdist.tensor_parallel.cost.encoder_flops`
     with the width (FFN kept at the same multiple of it, heads fixed); DP's bytes follow the parameter count, TP's
@@ -450,13 +453,13 @@ def scaling_crossovers(model: str, config: SuiteConfig, c_dp: float, c_tp: float
     flops0 = encoder_flops(G, L, H, config.intermediate_size, layers)
 
     def batch_diff(g: int) -> float:
-        return step_time(c_dp * g / G, b_dp, bw) - step_time(c_tp * g / G, tp_encoder_bytes(g, L, H, layers, 2).total, bw)
+        return step_time(c_dp * g / G, b_dp, bw) - step_time(c_tp * g / G, tp_encoder_bytes(g, L, H, layers, 2, fused_qkv=fused_qkv).total, bw)
 
     def width_diff(heads_wide: int) -> float:
         h = heads_wide * heads  # hidden sizes the model accepts: multiples of the heads
         scale = encoder_flops(G, L, h, int(h * ffn), layers) / flops0
         dp_b = dp_bytes(encoder_params(model, config, h), 2).total
-        return step_time(c_dp * scale, dp_b, bw) - step_time(c_tp * scale, tp_encoder_bytes(G, L, h, layers, 2).total, bw)
+        return step_time(c_dp * scale, dp_b, bw) - step_time(c_tp * scale, tp_encoder_bytes(G, L, h, layers, 2, fused_qkv=fused_qkv).total, bw)
 
     by_batch = find_crossovers(batch_diff, 1, 4096)
     by_width = [replace(c, value=None if c.value is None else c.value * heads)
@@ -509,7 +512,8 @@ def paper_scale() -> dict[str, Any]:
         with torch.device("meta"):
             params = sum(p.numel() for p in EncoderClassifier(family, num_classes=2, **shape).parameters())
         dp = dp_bytes(params, PAPER_RANKS).total
-        per_token = tp_encoder_bytes(1, 1, shape["hidden_size"], shape["num_layers"], PAPER_RANKS).total
+        # the paper's engine (DeepSpeed): query, key and value each all-reduce their input gradient
+        per_token = tp_encoder_bytes(1, 1, shape["hidden_size"], shape["num_layers"], PAPER_RANKS, fused_qkv=False).total
         out[family] = {"params": params, "ranks": PAPER_RANKS, "dp_bytes_per_step": dp, "tp_bytes_per_token": per_token,
                        "equal_bytes_tokens_per_step": round(dp / per_token),
                        "tp_over_dp_bytes": {f"{b}x{L}": round(b * L * per_token / dp, 3) for b, L in PAPER_BATCHES},

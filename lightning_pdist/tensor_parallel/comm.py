@@ -21,6 +21,7 @@ all-reduce of the whole tensor followed by taking this rank's chunk, and counted
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -32,22 +33,38 @@ __all__ = ["TPComm", "copy_to", "gather_seq", "gather_seq_replicated", "reduce_f
 
 
 class TPComm:
-    """The tensor-parallel process group of one rank, and the meter that counts its bytes while ``counting``."""
+    """The tensor-parallel process group of one rank, and the meter that counts its bytes while ``counting``.
+
+    ``calls`` counts the collectives issued while ``counting``, by kind (``all_reduce``, ``all_gather``,
+    ``reduce_scatter``), as the meter counts their bytes.
+    """
 
     def __init__(self, group: dist.ProcessGroup, meter: CommMeter | None = None) -> None:
         self.group, self.meter, self.counting = group, meter, False
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.gloo = dist.get_backend(group) == "gloo"
+        self.calls: Counter[str] = Counter()
 
     def _count(self, kind: str, nbytes: int) -> None:
         if self.counting and self.meter is not None:
             self.meter.add(f"tp_{kind}", nbytes)
+            self.calls[kind] += 1
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()
         self._count("all_reduce", all_reduce_bytes(t.numel() * t.element_size(), self.size))
         dist.all_reduce(t, group=self.group)
         return t
+
+    def sum_flat_(self, tensors: list[torch.Tensor]) -> None:
+        """Sum ``tensors`` over the group in place, in one all-reduce of their concatenation."""
+        if not tensors or self.size == 1:
+            return
+        flat = self.all_reduce(torch.cat([t.reshape(-1) for t in tensors]))
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
 
     def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         t = t.contiguous()

@@ -14,17 +14,20 @@ Data parallelism (every rank the whole model, gradients all-reduced; DDP buckets
 
     dp_all_reduce = AR(e · P, N)
 
-Tensor parallelism of degree ``t`` on a Transformer encoder, Megatron's column/row pairs as torch's
-``ColwiseParallel`` / ``RowwiseParallel`` run them (query, key, value and the first FFN linear column-wise; the
+Tensor parallelism of degree ``t`` on a Transformer encoder, Megatron's column/row pairs as
+``TensorParallelStrategy`` runs them (query, key, value and the first FFN linear column-wise; the
 attention output and the second FFN linear row-wise; embeddings, LayerNorm, pooler and classifier
 replicated, so no traffic). Per *layer application* (ALBERT runs its one shared block ``num_layers`` times,
 and every run communicates)::
 
     forward   2 · AR(e·B·L·H, t)   row-wise outputs (attention output, FFN output): partial sums -> replicated
-    backward  4 · AR(e·B·L·H, t)   the input gradient of every column-wise module (query, key, value, FFN in):
-                                   torch's ColwiseParallel all-reduces it once per module, so q, k, v cost
-                                   three all-reduces where a fused qkv (Megatron) costs one
-    tp_all_reduce = 6 · num_layers · AR(e·B·L·H, t)
+    backward  2 · AR(e·B·L·H, t)   the input gradients of the column-wise modules: one for query, key and value
+                                   together (they read the same input; its three gradients are summed on the
+                                   rank, then all-reduced once, as for a fused qkv), one for FFN in
+    tp_all_reduce = 4 · num_layers · AR(e·B·L·H, t)
+
+An engine that all-reduces the input gradient of query, key and value separately (torch's ``ColwiseParallel``,
+DeepSpeed AutoTP's ``LinearLayer``: ``fused_qkv=False``) sends ``6 · num_layers · AR(e·B·L·H, t)``.
 
 DP×TP on a ``d × t`` mesh: TP's traffic over each TP group (``B`` = the DP replica's batch) plus the all-reduce
 of each rank's parameter *shard* over its DP group (column-wise weights and biases and row-wise weights hold
@@ -79,7 +82,8 @@ __all__ = [
 ]
 
 KINDS = ("dp_all_reduce", "tp_all_reduce", "tp_all_gather")  # the CommMeter labels the strategies use
-COLUMN_MODULES_PER_LAYER = 4  # query, key, value, FFN in: one backward all-reduce each
+COLUMN_INPUTS_PER_LAYER = 2  # the input of query/key/value (one, shared) and of FFN in: one backward all-reduce each
+UNFUSED_COLUMN_INPUTS_PER_LAYER = 4  # query, key, value, FFN in, each its own backward all-reduce
 ROW_MODULES_PER_LAYER = 2  # attention output, FFN out: one forward all-reduce each
 STYLES = ("colwise", "rowwise", "replicate")
 
@@ -141,8 +145,9 @@ def tp_encoder_bytes(
     num_layers: int,
     tp_size: int,
     bytes_per_element: int = 4,
+    fused_qkv: bool = True,
 ) -> StepBytes:
-    """Tensor parallelism of degree ``tp_size`` on an encoder: ``6 · num_layers · AR(e·B·L·H, t)``.
+    """Tensor parallelism of degree ``tp_size`` on an encoder: ``4 · num_layers · AR(e·B·L·H, t)``.
 
     Args:
         batch_size: samples the TP group runs per step (all its ranks run the same ones).
@@ -151,12 +156,15 @@ def tp_encoder_bytes(
         num_layers: layer *applications* (ALBERT: how many times its shared block runs).
         tp_size: ``t``; 1 sends nothing.
         bytes_per_element: 4 for fp32 activations.
+        fused_qkv: ``True`` (``TensorParallelStrategy``): one backward all-reduce for query, key and value;
+            ``False`` (DeepSpeed AutoTP, torch's ``ColwiseParallel``): one each, ``6 · num_layers · AR``.
     """
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("hidden_size", hidden_size),
                         ("num_layers", num_layers)):  # fmt: skip
         _check_int(name, value, 1)
     one = ring_all_reduce_bytes(bytes_per_element * batch_size * seq_len * hidden_size, tp_size)
-    return StepBytes(tp_all_reduce=(COLUMN_MODULES_PER_LAYER + ROW_MODULES_PER_LAYER) * num_layers * one)
+    columns = COLUMN_INPUTS_PER_LAYER if fused_qkv else UNFUSED_COLUMN_INPUTS_PER_LAYER
+    return StepBytes(tp_all_reduce=(columns + ROW_MODULES_PER_LAYER) * num_layers * one)
 
 
 def dp_tp_bytes(

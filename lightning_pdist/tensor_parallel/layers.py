@@ -6,7 +6,11 @@ the explicit collectives of :mod:`.comm`. The DTensor parameters keep the plan's
 (``get_model_state_dict`` gathers them, ``set_model_state_dict`` shards them) and for :func:`unshard`.
 
 * column-wise ``nn.Linear``: weight and bias ``Shard(0)``; forward ``x W_i^T + b_i`` after ``f``
-  (or the sequence all-gather);
+  (or the sequence all-gather). Column-wise siblings that read the same input (BERT's ``query``, ``key``,
+  ``value``) share one ``f`` (:class:`SharedInput`): autograd sums their three input gradients on this rank and
+  one all-reduce sums that over the group, as a fused qkv projection does, where one ``f`` each would cost three
+  (the all-reduce is linear: ``AR(a) + AR(b) + AR(c) = AR(a + b + c)``). Under sequence parallelism they share
+  one all-gather forward and one reduce-scatter backward the same way;
 * row-wise ``nn.Linear``: weight ``Shard(1)``, bias ``Replicate()`` (a DTensor, so that torch's ``GradScaler`` sees
   no mix of DTensor and plain gradients in a fully sharded stack); forward ``g(x_i W_i^T) + b``
   (or the sequence reduce-scatter);
@@ -15,8 +19,11 @@ the explicit collectives of :mod:`.comm`. The DTensor parameters keep the plan's
 * ``nn.MultiheadAttention``: its packed ``in_proj_weight``/``in_proj_bias`` the same way, ``out_proj``
   row-wise; rank ``i`` computes heads ``i*H/t .. (i+1)*H/t - 1`` with ``scaled_dot_product_attention``;
 * under sequence parallelism, ``nn.LayerNorm`` keeps replicated weights whose gradient, computed from this rank's
-  positions only, is summed over the group (``f`` on the weight), and the input of an ``nn.TransformerEncoder``
-  is split along the sequence at its first layer and gathered at its output.
+  positions only, is summed over the group once per step (:attr:`Sharding.partial`, one flat all-reduce for all
+  of them and the row-wise biases), and the input of an ``nn.TransformerEncoder``
+  (or of transformers' BERT encoder stack) is split along the sequence at its first layer and gathered at its
+  output; in transformers' stacks the sequence is gathered at the input of the column-wise layers' parent
+  (:meth:`SharedInput.enter_at_input`), whose attention shapes heads by its input's length.
 """
 
 from __future__ import annotations
@@ -33,8 +40,8 @@ from torch.nn import functional as F
 from lightning_pdist.tensor_parallel.comm import TPComm, copy_to, gather_seq, gather_seq_replicated, reduce_from
 from lightning_pdist.tensor_parallel.comm import scatter_seq, split_seq
 
-__all__ = ["Sharding", "is_strided", "local_shard", "shard_attention", "shard_linear", "sequence_parallel_encoder",
-           "unshard"]
+__all__ = ["SharedInput", "Sharding", "is_strided", "local_shard", "shard_attention", "shard_linear",
+           "sequence_parallel_encoder", "sequence_parallel_stack", "unshard"]
 
 
 class Sharding:
@@ -44,6 +51,12 @@ class Sharding:
         self.forwards: list[nn.Module] = []  # modules given an instance ``forward``
         self.hooks: list[Any] = []  # RemovableHandles
         self.attributes: list[tuple[nn.Module, str, Any]] = []  # (module, name, value to restore)
+        #: replicated parameters used on this rank's positions only (sequence parallelism: LayerNorm weights,
+        #: row-wise biases): each rank's gradient is a partial sum, to be summed over the group once per step
+        self.partial: list[nn.Parameter] = []
+
+    def add_partial(self, *params: Any) -> None:
+        self.partial += [p for p in params if p is not None and all(p is not q for q in self.partial)]
 
     def set_forward(self, module: nn.Module, forward: Callable[..., Any]) -> None:
         module.forward = forward
@@ -52,6 +65,54 @@ class Sharding:
     def set_attribute(self, module: nn.Module, name: str, value: Any) -> None:
         self.attributes.append((module, name, getattr(module, name)))
         setattr(module, name, value)
+
+
+class SharedInput:
+    """Megatron's ``f`` (or the sequence all-gather) of the column-parallel layers of one module, applied once per input.
+
+    Called with the input of one of those layers, it returns ``f(x)``; called again with the same tensor (same
+    object, same version, same grad mode) before the module's call ends, it returns that same ``f(x)``, so the
+    layers' input gradients meet in autograd before the one collective of ``f``'s backward. :meth:`install` clears
+    the memo when the module's call starts and ends (hooks recorded in ``sharding``); until installed, nothing is
+    shared.
+    """
+
+    def __init__(self, comm: TPComm, seq_dim: int | None = None) -> None:
+        self.comm, self.seq_dim, self.caching = comm, seq_dim, False
+        self._key: tuple[Any, ...] | None = None
+        self._out: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._out is not None and x is self._out:
+            return x  # already entered (at the module's input: :meth:`enter_at_input`)
+        key = (x, x._version, torch.is_grad_enabled())
+        if self._key is not None and self._key[0] is x and self._key[1:] == key[1:]:
+            return self._out  # type: ignore[return-value]
+        out = copy_to(x, self.comm) if self.seq_dim is None else gather_seq(x, self.comm, self.seq_dim)
+        if self.caching:
+            self._key, self._out = key, out
+        return out
+
+    def clear(self, *args: Any) -> None:
+        self._key = self._out = None
+
+    def install(self, module: nn.Module, sharding: Sharding) -> None:
+        """Share within each call of ``module`` (the parent of the layers)."""
+        self.caching = True
+        sharding.hooks.append(module.register_forward_pre_hook(self.clear))
+        sharding.hooks.append(module.register_forward_hook(self.clear))
+
+    def enter_at_input(self, module: nn.Module, sharding: Sharding) -> None:
+        """Apply ``f`` (the sequence all-gather) to ``module``'s input (``hidden_states``) instead, so that all of
+        ``module`` sees the whole sequence: transformers' attention modules shape their heads by their input's
+        length. After :meth:`install`."""
+
+        def enter(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (self(args[0]), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": self(kwargs["hidden_states"])}
+
+        sharding.hooks.append(module.register_forward_pre_hook(enter, with_kwargs=True))
 
 
 def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Any) -> None:
@@ -67,8 +128,9 @@ def _local(p: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def shard_linear(linear: nn.Linear, placement: str, mesh: DeviceMesh, comm: TPComm, sharding: Sharding,
-                 seq_dim: int | None = None) -> None:  # fmt: skip
-    """``placement``: ``"colwise"``, ``"rowwise"`` or ``"qkv"``; ``seq_dim``: sequence-parallel (its dimension)."""
+                 seq_dim: int | None = None, shared: SharedInput | None = None) -> None:  # fmt: skip
+    """``placement``: ``"colwise"``, ``"rowwise"`` or ``"qkv"``; ``seq_dim``: sequence-parallel (its dimension);
+    ``shared``: the column-wise input's ``f``, shared with sibling layers (default: this layer's own)."""
     if placement == "rowwise":
         _distribute(linear, "weight", mesh, Shard(1))
         _distribute(linear, "bias", mesh, Replicate())
@@ -76,20 +138,19 @@ def shard_linear(linear: nn.Linear, placement: str, mesh: DeviceMesh, comm: TPCo
         def row_forward(x: torch.Tensor) -> torch.Tensor:
             y = F.linear(x, _local(linear.weight))
             y = reduce_from(y, comm) if seq_dim is None else scatter_seq(y, comm, seq_dim)
-            if linear.bias is None:
-                return y
-            bias = _local(linear.bias)
-            return y + (bias if seq_dim is None else copy_to(bias, comm))
+            return y if linear.bias is None else y + _local(linear.bias)
 
+        if seq_dim is not None:
+            sharding.add_partial(linear.bias)  # added on this rank's positions: its gradient is summed per step
         sharding.set_forward(linear, row_forward)
         return
     rows = Shard(0) if placement == "colwise" else _StridedShard(0, split_factor=3)
     _distribute(linear, "weight", mesh, rows)
     _distribute(linear, "bias", mesh, rows)
+    enter = shared if shared is not None else SharedInput(comm, seq_dim)
 
     def col_forward(x: torch.Tensor) -> torch.Tensor:
-        x = copy_to(x, comm) if seq_dim is None else gather_seq(x, comm, seq_dim)
-        return F.linear(x, _local(linear.weight), _local(linear.bias))
+        return F.linear(enter(x), _local(linear.weight), _local(linear.bias))
 
     sharding.set_forward(linear, col_forward)
 
@@ -176,15 +237,10 @@ def _additive_mask(attn_mask: Any, key_padding_mask: Any, batch: int, num_heads:
     return mask
 
 
-def sequence_parallel_norm(norm: nn.LayerNorm, comm: TPComm, sharding: Sharding) -> None:
-    """A LayerNorm on this rank's positions: its weight's gradient is summed over the group."""
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        w = None if norm.weight is None else copy_to(norm.weight, comm)
-        b = None if norm.bias is None else copy_to(norm.bias, comm)
-        return F.layer_norm(x, norm.normalized_shape, w, b, norm.eps)
-
-    sharding.set_forward(norm, forward)
+def sequence_parallel_norm(norm: nn.LayerNorm, sharding: Sharding) -> None:
+    """A LayerNorm on this rank's positions: its weight's gradient is a partial sum (:attr:`Sharding.partial`),
+    summed over the group once per step (Megatron does the same, in one flat all-reduce after the backward)."""
+    sharding.add_partial(norm.weight, norm.bias)
 
 
 def sequence_parallel_encoder(encoder: nn.TransformerEncoder, comm: TPComm, sharding: Sharding,
@@ -210,6 +266,50 @@ def sequence_parallel_encoder(encoder: nn.TransformerEncoder, comm: TPComm, shar
     sharding.hooks.append(first.register_forward_pre_hook(split))
     sharding.hooks.append(encoder.register_forward_hook(gather))
     return dim
+
+
+def sequence_parallel_stack(stack: nn.Module, blocks: list[nn.Module], comm: TPComm, sharding: Sharding,
+                            check: Callable[[int], None], owner: str) -> int:  # fmt: skip
+    """transformers' encoder stacks (``BertEncoder``; batch-first): split the input of the first of ``blocks`` to
+    run in each call of ``stack`` along the sequence, gather ``stack``'s output (its ``last_hidden_state``); returns
+    the dimension (1). A block that runs several times per call (a shared one) splits on its first run only.
+    ``check(length)`` raises when the length cannot be split (every rank, before any collective).
+    """
+    pending = [False]
+
+    def arm(module: nn.Module, args: tuple) -> None:
+        pending[0] = True
+
+    def split(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not pending[0]:
+            return None
+        pending[0] = False
+        x = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError(f"{owner}: sequence_parallel=True splits the (batch, sequence, hidden) input of "
+                             f"{type(module).__name__}; it got {type(x).__name__} {tuple(getattr(x, 'shape', ()))}")  # fmt: skip
+        check(x.shape[1])
+        x = split_seq(x, comm, 1)
+        return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+
+    def gather(module: nn.Module, args: tuple, output: Any) -> Any:
+        pending[0] = False
+        if isinstance(output, torch.Tensor):
+            return gather_seq_replicated(output, comm, 1)
+        if isinstance(output, tuple):
+            return (gather_seq_replicated(output[0], comm, 1), *output[1:])
+        if getattr(output, "hidden_states", None) is not None:
+            raise ValueError(f"{owner}: sequence_parallel=True: {type(module).__name__} returned per-layer "
+                             "hidden_states, which hold this rank's positions only; leave output_hidden_states "
+                             "False")  # fmt: skip
+        output.last_hidden_state = gather_seq_replicated(output.last_hidden_state, comm, 1)
+        return output
+
+    sharding.hooks.append(stack.register_forward_pre_hook(arm))
+    for block in dict.fromkeys(blocks):  # a block listed twice is hooked once
+        sharding.hooks.append(block.register_forward_pre_hook(split, with_kwargs=True))
+    sharding.hooks.append(stack.register_forward_hook(gather))
+    return 1
 
 
 def local_shard(full: torch.Tensor, placement: Any, rank: int, size: int) -> torch.Tensor:
@@ -246,4 +346,4 @@ def unshard(module: nn.Module, sharding: Sharding | None) -> None:
         handle.remove()
     for child, name, value in reversed(sharding.attributes):
         setattr(child, name, value)
-    sharding.forwards.clear(), sharding.hooks.clear(), sharding.attributes.clear()
+    sharding.forwards.clear(), sharding.hooks.clear(), sharding.attributes.clear(), sharding.partial.clear()

@@ -95,10 +95,11 @@ class TensorParallelStrategy(ModelParallelStrategy):
             data-parallel over all ranks, the fully connected stack sharded over the gathered batch), or a dict
             ``{module name: "colwise" | "rowwise" | "replicate"}``.
         sequence_parallel: shard the LayerNorm/dropout/residual activations of every ``nn.TransformerEncoder``
-            with sharded layers along the sequence (Korthikanti et al., 2022): all-gather before and
-            reduce-scatter after each sharded pair instead of the all-reduces; the sequence length must be
-            divisible by ``tensor_parallel_size`` (checked at the first forward). Refused for models without
-            such an encoder (transformers' BERT/ALBERT blocks).
+            and transformers' BERT encoder stack with sharded layers along the sequence (Korthikanti et
+            al., 2022): all-gather before and reduce-scatter after each sharded pair instead of the all-reduces,
+            the LayerNorm and row-wise bias gradients summed over the group once per step; the sequence length
+            must be divisible by ``tensor_parallel_size`` (checked at the first forward). Refused for models
+            without such a stack (decoders) and for ALBERT.
         gather_on_teardown: ``True`` (default): when ``fit``/``validate``/``test``/``predict`` ends, every rank's
             module holds the full, plain trained parameters again (one all-gather per sharded parameter): a plain
             ``model.state_dict()`` that loads anywhere, and a module that runs on one rank alone. ``False``: the
@@ -382,8 +383,13 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self.nonfinite_guard.snapshot(self.lightning_module, self.precision_plugin)
 
     def _sync_gradients(self, optimizer: Optimizer) -> None:
-        """Average the local gradients of ``optimizer``'s parameters across the data-parallel dimension."""
+        """Sum the partial gradients of sequence parallelism over the tensor-parallel group (one flat all-reduce),
+        then average the local gradients of ``optimizer``'s parameters across the data-parallel dimension."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if self._sharding is not None and self._sharding.partial and self._tp_comm is not None:
+            mine = {id(p) for p in params}
+            with self._counting():
+                self._tp_comm.sum_flat_([_local(p.grad) for p in self._sharding.partial if id(p) in mine])
         dp_group = self.device_mesh["data_parallel"].get_group()
         tp = self._tensor_parallel_size
         if self.plan is not None and self.plan.gather_batch_at is not None:

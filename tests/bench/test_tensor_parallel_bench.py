@@ -108,19 +108,20 @@ VGG = {"params": 5000, "conv_params": 100, "fc_in": 10, "fc_hidden": 6, "num_cla
 
 
 def test_step_bytes_of_every_configuration_by_hand():
-    """DP all-reduces the model; TP 12 activations of B*L*H floats; DP×TP adds the shard's; hybrid as the cost model."""
+    """DP all-reduces the model; TP 8 activations of B*L*H floats (DeepSpeed 12: q, k, v one backward all-reduce
+    each); DP×TP adds the shard's; hybrid as the cost model."""
     assert step_bytes({"config": "dp", "world_size": 2, "tp_size": 1}, FACTS) == StepBytes(dp_all_reduce=4000)
     one = 8 * 4 * 8 * 4  # B*L*H fp32 = 1024 bytes, sent once by a 2-rank ring all-reduce
-    assert step_bytes({"config": "tp", "world_size": 2, "tp_size": 2}, FACTS) == StepBytes(tp_all_reduce=12 * one)
+    assert step_bytes({"config": "tp", "world_size": 2, "tp_size": 2}, FACTS) == StepBytes(tp_all_reduce=8 * one)
     assert step_bytes({"config": "deepspeed_tp", "world_size": 2, "tp_size": 2}, FACTS).total == 12 * one
     # 2 x 2: each replica runs half the global batch; the 600-parameter shard is all-reduced over 2 replicas
     assert step_bytes({"config": "dp_tp", "world_size": 4, "tp_size": 2}, FACTS) == StepBytes(dp_all_reduce=2400,
-                                                                                                tp_all_reduce=6 * one)  # fmt: skip
+                                                                                                tp_all_reduce=4 * one)  # fmt: skip
     got = step_bytes({"config": "hybrid", "world_size": 2, "tp_size": 2}, VGG)
     assert got == StepBytes(dp_all_reduce=400, tp_all_gather=3 * 10 * 4 + 3 * 5 * 4, tp_all_reduce=6 * 6 * 4 + 6 * 10 * 4)
 
 
-def _rank(rank, window=1.0, meter=24576, tx=None):
+def _rank(rank, window=1.0, meter=16384, tx=None):
     return {"rank": rank, "window_s": window, "cpu_s": window / 2, "step_s": [window / 2] * 2, "meter_bytes": meter, "meter_by_kind":
             {"tp_all_reduce": meter}, "tx_bytes": tx, "params_local": 600, "losses": [0.7, 0.6]}  # fmt: skip
 
@@ -130,8 +131,8 @@ def test_rows_ratios_and_kernel_check_come_from_the_ranks():
     ranks = [_rank(0, 1.0, tx=25000 * 2), _rank(1, 1.2, tx=26000 * 2)]
     tp = build_row({"model": "bert", "config": "tp", "world_size": 2, "tp_size": 2}, ranks, FACTS, 2, "emulated 100mbit", None)
     assert tp["cpu_per_step_s"] == 0.3  # the busiest rank's CPU time over the 2 steps
-    assert tp["step_s"] == 0.6 and tp["meter_bytes_per_step"] == 12288 == tp["model_bytes_per_step"] and tp["meter_over_model"] == 1.0
-    assert tp["kernel_tx_bytes_per_step"] == 25500 and tp["kernel_over_model"] == round(25500 / 12288, 4) and tp["rate"] == "100mbit"
+    assert tp["step_s"] == 0.6 and tp["meter_bytes_per_step"] == 8192 == tp["model_bytes_per_step"] and tp["meter_over_model"] == 1.0
+    assert tp["kernel_tx_bytes_per_step"] == 25500 and tp["kernel_over_model"] == round(25500 / 8192, 4) and tp["rate"] == "100mbit"
     dp = build_row({"model": "bert", "config": "dp", "world_size": 2, "tp_size": 1}, [_rank(0, 0.6, 8000), _rank(1, 0.6, 8000)],
                    FACTS, 2, "emulated 100mbit", None)  # fmt: skip
     failed = build_row({"model": "bert", "config": "deepspeed_tp", "world_size": 2, "tp_size": 2}, [], FACTS, 2, "emulated 100mbit",
@@ -140,7 +141,7 @@ def test_rows_ratios_and_kernel_check_come_from_the_ranks():
     check_rows([tp, dp, failed], ROW_KEYS, "test")
     (ratio,) = ratios([tp, dp, failed])
     assert (ratio["config"], ratio["ratio"], ratio["paper_ratio"]) == ("tp", 2.0, PAPER["bert"]["ratio"])
-    assert ratio["bytes_ratio"] == round(12288 / 4000, 3)
+    assert ratio["bytes_ratio"] == round(8192 / 4000, 3)
     check = kernel_check([tp, dp, failed])
     assert check["rows"] == 1 and check["within"] == 0 and check["worst"]["config"] == "tp"
 
@@ -208,7 +209,7 @@ def test_tiny_real_run_on_loopback(tmp_path):
     assert [(r["config"], r["error"]) for r in doc["rows"]] == [("dp", None), ("tp", None)]
     for row in doc["rows"]:
         assert row["meter_bytes_per_step"] == row["model_bytes_per_step"] and row["step_s"] > 0
-    assert doc["rows"][1]["model_by_kind"] == {"tp_all_reduce": 12 * 8 * 32 * 64 * 4}
+    assert doc["rows"][1]["model_by_kind"] == {"tp_all_reduce": 8 * 8 * 32 * 64 * 4}  # 4 all-reduces x 2 layers
     assert doc["ratios"][0]["paper_ratio"] == 0.705 and doc["crossover"][0]["engine"] == "tp"
     assert (out / "tensor_parallel.png").stat().st_size > 10_000 and "Crossover" in (out / "docs_section.md").read_text()
 

@@ -42,21 +42,23 @@ def test_dp_bytes_by_hand():
 
 
 def test_tp_encoder_bytes_by_hand():
-    """TP: 2 layers x (2 forward + 4 backward) all-reduces of B*L*H floats; t=2 sends each tensor once."""
+    """TP: 2 layers x (2 forward + 2 backward: q/k/v's shared input, FFN in) all-reduces of B*L*H floats; t=2 sends
+    each tensor once. With q, k and v reducing their input gradients separately (DeepSpeed): 4 backward."""
     # B=2, L=4, H=8: one activation is 64 floats = 256 bytes; a 2-rank ring all-reduce sends 256 bytes.
     got = tp_encoder_bytes(batch_size=2, seq_len=4, hidden_size=8, num_layers=2, tp_size=2)
-    assert got == StepBytes(tp_all_reduce=12 * 256)
-    assert got.by_kind() == {"tp_all_reduce": 3072}
+    assert got == StepBytes(tp_all_reduce=8 * 256)
+    assert got.by_kind() == {"tp_all_reduce": 2048}
+    assert tp_encoder_bytes(2, 4, 8, 2, 2, fused_qkv=False) == StepBytes(tp_all_reduce=12 * 256)
     # t=4: each all-reduce sends 2*3/4 of 256 = 384 bytes
-    assert tp_encoder_bytes(2, 4, 8, 2, 4).tp_all_reduce == 12 * 384
+    assert tp_encoder_bytes(2, 4, 8, 2, 4).tp_all_reduce == 8 * 384
     assert tp_encoder_bytes(2, 4, 8, 2, 1).total == 0
 
 
 def test_dp_tp_adds_the_shard_all_reduce():
     """DP×TP on 2x2: the shard's 2-rank all-reduce (4 bytes per parameter) plus the TP traffic of one replica."""
     got = dp_tp_bytes(local_params=500, batch_size=2, seq_len=4, hidden_size=8, num_layers=2, dp_size=2, tp_size=2)
-    assert got == StepBytes(dp_all_reduce=2000, tp_all_reduce=3072)
-    assert got.total == 5072
+    assert got == StepBytes(dp_all_reduce=2000, tp_all_reduce=2048)
+    assert got.total == 4048
 
 
 def test_hybrid_vgg_bytes_by_hand():
@@ -212,7 +214,7 @@ def _measured(tmp_path, model, x, batch_size, devices=2, **strategy_kwargs):
 
 @pytest.mark.parametrize("family", ["bert", "albert"])
 def test_model_equals_the_strategys_meter_for_a_tiny_encoder(tmp_path, family):
-    """TP on 2 ranks: the byte model's 6 all-reduces per layer application equal the meter of a real step, per kind."""
+    """TP on 2 ranks: the byte model's 4 all-reduces per layer application equal the meter of a real step, per kind."""
     model = _encoder(family)
     B, L = 4, 16
     ranks = _measured(tmp_path, model, torch.randint(1, 50, (16, L)), B)

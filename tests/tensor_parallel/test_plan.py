@@ -106,19 +106,47 @@ def test_fused_qkv_linear_is_split_by_heads_and_checked():
         check_plan(TPPlan.from_dict({"0.qkv": QKV}), net, 32)
 
 
-def test_sequence_parallelism_needs_a_torch_encoder_with_every_linear_sharded():
-    """sequence_parallel=True covers nn.TransformerEncoder stacks: refused for transformers' BERT, and for a
-    replicated Linear inside the encoder, named."""
-    bert = _encoder("bert", num_layers=1)
+def test_sequence_parallelism_covers_torch_and_transformers_encoders_with_every_layer_sharded():
+    """sequence_parallel=True covers nn.TransformerEncoder stacks and transformers' BERT encoder stacks; refused,
+    named: ALBERT (its attention holds its row-wise output projection), a model without a stack, a replicated Linear
+    inside, a stack holding parameters beside its blocks, a parameterised module inside that is not a LayerNorm, and
+    BERT's cross-attention."""
+    from transformers import BertConfig, BertModel
+
+    bert, albert = _encoder("bert", num_layers=1), _encoder("albert", num_layers=2)
+    assert list(sequence_parallel_encoders(bert, plan_for(bert), "O")) == ["encoder.bert.encoder"]
+    with pytest.raises(ValueError, match=r"O: sequence_parallel=True: 'encoder.albert.encoder.albert_layer_groups.0."
+                                         r"albert_layers.0.attention' \(AlbertAttention\) holds the column-wise .*"
+                                         r"and the row-wise .*ALBERT's attention is not covered"):
+        sequence_parallel_encoders(albert, plan_for(albert), "O")
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
     with pytest.raises(ValueError, match=r"O: sequence_parallel=True shards the LayerNorm/dropout regions of "
-                                         r"nn.TransformerEncoder stacks, and EncoderClassifier has no"):
-        sequence_parallel_encoders(bert, plan_for(bert), "O")
+                                         r"nn.TransformerEncoder stacks and transformers' BERT encoders, and "
+                                         r"Sequential has none"):
+        sequence_parallel_encoders(mlp, plan_for(mlp), "O")
     net = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1)
     assert list(sequence_parallel_encoders(net, plan_for(net), "O")) == [""]
     plan = TPPlan.from_dict({"layers.0.self_attn": HEADS})
     with pytest.raises(ValueError, match=r"O: sequence_parallel=True: module 'layers.0.linear1' \(Linear\) inside the "
                                          r"sequence-parallel '' is not sharded"):
         sequence_parallel_encoders(net, plan, "O")
+    plan = {**plan_for(bert).as_dict(), "encoder.bert.encoder.layer.0.intermediate.dense": REPLICATE}
+    with pytest.raises(ValueError, match=r"module 'encoder.bert.encoder.layer.0.intermediate.dense' \(Linear\) inside "
+                                         r"the sequence-parallel 'encoder.bert.encoder' is not sharded"):
+        sequence_parallel_encoders(bert, TPPlan.from_dict(plan), "O")
+    stack = nn.Module()
+    stack.layer, stack.norm = nn.ModuleList([nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)]), nn.LayerNorm(16)
+    with pytest.raises(ValueError, match=r"O: sequence_parallel=True: '' \(Module\) holds 'norm' with parameters "
+                                         r"beside its blocks"):
+        sequence_parallel_encoders(stack, plan_for(stack), "O")
+    net.layers[0].norm1 = nn.RMSNorm(16)
+    with pytest.raises(ValueError, match=r"module 'layers.0.norm1' \(RMSNorm\) inside the sequence-parallel '' has "
+                                         r"parameters and is neither a sharded layer nor an nn.LayerNorm"):
+        sequence_parallel_encoders(net, plan_for(net), "O")
+    decoder = BertModel(BertConfig(vocab_size=20, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=32, is_decoder=True, add_cross_attention=True))  # fmt: skip
+    with pytest.raises(ValueError, match=r"'encoder.layer.0.crossattention' \(cross-attention\) is not covered"):
+        sequence_parallel_encoders(decoder, plan_for(decoder), "O")
 
 
 def test_nothing_to_shard_is_refused():

@@ -92,7 +92,8 @@ class Record(Callback):
         self.losses.append(float(outputs["loss"]))
         if trainer.global_rank == 0:
             kinds = dict(trainer.strategy.comm_meter.by_kind)
-            torch.save({"grads": self.grads, "losses": self.losses, "kinds": kinds}, self.path)
+            calls = dict(trainer.strategy._tp_comm.calls)  # the sharded layers' collectives, by kind
+            torch.save({"grads": self.grads, "losses": self.losses, "kinds": kinds, "calls": calls}, self.path)
 
 
 class SaveAfterFit(Callback):
@@ -148,24 +149,36 @@ def _run(tmp_path, net, data, strategy, devices=2, steps=3, callbacks=(), **kwar
     return trainer, torch.load(tmp_path / "record.pt")
 
 
-@pytest.mark.parametrize("family", ["bert", "albert"])
-def test_encoder_gradients_losses_and_weights_equal_the_unsharded_model(tmp_path, family):
-    """BERT-like and ALBERT-like encoders on 2 ranks (t=2): every step's loss and gradient and the final weights
-    equal one process training the unsharded model on the same batches (1e-5). With gather_on_teardown=False
-    (ALBERT here) the ranks keep their shards after fit; the main process still receives full weights."""
+@pytest.mark.parametrize(("family", "sequence_parallel"), [("bert", False), ("albert", False), ("bert", True)],
+                         ids=["bert", "albert", "bert_sp"])  # fmt: skip
+def test_encoder_gradients_losses_and_weights_equal_the_unsharded_model(tmp_path, family, sequence_parallel):
+    """BERT-like and ALBERT-like encoders on 2 ranks (t=2), and BERT with sequence parallelism: every step's loss and
+    gradient and the final weights equal one process training the unsharded model on the same batches (1e-5). With
+    gather_on_teardown=False (ALBERT here) the ranks keep their shards after fit; the main process still receives
+    full weights."""
     net, data = _bert(family), _tokens()
     gather = family == "bert"
-    trainer, got = _run(tmp_path, net, data, TensorParallelStrategy(start_method="fork", gather_on_teardown=gather),
-                        callbacks=[SaveAfterFit(tmp_path)])  # fmt: skip
+    strategy = TensorParallelStrategy(start_method="fork", gather_on_teardown=gather, sequence_parallel=sequence_parallel)
+    trainer, got = _run(tmp_path, net, data, strategy, callbacks=[SaveAfterFit(tmp_path)])
     assert [torch.load(tmp_path / f"after_fit.rank{r}.pt")["sharded"] for r in range(2)] == [not gather] * 2
     want = reference(net, data, steps=3)
     assert got["losses"] == pytest.approx(want["losses"], abs=1e-5)
     for g, w in zip(got["grads"], want["grads"]):
         _assert_close(g, w)
     _assert_close(dict(trainer.lightning_module.named_parameters()), want["weights"])
-    # Each step: per layer, 2 forward all-reduces (attention output, FFN output) and 4 backward ones (the input
-    # gradients of q, k, v and the first FFN linear), each of a (B, L, H) float activation.
-    per_step = LAYERS * 6 * all_reduce_bytes(BATCH * SEQ * HIDDEN * 4, 2)
+    if sequence_parallel:
+        # Per layer application: one all-gather into q/k/v (shared) and one into the FFN forward, one
+        # reduce-scatter out of each row-wise layer; the transposes backward. Per step, the stack's input split
+        # (backward: all-gather) and output gather. The LayerNorm weights and row-wise biases saw this rank's
+        # positions: their gradients are summed over the group once per step, in one flat all-reduce.
+        assert got["calls"] == {"all_gather": 3 * (LAYERS * 4 + 2), "reduce_scatter": 3 * LAYERS * 4,
+                                "all_reduce": 3}  # fmt: skip
+        return
+    # Each step: per layer, 2 forward all-reduces (attention output, FFN output) and 2 backward ones (the input
+    # gradient of q, k and v, summed on the rank and all-reduced once; that of the first FFN linear), each of a
+    # (B, L, H) float activation: 4 collectives per layer and step, where one per column-wise module would be 6.
+    assert got["calls"] == {"all_reduce": 3 * LAYERS * 4}
+    per_step = LAYERS * 4 * all_reduce_bytes(BATCH * SEQ * HIDDEN * 4, 2)
     flag = all_reduce_bytes(2 * 4, 2)  # nonfinite='raise': the ranks agree on 2 float flags before every step
     assert trainer.callback_metrics["pdist/comm_bytes"].item() == per_step + flag
     assert got["kinds"] == {"tp_all_reduce": 3 * per_step, "nonfinite_flag": 3 * flag}
