@@ -147,7 +147,8 @@ class ServerConnection:
         except TimeoutError:
             hint = (f"; a live server answers a waiting request after {self.timeout:g} s, naming the workers it waits "
                     "for, so this server is stopped, hung or unreachable (or its host is overloaded)" if waits else "")  # fmt: skip
-            raise ServerUnavailable(f"{self._where()} did not answer {kind.name} within {limit:g} s{hint}") from None
+            within = f"{limit:g} s{hint}" if waits else f"server_timeout={limit:g} s"  # the setting every PS strategy names
+            raise ServerUnavailable(f"{self._where()} did not answer {kind.name} within {within}") from None
         except (OSError, ValueError) as err:
             raise ServerUnavailable(f"{self._where()} failed during {kind.name}: {err}") from None
         self.bytes_received += nbytes

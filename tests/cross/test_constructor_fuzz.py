@@ -7,7 +7,9 @@ accepted value must be held by the strategy (its ``config``, or the attribute na
 round-trip: the held value, given back to the constructor, is accepted and held unchanged. The first accepted value
 per (strategy, argument) must also survive a short fit on one process (fits are what cost time) with a finite loss,
 or be refused at setup naming the argument where the rule needs the model (a sharding plan with more servers than
-elements).
+elements). The strategies whose every fit starts processes (Gorila's servers and actors, Ape-X's actors: ~10 s of
+CPU a fit) fit once with every argument's first accepted value together (``test_process_starting_strategies_...``),
+and once per argument only where the values together are refused.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ STRATEGIES = PDIST_CLASSES  # every strategy class, from the conformance suite's
 #: Arguments that are not the algorithm's and whose values Lightning itself interprets.
 SKIP = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
         "ddp_comm_state", "ddp_comm_wrapper", "process_group_backend", "timeout", "start_method", "kwargs"}  # fmt: skip
-#: Arguments the strategy does not keep, and what an accepted value must then be.
-NOT_HELD = {"sequence_parallel": False}  # anything but False is refused (not implemented yet)
+#: Arguments the strategy does not keep, and what an accepted value must then be (none today).
+NOT_HELD: dict[str, object] = {}
 #: A public spelling the strategy keeps as another value, which the constructor does not take back.
-ALIASES = {("tensor_parallel_size", None): "auto", ("data_parallel_size", None): "auto", ("plan", "auto"): None}
+ALIASES = {("tensor_parallel_size", None): "auto", ("data_parallel_size", None): "auto", ("plan", "auto"): None,
+           ("split_points", "auto"): None}
 
 values = st.one_of(
     st.none(), st.booleans(), st.integers(-3, 3), st.integers(10**6, 10**12), st.sampled_from([2, 8, 64]),
@@ -52,6 +55,17 @@ def _arguments(cls: type) -> list[str]:
 
 CASES = [(cls, arg) for cls in STRATEGIES for arg in _arguments(cls)]
 fitted: dict[tuple[type, str], str] = {}  # the accepted value that gets a fit, per (strategy, argument)
+#: Strategies whose fit starts processes: their first accepted values are kept here and fit together, once.
+PROCESS_STARTING = ("ApeXStrategy", "GorilaStrategy")
+#: How long a started process may take: a short one (e.g. 3 s for a server that imports torch) may legitimately run
+#: out on a loaded machine, and the fit then ends with an error naming the argument (as a setup refusal does).
+TIMING = ("actor_timeout", "server_timeout")
+#: Process counts: a fit with 64 servers starts 64 processes that import torch (~200 s of CPU). The fit takes the
+#: first accepted count up to MAX_FIT_PROCESSES; every accepted count is still held and round-trips, and the upper
+#: bounds are the constructors' own checks (refused above them, named).
+PROCESS_COUNTS = ("num_actors", "num_learners", "num_servers")
+MAX_FIT_PROCESSES = 4
+accepted: dict[tuple[type, str], object] = {}
 
 _MISSING = object()
 
@@ -138,22 +152,70 @@ def test_refused_naming_the_argument_or_trains_finitely(cls, arg, value):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            strategy = cls(**{arg: value})
+            cls(**{arg: value})
     except (TypeError, ValueError) as err:
         assert arg in str(err), f"{cls.__name__}({arg}={value!r}) refused without naming {arg}: {err}"
         return
     _check_held(cls, arg, value)
+    if cls.__name__ in PROCESS_STARTING:
+        costly = arg in PROCESS_COUNTS and isinstance(value, int) and value > MAX_FIT_PROCESSES
+        if not costly and (cls, arg) not in accepted:
+            accepted[cls, arg] = value
+        fitted.setdefault((cls, arg), repr(value))
+        return
     if fitted.setdefault((cls, arg), repr(value)) != repr(value):
         return
+    _check_fit(cls, {arg: value})
+
+
+def _check_fit(cls: type, kwargs: dict) -> bool:
+    """A short fit with ``cls(**kwargs)`` ends with a finite loss (True), or is refused at setup naming one of the
+    arguments (False); a timing argument may also end the fit with an error that names it (False)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        strategy = cls(**kwargs)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             loss = _fit(strategy)
-    except ValueError as err:  # what depends on the model (e.g. a sharding plan) is refused at setup, named
-        assert arg in str(err), f"{cls.__name__}({arg}={value!r}) refused at setup without naming {arg}: {err}"
-        return
+    except (ValueError, RuntimeError) as err:  # what depends on the model (e.g. a sharding plan) is refused at setup
+        names = kwargs if isinstance(err, ValueError) else [arg for arg in kwargs if arg in TIMING]
+        if not any(f"{arg}=" in str(err) or isinstance(err, ValueError) and arg in str(err) for arg in names):
+            raise
+        return False
     finally:
         # The fit ran in this (pytest's) process: leave no process group for later tests' forked ranks to inherit.
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    assert math.isfinite(loss), f"{cls.__name__}({arg}={value!r}) trained to loss {loss}"
+    assert math.isfinite(loss), f"{cls.__name__}({kwargs!r}) trained to loss {loss}"
+    return True
+
+
+@pytest.mark.parametrize("cls", [c for c in STRATEGIES if c.__name__ in PROCESS_STARTING], ids=lambda c: c.__name__)
+def test_process_starting_strategies_train_with_every_accepted_value_together(cls):
+    """One fit with every argument's first accepted value (found by the per-argument cases above, or here when this
+    test runs alone); where the values together are refused (at construction or setup) or a timing argument ran out,
+    each value gets its own fit."""
+    args = _arguments(cls)
+    for arg in args:
+        if (cls, arg) not in fitted:  # this test runs without the per-argument cases: search each argument now
+            test_refused_naming_the_argument_or_trains_finitely(cls, arg)
+    chosen = {arg: accepted[cls, arg] for arg in args if (cls, arg) in accepted}
+    assert chosen, f"{cls.__name__}: no argument accepted any value"
+    if _fits_together(cls, chosen):
+        return
+    # a conflict, a setup refusal naming an argument, or a timing argument that ran out: the timing arguments alone,
+    # the others together (each alone if they still do not fit together)
+    rest = {arg: value for arg, value in chosen.items() if arg not in TIMING}
+    for arg in set(chosen) - set(rest):
+        _check_fit(cls, {arg: chosen[arg]})
+    if not _fits_together(cls, rest):
+        for arg, value in rest.items():
+            _check_fit(cls, {arg: value})
+
+
+def _fits_together(cls: type, kwargs: dict) -> bool:
+    try:
+        return _check_fit(cls, kwargs)
+    except (TypeError, ValueError):  # refused at construction: the values conflict
+        return False
