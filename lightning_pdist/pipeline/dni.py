@@ -24,9 +24,12 @@ Defaults, with their reasons:
   gradient, each gets its own ``M`` (built by the factory on that value) and the rest of ``ĝ`` is zero: the header
   and integers have no gradient, and a mask or positions built from the inputs reach no weight of this stage, so
   their true gradient is zero too (an ``-inf`` causal mask fed to a linear map would make ``ĝ`` NaN).
-* Its optimizer is ``torch.optim.Adam(lr=1e-3)`` (torch's default rate): the targets ``δ`` scale with the loss and
-  ``1/batch``, and Adam's per-parameter normalisation makes the step independent of that scale, so one default
-  serves any loss; ``optimizer_factory(params) -> Optimizer`` replaces it.
+* Its optimizer is ``torch.optim.Adam(lr=1e-3)``, torch's common default, not a tuned one. Adam moves each parameter
+  of ``M_k`` by about ``lr`` per step whatever the targets' scale, so ``ĝ`` moves by about ``lr·Σ|h_i|`` per step;
+  where the true gradients are small against that (the benchmark's digits CNN: ``δ`` about 3e-3 per element, a
+  512-wide boundary of ReLU features about 0.5 each) the prediction is mostly noise and the stage below diverges.
+  Measured there (``scripts/dni_diagnosis.py``, the method card's DNI section), no Adam rate and no SGD rate tried
+  trains that CNN, so no other default is argued better; ``optimizer_factory(params) -> Optimizer`` replaces it.
 
 This module is the rule only (no transport, no Lightning): :class:`SyntheticGradient`.
 """
