@@ -24,14 +24,15 @@ def zero_linear(width: int) -> nn.Linear:
     return layer
 
 
-def dni_reference(bounds, mbs, lr, mu, synthetic_optimizer, drains=()):
-    """(stage weights, synthetic modules' weights) after DNI training on ``mbs``."""
-    net = make_net()
-    K = len(bounds)
-    stages = [nn.Sequential(*[net[i] for i in range(a, b)]) for a, b in bounds]
+def dni_reference(bounds, mbs, lr, mu, synthetic_optimizer, drains=(), stages=None):
+    """(stage weights, synthetic modules' weights) after DNI training on ``mbs``; ``stages`` (modules, in order)
+    replaces ``make_net`` cut at ``bounds``. Each ``M_s`` is a zero ``Linear`` over ``h_s``'s last dimension."""
+    if stages is None:
+        net = make_net()
+        stages = [nn.Sequential(*[net[i] for i in range(a, b)]) for a, b in bounds]
+    K = len(stages)
     optimizers = [torch.optim.SGD(st.parameters(), lr=lr, momentum=mu) for st in stages]
-    synth = [zero_linear(st[-1].out_features if isinstance(st[-1], nn.Linear) else st[-2].out_features) for st in stages[:-1]]
-    synth_opt = [synthetic_optimizer(m.parameters()) for m in synth]
+    synth, synth_opt = [None] * (K - 1), [None] * (K - 1)  # built at the first boundary (its width known then)
     queue = [[] for _ in synth]  # per boundary: (micro-batch, h, true gradient) not trained on yet
 
     def train_until(s, upto):
@@ -49,6 +50,9 @@ def dni_reference(bounds, mbs, lr, mu, synthetic_optimizer, drains=()):
             h = st(x_leaf)
             params = list(st.parameters()) + ([x_leaf] if s > 0 else [])
             if s < K - 1:
+                if synth[s] is None:
+                    synth[s] = zero_linear(h.shape[-1])
+                    synth_opt[s] = synthetic_optimizer(synth[s].parameters())
                 train_until(s, max(j - 1, mark))
                 with torch.no_grad():
                     g_hat = synth[s](h.detach())

@@ -19,15 +19,24 @@ Defaults, with their reasons:
   the start (the paper initialises the synthetic model's output layer to zero): the stages below do not move until
   ``M_k`` has seen true gradients, instead of following a random direction. ``module_factory(h) -> nn.Module``
   replaces it (called once, with the first boundary activation; its output must have ``h``'s shape).
-* Its optimizer is ``torch.optim.Adam(lr=1e-3)`` (torch's default rate): the targets ``δ`` scale with the loss and
-  ``1/batch``, and Adam's per-parameter normalisation makes the step independent of that scale, so one default
-  serves any loss; ``optimizer_factory(params) -> Optimizer`` replaces it.
+* On a boundary cut by ``split_points`` the activation is one packed vector (header, then every value the next
+  stage needs, :func:`~lightning_pdist.pipeline.ownership.pack`): ``parts(h)`` names the values that carry a
+  gradient, each gets its own ``M`` (built by the factory on that value) and the rest of ``ĝ`` is zero: the header
+  and integers have no gradient, and a mask or positions built from the inputs reach no weight of this stage, so
+  their true gradient is zero too (an ``-inf`` causal mask fed to a linear map would make ``ĝ`` NaN).
+* Its optimizer is ``torch.optim.Adam(lr=1e-3)``, torch's common default, not a tuned one. Adam moves each parameter
+  of ``M_k`` by about ``lr`` per step whatever the targets' scale, so ``ĝ`` moves by about ``lr·Σ|h_i|`` per step;
+  where the true gradients are small against that (the benchmark's digits CNN: ``δ`` about 3e-3 per element, a
+  512-wide boundary of ReLU features about 0.5 each) the prediction is mostly noise and the stage below diverges.
+  Measured there (``scripts/dni_diagnosis.py``, the method card's DNI section), no Adam rate and no SGD rate tried
+  trains that CNN, so no other default is argued better; ``optimizer_factory(params) -> Optimizer`` replaces it.
 
 This module is the rule only (no transport, no Lightning): :class:`SyntheticGradient`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -52,27 +61,47 @@ def adam(params: Iterable[nn.Parameter]) -> Optimizer:
     return torch.optim.Adam(params, lr=DEFAULT_LR)
 
 
+Parts = Callable[[Tensor], list[tuple[int, tuple[int, ...]]]]
+
+
 class SyntheticGradient:
     """``M_k`` and its optimizer: :meth:`predict` the gradient at a boundary, :meth:`train` on the true one.
 
     The module is built at the first :meth:`predict` (the boundary's shape is known then), in float32 on the
-    activation's device; a state loaded before that waits for it.
+    activation's device; a state loaded before that waits for it. ``parts(h)``, for a packed boundary: the
+    ``(offset, shape)`` of each value of the 1-D ``h`` that carries a gradient; ``module`` is then an
+    ``nn.ModuleList``, one ``M`` per value, and ``ĝ`` is zero elsewhere.
     """
 
     def __init__(self, module_factory: Callable[[Tensor], nn.Module] | None = None,
                  optimizer_factory: Callable[[Iterable[nn.Parameter]], Optimizer] | None = None,
-                 owner: str = "PipelineStrategy") -> None:  # fmt: skip
+                 owner: str = "PipelineStrategy", parts: Parts | None = None) -> None:  # fmt: skip
         self.module_factory, self.optimizer_factory = module_factory or zero_linear, optimizer_factory or adam
-        self.owner = owner
+        self.owner, self.parts = owner, parts
         self.module: nn.Module | None = None
         self.optimizer: Optimizer | None = None
         self._pending: dict | None = None
         self.steps = 0
 
-    def _build(self, h: Tensor) -> None:
+    def _values(self, h: Tensor) -> list[tuple[int, Tensor]]:
+        """The values ``M`` sees (views of ``h``) and their offsets: ``h`` itself, or its gradient-carrying parts."""
+        if self.parts is None:
+            return [(0, h)]
+        values = [(offset, h[offset : offset + math.prod(shape)].view(shape)) for offset, shape in self.parts(h)]
+        if isinstance(self.module, nn.ModuleList) and len(values) != len(self.module):
+            raise RuntimeError(f"{self.owner}(synthetic_gradients=True): this boundary carries {len(values)} values with "
+                               f"a gradient, its first carried {len(self.module)}; each has its own synthetic module, so "
+                               "the network must hand the split point the same tensors at every step")  # fmt: skip
+        return values
+
+    def _make(self, h: Tensor) -> nn.Module:
         module = self.module_factory(h.detach().float())
         if not isinstance(module, nn.Module):
             raise TypeError(f"{self.owner}(synthetic_module=...): the factory returned {type(module).__name__}, not an nn.Module")
+        return module
+
+    def _build(self, h: Tensor) -> None:
+        module = self._make(h) if self.parts is None else nn.ModuleList(self._make(v) for _, v in self._values(h))
         self.module = module.to(device=h.device, dtype=torch.float32)
         self.optimizer = self.optimizer_factory(self.module.parameters())
         if not isinstance(self.optimizer, Optimizer):
@@ -83,11 +112,12 @@ class SyntheticGradient:
             self._pending = None
 
     def _apply(self, h: Tensor) -> Tensor:
-        out = self.module(h.detach().float())
-        if not isinstance(out, Tensor) or out.shape != h.shape:
-            got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-            raise RuntimeError(f"{self.owner}(synthetic_module=...): the synthetic module maps a boundary activation of "
-                               f"shape {tuple(h.shape)} to {got}; it must predict dL/dh, of h's shape")  # fmt: skip
+        """``ĝ`` in float32, of ``h``'s shape (with a graph into ``M`` where grad mode is on)."""
+        if self.parts is None:
+            return _checked(self.module, h, self.owner)
+        out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+        for m, (offset, v) in zip(self.module, self._values(h)):
+            out[offset : offset + v.numel()] = _checked(m, v, self.owner).reshape(-1)
         return out
 
     @torch.no_grad()
@@ -130,6 +160,15 @@ class SyntheticGradient:
     def _load(self, state: dict) -> None:
         self.module.load_state_dict(state["module"])
         self.optimizer.load_state_dict(_clone(state["optimizer"]))
+
+
+def _checked(module: nn.Module, h: Tensor, owner: str) -> Tensor:
+    out = module(h.detach().float())
+    if not isinstance(out, Tensor) or out.shape != h.shape:
+        got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        raise RuntimeError(f"{owner}(synthetic_module=...): the synthetic module maps a boundary activation of "
+                           f"shape {tuple(h.shape)} to {got}; it must predict dL/dh, of h's shape")  # fmt: skip
+    return out
 
 
 def _clone(obj: object) -> object:

@@ -23,11 +23,15 @@ on one batch, so a cut that cannot run, or computes something else, is refused b
 
 Between stages the boundary travels as one 1-D float64 tensor (:func:`pack`): a header with the
 micro-batch's key and the values' shapes and dtypes, then the values (float64 holds fp32/bf16/fp16
-and integers below 2^53 exactly; gradients flow through the float parts).
+and integers below 2^53 exactly; gradients flow through the float parts). The header marks which
+values carry a gradient (computed from some stage's weights: a hidden state, not a mask or positions
+built from the inputs); the receiver detaches the others, so their gradient is zero on every later
+stage, and :func:`gradient_parts` names the marked ones (what a synthetic-gradient module predicts).
 """
 
 from __future__ import annotations
 
+import math
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -38,12 +42,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_pdist.pipeline.split import END
 
-__all__ = ["OwnedStage", "StageRefused", "check_stages", "pack", "rebuild", "record_calls", "split_constants",
-           "unpack"]
+__all__ = ["OwnedStage", "StageRefused", "check_stages", "gradient_parts", "pack", "rebuild", "record_calls",
+           "split_constants", "unpack"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool)  # fmt: skip
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
+_GRAD = 64  # added to a value's dtype code in the header: the value carries a gradient
 
 
 def tensor_leaves(tree: Any) -> tuple[list[Any], Any]:
@@ -65,12 +70,17 @@ def record_calls(network: nn.Module, call: Callable[[], Any]) -> tuple[list[str]
 
 def pack(key: int, values: Sequence[Tensor]) -> Tensor:
     """One float64 vector ``[header length, key, #values, (dtype, ndim, *shape)..., values...]`` (the values' float
-    parts keep their autograd history). ``key`` names the micro-batch, whose network call each stage holds."""
+    parts keep their autograd history). ``key`` names the micro-batch, whose network call each stage holds.
+
+    A float value's dtype code carries ``+_GRAD`` when it carries a gradient: it requires grad, or grad mode is off
+    (a forward without a graph, e.g. features replay's first one, cannot tell, so it marks every float value)."""
     head: list[float] = [0.0, float(key), float(len(values))]
+    unknown = not torch.is_grad_enabled()
     for v in values:
         if v.dtype not in _CODE:
             raise ValueError(f"a pipeline boundary cannot carry a {v.dtype} tensor")
-        head += [float(_CODE[v.dtype]), float(v.ndim), *map(float, v.shape)]
+        grad = v.is_floating_point() and (v.requires_grad or unknown)
+        head += [float(_CODE[v.dtype] + (_GRAD if grad else 0)), float(v.ndim), *map(float, v.shape)]
     head[0] = float(len(head))
     device = values[0].device if values else torch.device("cpu")
     parts = [torch.tensor(head, dtype=torch.float64, device=device)]
@@ -78,21 +88,34 @@ def pack(key: int, values: Sequence[Tensor]) -> Tensor:
     return torch.cat(parts)
 
 
-def unpack(packed: Tensor) -> tuple[int, list[Tensor]]:
-    """(key, values) from :func:`pack`'s vector."""
+def _layout(packed: Tensor) -> tuple[int, list[tuple[int, tuple[int, ...], torch.dtype, bool]]]:
+    """(key, ``(offset, shape, dtype, carries a gradient)`` of each value) from :func:`pack`'s header."""
     n_head = int(packed[0].item())
     head = packed[:n_head].tolist()
-    i, values, offset = 3, [], n_head
+    i, layout, offset = 3, [], n_head
     for _ in range(int(head[2])):
         code, ndim = int(head[i]), int(head[i + 1])
         shape = tuple(int(d) for d in head[i + 2 : i + 2 + ndim])
         i += 2 + ndim
-        numel = 1
-        for d in shape:
-            numel *= d
-        values.append(packed[offset : offset + numel].view(shape).to(_DTYPES[code]))
-        offset += numel
-    return int(head[1]), values
+        layout.append((offset, shape, _DTYPES[code % _GRAD], code >= _GRAD))
+        offset += math.prod(shape)
+    return int(head[1]), layout
+
+
+def unpack(packed: Tensor) -> tuple[int, list[Tensor]]:
+    """(key, values) from :func:`pack`'s vector; values that carry no gradient are detached."""
+    key, layout = _layout(packed)
+    values = []
+    for offset, shape, dtype, grad in layout:
+        value = packed[offset : offset + math.prod(shape)].view(shape).to(dtype)
+        values.append(value if grad else value.detach())
+    return key, values
+
+
+def gradient_parts(packed: Tensor) -> list[tuple[int, tuple[int, ...]]]:
+    """``(offset, shape)`` in :func:`pack`'s vector of each value that carries a gradient (the header, integer values
+    and values built from the inputs alone get none)."""
+    return [(offset, shape) for offset, shape, _, grad in _layout(packed)[1] if grad]
 
 
 class _StageDone(Exception):

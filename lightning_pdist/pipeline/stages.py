@@ -176,9 +176,13 @@ class StageSplit:
         return torch.cat(outputs)
 
     def restore(self, state: dict[str, Tensor], device: torch.device) -> None:
-        """Put every layer back, weights from ``state`` (the whole model's ``state_dict``)."""
+        """Put every layer back, weights from ``state`` (the whole model's ``state_dict``; what it lacks is NaN)."""
         for parent, child, layer in self._removed:
             parent._modules[child] = layer.to_empty(device=device)
+            with torch.no_grad():
+                for t in (*layer.parameters(), *layer.buffers()):
+                    if t.is_floating_point():
+                        t.fill_(float("nan"))
         self._removed = []
         self.module.load_state_dict(state, strict=False)
 
@@ -430,10 +434,11 @@ class OwnedSplit:
         return {k: v.detach().cpu() for k, v in self.module.state_dict().items() if k not in self._foreign}
 
     def restore(self, state: dict[str, Tensor], device: torch.device) -> None:
-        """Put every stage's weights back (from ``state``, the whole model's ``state_dict``)."""
+        """Put every stage's weights back (from ``state``, the whole model's ``state_dict``; parameters it lacks are
+        NaN, e.g. after a failed fit, where a rank never held the other stages' weights)."""
         for m, kind, key, t, shape in self._removed:
             if kind == "_parameters":
-                t.data = torch.empty(shape, dtype=t.dtype, device=device)
+                t.data = torch.full(shape, float("nan"), dtype=t.dtype, device=device)
             getattr(m, kind)[key] = t
         self._removed, self._foreign, self.ready = [], set(), False
         self.module.load_state_dict(state, strict=False)

@@ -48,6 +48,7 @@ from lightning_pdist.core.flat import flatten, unflatten_into_
 from lightning_pdist.core.nonfinite import all_finite, culprit_ranks, one_hot_flag
 from lightning_pdist.pipeline.config import PipelineConfig
 from lightning_pdist.pipeline.dni import SyntheticGradient
+from lightning_pdist.pipeline.ownership import gradient_parts
 from lightning_pdist.pipeline.partition import Partition
 from lightning_pdist.core.accounting import all_reduce_bytes
 from lightning_pdist.core.collectives import all_reduce_mean_, all_reduce_sum_
@@ -368,7 +369,9 @@ class PipelineStrategy(PdistStrategy):
 
     def _make_executor(self) -> StageExecutor:
         K, s, config = self.pipeline_stages, self.stage, self.config
-        synthetic = (SyntheticGradient(config.synthetic_module, config.synthetic_optimizer, type(self).__name__)
+        # A split_points cut packs the boundary's values in one vector: one synthetic module per value with a gradient.
+        parts = gradient_parts if isinstance(self.split, OwnedSplit) else None
+        synthetic = (SyntheticGradient(config.synthetic_module, config.synthetic_optimizer, type(self).__name__, parts)
                      if config.spec.synthetic and s < K - 1 else None)  # fmt: skip
         p2p = P2P(self._pp_group, max_message_bytes=self.config.max_message_bytes, meter=self.comm_meter, device=self.root_device)
         return StageExecutor(
@@ -720,6 +723,10 @@ class PipelineStrategy(PdistStrategy):
                 parts = [None] * self.pipeline_stages
                 dist.all_gather_object(parts, local, group=self._pp_group)
             split.restore(_merge(parts), self.root_device)
+        elif split is not None:
+            # A failed fit: the other stages' weights never come here; they come back NaN, so Lightning's teardown
+            # (module.cpu()) finds no meta tensor and the error that stopped the fit is the one raised.
+            split.restore(split.local_state(), self.root_device)
         self.executor = None
         super().teardown()
 

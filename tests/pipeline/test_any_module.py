@@ -8,7 +8,9 @@ accumulated over the micro-batches, written below in plain torch.
 
 import pytest
 import torch
+from _dni_reference import dni_reference
 from _helpers import TinyRegression, fit, rank_batches, regression_data
+from lightning.pytorch import Callback
 from torch import nn
 
 from lightning_pdist import PipelineStrategy
@@ -122,6 +124,20 @@ def _every_schedule(rank, world_size, out):
     import torch.distributed as dist
 
     results = {}
+    for name in ("blocks", "transformer_lm", "hf_bert"):  # DNI on a packed (split_points) boundary
+        seed_everything(0, verbose=False)
+        module = Blocks(lr=LR) if name == "blocks" else MODULES[name].make()
+        before = {id(p): p.detach().clone() for p in module.parameters()}
+        probe = _DniProbe(before)
+        strategy = PipelineStrategy(schedule="pipedream", synthetic_gradients=True, num_microbatches=2,
+                                    split_points=["blocks.2"] if name == "blocks" else None)  # fmt: skip
+        Trainer(accelerator="cpu", devices=world_size, max_steps=4, logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                limit_val_batches=0, callbacks=[probe], strategy=strategy).fit(module)  # fmt: skip
+        after = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, after)
+        results[f"dni-{name}"] = {**probe.out, "same": bool(torch.equal(gathered[0], gathered[1])), "params": after}
     for schedule in ("gpipe", "pipedream", "2bw"):
         for name in ("boring", "transformer_lm", "hf_bert"):
             seed_everything(0, verbose=False)
@@ -141,15 +157,68 @@ def _every_schedule(rank, world_size, out):
         torch.save(results, out)
 
 
+class _DniProbe(Callback):
+    """Stage 0 at the end of training (drained): whether its weights moved, and its synthetic modules."""
+
+    def __init__(self, before):
+        self.before, self.out = before, {}
+
+    def on_train_end(self, trainer, pl_module):
+        strategy = trainer.strategy
+        strategy.drain()
+        if strategy.stage == 0:
+            synthetic = strategy.executor.synthetic
+            own = list(strategy.split.stage_module.parameters())
+            self.out = {"stage0_moved": all(bool((p - self.before[id(p)]).abs().max() > 0) for p in own if p.ndim > 1),
+                        "modules": [type(m).__name__ for m in synthetic.module], "steps": synthetic.steps,
+                        "synth": [p.detach().clone() for p in synthetic.module.parameters()]}  # fmt: skip
+
+
 def test_boring_demo_transformer_and_bert_train_under_gpipe_pipedream_and_2bw(tmp_path):
-    """One launch, nine fits (1f1b: the conformance matrix): both ranks end equal, weights moved and finite, the stages exchanged."""
+    """One launch, nine fits (1f1b: the conformance matrix): both ranks end equal, weights moved and finite, the stages
+    exchanged. The same launch runs DNI (``synthetic_gradients=True``) on three ``split_points`` cuts, whose boundary is
+    one packed vector: ``Blocks`` at ``"blocks.2"`` ends where the plain-torch DNI reference ends (weights and stage 0's
+    synthetic module); the demo Transformer (an ``-inf`` causal mask crosses its cut) and BERT (an additive mask)
+    train, finite, with one synthetic module on stage 0 per value that carries a gradient (masks carry none), which
+    moved stage 0's weights."""
     from _ranks import run_ranks
 
     run_ranks(_every_schedule, 2, tmp_path, tmp_path / "results.pt", timeout=300)
-    results = torch.load(tmp_path / "results.pt")
-    assert len(results) == 9
-    for cell, (same, moved, finite, sent) in results.items():
+    results = torch.load(tmp_path / "results.pt", weights_only=False)
+    assert len(results) == 12
+    for cell, result in results.items():
+        if cell.startswith("dni-"):
+            assert result["same"] and bool(torch.isfinite(result["params"]).all()), cell
+            # one zero linear map per value with a gradient (the demo Transformer's decoder cut carries tgt and memory)
+            assert set(result["modules"]) == {"Linear"} and result["steps"] == 8 and result["stage0_moved"], (cell, result)
+            assert len(result["modules"]) == {"dni-blocks": 1, "dni-transformer_lm": 2}.get(cell, len(result["modules"]))
+            continue
+        same, moved, finite, sent = result
         assert same and moved and finite and sent > 0, (cell, same, moved, finite, sent)
+    data = regression_data(64)
+    mbs = [mb for t in range(4) for mb in zip(*(v.tensor_split(2) for v in rank_batches(data, 0, 1, BS)[t]))]
+    torch.manual_seed(0)
+    inp, blocks, out = nn.Linear(4, 8), [nn.Linear(8, 8) for _ in range(4)], nn.Linear(8, 2)
+    stages = [_Residual(inp, blocks[:2]), _Residual(None, blocks[2:], out)]
+    weights, synth = dni_reference(None, mbs, LR, 0.0, lambda p: torch.optim.Adam(p, lr=1e-3), stages=stages)
+    dni = results["dni-blocks"]
+    torch.testing.assert_close(dni["params"], torch.cat([t.reshape(-1) for st in weights for t in st]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.cat([t.reshape(-1) for t in dni["synth"]]), torch.cat([t.reshape(-1) for t in synth[0]]),
+                               atol=1e-6, rtol=0)  # fmt: skip
+
+
+class _Residual(nn.Module):
+    """``Blocks``' forward from its input layer (or a received ``h``) through some blocks (and its output layer)."""
+
+    def __init__(self, inp, blocks, out=None):
+        super().__init__()
+        self.inp, self.blocks, self.out = inp, nn.ModuleList(blocks), out
+
+    def forward(self, h):
+        h = self.inp(h) if self.inp is not None else h
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.out(h) if self.out is not None else h
 
 
 def test_split_points_auto_and_bad_types_at_construction():

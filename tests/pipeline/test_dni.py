@@ -205,3 +205,29 @@ def test_default_module_is_zero_and_its_state_round_trips():
     second.load_state_dict(first.state_dict())
     torch.testing.assert_close(second.predict(h), first.predict(h), atol=0, rtol=0)
     assert second.train(h, target) == first.train(h, target)
+
+
+def test_a_packed_boundary_predicts_only_the_values_that_carry_a_gradient():
+    """A ``split_points`` boundary is one packed vector: the hidden state (from weights) gets its own zero linear map,
+    the ``-inf`` mask, the integer positions and the header get ĝ = 0 (no NaN), and the receiver detaches the mask."""
+    from lightning_pdist.pipeline.ownership import gradient_parts, pack, unpack
+
+    h = nn.Linear(3, 3)(torch.randn(2, 4, 3))
+    mask = torch.full((4, 4), float("-inf")).triu(1)
+    packed = pack(7, [h, mask, torch.arange(4)])
+    n_head = int(packed[0])
+    assert gradient_parts(packed) == [(n_head, (2, 4, 3))]
+    key, (h2, mask2, pos2) = unpack(packed)
+    assert key == 7 and h2.requires_grad and not mask2.requires_grad and pos2.dtype == torch.int64
+    synthetic = SyntheticGradient(parts=gradient_parts)
+    assert torch.equal(synthetic.predict(packed.detach()), torch.zeros_like(packed))
+    target = torch.zeros_like(packed)
+    target[n_head : n_head + h.numel()] = torch.randn(h.numel())
+    for _ in range(3):
+        synthetic.train(packed.detach(), target)
+    g = synthetic.predict(packed.detach())
+    assert [type(m).__name__ for m in synthetic.module] == ["Linear"] and synthetic.module[0].in_features == 3
+    assert torch.isfinite(g).all() and g[n_head : n_head + h.numel()].abs().max() > 0
+    assert g[:n_head].abs().max() == 0 and g[n_head + h.numel() :].abs().max() == 0
+    with torch.no_grad():  # a forward without a graph cannot tell: every float value is marked
+        assert len(gradient_parts(pack(0, [h, mask, torch.arange(4)]))) == 2
