@@ -28,7 +28,7 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from lightning_pdist.core.ps_client import ParameterServerClient
-from lightning_pdist.rl.channel import Kind, receive, send
+from lightning_pdist.rl.channel import Kind, no_delay, receive, send
 from lightning_pdist.rl.config import _Common
 from lightning_pdist.rl.nstep import NStep, stack
 
@@ -125,7 +125,7 @@ def run_actor(index: int, config: _Common, epsilon: float, address: Any, authkey
     target copy too (Gorila's replay is uniform: the actor's priorities are not used)."""
     _die_with_parent(parent)
     torch.set_num_threads(1)
-    conn = Client(address, authkey=authkey)
+    conn = no_delay(Client(address, authkey=authkey))
     client = None
     try:
         send(conn, Kind.HELLO, {"actor": index, "pid": os.getpid()})

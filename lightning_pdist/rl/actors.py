@@ -25,7 +25,7 @@ import torch
 
 from lightning_pdist.core.forking import fork_process
 from lightning_pdist.rl.actor import run_actor
-from lightning_pdist.rl.channel import Kind, receive, send
+from lightning_pdist.rl.channel import Kind, no_delay, receive, send
 from lightning_pdist.rl.config import _Common
 
 __all__ = ["ActorFailed", "ActorPool"]
@@ -79,7 +79,7 @@ class ActorPool:
         self.listener._listener._socket.settimeout(self.config.actor_timeout)  # an actor that never connects
         while len(self.conns) < self.config.num_actors:
             try:
-                conn = self.listener.accept()
+                conn = no_delay(self.listener.accept())
             except TimeoutError:
                 raise ActorFailed(self._silence(f"did not connect within actor_timeout={self.config.actor_timeout} s")) from None
             if not conn.poll(self.config.actor_timeout):

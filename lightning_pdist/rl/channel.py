@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import enum
 import json
+import os
+import socket
 import struct
 from multiprocessing.connection import Connection
 from typing import Any
@@ -27,12 +29,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["FrameError", "Kind", "decode", "encode", "receive", "send"]
+__all__ = ["FrameError", "Kind", "decode", "encode", "no_delay", "receive", "send"]
 
 _HEADER = struct.Struct("!BI")
 MAX_META = 1 << 20
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64, "uint8": torch.uint8,
            "int32": torch.int32}  # fmt: skip
+
+
+def no_delay(conn: Connection) -> Connection:
+    """Turn off Nagle's algorithm on ``conn``'s TCP socket. ``Connection.send_bytes`` writes a large message as two
+    ``send`` calls (length, then body); with Nagle on, the body waits for the peer's delayed ACK of the length:
+    ~44 ms per parameter pull here against ~0.1 ms without (measured by the rl benchmark's session)."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # the option is the socket's, shared by both fds
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
 
 
 class Kind(enum.IntEnum):
