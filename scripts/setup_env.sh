@@ -37,3 +37,12 @@ export -n PYTHONDONTWRITEBYTECODE
 unset PYTHONDONTWRITEBYTECODE
 .venv/bin/python -c "import torch, lightning, lightning_pdist; print(f'lightning_pdist {lightning_pdist.__version__}: torch {torch.__version__}, lightning {lightning.__version__}')"
 .venv/bin/python -c "import deepspeed, fairscale, wandb; print(f'peers: deepspeed {deepspeed.__version__}, fairscale {fairscale.__version__}, wandb {wandb.__version__}')" 2>&1 | grep -v "real_accelerator"
+# A speed probe, so that runs on hosts of different speed (or load) can be compared: what every fresh process of the
+# suite pays before its first line of work (the suite starts ~160, ~80 of which import Lightning).
+.venv/bin/python -c "
+import os, resource, time
+start = time.perf_counter()
+import lightning_pdist
+cpu = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+print(f'setup: speed probe: importing lightning_pdist (torch, Lightning) took {time.perf_counter() - start:.1f} s, '
+      f'{cpu:.1f} s of CPU; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs')"

@@ -9,6 +9,7 @@ import struct
 import time
 from pathlib import Path
 
+import lightning_pdist  # noqa: F401  (first: torch and Lightning imported with the collector paused, core/startup.py)
 import numpy as np
 import pytest
 import torch

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import lightning_pdist  # noqa: F401  (first: torch and Lightning imported with the collector paused, core/startup.py)
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))

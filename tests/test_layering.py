@@ -20,7 +20,7 @@ FAMILIES = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__in
 
 #: Files by role (stem), per folder; whatever is not listed is wiring.
 MATH = {
-    "core": {"flat", "nonfinite", "accounting", "config", "momentum"},
+    "core": {"flat", "nonfinite", "accounting", "config", "momentum", "startup"},
     "averaging": {"schedule", "rules", "bmuf", "easgd"},
     "compression": {"sparse", "quantize"},
     "sign": {"vote", "llr", "simulator"},

@@ -6,7 +6,13 @@ format, the agreed-scaling precision base, and the two base strategies (:mod:`~l
 Trainer, :mod:`~lightning_pdist.core.fabric` for Fabric).
 """
 
-from lightning_pdist.core.accounting import CommMeter
-from lightning_pdist.core.hooks import AllReduceState, allreduce_hook, periodic_allreduce_hook
+from lightning_pdist.core.lazy import lazy_names
+
+__getattr__, __dir__ = lazy_names(__name__, {  # imported on first use: `lightning_pdist.core.startup` runs before torch
+    "CommMeter": "accounting",
+    "AllReduceState": "hooks",
+    "allreduce_hook": "hooks",
+    "periodic_allreduce_hook": "hooks",
+})
 
 __all__ = ["AllReduceState", "CommMeter", "allreduce_hook", "periodic_allreduce_hook"]

@@ -12,7 +12,9 @@ the freeze alone keeps the child from ever running an inherited destructor. A li
 fork would start ranks (:func:`refuse_live_process_group`).
 
 A process that inherited frozen objects (a forked rank) never unfreezes them, not even after forking a child of its
-own (a parameter server): what it holds at that fork stays frozen too (memory it shares with the child anyway).
+own (a parameter server): what it holds at that fork stays frozen too (memory it shares with the child anyway). The
+objects the package's own import froze (:mod:`lightning_pdist.core.startup`) are not inherited ones: the process that
+froze them unfreezes them with the rest after its fork.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import os
 from typing import Iterator
 
 import torch.distributed as dist
+
+from lightning_pdist.core.startup import froze_at_import
 
 __all__ = ["fork_process", "frozen_for_fork", "refuse_live_process_group"]
 
@@ -49,7 +53,7 @@ def frozen_for_fork() -> Iterator[None]:
     is a forked child): those stay frozen for good. The children must leave with ``os._exit`` (as
     ``torch.multiprocessing`` and :func:`fork_process` children do), never through this block's end.
     """
-    inherited = gc.get_freeze_count() > 0
+    inherited = _inherited()
     gc.freeze()
     try:
         yield
@@ -63,9 +67,14 @@ def fork_process() -> int:
 
     The child stays frozen: what it inherited is never collected there; what it allocates itself is.
     """
-    inherited = gc.get_freeze_count() > 0
+    inherited = _inherited()
     gc.freeze()
     pid = os.fork()
     if pid != 0 and not inherited:
         gc.unfreeze()
     return pid
+
+
+def _inherited() -> bool:
+    """Whether this process holds frozen objects it inherited from a fork (never to be unfrozen here)."""
+    return gc.get_freeze_count() > 0 and not froze_at_import()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for _helpers
 
+import lightning_pdist  # noqa: E402,F401  (first: torch and Lightning imported with the collector paused)
 from _helpers import TinyRegression  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 

@@ -11,12 +11,12 @@ meets no process group yet), writing ``<out.json>.<strategy>.rank<r>``; one stra
 import argparse
 import json
 
+import lightning_pdist  # noqa: F401  (first: registers the strategy names; torch and Lightning imported with the collector paused)
 import torch
 from lightning.fabric.plugins.environments import KubeflowEnvironment
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.strategies import StrategyRegistry
 
-import lightning_pdist  # noqa: F401  (registers the strategy names)
 from lightning_pdist.data import DigitsDataModule
 from lightning_pdist.models import ClassifierModule
 
