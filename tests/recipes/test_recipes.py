@@ -116,14 +116,17 @@ def test_recipe_writes_an_offline_wandb_run(tmp_path):
 @pytest.mark.standalone
 @pytest.mark.parametrize("recipe", sorted(RL_RECIPES))
 def test_rl_recipe_trains_through_pdist_and_logs_episode_returns(recipe, tmp_path):
-    """`pdist fit --config <DQN recipe>` as a user runs it (gorila: 2 popen learner ranks and 2 server processes),
-    cut to 6 updates after 64 transitions; the offline W&B run holds the loss and the episode returns."""
+    """`pdist fit --config <DQN recipe>` as a user runs it, cut to 6 updates after 64 transitions and one actor (gorila:
+    one learner and one server process; two learners through the Trainer are tests/rl/test_gorila.py's); the offline
+    W&B run holds the loss and the episode returns."""
     env = dict(os.environ, MASTER_PORT=str(free_port()), WANDB_MODE="offline", WANDB_SILENT="true")
     cmd = [str(PDIST), "fit", "--config", str(ROOT / "recipes" / f"{recipe}.yaml"), "--trainer.max_steps=6",
            "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={tmp_path}",
            f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.strategy.init_args.num_actors=1",
            "--trainer.strategy.init_args.learning_starts=64", "--trainer.strategy.init_args.batch_size=8",
            "--model.init_args.hidden=16"]  # fmt: skip
+    if recipe == "gorila_cartpole":  # each learner is a fresh Python process, each server another (~10 s of CPU each)
+        cmd += ["--trainer.devices=1", "--trainer.strategy.init_args.num_servers=1"]
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
