@@ -10,6 +10,7 @@ from types import ModuleType
 from typing import Any
 
 from lightning_pdist.bench import SUITES
+from lightning_pdist.bench.report import run_documented_suite
 from lightning_pdist.extras import require_extra
 
 
@@ -46,7 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"python -m lightning_pdist.bench {name}: error: {err}", file=sys.stderr)
         return 2
-    return module.run(config, Path(args[name].out), argv[argv.index(name) + 1 :])
+    out, typed = Path(args[name].out), argv[argv.index(name) + 1 :]
+    if hasattr(module, "run"):
+        return module.run(config, out, typed)
+    return run_documented_suite(name, config, out, typed, module.run_suite, module.docs_section)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import Launched, Launcher, emulated_network
 from lightning_pdist.bench.netns import LOOPBACK, parse_rate
 from lightning_pdist.bench.report import (check_rows, command_line, markdown_table, network_lines, new_document,
-                                          output_dir, save_figure, write_json)
+                                          output_dir, pyplot, save_figure, write_json)
 from lightning_pdist.bench.worker import PERIODIC, STRATEGIES
 
 SUITE = "averaging"
@@ -646,10 +646,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "averagi
     if not rows:
         raise ValueError("averaging.plot(rows=[]): there is nothing to plot; rows must hold at least one run")
     check_rows(rows, ROW_KEYS, "averaging.plot")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     labels = list(dict.fromkeys(run_label(r) for r in rows))
     networks = list(dict.fromkeys(r["network"] for r in rows))

@@ -114,6 +114,16 @@ def markdown_table(
     return "\n".join(lines)
 
 
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def save_figure(fig: Any, path: str | Path, dpi: int) -> Path:
     """Write a matplotlib figure to ``path`` (creating its folder) and close it; return the path."""
     path = Path(path)

@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.netns import parse_rate
 from lightning_pdist.bench.report import (finish_suite, markdown_table, network_lines, new_document, output_dir,
-                                          run_documented_suite, run_lines, save_figure)
+                                          pyplot, run_lines, save_figure)
 from lightning_pdist.bench.sign_repro import BATCH_MODES, DATASETS
 from lightning_pdist.bench.sign_worker import HOOKS
 
@@ -318,10 +318,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
 
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Write the suite's figure: Part A's curves (one row of panels per dataset), Part B's times and bytes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from lightning_pdist.bench.sign_comm import network_key
     from lightning_pdist.bench.sign_repro import plot_repro
@@ -371,8 +368,3 @@ def _datasets(kwargs: dict[str, Any], given: set[str]) -> dict[str, Any]:
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="sign.json and sign.png",
                either={"networks": NETWORKS},
                derive=_datasets)  # fmt: skip
-
-
-def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
-    """Run the suite (``argv`` is recorded as the command); write and print its docs section."""
-    return run_documented_suite(SUITE, config, out, argv, run_suite, docs_section)

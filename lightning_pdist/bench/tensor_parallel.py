@@ -44,20 +44,16 @@ Networks: ``loopback`` (127.0.0.1, unshaped) and emulated links (:class:`~lightn
 
 from __future__ import annotations
 
-import shutil
 import statistics
-import tempfile
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
-from lightning_pdist.bench.launch import Launcher, emulated_network
+from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, parse_rate
-from lightning_pdist.bench.report import (check_rows, finish_suite, markdown_table, network_lines, new_document,
-                                          output_dir, run_documented_suite, run_lines, save_figure)
+from lightning_pdist.bench.report import check_rows, markdown_table, network_lines, run_lines, save_figure
 
 SUITE = "tensor_parallel"
 MODELS = ("bert", "albert", "vgg")
@@ -269,12 +265,11 @@ def step_bytes(run: dict[str, Any], facts: dict[str, Any]) -> Any:
 class Runner:
     """Runs the plan on one network after the other; one launch per run, its ranks' results turned into a row."""
 
-    def __init__(self, config: SuiteConfig, scratch: Path, facts: dict[str, dict[str, Any]], log: Callable[[str], None]):
+    def __init__(self, config: SuiteConfig, run: SuiteRun, facts: dict[str, dict[str, Any]]):
         from lightning_pdist.data.imdb_synthetic import write_imdb_like
 
-        self.config, self.facts, self.log = config, facts, log
-        self.data_dir = write_imdb_like(scratch / "imdb", config.reviews_per_class, config.seed)
-        self.launcher = Launcher(SUITE, scratch, config.timeout, port=29800)
+        self.config, self.facts, self.log, self.launcher = config, facts, run.log, run.launcher
+        self.data_dir = write_imdb_like(run.scratch / "imdb", config.reviews_per_class, config.seed)
 
     def launch(self, run: dict[str, Any], network: str, net: EmulatedNetwork | None) -> dict[str, Any]:
         """One row: ``run`` on ``network`` (``net`` for emulated links), or its error."""
@@ -526,33 +521,19 @@ def paper_scale() -> dict[str, Any]:
 
 def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the plan on every requested network; write ``out/tensor_parallel.{json,png}``; return the document."""
-    out = output_dir(SUITE, out)
-    doc = new_document(SUITE, command, asdict(config))
-    t_suite = time.perf_counter()
-    scratch = Path(tempfile.mkdtemp(prefix="pdist-tp-"))
-    facts = model_facts(config)
-    doc["models"] = facts
-    runs = plan_runs(config)
-    try:
-        runner = Runner(config, scratch, facts, log)
-        if "loopback" in config.networks:
-            doc["networks"]["loopback"] = {"detail": LOOPBACK.describe()}
-            doc["rows"] += runner.launch_all(runs, "loopback", None)
-        for rate in config.rates if "emulated" in config.networks else ():
-            name = f"emulated {rate}"
-            with emulated_network(SUITE, doc, name, max(r["world_size"] for r in runs), rate, log) as net:
-                if net is None:
-                    continue
-                doc["rows"] += runner.launch_all(runs, name, net)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    facts, runs = model_facts(config), plan_runs(config)
+    with SuiteRun(SUITE, config, out, command, log, port=29800) as run:
+        doc, runner = run.doc, Runner(config, run, facts)
+        doc["models"] = facts
+        for name, net, _ in run.networks(config.networks, config.rates, max(r["world_size"] for r in runs), loopback=LOOPBACK.describe()):
+            doc["rows"] += runner.launch_all(runs, name, net)
     check_rows(doc["rows"], ROW_KEYS, SUITE)
     doc["ratios"] = ratios(doc["rows"])
     doc["kernel_check"] = kernel_check(doc["rows"])
     doc["crossover"] = crossover(doc["rows"], doc["networks"], config)
     doc["paper"] = PAPER
     doc["paper_scale"] = paper_scale()
-    return finish_suite(doc, out, SUITE, t_suite, plot)
+    return run.finish(plot)
 
 
 # -- output --------------------------------------------------------------------------------------------
@@ -691,8 +672,3 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
 
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="tensor_parallel.json, tensor_parallel.png and docs_section.md",
                either={"networks": NETWORKS})  # fmt: skip
-
-
-def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
-    """Run the suite (``argv`` is recorded as the command); write and print its docs section."""
-    return run_documented_suite(SUITE, config, out, argv, run_suite, docs_section)
