@@ -137,7 +137,7 @@ class Launcher:
         other = None if busy0 is None or busy1 is None else max(0.0, busy1 - busy0 - ours)
         launched = []
         for i in range(len(specs)):
-            results, failed = [], error
+            results, failed = [], None if batch else error  # a spec of a batch that wrote its results is done
             try:
                 results = [r for prefix, count in files or [("rank", world_size)]
                            for r in read_results(out / str(i) if batch else out, prefix, count, self.suite)]  # fmt: skip
