@@ -8,9 +8,9 @@
    batch and micro-batches, ``warmup_steps`` untimed, the median of ``steps`` timed steps (the slowest stage's).
    Ours (``gpipe``, ``1f1b``, ``pipedream``, ``2bw``) is driven at the executor level, as torch's schedules are:
    no Lightning on either side; one extra row (``ours+lightning``) runs ``Trainer(strategy=PipelineStrategy)``
-   to show Lightning's overhead. DeepSpeed runs in a launch of its own (its failure is recorded, never a
-   number); fairscale's ``Pipe`` is **one process** (K ``'cpu'`` devices, one thread); DDP holds the whole
-   model on every rank and splits the batch. With 4 stages, 4 processes share 2 cores (``oversubscribed``).
+   to show Lightning's overhead, in the engines' processes after them (one launch per stage count). DeepSpeed
+   runs in a launch of its own (its failure is recorded, never a number); fairscale's ``Pipe`` is **one process**
+   (K ``'cpu'`` devices, one thread); DDP holds the whole model on every rank and splits the batch. With 4 stages, 4 processes share 2 cores (``oversubscribed``).
    ``ratios``: ours 1F1B over torch's ``Schedule1F1B`` from the same launch.
 2. **bubble** (``bubble.rows``): mean over stages of (seconds blocked in ``recv``) / (step wall time), ours only,
    loopback, against ``(K-1)/(m+K-1)`` and :func:`~lightning_pdist.pipeline.schedule.validate`'s
@@ -21,13 +21,14 @@
    VmRSS before; glibc's mmap threshold is fixed so that freed tensors leave the RSS), against
    ``validate(...).stash_depth``. RSS growth also holds gradients and activations, so each variant is set
    against a baseline with the same update pattern and one version (2BW against 1F1B, PipeDream against
-   PipeDream without stashing): the difference is the stash.
+   PipeDream without stashing): the difference is the stash. The variants run in turn in one launch, each from
+   the resident memory the one before left (its tensors freed and unmapped).
 4. **convergence** (``convergence``): validation accuracy after every epoch against samples seen, through
    Lightning, per model: digits with ``ClassifierModule(model="cnn")``, and synthetic IMDB reviews with a small BERT
    cut by ``split_points`` (``"transformer"``). DDP (``PdistStrategy``: Lightning's DDP plus byte accounting, same
    global batch), ``gpipe``, ``pipedream`` with and without weight stashing, ``2bw``, and the delayed-gradient
    family: ``spectrain``, ``ddg``, ``features_replay`` and DNI (``synthetic_gradients=True``); every method the same
-   SGD (lr and momentum: SpecTrain predicts from the momentum) and epochs.
+   SGD (lr and momentum: SpecTrain predicts from the momentum) and epochs; every run in turn in one launch.
 5. **bytes** (``bytes.rows``): the convergence runs' training bytes per epoch (all ranks, from the ``CommMeter``;
    evaluation traffic apart) against survey 002's Table 1: pipelined SGD moves activations, ``O(N·T·M)``
    (2 directions × cuts × samples × activation bytes, plus a 128-byte header per message and one frame per shape change), data parallelism
@@ -36,7 +37,8 @@
 6. **bert** (``bert.rows``): samples/s of the BERT cut at one named block (``split_points``), ours (through
    Lightning: a module that is not one ``nn.Sequential`` pipelines only through the strategy) against torch's
    ``pipeline()`` traced at the same point (``ScheduleGPipe``/``Schedule1F1B`` at the executor level, as in part 1),
-   same batches and micro-batches, loopback. A cut torch cannot trace or run is recorded in ``not_run`` with its error.
+   same batches and micro-batches, loopback, both in one launch. A cut torch cannot trace or run is recorded in
+   ``not_run`` with its error.
 """
 
 from __future__ import annotations
