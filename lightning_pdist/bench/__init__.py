@@ -4,10 +4,9 @@
 line is the description ``--help`` lists), a frozen ``SuiteConfig`` dataclass whose fields are its options (each
 field's docstring is its help; ``__post_init__`` checks the rules through :class:`~lightning_pdist.bench.cli.SuiteRules`
 and names the option, the value and the rule), ``CLI`` (:class:`~lightning_pdist.bench.cli.SuiteCli`: the
-``--quick`` and full plans), and either ``run_suite(config, out, command, log) -> doc`` and ``docs_section(doc,
-json_path)`` (the harness writes and prints the section: :func:`~lightning_pdist.bench.report.run_documented_suite`)
-or its own ``run(config, out, argv) -> int``; ``argv`` is what the user typed after the suite's name, recorded in
-the JSON as the command. Keep a suite module's heavy imports (torch, Lightning) inside
+``--quick`` and full plans) and ``run(config, out, argv) -> int`` (most suites: ``documented_run`` of their
+``run_suite`` and ``docs_section``, :mod:`~lightning_pdist.bench.report`); ``argv`` is what the user typed after
+the suite's name, recorded in the JSON as the command. Keep a suite module's heavy imports (torch, Lightning) inside
 its functions: ``--help`` imports every suite module.
 
 The harness is shared: :mod:`~lightning_pdist.bench.launch` (:class:`~lightning_pdist.bench.launch.SuiteRun`, the

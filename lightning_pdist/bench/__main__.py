@@ -10,7 +10,6 @@ from types import ModuleType
 from typing import Any
 
 from lightning_pdist.bench import SUITES
-from lightning_pdist.bench.report import run_documented_suite
 from lightning_pdist.extras import require_extra
 
 
@@ -47,10 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"python -m lightning_pdist.bench {name}: error: {err}", file=sys.stderr)
         return 2
-    out, typed = Path(args[name].out), argv[argv.index(name) + 1 :]
-    if hasattr(module, "run"):
-        return module.run(config, out, typed)
-    return run_documented_suite(name, config, out, typed, module.run_suite, module.docs_section)
+    return module.run(config, Path(args[name].out), argv[argv.index(name) + 1 :])
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ from lightning_pdist.bench.asynchronous_worker import METHODS
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import check_rows, goal_lines, markdown_table, network_lines, run_lines
+from lightning_pdist.bench.report import (check_rows, documented_run, goal_lines, markdown_table, network_lines,
+                                          run_lines)  # fmt: skip
 
 SUITE = "asynchronous"
 WORKER = "lightning_pdist.bench.asynchronous_worker"
@@ -324,3 +325,5 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
 
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="asynchronous.json, asynchronous.png and docs_section.md",
                either={"parts": PARTS})  # fmt: skip
+
+run = documented_run(SUITE, run_suite, docs_section)

@@ -49,7 +49,8 @@ from lightning_pdist.bench.compression_worker import (BMUF_PERIOD, DGC_RATIO, DG
                                                       PEERS, TEXT_BYTES)  # fmt: skip
 from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import check_rows, markdown_table, network_lines, run_lines, write_json
+from lightning_pdist.bench.report import (check_rows, documented_run, markdown_table, network_lines, run_lines,
+                                          write_json)  # fmt: skip
 
 SUITE = "compression"
 NETWORKS = ("loopback", "emulated")
@@ -546,3 +547,5 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
 
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="compression.json and compression.png",
                either={"networks": NETWORKS})  # fmt: skip
+
+run = documented_run(SUITE, run_suite, docs_section)

@@ -43,7 +43,7 @@ from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.diloco_curves import SMOOTH, add_reach, curve_fields, plot
 from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import check_rows, markdown_table, network_lines, run_lines
+from lightning_pdist.bench.report import check_rows, documented_run, markdown_table, network_lines, run_lines
 
 SUITE = "diloco"
 NETWORKS = ("loopback", "emulated")
@@ -415,3 +415,5 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
 
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="diloco.json, diloco.png and docs_section.md",
                either={"networks": NETWORKS})  # fmt: skip
+
+run = documented_run(SUITE, run_suite, docs_section)

@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.netns import LOOPBACK, parse_rate
-from lightning_pdist.bench.report import markdown_table, network_lines, run_lines, pyplot, save_figure
+from lightning_pdist.bench.report import documented_run, markdown_table, network_lines, pyplot, run_lines, save_figure
 
 SUITE = "parameter_server"
 PARTS = ("easgd", "sandblaster", "parallax")
@@ -359,3 +359,5 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
 # -- command line -------------------------------------------------------------------------------
 
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="parameter_server.json and parameter_server.png")
+
+run = documented_run(SUITE, run_suite, docs_section)

@@ -56,7 +56,8 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import Launcher, SuiteRun
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, parse_rate
-from lightning_pdist.bench.report import check_rows, markdown_table, network_lines, run_lines, pyplot, save_figure
+from lightning_pdist.bench.report import (check_rows, documented_run, markdown_table, network_lines, pyplot, run_lines,
+                                          save_figure)  # fmt: skip
 
 SUITE = "pipeline"
 PARTS = ("throughput", "bubble", "stash", "convergence", "bert")
@@ -809,3 +810,5 @@ def _point(text: Any) -> tuple[int, int]:
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="pipeline.json, pipeline.png and docs_section.md",
                either={"networks": NETWORKS},
                parsers={"bubble_points": _point})  # fmt: skip
+
+run = documented_run(SUITE, run_suite, docs_section)

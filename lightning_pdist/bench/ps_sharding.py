@@ -45,7 +45,8 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import Launcher, emulated_network
 from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import finish_suite, markdown_table, new_document, run_lines, pyplot, save_figure
+from lightning_pdist.bench.report import (documented_run, finish_suite, markdown_table, new_document, pyplot, run_lines,
+                                          save_figure)  # fmt: skip
 
 SUITE = "ps_sharding"
 PARTS = ("sharding", "straggler")
@@ -401,3 +402,5 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
 # -- command line -------------------------------------------------------------------------------
 
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="ps_sharding.json and ps_sharding.png")
+
+run = documented_run(SUITE, run_suite, docs_section)

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import markdown_table, network_lines, pyplot, run_lines, save_figure
+from lightning_pdist.bench.report import documented_run, markdown_table, network_lines, pyplot, run_lines, save_figure
 from lightning_pdist.bench.sign_repro import BATCH_MODES, DATASETS
 from lightning_pdist.bench.sign_worker import HOOKS
 
@@ -360,3 +360,5 @@ def _datasets(kwargs: dict[str, Any], given: set[str]) -> dict[str, Any]:
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="sign.json and sign.png",
                either={"networks": NETWORKS},
                derive=_datasets)  # fmt: skip
+
+run = documented_run(SUITE, run_suite, docs_section)

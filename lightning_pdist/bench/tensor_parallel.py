@@ -53,7 +53,8 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, parse_rate
-from lightning_pdist.bench.report import check_rows, markdown_table, network_lines, run_lines, save_figure
+from lightning_pdist.bench.report import (check_rows, documented_run, markdown_table, network_lines, run_lines,
+                                          save_figure)  # fmt: skip
 
 SUITE = "tensor_parallel"
 MODELS = ("bert", "albert", "vgg")
@@ -672,3 +673,5 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
 
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="tensor_parallel.json, tensor_parallel.png and docs_section.md",
                either={"networks": NETWORKS})  # fmt: skip
+
+run = documented_run(SUITE, run_suite, docs_section)
