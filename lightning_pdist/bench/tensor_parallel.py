@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
-from lightning_pdist.bench.launch import SuiteRun
+from lightning_pdist.bench.launch import Launcher, SuiteRun
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, parse_rate
 from lightning_pdist.bench.report import (check_rows, documented_run, markdown_table, network_lines, run_lines,
                                           save_figure)  # fmt: skip
@@ -266,11 +266,12 @@ def step_bytes(run: dict[str, Any], facts: dict[str, Any]) -> Any:
 class Runner:
     """Runs the plan on one network after the other; one launch per run, its ranks' results turned into a row."""
 
-    def __init__(self, config: SuiteConfig, run: SuiteRun, facts: dict[str, dict[str, Any]]):
+    def __init__(self, config: SuiteConfig, scratch: Path, facts: dict[str, dict[str, Any]], log: Callable[[str], None]):
         from lightning_pdist.data.imdb_synthetic import write_imdb_like
 
-        self.config, self.facts, self.log, self.launcher = config, facts, run.log, run.launcher
-        self.data_dir = write_imdb_like(run.scratch / "imdb", config.reviews_per_class, config.seed)
+        self.config, self.facts, self.log = config, facts, log
+        self.data_dir = write_imdb_like(scratch / "imdb", config.reviews_per_class, config.seed)
+        self.launcher = Launcher(SUITE, scratch, config.timeout, port=29800)
 
     def launch(self, run: dict[str, Any], network: str, net: EmulatedNetwork | None) -> dict[str, Any]:
         """One row: ``run`` on ``network`` (``net`` for emulated links), or its error."""
@@ -523,8 +524,8 @@ def paper_scale() -> dict[str, Any]:
 def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the plan on every requested network; write ``out/tensor_parallel.{json,png}``; return the document."""
     facts, runs = model_facts(config), plan_runs(config)
-    with SuiteRun(SUITE, config, out, command, log, port=29800) as run:
-        doc, runner = run.doc, Runner(config, run, facts)
+    with SuiteRun(SUITE, config, out, command, log) as run:
+        doc, runner = run.doc, Runner(config, run.scratch, facts, log)
         doc["models"] = facts
         for name, net, _ in run.networks(config.networks, config.rates, max(r["world_size"] for r in runs), loopback=LOOPBACK.describe()):
             doc["rows"] += runner.launch_all(runs, name, net)
