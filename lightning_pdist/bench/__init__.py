@@ -4,12 +4,14 @@
 line is the description ``--help`` lists), a frozen ``SuiteConfig`` dataclass whose fields are its options (each
 field's docstring is its help; ``__post_init__`` checks the rules through :class:`~lightning_pdist.bench.cli.SuiteRules`
 and names the option, the value and the rule), ``CLI`` (:class:`~lightning_pdist.bench.cli.SuiteCli`: the
-``--quick`` and full plans) and ``run(config, out, argv) -> int``; ``argv`` is what the user typed after the
-suite's name, recorded in the JSON as the command. Keep a suite module's heavy imports (torch, Lightning) inside
+``--quick`` and full plans) and ``run(config, out, argv) -> int`` (most suites: ``documented_run`` of their
+``run_suite`` and ``docs_section``, :mod:`~lightning_pdist.bench.report`); ``argv`` is what the user typed after
+the suite's name, recorded in the JSON as the command. Keep a suite module's heavy imports (torch, Lightning) inside
 its functions: ``--help`` imports every suite module.
 
-The harness is shared: :mod:`~lightning_pdist.bench.launch` (one :class:`~lightning_pdist.bench.launch.Launcher`
-for loopback and emulated links, :func:`~lightning_pdist.bench.launch.emulated_network`, ``WorkerSpec`` and
+The harness is shared: :mod:`~lightning_pdist.bench.launch` (:class:`~lightning_pdist.bench.launch.SuiteRun`, the
+skeleton of every ``run_suite``; one :class:`~lightning_pdist.bench.launch.Launcher` for loopback and emulated links,
+whose ``run_each`` runs several specs in one launch, :func:`~lightning_pdist.bench.launch.emulated_network`, ``WorkerSpec`` and
 ``worker_main`` for the worker modules), :mod:`~lightning_pdist.bench.netns` (emulated networks and the one
 launcher, ``launch_ranks``), :mod:`~lightning_pdist.bench.cli` (the command line) and
 :mod:`~lightning_pdist.bench.report` (JSON, tables, docs sections). The harness is a guest: it may import any

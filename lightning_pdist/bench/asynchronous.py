@@ -21,19 +21,17 @@ issue 22's goals on the rows, ``doc["not_run"]`` says what the issue names that 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from lightning_pdist.bench.asynchronous_worker import METHODS
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
-from lightning_pdist.bench.launch import Launcher, emulated_network
-from lightning_pdist.bench.netns import LOOPBACK, parse_rate
-from lightning_pdist.bench.report import (check_rows, finish_suite, goal_lines, markdown_table, network_lines,
-                                          new_document, output_dir, run_documented_suite, run_lines)  # fmt: skip
+from lightning_pdist.bench.launch import SuiteRun
+from lightning_pdist.bench.netns import parse_rate
+from lightning_pdist.bench.report import (check_rows, documented_run, goal_lines, markdown_table, network_lines,
+                                          run_lines)  # fmt: skip
 
 SUITE = "asynchronous"
 WORKER = "lightning_pdist.bench.asynchronous_worker"
@@ -216,18 +214,13 @@ def not_run(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every launch of :func:`plan`; write ``out/asynchronous.{json,png}``; return the document."""
-    out = output_dir(SUITE, out)
-    doc = new_document(SUITE, command, asdict(config))
-    started = time.perf_counter()
-    doc["networks"]["loopback"] = {"detail": "loopback: " + LOOPBACK.describe()}
-    with Launcher.temporary(SUITE, config.timeout) as launcher, ExitStack() as stack:
-        net = None
-        if "network" in config.parts:
-            net = stack.enter_context(emulated_network(SUITE, doc, config.rate, config.world_size, config.rate, log))
+    with SuiteRun(SUITE, config, out, command, log) as run:
+        doc, loopback = run.doc, run.loopback()
+        net = run.emulated(config.rate, config.world_size, config.rate) if "network" in config.parts else None
         for part, spec in plan(config):
             if part == "network" and net is None:
                 continue
-            got = launcher.run(WORKER, spec, spec["world_size"], net if part == "network" else LOOPBACK, errors=400)
+            got = run.launcher.run(WORKER, spec, spec["world_size"], net if part == "network" else loopback, errors=400)
             for row in build_rows(part, spec, got):
                 doc["rows"].append(row)
                 log(f"{part} {row['method']} n={row['world_size']} straggler={row['straggler']}: " + (row["error"] or
@@ -236,7 +229,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
     compare(doc["rows"])
     doc["goals"] = goals(doc["rows"], config.slowdown)
     doc["not_run"] = not_run(doc["rows"])
-    return finish_suite(doc, out, SUITE, started, plot)
+    return run.finish(plot)
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -304,12 +297,9 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Rank 0's accuracy against training time, without (dashed) and with (solid) the straggler; samples/s of the
     shared-memory runs."""
-    import matplotlib
+    from lightning_pdist.bench.report import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from lightning_pdist.bench.report import save_figure
+    plt = pyplot()
 
     ok = [r for r in doc["rows"] if not r["error"]]
     fig, (ax_acc, ax_rate) = plt.subplots(1, 2, figsize=(13, 5))
@@ -336,6 +326,4 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="asynchronous.json, asynchronous.png and docs_section.md",
                either={"parts": PARTS})  # fmt: skip
 
-
-def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
-    return run_documented_suite(SUITE, config, out, argv, run_suite, docs_section)
+run = documented_run(SUITE, run_suite, docs_section)

@@ -38,22 +38,19 @@ DDP step and the algorithms' savings show in wall time, while the run still take
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from lightning_pdist.bench import overhead as overhead_bench
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
-from lightning_pdist.bench.launch import Launched, Launcher, emulated_network
-from lightning_pdist.bench.netns import LOOPBACK, parse_rate
-from lightning_pdist.bench.report import (check_rows, command_line, markdown_table, network_lines, new_document,
-                                          output_dir, save_figure, write_json)
+from lightning_pdist.bench.launch import Launched, Launcher, SuiteRun
+from lightning_pdist.bench.netns import parse_rate
+from lightning_pdist.bench.report import (check_rows, command_line, markdown_table, network_lines, pyplot, save_figure,
+                                          write_json)  # fmt: skip
 from lightning_pdist.bench.worker import PERIODIC, STRATEGIES
 
 SUITE = "averaging"
@@ -346,35 +343,14 @@ def _describe(row: dict[str, Any]) -> str:
     )
 
 
-class _Networks:
-    """The networks of one suite run, each able to launch a spec's ranks; the emulated one is built once."""
-
-    def __init__(self, config: SuiteConfig, doc: dict[str, Any], scratch: Path, log: Callable[[str], None]) -> None:
-        self.config, self.doc = config, doc
-        self.launcher = Launcher(SUITE, scratch, config.timeout)
-        self.nets: dict[str, Any] = {}
-        self._stack = ExitStack()
-        if "loopback" in config.networks:
-            doc["networks"]["loopback"] = {"detail": "loopback: " + LOOPBACK.describe()}
-            self.nets["loopback"] = LOOPBACK
-        if "emulated" in config.networks:
-            net = self._stack.enter_context(emulated_network(SUITE, doc, "emulated", max(config.world_sizes), config.rate, log))
-            if net is not None:
-                self.nets["emulated"] = net
-        self.names = list(self.nets)
-
-    def close(self) -> None:
-        self._stack.close()
-
-    def run(self, network: str, spec: dict[str, Any]) -> dict[str, Any]:
-        """Launch ``spec`` on ``network``; return its row."""
-        net, ws = self.nets[network], spec["world_size"]
-        emulated = network == "emulated"
-        got = self.launcher.run("lightning_pdist.bench.worker", spec, ws, net, kernel_hosts=ws if emulated else 0)
-        detail = self.doc["networks"][network]["detail"]
-        if not emulated:
-            return build_row(spec, got.results, network, detail, got)
-        return build_row(spec, got.results, network, detail, got, rate=self.config.rate, kernel_tx=[tx for _, tx in got.kernel])
+def launch(run: SuiteRun, network: str, net: Any, spec: dict[str, Any], rate: str) -> dict[str, Any]:
+    """Launch ``spec`` on ``network`` (``net``); return its row."""
+    ws, emulated = spec["world_size"], network == "emulated"
+    got = run.launcher.run("lightning_pdist.bench.worker", spec, ws, net, kernel_hosts=ws if emulated else 0)
+    detail = run.doc["networks"][network]["detail"]
+    if not emulated:
+        return build_row(spec, got.results, network, detail, got)
+    return build_row(spec, got.results, network, detail, got, rate=rate, kernel_tx=[tx for _, tx in got.kernel])
 
 
 def result_name(config: SuiteConfig) -> str:
@@ -434,39 +410,33 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
     machine's background load between runs affects both networks' figures alike; with
     ``repeats > 1`` each row keeps the fastest run (:func:`merge_repeats`).
     """
-    out = output_dir(SUITE, out)
-    doc = new_document(SUITE, command, asdict(config))
-    t_suite = time.perf_counter()
-    scratch = Path(tempfile.mkdtemp(prefix="pdist-bench-"))
-    if config.overhead != "no":
-        try:
-            doc["overhead"] = run_overhead(config, scratch / "overhead", log)
-        except BaseException:
-            shutil.rmtree(scratch, ignore_errors=True)
-            raise
     only = config.overhead == "only"
-    networks = _Networks(replace(config, networks=("loopback",)) if only else config, doc, scratch, log)
-    try:
+    with SuiteRun(SUITE, config, out, command, log) as run:
+        doc, nets = run.doc, {}
+        if config.overhead != "no":
+            doc["overhead"] = run_overhead(config, run.scratch / "overhead", log)
+        if "loopback" in config.networks or only:
+            nets["loopback"] = run.loopback()
+        if "emulated" in config.networks and not only:  # built once, for the largest world size
+            if (net := run.emulated("emulated", max(config.world_sizes), config.rate)) is not None:
+                nets["emulated"] = net
         specs = plan_runs(config) if not only else []
-        total, done = len(specs) * len(networks.names) * config.repeats, 0
+        total, done = len(specs) * len(nets) * config.repeats, 0
         for spec in specs:
-            for network in networks.names:
+            for network, net in nets.items():
                 repeats = []
                 for _ in range(config.repeats):
                     done += 1
-                    repeats.append(networks.run(network, spec))
+                    repeats.append(launch(run, network, net, spec, config.rate))
                     log(f"[{done}/{total}] {_describe(repeats[-1])}")
                 doc["rows"].append(merge_repeats(repeats))
-    finally:
-        networks.close()
-        shutil.rmtree(scratch, ignore_errors=True)
     doc["rows"].sort(key=lambda r: NETWORKS.index(r["network"]))  # stable: plan order within a network
     doc["comm_check"] = comm_check(doc["rows"])
-    doc["suite_wall_s"] = round(time.perf_counter() - t_suite, 1)
+    doc["suite_wall_s"] = round(time.perf_counter() - run.started, 1)
     check_rows(doc["rows"], ROW_KEYS, "averaging")
-    write_json(doc, out / result_name(config))
+    write_json(doc, run.out / result_name(config))
     if doc["rows"]:
-        plot(doc["rows"], out / f"{SUITE}.png", title=_plot_title(doc))
+        plot(doc["rows"], run.out / f"{SUITE}.png", title=_plot_title(doc))
     return doc
 
 
@@ -646,10 +616,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "averagi
     if not rows:
         raise ValueError("averaging.plot(rows=[]): there is nothing to plot; rows must hold at least one run")
     check_rows(rows, ROW_KEYS, "averaging.plot")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     labels = list(dict.fromkeys(run_label(r) for r in rows))
     networks = list(dict.fromkeys(r["network"] for r in rows))

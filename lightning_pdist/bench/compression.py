@@ -37,23 +37,20 @@ Per row:
 from __future__ import annotations
 
 import math
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.compression_worker import (BMUF_PERIOD, DGC_RATIO, DGC_WARMUP_STAGES, LM_CLIP, METHODS, MODELS,
                                                       PEERS, TEXT_BYTES)  # fmt: skip
-from lightning_pdist.bench.launch import Launcher, emulated_network
-from lightning_pdist.bench.netns import LOOPBACK, parse_rate
-from lightning_pdist.bench.report import (check_rows, finish_suite, markdown_table, network_lines, new_document,
-                                          output_dir, run_documented_suite, run_lines, write_json)  # fmt: skip
+from lightning_pdist.bench.launch import SuiteRun
+from lightning_pdist.bench.netns import parse_rate
+from lightning_pdist.bench.report import (check_rows, documented_run, markdown_table, network_lines, run_lines,
+                                          write_json)  # fmt: skip
 
 SUITE = "compression"
 NETWORKS = ("loopback", "emulated")
@@ -389,52 +386,37 @@ def goals(rows: Sequence[dict[str, Any]], slow: str | None) -> list[dict[str, An
 def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every model at every world size on every network (one launch each; a failed launch becomes a line of
     ``doc["not_run"]``); write ``out/compression.{json,png}`` (the JSON also after each launch, as far as it got)."""
-    out = output_dir(SUITE, out)
-    doc = new_document(SUITE, command, asdict(config))
-    started = time.perf_counter()
-    scratch = Path(tempfile.mkdtemp(prefix="pdist-bench-"))
-    launcher = Launcher(SUITE, scratch, config.timeout)
     slow, failed, last = None, [], {}
-    networks = (["loopback"] if "loopback" in config.networks else []) + (
-        list(config.rates) if "emulated" in config.networks else [])  # fmt: skip
-    try:
-        for name in networks:
-            with ExitStack() as stack:
-                if name == "loopback":
-                    doc["networks"]["loopback"] = {"detail": "loopback: " + LOOPBACK.describe()}
-                    net: Any = LOOPBACK
-                else:  # one emulated network at a time, built for the largest world size
-                    net = stack.enter_context(emulated_network(SUITE, doc, name, max(config.world_sizes), name, log))
-                    if net is None:
-                        continue
-                    slow = name if parse_rate(name) == parse_rate("100mbit") else slow
-                for ws, model in [(ws, model) for ws in config.world_sizes for model in config.models]:
-                    spent = time.perf_counter() - started
-                    if config.budget and spent + last.get(model, 0.0) > config.budget:
-                        failed.append(f"{model} on {name}, {ws} ranks: skipped, the suite had run {spent:.0f} s and its last "
-                                      f"{model} launch took {last[model]:.0f} s (--budget {config.budget:.0f} s)")  # fmt: skip
-                        log(failed[-1])
-                        continue
-                    spec = worker_spec(config, ws, model)
-                    got = launcher.run("lightning_pdist.bench.compression_worker", spec, ws, net, errors=400)
-                    last[model] = got.wall_s
-                    if got.error:
-                        failed.append(f"{model} on {name}, {ws} ranks: the launch failed after {got.wall_s:.0f} s: {got.error}")
-                        log(failed[-1])
-                        continue
-                    rows = compare(build_rows(got.results, name, doc["networks"][name]["detail"]))
-                    for row in rows:
-                        row["other_load_cores"] = got.other_load_cores
-                        log(f"{model} {name} n={ws} {row['method']}: {row['bytes_per_step']:.0f} B/step, "
-                            f"{row['ms_per_step']:.1f} ms/step, val_acc {row['val_acc']:.4f}, val_loss {row['val_loss']}")
-                    doc["rows"] += rows
-                    write_json(doc, out / f"{SUITE}.json")
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    with SuiteRun(SUITE, config, out, command, log) as run:
+        doc = run.doc
+        # one emulated network at a time, built for the largest world size
+        for name, net, rate in run.networks(config.networks, config.rates, max(config.world_sizes), key="{rate}"):
+            slow = rate if rate and parse_rate(rate) == parse_rate("100mbit") else slow
+            for ws, model in [(ws, model) for ws in config.world_sizes for model in config.models]:
+                spent = time.perf_counter() - run.started
+                if config.budget and spent + last.get(model, 0.0) > config.budget:
+                    failed.append(f"{model} on {name}, {ws} ranks: skipped, the suite had run {spent:.0f} s and its last "
+                                  f"{model} launch took {last[model]:.0f} s (--budget {config.budget:.0f} s)")  # fmt: skip
+                    log(failed[-1])
+                    continue
+                spec = worker_spec(config, ws, model)
+                got = run.launcher.run("lightning_pdist.bench.compression_worker", spec, ws, net, errors=400)
+                last[model] = got.wall_s
+                if got.error:
+                    failed.append(f"{model} on {name}, {ws} ranks: the launch failed after {got.wall_s:.0f} s: {got.error}")
+                    log(failed[-1])
+                    continue
+                rows = compare(build_rows(got.results, name, doc["networks"][name]["detail"]))
+                for row in rows:
+                    row["other_load_cores"] = got.other_load_cores
+                    log(f"{model} {name} n={ws} {row['method']}: {row['bytes_per_step']:.0f} B/step, "
+                        f"{row['ms_per_step']:.1f} ms/step, val_acc {row['val_acc']:.4f}, val_loss {row['val_loss']}")
+                doc["rows"] += rows
+                write_json(doc, run.out / f"{SUITE}.json")
     check_rows(doc["rows"], ROW_KEYS, SUITE)
     doc["goals"] = goals(doc["rows"], slow)
     doc["not_run"] = [*failed, onebit_adam_status()]
-    return finish_suite(doc, out, SUITE, started, plot)
+    return run.finish(plot)
 
 
 def onebit_adam_status() -> str:
@@ -522,12 +504,9 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Per model (one row of panels each): its target (CNN: val_acc, LM: val_loss) against training time on the
     slowest network (left); ms per step per method and network (right); at the smallest world size."""
-    import matplotlib
+    from lightning_pdist.bench.report import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from lightning_pdist.bench.report import save_figure
+    plt = pyplot()
 
     rows = doc["rows"]
     models = list(dict.fromkeys(r.get("model", "cnn") for r in rows)) or ["cnn"]
@@ -569,7 +548,4 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="compression.json and compression.png",
                either={"networks": NETWORKS})  # fmt: skip
 
-
-def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
-    """Run the suite (``argv`` is recorded as the command); write and print its docs section."""
-    return run_documented_suite(SUITE, config, out, argv, run_suite, docs_section)
+run = documented_run(SUITE, run_suite, docs_section)

@@ -34,21 +34,16 @@ world size, network or run; :func:`keep_rows`), so a short run can add rows to a
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.diloco_curves import SMOOTH, add_reach, curve_fields, plot
-from lightning_pdist.bench.launch import Launcher, emulated_network
-from lightning_pdist.bench.netns import LOOPBACK, parse_rate
-from lightning_pdist.bench.report import (check_rows, finish_suite, markdown_table, network_lines, new_document,
-                                          output_dir, run_documented_suite, run_lines)  # fmt: skip
+from lightning_pdist.bench.launch import SuiteRun
+from lightning_pdist.bench.netns import parse_rate
+from lightning_pdist.bench.report import check_rows, documented_run, markdown_table, network_lines, run_lines
 
 SUITE = "diloco"
 NETWORKS = ("loopback", "emulated")
@@ -329,35 +324,23 @@ def keep_rows(doc: dict[str, Any], old: dict[str, Any], config: SuiteConfig) -> 
 
 def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every planned spec on every requested network; write ``out/diloco.{json,png}``; return the document."""
-    out = output_dir(SUITE, out)
-    doc = new_document(SUITE, command, asdict(config))
-    started = time.perf_counter()
-    scratch = Path(tempfile.mkdtemp(prefix="pdist-bench-diloco-"))
-    launcher = Launcher(SUITE, scratch, config.timeout)
     specs = plan_runs(config)
-    try:
-        with ExitStack() as stack:
-            nets: dict[str, tuple[Any, str | None]] = {}
-            if "loopback" in config.networks:
-                doc["networks"]["loopback"] = {"detail": "loopback: " + LOOPBACK.describe()}
-                nets["loopback"] = (LOOPBACK, None)
-            if "emulated" in config.networks:
-                for rate in config.rates:  # one emulated network per rate, all up at once
-                    key = f"emulated {rate}"
-                    net = stack.enter_context(emulated_network(SUITE, doc, key, config.world_size, rate, log))
-                    if net is not None:
-                        nets[key] = (net, rate)
-            for i, spec in enumerate(specs):
-                for name, (net, rate) in nets.items():  # each spec on every network back to back
-                    got = launcher.run("lightning_pdist.bench.diloco_worker", spec, config.world_size, net, errors=400)
-                    row = build_row(spec, got, name, rate)
-                    doc["rows"].append(row)
-                    log(f"[{i + 1}/{len(specs)}] {name} {row['label']}: " + (row["error"] or
-                        f"{row['step_ms']} ms/step, val_loss {row['val_loss']}, {row['model_bytes_per_step']} B/step "
-                        f"model, logged {row['logged_bytes_per_step']}, kernel {row['kernel_bytes_per_step']}, "
-                        f"{row['process_wall_s']} s"))  # fmt: skip
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    with SuiteRun(SUITE, config, out, command, log) as run:
+        doc, nets = run.doc, {}
+        if "loopback" in config.networks:
+            nets["loopback"] = (run.loopback(), None)
+        for rate in config.rates if "emulated" in config.networks else ():  # one emulated network per rate, all up at once
+            if (net := run.emulated(f"emulated {rate}", config.world_size, rate)) is not None:
+                nets[f"emulated {rate}"] = (net, rate)
+        for i, spec in enumerate(specs):
+            for name, (net, rate) in nets.items():  # each spec on every network back to back
+                got = run.launcher.run("lightning_pdist.bench.diloco_worker", spec, config.world_size, net, errors=400)
+                row = build_row(spec, got, name, rate)
+                doc["rows"].append(row)
+                log(f"[{i + 1}/{len(specs)}] {name} {row['label']}: " + (row["error"] or
+                    f"{row['step_ms']} ms/step, val_loss {row['val_loss']}, {row['model_bytes_per_step']} B/step "
+                    f"model, logged {row['logged_bytes_per_step']}, kernel {row['kernel_bytes_per_step']}, "
+                    f"{row['process_wall_s']} s"))  # fmt: skip
     order = list(nets)
     doc["rows"].sort(key=lambda r: order.index(r["network"]) if r["network"] in order else len(order))
     check_rows(doc["rows"], ROW_KEYS, SUITE)
@@ -365,7 +348,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
     if config.keep_from is not None:
         keep_rows(doc, json.loads(Path(config.keep_from).read_text()), config)
     doc["goals"] = goals(doc["rows"])
-    return finish_suite(doc, out, SUITE, started, plot)
+    return run.finish(plot)
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -433,6 +416,4 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="diloco.json, diloco.png and docs_section.md",
                either={"networks": NETWORKS})  # fmt: skip
 
-
-def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
-    return run_documented_suite(SUITE, config, out, argv, run_suite, docs_section)
+run = documented_run(SUITE, run_suite, docs_section)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_pdist.bench.report import save_figure
+from lightning_pdist.bench.report import pyplot, save_figure
 
 SMOOTH = 20
 POINTS = 60
@@ -85,10 +85,7 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
     rows = [r for r in doc["rows"] if not r.get("error") and r.get("curve")]
     if not rows:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     networks = list(dict.fromkeys(r["network"] for r in rows))
     sizes = sorted({r["world_size"] for r in rows})

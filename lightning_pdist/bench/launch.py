@@ -19,15 +19,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, LaunchError, Loopback, launch_ranks, measure_link_rate
-from lightning_pdist.bench.report import check_spec_keys
+from lightning_pdist.bench.report import check_spec_keys, finish_suite, new_document, output_dir
 
-__all__ = ["Launched", "Launcher", "WorkerSpec", "busy_cpu_s", "emulated_network", "free_port", "own_cpu_s", "read_results",
+__all__ = ["Launched", "Launcher", "SuiteRun", "WorkerSpec", "busy_cpu_s", "emulated_network", "free_port", "free_ports", "own_cpu_s", "read_results",
            "worker_env", "worker_main"]  # fmt: skip
 
 LINK_PROBE_BYTES = 4 << 20
@@ -96,31 +96,63 @@ class Launcher:
         ``errors``: when > 0, a failed launch (or a missing result file) gives ``Launched.error``, its first and
         last lines cut to that many characters, instead of raising.
         """
+        (got,) = self._launch(module, [spec], world_size, net, files, extra_argv, env, kernel_hosts, errors, batch=False)
+        return got
+
+    def run_each(self, module: str, specs: Sequence[dict[str, Any]], world_size: int, net: EmulatedNetwork | Loopback = LOOPBACK,
+                 *, env: dict[str, str] | None = None, errors: int = 0) -> list[Launched]:  # fmt: skip
+        """Like :meth:`run` for each of ``specs`` in turn, but in one launch: the same ``world_size`` processes run
+        every spec (each on its own rendezvous port), so each process imports torch (and Lightning) once.
+
+        Every :class:`Launched` carries the launch's wall and CPU times; where the launch failed, the specs whose
+        results are missing carry its error (``errors`` > 0) and those already done their results.
+        """
+        return self._launch(module, list(specs), world_size, net, None, (), env, 0, errors, batch=True) if specs else []
+
+    def _launch(self, module: str, specs: list[dict[str, Any]], world_size: int, net: EmulatedNetwork | Loopback,
+                files: Sequence[tuple[str, int]] | None, extra_argv: Sequence[str], env: dict[str, str] | None,
+                kernel_hosts: int, errors: int, batch: bool) -> list[Launched]:  # fmt: skip
         self.count += 1
-        self.port += 1
         out = self.scratch / f"run{self.count}"
-        argv = [sys.executable, "-m", module, "--spec", json.dumps(spec), "--out-dir", str(out), *extra_argv]
         emulated = isinstance(net, EmulatedNetwork)
+        ports = list(range(self.port + 1, self.port + 1 + len(specs))) if emulated else free_ports(len(specs))
+        self.port += len(specs)
+        spec_arg = json.dumps(specs if batch else specs[0])
+        ports_arg = ["--ports", ",".join(map(str, ports))] if batch else []
+        argv = [sys.executable, "-m", module, "--spec", spec_arg, "--out-dir", str(out), *ports_arg, *extra_argv]
         counters = lambda: [(net.rx_bytes(i), net.tx_bytes(i)) for i in range(kernel_hosts if emulated else 0)]  # noqa: E731
         before = counters()
         busy0, ours0, t0 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
-        results, error = [], None
+        error = None
         try:
-            port = self.port if emulated else free_port()
-            launch_ranks(net, argv, world_size, port, env={**self.env, **(env or {})}, timeout=self.timeout)
-            results = [r for prefix, count in files or [("rank", world_size)]
-                       for r in read_results(out, prefix, count, self.suite)]  # fmt: skip
+            launch_ranks(net, argv, world_size, ports[0], env={**self.env, **(env or {})}, timeout=self.timeout)
         except (LaunchError, RuntimeError) as err:  # the launcher already stopped the other ranks
             if not errors:
                 raise
-            lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-            error = " | ".join(dict.fromkeys([lines[0], lines[-1]]))[:errors]
+            error = _cut(err, errors)
         wall, ours, busy1 = time.perf_counter() - t0, own_cpu_s() - ours0, busy_cpu_s()
         # Read after the ranks exited: tbf queues may still hold bytes while they run.
         kernel = [(rx - b[0], tx - b[1]) for (rx, tx), b in zip(counters(), before)] if before else None
         # Other sessions share this machine's cores; their CPU time during the run says how far to trust wall times.
         other = None if busy0 is None or busy1 is None else max(0.0, busy1 - busy0 - ours)
-        return Launched(results, wall, ours, other, kernel, error)
+        launched = []
+        for i in range(len(specs)):
+            results, failed = [], None if batch else error  # a spec of a batch that wrote its results is done
+            try:
+                results = [r for prefix, count in files or [("rank", world_size)]
+                           for r in read_results(out / str(i) if batch else out, prefix, count, self.suite)]  # fmt: skip
+            except RuntimeError as err:
+                if not errors:
+                    raise
+                failed = error or _cut(err, errors)
+            launched.append(Launched(results if failed is None else [], wall, ours, other, kernel, failed))
+        return launched
+
+
+def _cut(err: Exception, limit: int) -> str:
+    """The first and last non-empty lines of ``err``, cut to ``limit`` characters."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return " | ".join(dict.fromkeys([lines[0], lines[-1]]))[:limit]
 
 
 @contextmanager
@@ -140,6 +172,55 @@ def emulated_network(suite: str, doc: dict[str, Any], key: str, num_hosts: int, 
                                 "measured_tcp_goodput_bytes_per_s": round(goodput)}  # fmt: skip
         log(f"{suite}: {net.describe()}; TCP goodput host 0 -> 1: {goodput * 8 / 1e6:.1f} Mbit/s")
         yield net
+
+
+class SuiteRun:
+    """One run of a suite, the skeleton every ``run_suite`` shares: ``out`` (the folder, created), ``doc`` (the JSON
+    document, :func:`~lightning_pdist.bench.report.new_document`), a :class:`Launcher` on a scratch folder, and the
+    networks it builds; leaving the ``with`` block closes the networks and removes the scratch folder, and
+    :meth:`finish` stamps the wall time and writes the JSON and the plot.
+    """
+
+    def __init__(self, suite: str, config: Any, out: Path, command: str, log: Callable[[str], None] = print,
+                 port: int = 29500) -> None:  # fmt: skip
+        self.suite, self.log, self.started = suite, log, time.perf_counter()
+        self.out, self.doc = output_dir(suite, out), new_document(suite, command, asdict(config))
+        self.scratch = Path(tempfile.mkdtemp(prefix=f"pdist-bench-{suite}-"))
+        self.launcher = Launcher(suite, self.scratch, config.timeout, port=port)
+        self.stack = ExitStack()
+        self.stack.callback(shutil.rmtree, self.scratch, ignore_errors=True)
+
+    def __enter__(self) -> SuiteRun:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stack.close()
+
+    def loopback(self, detail: str | None = None) -> Loopback:
+        """:data:`LOOPBACK`, recorded as ``doc["networks"]["loopback"]`` (``detail``: default ``"loopback: ..."``)."""
+        self.doc["networks"]["loopback"] = {"detail": detail or "loopback: " + LOOPBACK.describe()}
+        return LOOPBACK
+
+    def emulated(self, key: str, num_hosts: int, rate: str) -> EmulatedNetwork | None:
+        """:func:`emulated_network` ``key``, up until the run ends; ``None`` where it cannot be built here."""
+        return self.stack.enter_context(emulated_network(self.suite, self.doc, key, num_hosts, rate, self.log))
+
+    def networks(self, names: Sequence[str], rates: Sequence[str], num_hosts: int, key: str = "emulated {rate}",
+                 loopback: str | None = None) -> Iterator[tuple[str, EmulatedNetwork | Loopback, str | None]]:  # fmt: skip
+        """``(name, net, rate)``: loopback if ``names`` holds it, then (if it holds ``"emulated"``) one emulated
+        network per rate, named ``key``, each built when reached and closed before the next (skipped where it cannot
+        be built here)."""
+        if "loopback" in names:
+            yield "loopback", self.loopback(loopback), None
+        for rate in rates if "emulated" in names else ():
+            name = key.format(rate=rate)
+            with emulated_network(self.suite, self.doc, name, num_hosts, rate, self.log) as net:
+                if net is not None:
+                    yield name, net, rate
+
+    def finish(self, plot: Callable[[dict, Path], Any]) -> dict[str, Any]:
+        """:func:`~lightning_pdist.bench.report.finish_suite`: the wall time, ``<suite>.json`` and ``<suite>.png``."""
+        return finish_suite(self.doc, self.out, self.suite, self.started, plot)
 
 
 class WorkerSpec:
@@ -186,35 +267,66 @@ def worker_main(module: str, doc: str | None, check: Callable[[dict[str, Any]], 
 
     ``check`` validates the spec (``ValueError`` names the bad key); ``run(spec, out_dir)`` (``run(spec, hosts,
     out_dir)`` with ``hosts``) is one process of the launch, and what it returns (unless ``None``) is written to
-    ``DIR/<prefix><RANK>.json``.
+    ``DIR/<prefix><RANK>.json``. With ``--ports P0,P1,...`` (:meth:`Launcher.run_each`) ``--spec`` is a list of
+    specs, run in turn: spec ``i`` with ``MASTER_PORT=Pi`` and this process's environment as it started (a fit
+    may drop variables), its result in ``DIR/<i>/``.
     """
     parser = argparse.ArgumentParser(prog=f"python -m {module}", description=(doc or module).splitlines()[0])
-    parser.add_argument("--spec", required=True, help="the run spec as a JSON object")
+    parser.add_argument("--spec", required=True, help="the run spec as a JSON object (with --ports, a list of them)")
     parser.add_argument("--out-dir", required=True, type=Path, help="where this process writes its result")
+    parser.add_argument("--ports", help="comma-separated rendezvous ports, one per spec of a --spec list")
     if hosts:
         parser.add_argument("--hosts", required=True, help="comma-separated addresses of hosts 0, 1, ...")
     args = parser.parse_args(argv)
     try:
-        spec = json.loads(args.spec)
+        specs = json.loads(args.spec)
     except json.JSONDecodeError as err:
         parser.error(f"--spec {args.spec!r}: must be a JSON object ({err})")
-    if not isinstance(spec, dict):
+    ports = None if args.ports is None else args.ports.split(",")
+    if ports is None and not isinstance(specs, dict):
         parser.error(f"--spec {args.spec!r}: must be a JSON object")
-    spec = check(spec)
-    result = run(spec, args.hosts.split(","), args.out_dir) if hosts else run(spec, args.out_dir)
-    if result is not None:
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        (args.out_dir / f"{prefix}{os.environ.get('RANK', '0')}.json").write_text(json.dumps(result))
+    if ports is not None and not (isinstance(specs, list) and len(specs) == len(ports) and all(isinstance(s, dict) for s in specs)):
+        parser.error(f"--spec {args.spec!r}: with --ports {args.ports!r} must be a list of JSON objects, one per port")
+    env = dict(os.environ)
+    for i, spec in enumerate([specs] if ports is None else specs):
+        out_dir = args.out_dir if ports is None else args.out_dir / str(i)
+        if ports is not None:
+            os.environ.clear()
+            os.environ.update(env, MASTER_PORT=ports[i])
+        spec = check(spec)
+        result = run(spec, args.hosts.split(","), out_dir) if hosts else run(spec, out_dir)
+        if ports is not None:
+            _close_group()
+        if result is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / f"{prefix}{env.get('RANK', '0')}.json").write_text(json.dumps(result))
     return 0
+
+
+def _close_group() -> None:
+    """Tear down a process group a run left up (Lightning's ``fit`` does), every rank done first: the next spec of
+    the launch starts its own, and gloo's threads left to interpreter shutdown can abort a finished process."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
-    import socket
+    return free_ports(1)[0]
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 right now (held together while they are picked)."""
+    import socket
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
 
 
 def worker_env() -> dict[str, str]:

@@ -26,19 +26,15 @@ strategies start their own servers, authenticated, server ``i`` on rank ``i``'s 
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
-from lightning_pdist.bench.launch import Launcher, emulated_network
+from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.netns import LOOPBACK, parse_rate
-from lightning_pdist.bench.report import (finish_suite, markdown_table, network_lines, new_document, output_dir,
-                                          run_documented_suite, run_lines, save_figure)  # fmt: skip
+from lightning_pdist.bench.report import documented_run, markdown_table, network_lines, pyplot, run_lines, save_figure
 
 SUITE = "parameter_server"
 PARTS = ("easgd", "sandblaster", "parallax")
@@ -240,40 +236,34 @@ def findings(rows: Sequence[dict[str, Any]], target_acc: float) -> list[str]:
 
 def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the parts of ``config``; write ``out/parameter_server.{json,png}``; return the document."""
-    out = output_dir(SUITE, out)
-    doc = new_document(SUITE, command, asdict(config))
-    started, scratch = time.perf_counter(), Path(tempfile.mkdtemp(prefix="pdist-psfam-"))
-    launcher = Launcher(SUITE, scratch, config.timeout)
+    run = SuiteRun(SUITE, config, out, command, log)
+    doc = run.doc
     chosen = lambda part: [m for m in PART_METHODS[part] if part in config.parts and m in config.methods]  # noqa: E731
 
     def launch(method: str, task: str, net: Any, network: str) -> None:
         spec = worker_spec(config, method, task)
-        got = launcher.run("lightning_pdist.bench.ps_family_worker", spec, spec["world_size"], net)
+        got = run.launcher.run("lightning_pdist.bench.ps_family_worker", spec, spec["world_size"], net)
         row = build_row(got.results, network, got.other_load_cores, config.target_acc)
         doc["rows"].append(row)
         log(f"[{row['part']}] {method} {task}: {row['ms_per_step']:.1f} ms/step, {row['bytes_per_step']:,.0f} B/step, "
             f"val_acc {row['val_acc']:.4f}, loss {row['train_loss']:.4f}, run {got.wall_s:.1f} s")  # fmt: skip
 
-    try:
+    with run:
         if {"easgd", "sandblaster"} & set(config.parts):
-            doc["networks"]["loopback"] = {"detail": "127.0.0.1, no shaping"}
+            run.loopback("127.0.0.1, no shaping")
         for method in chosen("easgd"):
             launch(method, "cnn", LOOPBACK, "loopback")
         for task in config.sandblaster_tasks if chosen("sandblaster") else ():
             for method in chosen("sandblaster"):
                 launch(method, task, LOOPBACK, "loopback")
-        if chosen("parallax"):
-            network = f"emulated {config.rate}"
-            with emulated_network(SUITE, doc, network, config.parallax_workers, config.rate, log) as net:
-                for method in chosen("parallax") if net is not None else ():
-                    launch(method, "text", net, network)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        for network, net, _ in run.networks(("emulated",) if chosen("parallax") else (), (config.rate,), config.parallax_workers):
+            for method in chosen("parallax"):
+                launch(method, "text", net, network)
     if config.keep_from:
         keep(doc, config)
     compare(doc["rows"])
     doc["goals"], doc["findings"] = goals(doc["rows"]), findings(doc["rows"], config.target_acc)
-    return finish_suite(doc, out, SUITE, started, plot)
+    return run.finish(plot)
 
 
 def keep(doc: dict[str, Any], config: SuiteConfig) -> None:
@@ -343,10 +333,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
 
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Accuracy against time with the straggler; training loss against steps; ms per step of the Parallax rows."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     for row in doc["rows"]:
@@ -373,7 +360,4 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
 
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="parameter_server.json and parameter_server.png")
 
-
-def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
-    """Run the suite (``argv`` is recorded as the command); write and print its docs section."""
-    return run_documented_suite(SUITE, config, out, argv, run_suite, docs_section)
+run = documented_run(SUITE, run_suite, docs_section)

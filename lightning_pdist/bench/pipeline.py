@@ -8,9 +8,9 @@
    batch and micro-batches, ``warmup_steps`` untimed, the median of ``steps`` timed steps (the slowest stage's).
    Ours (``gpipe``, ``1f1b``, ``pipedream``, ``2bw``) is driven at the executor level, as torch's schedules are:
    no Lightning on either side; one extra row (``ours+lightning``) runs ``Trainer(strategy=PipelineStrategy)``
-   to show Lightning's overhead. DeepSpeed runs in a launch of its own (its failure is recorded, never a
-   number); fairscale's ``Pipe`` is **one process** (K ``'cpu'`` devices, one thread); DDP holds the whole
-   model on every rank and splits the batch. With 4 stages, 4 processes share 2 cores (``oversubscribed``).
+   to show Lightning's overhead, in the engines' processes after them (one launch per stage count). DeepSpeed
+   runs in a launch of its own (its failure is recorded, never a number); fairscale's ``Pipe`` is **one process**
+   (K ``'cpu'`` devices, one thread); DDP holds the whole model on every rank and splits the batch. With 4 stages, 4 processes share 2 cores (``oversubscribed``).
    ``ratios``: ours 1F1B over torch's ``Schedule1F1B`` from the same launch.
 2. **bubble** (``bubble.rows``): mean over stages of (seconds blocked in ``recv``) / (step wall time), ours only,
    loopback, against ``(K-1)/(m+K-1)`` and :func:`~lightning_pdist.pipeline.schedule.validate`'s
@@ -21,13 +21,14 @@
    VmRSS before; glibc's mmap threshold is fixed so that freed tensors leave the RSS), against
    ``validate(...).stash_depth``. RSS growth also holds gradients and activations, so each variant is set
    against a baseline with the same update pattern and one version (2BW against 1F1B, PipeDream against
-   PipeDream without stashing): the difference is the stash.
+   PipeDream without stashing): the difference is the stash. The variants run in turn in one launch, each from
+   the resident memory the one before left (its tensors freed and unmapped).
 4. **convergence** (``convergence``): validation accuracy after every epoch against samples seen, through
    Lightning, per model: digits with ``ClassifierModule(model="cnn")``, and synthetic IMDB reviews with a small BERT
    cut by ``split_points`` (``"transformer"``). DDP (``PdistStrategy``: Lightning's DDP plus byte accounting, same
    global batch), ``gpipe``, ``pipedream`` with and without weight stashing, ``2bw``, and the delayed-gradient
    family: ``spectrain``, ``ddg``, ``features_replay`` and DNI (``synthetic_gradients=True``); every method the same
-   SGD (lr and momentum: SpecTrain predicts from the momentum) and epochs.
+   SGD (lr and momentum: SpecTrain predicts from the momentum) and epochs; every run in turn in one launch.
 5. **bytes** (``bytes.rows``): the convergence runs' training bytes per epoch (all ranks, from the ``CommMeter``;
    evaluation traffic apart) against survey 002's Table 1: pipelined SGD moves activations, ``O(N·T·M)``
    (2 directions × cuts × samples × activation bytes, plus a 128-byte header per message and one frame per shape change), data parallelism
@@ -36,7 +37,8 @@
 6. **bert** (``bert.rows``): samples/s of the BERT cut at one named block (``split_points``), ours (through
    Lightning: a module that is not one ``nn.Sequential`` pipelines only through the strategy) against torch's
    ``pipeline()`` traced at the same point (``ScheduleGPipe``/``Schedule1F1B`` at the executor level, as in part 1),
-   same batches and micro-batches, loopback. A cut torch cannot trace or run is recorded in ``not_run`` with its error.
+   same batches and micro-batches, loopback, both in one launch. A cut torch cannot trace or run is recorded in
+   ``not_run`` with its error.
 """
 
 from __future__ import annotations
@@ -44,20 +46,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
-from lightning_pdist.bench.launch import Launcher, emulated_network
+from lightning_pdist.bench.launch import Launcher, SuiteRun
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, parse_rate
-from lightning_pdist.bench.report import (check_rows, finish_suite, markdown_table, network_lines, new_document,
-                                          output_dir, run_documented_suite, run_lines, save_figure)
+from lightning_pdist.bench.report import (check_rows, documented_run, markdown_table, network_lines, pyplot, run_lines,
+                                          save_figure)  # fmt: skip
 
 SUITE = "pipeline"
 PARTS = ("throughput", "bubble", "stash", "convergence", "bert")
@@ -259,19 +259,26 @@ def ddp_bytes(steps: int, params: int, ranks: int) -> int:
 class Runner:
     """Launches worker runs on loopback or on one emulated network (``net``); says how busy the rest of the machine was."""
 
-    def __init__(self, config: SuiteConfig, scratch: Path, log: Callable[[str], None]) -> None:
-        self.config, self.log = config, log
-        self.launcher = Launcher(SUITE, scratch, config.timeout, port=29700)
+    def __init__(self, config: SuiteConfig, launcher: Launcher, log: Callable[[str], None]) -> None:
+        self.config, self.log, self.launcher = config, log, launcher
         self.net: EmulatedNetwork | None = None
 
     def launch(self, spec: dict[str, Any], processes: int, network: str, env: dict[str, str] | None = None) -> dict[str, Any]:
         """Run ``spec`` on ``processes`` ranks; their results, or ``{"error": ...}`` when a rank failed."""
+        return self.launch_each([spec], processes, network, env)[0]
+
+    def launch_each(self, specs: Sequence[dict[str, Any]], processes: int, network: str,
+                    env: dict[str, str] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+        """Run each of ``specs`` in turn on the same ``processes`` ranks (one launch); per spec, :meth:`launch`'s answer."""
         net = LOOPBACK if network == "loopback" else self.net
-        got = self.launcher.run("lightning_pdist.bench.pipeline_worker", spec, processes, net, env=env, errors=500)
-        if got.error is not None:  # the row says why; the launcher already stopped the other ranks
-            return {"error": got.error, "ranks": []}
-        error = next((r["error"] for r in got.results if "error" in r), None)
-        return {"error": error, "ranks": got.results, "wall_s": round(got.wall_s, 1), "other_load_cores": got.other_load_cores}
+        answers = []
+        for got in self.launcher.run_each("lightning_pdist.bench.pipeline_worker", specs, processes, net, env=env, errors=500):
+            if got.error is not None:  # the row says why; the launcher already stopped the other ranks
+                answers.append({"error": got.error, "ranks": []})
+                continue
+            error = next((r["error"] for r in got.results if "error" in r), None)
+            answers.append({"error": error, "ranks": got.results, "wall_s": round(got.wall_s, 1), "other_load_cores": got.other_load_cores})
+        return answers
 
 
 def throughput_rows(result: dict[str, Any], spec: dict[str, Any], processes: int, network: str, engine: str = "") -> list[dict[str, Any]]:
@@ -322,9 +329,12 @@ def run_throughput(runner: Runner, config: SuiteConfig, network: str) -> list[di
         if "lightning" in config.engines and network == config.networks[0] and k == config.stages[0]:
             launches.append(("ours+lightning", mlp_spec(config, "lightning", k, num_microbatches=config.num_microbatches,
                                                         schedule="1f1b"), k))  # fmt: skip
+        shared = [launch for launch in launches if launch[0] in ("", "ours+lightning")]  # one launch on the same k ranks
+        results = dict(zip([launch[0] for launch in shared], runner.launch_each([spec for _, spec, _ in shared], k, network)))
         for engine, spec, processes in launches:
             where = "single process" if processes == 1 else network
-            new = throughput_rows(runner.launch(spec, processes, "loopback" if processes == 1 else network), spec, processes, where, engine)
+            result = results[engine] if engine in results else runner.launch(spec, processes, "loopback" if processes == 1 else network)
+            new = throughput_rows(result, spec, processes, where, engine)
             rows += new
             for row in new:
                 what = row["error"] or f"{row['samples_per_s']:.0f} samples/s" + (
@@ -388,13 +398,15 @@ def run_stash(runner: Runner, config: SuiteConfig) -> list[dict[str, Any]]:
     m = max(4, max(config.stash_stages))
     for k in config.stash_stages:
         by_variant = {}
-        for variant in STASH_VARIANTS:
-            schedule = variant.split("_")[0]
-            spec = check_spec({"job": "stash", "num_stages": k, "seed": 0, "width": config.stash_width, "depth": 2 * k,
-                               "batch_size": 2 * m, "num_microbatches": m, "batches": 3, "lr": config.lr,
-                               "schedule": schedule, "weight_stashing": variant != "pipedream_nostash"})  # fmt: skip
-            # A fixed mmap threshold: every tensor of more than 64 KiB is its own mapping, unmapped when freed.
-            result = runner.launch(spec, k, "loopback", env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+        specs = [check_spec({"job": "stash", "num_stages": k, "seed": 0, "width": config.stash_width, "depth": 2 * k,
+                             "batch_size": 2 * m, "num_microbatches": m, "batches": 3, "lr": config.lr,
+                             "schedule": variant.split("_")[0], "weight_stashing": variant != "pipedream_nostash"})
+                 for variant in STASH_VARIANTS]  # fmt: skip
+        # One launch runs the variants in turn. A fixed mmap threshold: every tensor of more than 64 KiB is its own
+        # mapping, unmapped when freed (so a variant's peak does not reuse the memory of the one before).
+        results = runner.launch_each(specs, k, "loopback", env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+        for variant, spec, result in zip(STASH_VARIANTS, specs, results):
+            schedule = spec["schedule"]
             depth = validate(build_schedule(schedule, k, m, spec["batches"])).stash_depth
             by_variant[variant] = result["ranks"]
             for s, r in enumerate(result["ranks"]):
@@ -426,12 +438,13 @@ def run_convergence(runner: Runner, config: SuiteConfig) -> dict[str, Any]:
 
     curves, bytes_rows, runs = [], [], []
     k = config.converge_stages
-    for model, seed, method in ((mo, se, me) for mo in config.converge_models for se in config.seeds for me in config.methods):
-        spec = check_spec({"job": "converge", "num_stages": k, "seed": seed, "strategy": method.split("_nostash")[0],
-                           "weight_stashing": method != "pipedream_nostash", "num_microbatches": config.converge_microbatches,
-                           "batch_size": config.converge_batch_size,
-                           "lr": config.converge_lr if model == "cnn" else config.converge_lr_transformer, "momentum": config.converge_momentum, "epochs": config.epochs, "model": model})  # fmt: skip
-        result = runner.launch(spec, k, "loopback")
+    plan = [(mo, se, me) for mo in config.converge_models for se in config.seeds for me in config.methods]
+    specs = [check_spec({"job": "converge", "num_stages": k, "seed": seed, "strategy": method.split("_nostash")[0],
+                         "weight_stashing": method != "pipedream_nostash", "num_microbatches": config.converge_microbatches,
+                         "batch_size": config.converge_batch_size,
+                         "lr": config.converge_lr if model == "cnn" else config.converge_lr_transformer, "momentum": config.converge_momentum, "epochs": config.epochs, "model": model})
+             for model, seed, method in plan]  # fmt: skip
+    for (model, seed, method), spec, result in zip(plan, specs, runner.launch_each(specs, k, "loopback")):  # one launch
         if result["error"] is not None:
             runs.append({"model": model, "method": method, "seed": seed, "error": result["error"]})
             runner.log(f"[convergence] {model} {method} seed {seed}: {result['error']}")
@@ -494,30 +507,26 @@ def run_bert(runner: Runner, config: SuiteConfig) -> tuple[list[dict[str, Any]],
     from lightning_pdist.bench.pipeline_worker import BERT_SPLIT, TRANSFORMER, check_spec
 
     rows, not_run = [], []
-    for schedule in config.bert_schedules:
-        for engine in ("ours", "torch"):
-            spec = check_spec({"job": "bert", "num_stages": 2, "seed": 0, "batch_size": config.bert_batch_size,
-                               "num_microbatches": config.num_microbatches, "warmup_steps": config.warmup_steps,
-                               "steps": config.steps, "lr": config.lr, "engine": engine, "schedule": schedule})  # fmt: skip
-            result = runner.launch(spec, 2, "loopback")
-            for row in throughput_rows(result, {**spec, "width": TRANSFORMER["hidden_size"], "depth": TRANSFORMER["num_layers"]},
-                                       2, "loopback", "ours+lightning" if engine == "ours" else "torch"):  # fmt: skip
-                row.update(schedule=schedule, split_point=f"model.{BERT_SPLIT}" if engine == "ours" else BERT_SPLIT)
-                rows.append(row)
-                if row["error"]:
-                    not_run.append(f"bert {engine} {schedule}: {row['error']}")
-                runner.log(f"[bert] {row['engine']} {schedule}: {row['error'] or str(row['samples_per_s']) + ' samples/s'}")
+    plan = [(schedule, engine) for schedule in config.bert_schedules for engine in ("ours", "torch")]
+    specs = [check_spec({"job": "bert", "num_stages": 2, "seed": 0, "batch_size": config.bert_batch_size,
+                         "num_microbatches": config.num_microbatches, "warmup_steps": config.warmup_steps,
+                         "steps": config.steps, "lr": config.lr, "engine": engine, "schedule": schedule})
+             for schedule, engine in plan]  # fmt: skip
+    for (schedule, engine), spec, result in zip(plan, specs, runner.launch_each(specs, 2, "loopback")):  # one launch
+        for row in throughput_rows(result, {**spec, "width": TRANSFORMER["hidden_size"], "depth": TRANSFORMER["num_layers"]},
+                                   2, "loopback", "ours+lightning" if engine == "ours" else "torch"):  # fmt: skip
+            row.update(schedule=schedule, split_point=f"model.{BERT_SPLIT}" if engine == "ours" else BERT_SPLIT)
+            rows.append(row)
+            if row["error"]:
+                not_run.append(f"bert {engine} {schedule}: {row['error']}")
+            runner.log(f"[bert] {row['engine']} {schedule}: {row['error'] or str(row['samples_per_s']) + ' samples/s'}")
     return rows, not_run
 
 
 def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any] | None:
     """Run the requested parts; write ``out/pipeline.{json,png}``; return the document."""
-    out = output_dir(SUITE, out)
-    doc = new_document(SUITE, command, asdict(config))
-    t_suite = time.perf_counter()
-    scratch = Path(tempfile.mkdtemp(prefix="pdist-pipeline-"))
-    runner = Runner(config, scratch, log)
-    clock = time.perf_counter()
+    run = SuiteRun(SUITE, config, out, command, log, port=29700)
+    doc, runner, clock = run.doc, Runner(config, run.launcher, log), time.perf_counter()
 
     def lap(part: str) -> None:
         nonlocal clock
@@ -526,18 +535,14 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
 
     doc["part_wall_s"] = {}
     if "loopback" in config.networks or set(config.parts) - {"throughput"}:  # bubble, stash and convergence run on it
-        doc["networks"]["loopback"] = {"detail": LOOPBACK.describe()}
-    try:
+        run.loopback(LOOPBACK.describe())
+    with run:
         if "throughput" in config.parts:
             for network in config.networks:
                 if network == "loopback":
                     doc["rows"] += run_throughput(runner, config, "loopback")
                     continue
-                key = f"emulated {config.rate}"
-                with emulated_network(SUITE, doc, key, max(config.stages), config.rate, log) as net:
-                    if net is None:
-                        continue
-                    runner.net = net
+                for key, runner.net, _ in run.networks(("emulated",), (config.rate,), max(config.stages)):
                     rows = run_throughput(runner, config, key)
                     doc["rows"] += [{**r, "rate": config.rate} if r["network"] == key else r for r in rows]
             if any(r["network"] == "single process" for r in doc["rows"]):
@@ -562,11 +567,9 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
             doc["bert"] = {"rows": rows}
             doc["not_run"] = not_run
             lap("bert")
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     if config.keep_from is not None:
         keep_parts(doc, json.loads(Path(config.keep_from).read_text()), config)
-    return finish_suite(doc, out, SUITE, t_suite, plot)
+    return run.finish(plot)
 
 
 #: What each part writes into the document.
@@ -736,10 +739,7 @@ def mlp_bytes_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Throughput per engine, bubble against the formula, stash memory, accuracy vs samples, bytes per epoch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig = plt.figure(figsize=(18, 9))
     grid = fig.add_gridspec(2, 3)
@@ -811,7 +811,4 @@ CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="pipeline.json, p
                either={"networks": NETWORKS},
                parsers={"bubble_points": _point})  # fmt: skip
 
-
-def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
-    """Run the suite (``argv`` is recorded as the command); write and print its docs section."""
-    return run_documented_suite(SUITE, config, out, argv, run_suite, docs_section)
+run = documented_run(SUITE, run_suite, docs_section)

@@ -37,7 +37,7 @@ import math
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -45,8 +45,8 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import Launcher, emulated_network
 from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import (finish_suite, markdown_table, new_document, run_documented_suite, run_lines,
-                                          save_figure)
+from lightning_pdist.bench.report import (documented_run, finish_suite, markdown_table, new_document, pyplot, run_lines,
+                                          save_figure)  # fmt: skip
 
 SUITE = "ps_sharding"
 PARTS = ("sharding", "straggler")
@@ -362,10 +362,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
 
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Throughput vs workers, the busiest server's bytes, and the straggler runs' step rates."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     colors = {"layer": "tab:red", "memory": "tab:blue"}
@@ -406,7 +403,4 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
 
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="ps_sharding.json and ps_sharding.png")
 
-
-def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
-    """Run the suite (``argv`` is recorded as the command); write and print its docs section."""
-    return run_documented_suite(SUITE, config, out, argv, run_suite, docs_section)
+run = documented_run(SUITE, run_suite, docs_section)

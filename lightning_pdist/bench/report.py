@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_rows", "command_line", "goal_lines", "host_info", "markdown_table", "new_document", "run_documented_suite",
+__all__ = ["check_rows", "command_line", "documented_run", "goal_lines", "host_info", "markdown_table", "new_document", "run_documented_suite",
            "utc_now", "write_json"]
 
 
@@ -114,6 +114,16 @@ def markdown_table(
     return "\n".join(lines)
 
 
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def save_figure(fig: Any, path: str | Path, dpi: int) -> Path:
     """Write a matplotlib figure to ``path`` (creating its folder) and close it; return the path."""
     path = Path(path)
@@ -155,6 +165,12 @@ def run_documented_suite(
     print(section)
     print(f"\nwrote {out / (suite + '.json')}, {out / (suite + '.png')} and {out / 'docs_section.md'} in {doc['suite_wall_s']} s")
     return 0
+
+
+def documented_run(suite: str, run_suite: Callable[[Any, Path, str], dict[str, Any] | None],
+                   docs_section: Callable[[dict[str, Any], str], str]) -> Callable[[Any, Path, Sequence[str]], int]:  # fmt: skip
+    """A suite's ``run(config, out, argv)``: :func:`run_documented_suite` with its ``run_suite`` and ``docs_section``."""
+    return lambda config, out, argv: run_documented_suite(suite, config, out, argv, run_suite, docs_section)
 
 
 def output_dir(suite: str, out: str | Path) -> Path:

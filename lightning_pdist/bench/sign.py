@@ -27,18 +27,16 @@ root/iproute2 the emulated part is skipped with the reason.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
+from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import (finish_suite, markdown_table, network_lines, new_document, output_dir,
-                                          run_documented_suite, run_lines, save_figure)
+from lightning_pdist.bench.report import documented_run, markdown_table, network_lines, pyplot, run_lines, save_figure
 from lightning_pdist.bench.sign_repro import BATCH_MODES, DATASETS
 from lightning_pdist.bench.sign_worker import HOOKS
 
@@ -174,24 +172,18 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
     from lightning_pdist.bench.sign_comm import run_comm
     from lightning_pdist.bench.sign_repro import run_repro
 
-    out = output_dir(SUITE, out)
-    doc = new_document(SUITE, command, asdict(config))
-    t_suite = time.perf_counter()
-    doc["repro"] = None
-    if "repro" in config.parts:
-        t0 = time.perf_counter()
-        doc["repro"] = run_repro(config, log)
-        doc["repro"]["wall_s"] = round(time.perf_counter() - t0, 1)
-    if "comm" in config.parts:
-        scratch = Path(tempfile.mkdtemp(prefix="pdist-sign-"))
-        t0 = time.perf_counter()
-        try:
-            comm = run_comm(config, scratch, log)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-        doc["rows"], doc["networks"] = comm["rows"], comm["networks"]
-        doc["comm_wall_s"] = round(time.perf_counter() - t0, 1)
-    return finish_suite(doc, out, SUITE, t_suite, plot)
+    with SuiteRun(SUITE, config, out, command, log, port=29599) as run:
+        doc = run.doc
+        doc["repro"] = None
+        if "repro" in config.parts:
+            t0 = time.perf_counter()
+            doc["repro"] = run_repro(config, log)
+            doc["repro"]["wall_s"] = round(time.perf_counter() - t0, 1)
+        if "comm" in config.parts:
+            t0 = time.perf_counter()
+            doc["rows"] = run_comm(config, run)
+            doc["comm_wall_s"] = round(time.perf_counter() - t0, 1)
+    return run.finish(plot)
 
 
 # -- output -------------------------------------------------------------------------------------
@@ -318,10 +310,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
 
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Write the suite's figure: Part A's curves (one row of panels per dataset), Part B's times and bytes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from lightning_pdist.bench.sign_comm import network_key
     from lightning_pdist.bench.sign_repro import plot_repro
@@ -372,7 +361,4 @@ CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="sign.json and si
                either={"networks": NETWORKS},
                derive=_datasets)  # fmt: skip
 
-
-def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
-    """Run the suite (``argv`` is recorded as the command); write and print its docs section."""
-    return run_documented_suite(SUITE, config, out, argv, run_suite, docs_section)
+run = documented_run(SUITE, run_suite, docs_section)

@@ -10,12 +10,10 @@ against the logged bytes. Loopback rows carry no kernel figure (``lo`` is shared
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
-from lightning_pdist.bench.launch import Launcher, emulated_network
-from lightning_pdist.bench.netns import LOOPBACK
+from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.sign_worker import HOOKS, check_spec
 
 def comm_plan(config: Any) -> list[dict[str, Any]]:
@@ -93,39 +91,28 @@ def add_speedups(rows: list[dict[str, Any]]) -> None:
         row["speedup_vs_fp32"] = round(base["ms_per_step"] / row["ms_per_step"], 3) if base else None
 
 
-def run_comm(config: Any, scratch: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run Part B: every spec on loopback and on each emulated rate requested; return rows and networks.
+def run_comm(config: Any, run: SuiteRun) -> list[dict[str, Any]]:
+    """Run Part B: every spec on loopback and on each emulated rate requested (recorded in ``run.doc``); the rows.
 
     Without root/iproute2 the emulated part is recorded as skipped with the reason; loopback rows
     are never relabelled as network figures.
     """
     specs = comm_plan(config)
-    launcher = Launcher("sign", scratch, config.timeout, port=29599)
     rows: list[dict[str, Any]] = []
-    doc: dict[str, Any] = {"networks": {}}
     total = len(specs) * (("loopback" in config.networks) + len(config.rates) * ("emulated" in config.networks))
-
-    def run_all(net: Any, network: str, rate: str | None, detail: str) -> None:
+    for name, net, rate in run.networks(config.networks, config.rates, max(config.world_sizes)):
+        network, detail = name.split(" ")[0], run.doc["networks"]["loopback"]["detail"] if rate is None else net.describe()
         for spec in specs:
-            got = launcher.run("lightning_pdist.bench.sign_worker", spec, spec["world_size"], net)
+            got = run.launcher.run("lightning_pdist.bench.sign_worker", spec, spec["world_size"], net)
             row = build_comm_row(spec, got.results, network, rate, detail, got.other_load_cores)
             rows.append(row)
             kernel = row["kernel_tx_bytes_per_rank_per_step"]
-            log(f"[B {len(rows)}/{total}] {network_key(network, rate)} {spec['hook']} n={spec['world_size']}: "
-                f"{row['ms_per_step']:.1f} ms/step, {row['bytes_per_rank_per_step'] / 1e6:.3f} MB/rank/step logged"
-                + ("" if kernel is None else f", kernel tx {kernel / 1e6:.3f} MB "
-                   f"({row['kernel_tx_ratio']:.3f}x)"))  # fmt: skip
-
-    if "loopback" in config.networks:
-        detail = "loopback: " + LOOPBACK.describe()
-        doc["networks"]["loopback"] = {"detail": detail}
-        run_all(LOOPBACK, "loopback", None, detail)
-    for rate in config.rates if "emulated" in config.networks else ():
-        with emulated_network("sign", doc, network_key("emulated", rate), max(config.world_sizes), rate, log) as net:
-            if net is not None:
-                run_all(net, "emulated", rate, net.describe())
+            run.log(f"[B {len(rows)}/{total}] {name} {spec['hook']} n={spec['world_size']}: "
+                    f"{row['ms_per_step']:.1f} ms/step, {row['bytes_per_rank_per_step'] / 1e6:.3f} MB/rank/step logged"
+                    + ("" if kernel is None else f", kernel tx {kernel / 1e6:.3f} MB "
+                       f"({row['kernel_tx_ratio']:.3f}x)"))  # fmt: skip
     add_speedups(rows)
-    return {"rows": rows, "networks": doc["networks"]}
+    return rows
 
 
 def check_failures(rows: Sequence[dict[str, Any]]) -> list[str]:

@@ -44,20 +44,17 @@ Networks: ``loopback`` (127.0.0.1, unshaped) and emulated links (:class:`~lightn
 
 from __future__ import annotations
 
-import shutil
 import statistics
-import tempfile
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
-from lightning_pdist.bench.launch import Launcher, emulated_network
+from lightning_pdist.bench.launch import Launcher, SuiteRun
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, parse_rate
-from lightning_pdist.bench.report import (check_rows, finish_suite, markdown_table, network_lines, new_document,
-                                          output_dir, run_documented_suite, run_lines, save_figure)
+from lightning_pdist.bench.report import (check_rows, documented_run, markdown_table, network_lines, run_lines,
+                                          save_figure)  # fmt: skip
 
 SUITE = "tensor_parallel"
 MODELS = ("bert", "albert", "vgg")
@@ -526,33 +523,19 @@ def paper_scale() -> dict[str, Any]:
 
 def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the plan on every requested network; write ``out/tensor_parallel.{json,png}``; return the document."""
-    out = output_dir(SUITE, out)
-    doc = new_document(SUITE, command, asdict(config))
-    t_suite = time.perf_counter()
-    scratch = Path(tempfile.mkdtemp(prefix="pdist-tp-"))
-    facts = model_facts(config)
-    doc["models"] = facts
-    runs = plan_runs(config)
-    try:
-        runner = Runner(config, scratch, facts, log)
-        if "loopback" in config.networks:
-            doc["networks"]["loopback"] = {"detail": LOOPBACK.describe()}
-            doc["rows"] += runner.launch_all(runs, "loopback", None)
-        for rate in config.rates if "emulated" in config.networks else ():
-            name = f"emulated {rate}"
-            with emulated_network(SUITE, doc, name, max(r["world_size"] for r in runs), rate, log) as net:
-                if net is None:
-                    continue
-                doc["rows"] += runner.launch_all(runs, name, net)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    facts, runs = model_facts(config), plan_runs(config)
+    with SuiteRun(SUITE, config, out, command, log) as run:
+        doc, runner = run.doc, Runner(config, run.scratch, facts, log)
+        doc["models"] = facts
+        for name, net, _ in run.networks(config.networks, config.rates, max(r["world_size"] for r in runs), loopback=LOOPBACK.describe()):
+            doc["rows"] += runner.launch_all(runs, name, net)
     check_rows(doc["rows"], ROW_KEYS, SUITE)
     doc["ratios"] = ratios(doc["rows"])
     doc["kernel_check"] = kernel_check(doc["rows"])
     doc["crossover"] = crossover(doc["rows"], doc["networks"], config)
     doc["paper"] = PAPER
     doc["paper_scale"] = paper_scale()
-    return finish_suite(doc, out, SUITE, t_suite, plot)
+    return run.finish(plot)
 
 
 # -- output --------------------------------------------------------------------------------------------
@@ -692,7 +675,4 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="tensor_parallel.json, tensor_parallel.png and docs_section.md",
                either={"networks": NETWORKS})  # fmt: skip
 
-
-def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
-    """Run the suite (``argv`` is recorded as the command); write and print its docs section."""
-    return run_documented_suite(SUITE, config, out, argv, run_suite, docs_section)
+run = documented_run(SUITE, run_suite, docs_section)

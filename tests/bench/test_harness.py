@@ -95,3 +95,40 @@ def test_every_config_field_is_an_option_with_its_docstring_and_plan(suite):
             assert (getattr(quick, f.name), getattr(full, f.name)) == (cli.quick[f.name], cli.full[f.name])
         elif f.name != "quick":
             assert getattr(quick, f.name) == getattr(full, f.name) == f.default
+
+
+
+# A worker for Launcher.run_each: spec i answers its process, port and rank, drops RANK (as Lightning's teardown drops
+# the launcher's variables), and rank 1 fails at the spec that says so.
+EACH_WORKER = textwrap.dedent(
+    """
+    import os, sys
+
+    from lightning_pdist.bench.launch import worker_main
+
+    def run(spec, out_dir):
+        if spec["fail"] and os.environ["RANK"] == "1":
+            sys.exit("spec failed on purpose")
+        return {"i": spec["i"], "pid": os.getpid(), "port": os.environ["MASTER_PORT"], "rank": os.environ.pop("RANK")}
+
+    raise SystemExit(worker_main("each_worker", __doc__, lambda spec: spec, run))
+    """
+)
+
+
+def test_run_each_runs_every_spec_in_one_launch_each_on_its_own_port(tmp_path, monkeypatch):
+    """Launcher.run_each: the same processes run the specs in turn (one launch), spec i on its own MASTER_PORT with
+    the environment the process started with; a failing spec keeps the results before it, the rest get the reason."""
+    (tmp_path / "each_worker.py").write_text(EACH_WORKER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{':'.join(sys.path)}")
+    launcher = Launcher("test", tmp_path / "scratch", timeout=60)
+    got = launcher.run_each("each_worker", [{"i": i, "fail": i == 2} for i in range(4)], 2, errors=300)
+    assert launcher.count == 1 and [g.error for g in got[:2]] == [None, None] and [len(g.results) for g in got] == [2, 2, 0, 0]
+    assert [[(r["i"], r["rank"]) for r in g.results] for g in got[:2]] == [[(i, "0"), (i, "1")] for i in range(2)]
+    assert len({r["pid"] for g in got for r in g.results}) == 2 and len({g.results[0]["port"] for g in got[:2]}) == 2
+    assert all(g.results[0]["port"] == g.results[1]["port"] for g in got[:2]) and launcher.run_each("each_worker", [], 2) == []
+    assert got[2].error == got[3].error and got[2].error.endswith("spec failed on purpose")
+    with pytest.raises(SystemExit) as exc:  # a list needs one port per spec
+        worker_main("w", None, lambda s: s, lambda s, o: None, ["--spec", "[{}]", "--out-dir", str(tmp_path), "--ports", "1,2"])
+    assert exc.value.code == 2
