@@ -84,10 +84,12 @@ def test_fork_fit_after_garbage_group_trains():
     assert "finished True ['pdist/comm_bytes', 'pdist/comm_bytes_total', 'train/loss']" in result.stdout, result.stderr[-3000:]
 
 
-def test_fork_fit_refuses_a_live_group_before_any_rank_starts():
-    """The user's case: a fit whose rank 0 ran here keeps its group; a later `_fork` fit is refused, naming the fix."""
+def test_fork_launches_refuse_a_live_group_before_any_rank_starts():
+    """The user's case: a fit whose rank 0 ran here keeps its group; a later `_fork` fit is refused, naming the fix,
+    and so is a Fabric `_fork` launch (one interpreter for both: each costs ~8 s of imports)."""
     code = """
     from _helpers import TinyRegression, fit
+    from lightning.fabric import Fabric
 
     fit("pdist_ddp", TinyRegression(), devices=1, max_steps=1)
     assert dist.is_initialized()
@@ -95,6 +97,11 @@ def test_fork_fit_refuses_a_live_group_before_any_rank_starts():
         fit("bmuf_fork", TinyRegression(), devices=2, max_steps=2)
     except RuntimeError as err:
         print("refused:", err)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="bmuf_fork")
+    try:
+        fabric.launch(lambda f: None)
+    except RuntimeError as err:
+        print("fabric refused:", err)
     dist.destroy_process_group()
     trainer = fit("bmuf_fork", TinyRegression(), devices=2, max_steps=2)
     print("after destroy: finished", trainer.state.finished)
@@ -102,19 +109,5 @@ def test_fork_fit_refuses_a_live_group_before_any_rank_starts():
     result = run(code)
     assert "refused: BMUFStrategy(start_method='fork'): this process holds a live torch.distributed process group" in result.stdout, result.stderr[-3000:]
     assert "destroy_process_group()" in result.stdout
+    assert "fabric refused: BMUFFabricStrategy(start_method='fork')" in result.stdout, result.stderr[-3000:]
     assert "after destroy: finished True" in result.stdout, result.stderr[-3000:]
-
-
-def test_fabric_fork_launch_refuses_a_live_group():
-    code = """
-    from lightning.fabric import Fabric
-
-    dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
-    fabric = Fabric(accelerator="cpu", devices=2, strategy="bmuf_fork")
-    try:
-        fabric.launch(lambda f: None)
-    except RuntimeError as err:
-        print("refused:", err)
-    """
-    result = run(code)
-    assert "refused: BMUFFabricStrategy(start_method='fork')" in result.stdout, result.stderr[-3000:]
