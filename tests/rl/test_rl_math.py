@@ -53,6 +53,40 @@ def test_sampling_and_weights_follow_the_formulas():
     assert set(sample["ret"].tolist()) <= {2.0, 3.0, 4.0, 5.0, 6.0, 7.0}, "an evicted transition was sampled"
 
 
+def test_a_large_sum_tree_equals_a_full_rebuild_after_many_adds_and_updates():
+    """1000 slots (1024 leaves, 10 levels), adds that wrap the ring, updates with repeated slots: every leaf holds the
+    last p^α written to its slot (a plain dict kept alongside), every inner node equals the sum of its two children
+    (the tree rebuilt level by level from the leaves, bit for bit), and the draws are torch.searchsorted's."""
+    alpha, eps, capacity = 0.6, 1e-6, 1000
+    replay = PrioritizedReplay(capacity=capacity, alpha=alpha, priority_eps=eps, seed=5)
+    g = torch.Generator().manual_seed(0)
+    last: dict[int, float] = {}
+    for step in range(60):
+        td = torch.randn(37, generator=g) * 3
+        slots = replay.add(_batch(37, start=37.0 * step), td)
+        last.update(zip(slots.tolist(), replay.scaled(td).tolist()))
+        upd = torch.randint(replay.size, (32,), generator=g)
+        upd[:4] = upd[4]  # one slot five times: the last value stays
+        td = torch.randn(32, generator=g)
+        replay.update(upd, td)
+        last.update(zip(upd.tolist(), replay.scaled(td).tolist()))
+    leaves = torch.zeros(replay.leaves, dtype=torch.float64)
+    leaves[list(last)] = torch.tensor(list(last.values()), dtype=torch.float64)
+    levels, level = [leaves], leaves
+    while level.numel() > 1:
+        level = level[0::2] + level[1::2]
+        levels.append(level)
+    rebuilt = torch.cat([torch.zeros(1, dtype=torch.float64), *reversed(levels)])
+    assert torch.equal(replay.tree, rebuilt)
+    p = leaves[:capacity]
+    state = replay.generator.get_state()
+    _, slots, weights = replay.sample(2000, beta=0.7)
+    u = torch.rand(2000, generator=torch.Generator().set_state(state), dtype=torch.float64) * rebuilt[1]
+    assert torch.equal(slots, torch.searchsorted(p.cumsum(0), u, right=True))
+    n_p = capacity * p / p.sum()
+    torch.testing.assert_close(weights, ((n_p[slots] ** -0.7) / (n_p.min() ** -0.7)).float())
+
+
 def test_replay_state_round_trips():
     """state_dict/load_state_dict keep storage, priorities and the generator: the next draws are the same."""
     replay = PrioritizedReplay(capacity=5, alpha=0.6, seed=1)
