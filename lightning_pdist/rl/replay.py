@@ -58,7 +58,7 @@ class PrioritizedReplay:
         """Write leaves ``slots`` (a slot given twice keeps its last value), then recompute their ancestors level by
         level, each as ``left + right`` (float64): the tree a full rebuild would give, bit for bit. Works on numpy
         views of the tree: torch's small-index ops and a ``torch.unique`` per level made a 32-slot update at capacity
-        50 000 cost ~3 ms here, this ~0.3 ms (``/tmp/rlbench2/replay_cost.py`` in the rl benchmark's session)."""
+        50 000 cost ~3 ms here, this ~0.3 ms."""
         tree = self.tree.numpy()
         last = slots.numel() - 1 - np.unique(slots.numpy()[::-1], return_index=True)[1]  # each slot's last position
         nodes = slots.numpy()[last] + self.leaves  # sorted, distinct

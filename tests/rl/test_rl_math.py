@@ -3,14 +3,18 @@ plain torch; the ε_i schedule; n-step transitions; the frames; every refused ar
 
 from __future__ import annotations
 
+from collections import deque
 from multiprocessing import Pipe
+from types import SimpleNamespace
 
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
 from lightning_pdist.rl import ApeXStrategy, DQNModule, PrioritizedReplay, actor_epsilon
+from lightning_pdist.rl.apex_strategy import store_chunks
 from lightning_pdist.rl.channel import FrameError, Kind, decode, encode, receive, send
+from lightning_pdist.rl.module import due_to_log
 from lightning_pdist.rl.nstep import NStep
 
 
@@ -85,6 +89,27 @@ def test_a_large_sum_tree_equals_a_full_rebuild_after_many_adds_and_updates():
     assert torch.equal(slots, torch.searchsorted(p.cumsum(0), u, right=True))
     n_p = capacity * p / p.sum()
     torch.testing.assert_close(weights, ((n_p[slots] ** -0.7) / (n_p.min() ** -0.7)).float())
+
+
+def test_chunks_stored_with_one_add_equal_one_add_per_chunk_and_the_metrics_log_at_lightnings_cadence():
+    """store_chunks (the learner's one add per collect) leaves the same storage, sum tree, ring position and actor
+    states as one add per chunk in arrival order, a wrap past the ring's end included; due_to_log is true on every
+    log_every_n_steps-th update only (never with 0)."""
+    g = torch.Generator().manual_seed(2)
+    chunks = [({"actor": i % 2, "env_steps": 16 * (i + 1), "restarts": 0, "episodes": [float(i)]},
+               {**_batch(5, start=5.0 * i), "td": torch.randn(5, generator=g), "rng": torch.tensor([i])})
+              for i in range(4)]  # fmt: skip
+    one, each = PrioritizedReplay(capacity=12, alpha=0.6, seed=0), PrioritizedReplay(capacity=12, alpha=0.6, seed=0)
+    states, returns = [None, None], deque(maxlen=100)
+    store_chunks(one, chunks, states, returns)
+    for _, tensors in chunks:
+        each.add({k: tensors[k] for k in ("obs", "action", "ret", "next_obs", "discount")}, tensors["td"])
+    assert torch.equal(one.tree, each.tree) and (one.position, one.size, one.added) == (each.position, each.size, 20)
+    assert all(torch.equal(one.storage[k], each.storage[k]) for k in each.storage)
+    assert [int(s["rng"]) for s in states] == [2, 3] and [s["env_steps"] for s in states] == [48, 64]
+    assert list(returns) == [0.0, 1.0, 2.0, 3.0]
+    assert [u for u in range(120) if due_to_log(SimpleNamespace(log_every_n_steps=50), u)] == [49, 99]
+    assert not any(due_to_log(SimpleNamespace(log_every_n_steps=0), u) for u in range(10))
 
 
 def test_replay_state_round_trips():
