@@ -1,6 +1,7 @@
 """RL suite: CartPole-v1 time to solve (greedy 100-episode mean >= 475) of single-process DQN, Ape-X and Gorila.
 
-``python -m lightning_pdist.bench rl [--quick] --out DIR [--rows dqn apex1 apex2 apex4 gorila2] [--budget S]`` trains
+``python -m lightning_pdist.bench rl [--quick] --out DIR [--rows dqn apex1 apex2 apex4 gorila2] [--budget S]
+[--keep-from OLD.json]`` trains
 ``lightning_pdist.rl.DQNModule("CartPole-v1")`` (the same network, optimizer and learner settings in every row, seed
 ``--seed``) with each row's method, one launch per row (:mod:`~lightning_pdist.bench.rl_worker`):
 
@@ -13,10 +14,13 @@ states at every evaluation). ``time_to_solve_s``: the training time at which suc
 the threshold (evaluation time stays in the clock, the same schedule for every row); a row that did not solve within
 ``--budget`` seconds reports the best mean it reached. ``env_steps_per_s`` and ``updates_per_s``: over the whole
 training time. Writes ``DIR/rl.json``, ``DIR/rl.png`` and ``DIR/docs_section.md``; ``doc["goals"]`` judges issue 26's.
+``--keep-from OLD.json`` adds the rows of an earlier run that this one does not make again (one row per command keeps
+each command under 10 minutes), with that run's command, date and load in ``doc["kept"]``.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Sequence
@@ -81,6 +85,8 @@ class SuiteConfig(SuiteRules):
     """seed of the network, the actors and the replays"""
     timeout: float = 300.0
     """seconds per launch, beyond --budget"""
+    keep_from: str | None = None
+    """an earlier rl.json: its rows this run does not make again are kept (it must have the same settings)"""
     quick: bool = True
     SUITE: ClassVar[str] = SUITE
 
@@ -98,6 +104,8 @@ class SuiteConfig(SuiteRules):
         self.ints("seed", low=0)
         if self.episodes < self.screen:
             raise self.bad("episodes", self.episodes, f"must be >= --screen ({self.screen})")
+        if self.keep_from is not None and not Path(self.keep_from).is_file():
+            raise self.bad("keep_from", self.keep_from, "must be an existing rl.json")
 
 
 def worker_spec(config: SuiteConfig, name: str) -> dict[str, Any]:
@@ -206,6 +214,38 @@ def goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
              f"DQN after {dqn['time_to_solve_s']:.1f} s ({ratio:.2f}x sooner)"}]  # fmt: skip
 
 
+#: The settings every row's figures depend on: rows kept from an earlier run must share them.
+KEEP_SETTINGS = ("budget", "eval_every", "screen", "episodes", "threshold", "hidden", "lr", "batch_size", "target_every",
+                 "learning_starts", "seed")  # fmt: skip
+
+
+def keep_rows(doc: dict[str, Any], old: dict[str, Any], config: SuiteConfig) -> None:
+    """Add to ``doc`` the rows of ``old`` (an earlier rl.json) whose names this run did not make, in :data:`ROWS`
+    order, and ``doc["kept"]``: per earlier command, the rows it made and its command, date, load and wall time
+    (an earlier run's own kept rows keep their entries).
+
+    Raises:
+        ValueError: ``old`` is another suite's, or ran with other :data:`KEEP_SETTINGS`.
+    """
+    where = f"{SUITE}(--keep-from={config.keep_from!r})"
+    if old.get("suite") != SUITE:
+        raise ValueError(f"{where}: holds suite {old.get('suite')!r}, not {SUITE!r}")
+    differ = [k for k in KEEP_SETTINGS if old["config"].get(k) != doc["config"][k]]
+    if differ:
+        raise ValueError(f"{where}: its rows ran with other settings ("
+                         + ", ".join(f"{k}={old['config'].get(k)!r} (now {doc['config'][k]!r})" for k in differ) + ")")
+    made = {r["row"] for r in doc["rows"]}
+    kept = [r for r in old["rows"] if r["row"] not in made]
+    earlier = {n for e in old.get("kept", []) for n in e["rows"]}
+    entries = [{**e, "rows": [n for n in e["rows"] if n not in made]} for e in old.get("kept", [])]
+    entries.append({"rows": [r["row"] for r in kept if r["row"] not in earlier], "command": old["command"],
+                    "created": old["created"], "loadavg_1m_at_start": old["host"]["loadavg_1m_at_start"],
+                    "suite_wall_s": old.get("suite_wall_s")})  # fmt: skip
+    order = {name: i for i, name in enumerate(ROWS)}
+    doc["rows"] = sorted(doc["rows"] + kept, key=lambda r: order.get(r["row"], len(ROWS)))
+    doc["kept"] = [e for e in entries if e["rows"]]
+
+
 def run_suite(config: SuiteConfig, out: str | Path, command: str, log=print) -> dict[str, Any]:  # noqa: ANN001
     """Run every row, one launch each; write ``rl.json`` and ``rl.png``; return the document."""
     started = time.perf_counter()
@@ -221,6 +261,8 @@ def run_suite(config: SuiteConfig, out: str | Path, command: str, log=print) -> 
                 f"{row.get('env_steps_per_s')} env steps/s, {row.get('updates_per_s')} updates/s"
                 + (f", error {row['error']}" if row["error"] else ""))  # fmt: skip
             doc["rows"].append(row)
+    if config.keep_from is not None:
+        keep_rows(doc, json.loads(Path(config.keep_from).read_text()), config)
     compare(doc["rows"])
     check_rows(doc["rows"], ROW_KEYS, SUITE)
     doc["goals"] = goals(doc["rows"])
@@ -244,7 +286,10 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
     """The docs/benchmarks.md body of a run: settings, the table, failures and the goal."""
     cfg, rows = doc["config"], doc["rows"]
     load = [r["other_load_cores"] for r in rows if r.get("other_load_cores") is not None]
-    lines = [*run_lines(doc, json_path), "",
+    kept = [f"Rows {', '.join(e['rows'])} kept from an earlier command: `{e['command']}` (run {e['created']}, "
+            f"{e['suite_wall_s']} s, 1-min load average {e['loadavg_1m_at_start']} at its start).  "
+            for e in doc.get("kept", [])]  # fmt: skip
+    lines = [*run_lines(doc, json_path), *kept, "",
              f"Module: `DQNModule(\"CartPole-v1\", hidden={cfg['hidden']}, lr={cfg['lr']:g})`, double DQN with 3-step "
              f"returns, γ 0.99, batches of {cfg['batch_size']}, target sync every {cfg['target_every']} updates, "
              f"first update after {cfg['learning_starts']} transitions, seed {cfg['seed']}; dqn: prioritized replay "

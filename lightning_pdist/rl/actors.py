@@ -25,7 +25,7 @@ import torch
 
 from lightning_pdist.core.forking import fork_process
 from lightning_pdist.rl.actor import run_actor
-from lightning_pdist.rl.channel import Kind, no_delay, receive, send
+from lightning_pdist.rl.channel import Kind, encode, no_delay, receive, send
 from lightning_pdist.rl.config import _Common
 
 __all__ = ["ActorFailed", "ActorPool"]
@@ -119,10 +119,10 @@ class ActorPool:
             raise ActorFailed(f"{self.owner}: actor {i} (pid {self.pids[i]}) failed:\n{meta.get('error', '')}")
         if kind == Kind.PULL and self.servers is not None:
             send(conn, Kind.PARAMS)
-        elif kind == Kind.PULL:
-            if "flat" not in cache:
-                cache["flat"] = self.params()
-            send(conn, Kind.PARAMS, {}, {"flat": cache["flat"]})
+        elif kind == Kind.PULL:  # every pull between two updates gets the same frame, encoded once
+            if "frame" not in cache:
+                cache["frame"] = encode(Kind.PARAMS, {}, {"flat": self.params()})
+            conn.send_bytes(cache["frame"])
         else:
             out.append((meta, tensors))
         return kind

@@ -31,10 +31,10 @@ from typing_extensions import override
 from lightning_pdist.rl.actor import params_of
 from lightning_pdist.rl.actors import ActorPool
 from lightning_pdist.rl.config import ApeXConfig
-from lightning_pdist.rl.module import LEARNER_HOOKS, missing_hooks
-from lightning_pdist.rl.replay import PrioritizedReplay, annealed_beta
+from lightning_pdist.rl.module import LEARNER_HOOKS, due_to_log, missing_hooks
+from lightning_pdist.rl.replay import FIELDS, PrioritizedReplay, annealed_beta
 
-__all__ = ["ApeXStrategy", "check_learner"]
+__all__ = ["ApeXStrategy", "check_learner", "store_chunks"]
 
 
 def observation_numel(module: Any) -> int:
@@ -53,6 +53,20 @@ def check_learner(owner: str, module: Any) -> None:
         raise TypeError(f"{owner}: the LightningModule {type(module).__name__} has no {', '.join(missing)}; the "
                         f"learner hooks are {', '.join(LEARNER_HOOKS)} (subclass lightning_pdist.rl.DQNModule, or "
                         "see its module docstring for what each must be)")  # fmt: skip
+
+
+def store_chunks(replay: PrioritizedReplay, chunks: list[tuple[dict[str, Any], dict[str, Tensor]]],
+                 actor_states: list[dict[str, Any] | None], returns: deque[float]) -> None:
+    """Add the chunks one ``ActorPool.collect`` returned to ``replay`` with a single ``add`` (the same slots, storage
+    and sum tree as one ``add`` per chunk in arrival order, for one call's overhead instead of one per chunk), and
+    keep each sender's state (generator, step and restart counts) and finished episode returns."""
+    for meta, tensors in chunks:
+        actor_states[int(meta["actor"])] = {"rng": tensors["rng"], "env_steps": meta["env_steps"],
+                                            "restarts": meta["restarts"]}  # fmt: skip
+        returns.extend(meta["episodes"])
+    if chunks:
+        replay.add({name: torch.cat([t[name] for _, t in chunks]) for name in FIELDS},
+                   torch.cat([t["td"] for _, t in chunks]))  # fmt: skip
 
 
 class ApeXStrategy(SingleDeviceStrategy):
@@ -130,20 +144,13 @@ class ApeXStrategy(SingleDeviceStrategy):
             module.target_network.load_state_dict(module.q_network.state_dict())
         self.pool = ActorPool(cfg, module, lambda: params_of(module), list(self.actor_states), observation_numel(module))
 
-    def _add(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
-        td, rng = tensors.pop("td"), tensors.pop("rng")
-        self.replay.add(tensors, td)
-        self.actor_states[int(meta["actor"])] = {"rng": rng, "env_steps": meta["env_steps"], "restarts": meta["restarts"]}
-        self.returns.extend(meta["episodes"])
-
     def _sample(self) -> tuple[dict[str, Tensor], Tensor, Tensor]:
         cfg = self.config
         while True:
             actor = None
             if cfg.deterministic:
                 actor, self.turn = self.turn, (self.turn + 1) % cfg.num_actors
-            for meta, tensors in self.pool.collect(actor):
-                self._add(meta, tensors)
+            store_chunks(self.replay, self.pool.collect(actor), self.actor_states, self.returns)
             if len(self.replay) >= max(cfg.learning_starts, cfg.batch_size):
                 return self.replay.sample(cfg.batch_size, annealed_beta(cfg.beta, self.updates, cfg.beta_steps))
 
@@ -164,6 +171,8 @@ class ApeXStrategy(SingleDeviceStrategy):
 
     def _log(self) -> None:
         module = self.lightning_module
+        if not due_to_log(module.trainer, self.updates):
+            return
         env_steps = sum(int(s["env_steps"]) for s in self.actor_states if s)
         module.log("rl/env_steps", float(env_steps), prog_bar=True)
         module.log("rl/replay_size", float(len(self.replay)))

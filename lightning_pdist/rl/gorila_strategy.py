@@ -38,8 +38,9 @@ from lightning_pdist.core.ps_client import ParameterServerClient
 from lightning_pdist.core.strategy import PdistStrategy
 from lightning_pdist.rl.actor import params_of
 from lightning_pdist.rl.actors import ActorPool
-from lightning_pdist.rl.apex_strategy import check_learner, observation_numel
+from lightning_pdist.rl.apex_strategy import check_learner, observation_numel, store_chunks
 from lightning_pdist.rl.config import GorilaConfig
+from lightning_pdist.rl.module import due_to_log
 from lightning_pdist.rl.replay import PrioritizedReplay
 from lightning_pdist.rl.servers import ServerGroup, bounds
 
@@ -184,12 +185,7 @@ class GorilaStrategy(PdistStrategy):
             actor = None
             if cfg.deterministic:
                 actor, self.turn = self.turn, (self.turn + 1) % cfg.num_actors
-            for meta, tensors in self.pool.collect(actor):
-                td, rng = tensors.pop("td"), tensors.pop("rng")
-                self.replay.add(tensors, td)
-                self.actor_states[int(meta["actor"])] = {"rng": rng, "env_steps": meta["env_steps"],
-                                                         "restarts": meta["restarts"]}  # fmt: skip
-                self.returns.extend(meta["episodes"])
+            store_chunks(self.replay, self.pool.collect(actor), self.actor_states, self.returns)
             if len(self.replay) >= max(cfg.learning_starts, cfg.batch_size):
                 sample, _, weights = self.replay.sample(cfg.batch_size, 1.0)
                 return {**sample, "weights": weights}
@@ -199,6 +195,8 @@ class GorilaStrategy(PdistStrategy):
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         out = super().training_step(self._sample(), batch_idx)
         module = self.lightning_module
+        if not due_to_log(module.trainer, self.updates):
+            return out
         module.log("rl/env_steps", float(sum(int(s["env_steps"]) for s in self.actor_states if s)), prog_bar=True)
         module.log("rl/replay_size", float(len(self.replay)))
         if self.returns:

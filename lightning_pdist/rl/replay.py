@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -54,14 +55,17 @@ class PrioritizedReplay:
             self.storage[name] = torch.zeros((self.capacity, *value.shape[1:]), dtype=value.dtype)
 
     def _set(self, slots: Tensor, values: Tensor) -> None:
-        nodes = slots + self.leaves
-        self.tree[nodes] = values
-        nodes = torch.unique(nodes // 2)
-        while nodes.numel() and int(nodes[0]) >= 1:
-            self.tree[nodes] = self.tree[2 * nodes] + self.tree[2 * nodes + 1]
-            if int(nodes[0]) == 1:
-                break
-            nodes = torch.unique(nodes // 2)
+        """Write leaves ``slots`` (a slot given twice keeps its last value), then recompute their ancestors level by
+        level, each as ``left + right`` (float64): the tree a full rebuild would give, bit for bit. Works on numpy
+        views of the tree: torch's small-index ops and a ``torch.unique`` per level made a 32-slot update at capacity
+        50 000 cost ~3 ms here, this ~0.3 ms."""
+        tree = self.tree.numpy()
+        last = slots.numel() - 1 - np.unique(slots.numpy()[::-1], return_index=True)[1]  # each slot's last position
+        nodes = slots.numpy()[last] + self.leaves  # sorted, distinct
+        tree[nodes] = values.numpy()[last]
+        while nodes[0] > 1:  # a parent listed twice is written twice with the same sum
+            nodes = nodes >> 1
+            tree[nodes] = tree[2 * nodes] + tree[2 * nodes + 1]
 
     def scaled(self, td: Tensor) -> Tensor:
         """``p^α`` for TD errors ``td`` (``p = |δ| + priority_eps``), float64."""
@@ -96,17 +100,18 @@ class PrioritizedReplay:
 
     def sample(self, batch_size: int, beta: float) -> tuple[dict[str, Tensor], Tensor, Tensor]:
         """``(transitions, slots, importance weights)`` for ``batch_size`` draws ``∝ p^α`` (with replacement)."""
-        u = torch.rand(batch_size, generator=self.generator, dtype=torch.float64) * self.tree[1]
-        node = torch.ones(batch_size, dtype=torch.long)
-        while int(node[0]) < self.leaves:
+        u = (torch.rand(batch_size, generator=self.generator, dtype=torch.float64) * self.tree[1]).numpy()
+        tree, node = self.tree.numpy(), np.ones(batch_size, dtype=np.int64)
+        while node[0] < self.leaves:  # every node is on the same level
             left = 2 * node
-            right = u >= self.tree[left]
-            u = torch.where(right, u - self.tree[left], u)
-            node = torch.where(right, left + 1, left)
-        slots = (node - self.leaves).clamp(max=self.size - 1)  # rounding at the very end of the last leaf
+            right = u >= tree[left]
+            u = np.where(right, u - tree[left], u)
+            node = left + right
+        slots = torch.from_numpy(node - self.leaves).clamp(max=self.size - 1)  # rounding at the end of the last leaf
         leaf = self.tree[self.leaves:self.leaves + self.size]
-        n_p = self.size * leaf / leaf.sum()
-        weights = (n_p[slots] ** -beta) / (n_p.min() ** -beta)
+        total = leaf.sum()
+        n_p, n_min = self.size * leaf[slots] / total, self.size * leaf.min() / total  # (N·P(i)) of the drawn, the least
+        weights = (n_p ** -beta) / (n_min ** -beta)
         return {k: v[slots] for k, v in self.storage.items()}, slots, weights.float()
 
     def update(self, slots: Tensor, td: Tensor) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from lightning_pdist.bench.__main__ import main as bench_main
 from lightning_pdist.bench.launch import Launched
-from lightning_pdist.bench.rl import (SuiteConfig, best_means, build_row, compare, docs_section, goals, parse_row,
+from lightning_pdist.bench.rl import (SuiteConfig, best_means, build_row, compare, docs_section, goals, keep_rows, parse_row,
                                       run_suite, time_to_solve, worker_spec)  # fmt: skip
 from lightning_pdist.bench.rl_worker import check_spec
 
@@ -115,3 +115,37 @@ def test_a_tiny_real_run_solves_an_easy_threshold_stops_and_writes_json_plot_and
     assert json.loads((tmp_path / "rl.json").read_text())["rows"][0]["row"] == "apex1"
     assert (tmp_path / "rl.png").stat().st_size > 0
     assert "| apex1 |" in docs_section(doc, "rl.json")
+
+
+def test_keep_from_adds_the_rows_not_run_again_in_suite_order_and_refuses_other_settings(tmp_path):
+    """A run of dqn kept with an earlier file of apex4 and dqn: the new dqn replaces the old one, apex4 is kept (after
+    dqn, as in ROWS) with its command in doc["kept"] and in the section; chained keeps remember the first command; an
+    earlier file of another suite, or with another budget, is refused naming the option; a missing file too."""
+    cfg = {"threshold": 475.0, "budget": 60.0}
+    old = {"suite": "rl", "command": "cmd-old", "created": "t0", "host": {"loadavg_1m_at_start": 1.5}, "suite_wall_s": 70.0,
+           "config": {**asdict_config(), "budget": 60.0},
+           "rows": [build_row("apex4", cfg, _launch([_result(_evals((490.0, 480.0)), train_s=10.0)])),
+                    build_row("dqn", cfg, _launch([_result(_evals((100.0, None)))]))]}  # fmt: skip
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    config = SuiteConfig(rows=("dqn",), budget=60.0, keep_from=str(path))
+    new_dqn = build_row("dqn", cfg, _launch([_result(_evals((200.0, None)))]))
+    doc = {"config": json.loads(json.dumps(asdict_config() | {"rows": ["dqn"], "budget": 60.0})), "rows": [new_dqn],
+           "command": "cmd-new", "created": "t1", "host": {"cpus": 2, "loadavg_1m_at_start": 1.0, "torch": "x"},
+           "suite_wall_s": 80.0}  # fmt: skip
+    keep_rows(doc, old, config)
+    assert [r["row"] for r in doc["rows"]] == ["dqn", "apex4"] and doc["rows"][0]["best_screen"] == 200.0
+    assert doc["kept"] == [{"rows": ["apex4"], "command": "cmd-old", "created": "t0", "loadavg_1m_at_start": 1.5,
+                            "suite_wall_s": 70.0}]  # fmt: skip
+    doc["goals"] = goals(compare(doc["rows"]))
+    assert "Rows apex4 kept from an earlier command: `cmd-old` (run t0, 70.0 s" in docs_section(doc, "rl.json")
+    again = {**doc, "rows": [build_row("gorila2", cfg, _launch([_result([])]))]}
+    keep_rows(again, {**doc, "suite": "rl", "command": "cmd-new"}, config)
+    assert [r["row"] for r in again["rows"]] == ["dqn", "apex4", "gorila2"]
+    assert [(e["rows"], e["command"]) for e in again["kept"]] == [(["apex4"], "cmd-old"), (["dqn"], "cmd-new")]
+    with pytest.raises(ValueError, match=r"rl\(--keep-from='.*old.json'\): holds suite 'sign', not 'rl'"):
+        keep_rows(doc, {**old, "suite": "sign"}, config)
+    with pytest.raises(ValueError, match=r"its rows ran with other settings \(budget=85.0 \(now 60.0\)\)"):
+        keep_rows(doc, {**old, "config": {**old["config"], "budget": 85.0}}, config)
+    with pytest.raises(ValueError, match=r"rl\(--keep-from='nope.json'\): must be an existing rl.json"):
+        SuiteConfig(keep_from="nope.json")

@@ -3,14 +3,18 @@ plain torch; the ε_i schedule; n-step transitions; the frames; every refused ar
 
 from __future__ import annotations
 
+from collections import deque
 from multiprocessing import Pipe
+from types import SimpleNamespace
 
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
 from lightning_pdist.rl import ApeXStrategy, DQNModule, PrioritizedReplay, actor_epsilon
+from lightning_pdist.rl.apex_strategy import store_chunks
 from lightning_pdist.rl.channel import FrameError, Kind, decode, encode, receive, send
+from lightning_pdist.rl.module import due_to_log
 from lightning_pdist.rl.nstep import NStep
 
 
@@ -51,6 +55,61 @@ def test_sampling_and_weights_follow_the_formulas():
     n_p = 6 * p / p.sum()
     torch.testing.assert_close(weights, ((n_p[expected] ** -beta) / (n_p.min() ** -beta)).float())
     assert set(sample["ret"].tolist()) <= {2.0, 3.0, 4.0, 5.0, 6.0, 7.0}, "an evicted transition was sampled"
+
+
+def test_a_large_sum_tree_equals_a_full_rebuild_after_many_adds_and_updates():
+    """1000 slots (1024 leaves, 10 levels), adds that wrap the ring, updates with repeated slots: every leaf holds the
+    last p^α written to its slot (a plain dict kept alongside), every inner node equals the sum of its two children
+    (the tree rebuilt level by level from the leaves, bit for bit), and the draws are torch.searchsorted's."""
+    alpha, eps, capacity = 0.6, 1e-6, 1000
+    replay = PrioritizedReplay(capacity=capacity, alpha=alpha, priority_eps=eps, seed=5)
+    g = torch.Generator().manual_seed(0)
+    last: dict[int, float] = {}
+    for step in range(60):
+        td = torch.randn(37, generator=g) * 3
+        slots = replay.add(_batch(37, start=37.0 * step), td)
+        last.update(zip(slots.tolist(), replay.scaled(td).tolist()))
+        upd = torch.randint(replay.size, (32,), generator=g)
+        upd[:4] = upd[4]  # one slot five times: the last value stays
+        td = torch.randn(32, generator=g)
+        replay.update(upd, td)
+        last.update(zip(upd.tolist(), replay.scaled(td).tolist()))
+    leaves = torch.zeros(replay.leaves, dtype=torch.float64)
+    leaves[list(last)] = torch.tensor(list(last.values()), dtype=torch.float64)
+    levels, level = [leaves], leaves
+    while level.numel() > 1:
+        level = level[0::2] + level[1::2]
+        levels.append(level)
+    rebuilt = torch.cat([torch.zeros(1, dtype=torch.float64), *reversed(levels)])
+    assert torch.equal(replay.tree, rebuilt)
+    p = leaves[:capacity]
+    state = replay.generator.get_state()
+    _, slots, weights = replay.sample(2000, beta=0.7)
+    u = torch.rand(2000, generator=torch.Generator().set_state(state), dtype=torch.float64) * rebuilt[1]
+    assert torch.equal(slots, torch.searchsorted(p.cumsum(0), u, right=True))
+    n_p = capacity * p / p.sum()
+    torch.testing.assert_close(weights, ((n_p[slots] ** -0.7) / (n_p.min() ** -0.7)).float())
+
+
+def test_chunks_stored_with_one_add_equal_one_add_per_chunk_and_the_metrics_log_at_lightnings_cadence():
+    """store_chunks (the learner's one add per collect) leaves the same storage, sum tree, ring position and actor
+    states as one add per chunk in arrival order, a wrap past the ring's end included; due_to_log is true on every
+    log_every_n_steps-th update only (never with 0)."""
+    g = torch.Generator().manual_seed(2)
+    chunks = [({"actor": i % 2, "env_steps": 16 * (i + 1), "restarts": 0, "episodes": [float(i)]},
+               {**_batch(5, start=5.0 * i), "td": torch.randn(5, generator=g), "rng": torch.tensor([i])})
+              for i in range(4)]  # fmt: skip
+    one, each = PrioritizedReplay(capacity=12, alpha=0.6, seed=0), PrioritizedReplay(capacity=12, alpha=0.6, seed=0)
+    states, returns = [None, None], deque(maxlen=100)
+    store_chunks(one, chunks, states, returns)
+    for _, tensors in chunks:
+        each.add({k: tensors[k] for k in ("obs", "action", "ret", "next_obs", "discount")}, tensors["td"])
+    assert torch.equal(one.tree, each.tree) and (one.position, one.size, one.added) == (each.position, each.size, 20)
+    assert all(torch.equal(one.storage[k], each.storage[k]) for k in each.storage)
+    assert [int(s["rng"]) for s in states] == [2, 3] and [s["env_steps"] for s in states] == [48, 64]
+    assert list(returns) == [0.0, 1.0, 2.0, 3.0]
+    assert [u for u in range(120) if due_to_log(SimpleNamespace(log_every_n_steps=50), u)] == [49, 99]
+    assert not any(due_to_log(SimpleNamespace(log_every_n_steps=0), u) for u in range(10))
 
 
 def test_replay_state_round_trips():
