@@ -3,7 +3,9 @@
 Micro-batches in order; for micro-batch ``j`` each stage ``s`` in turn: forward on its current weights (``j`` updates
 made), then its weight gradient from ``ĝ = M_s(h_s)`` (stages ``s < K−1``) or from the loss (the last stage), one
 momentum-SGD step (torch's rule), and the input gradient ``δ_{s−1}`` it computes goes to stage ``s−1``'s queue.
-``M_s`` (a zero-initialised ``Linear``) trains on ``½‖M_s(h) − δ‖²`` for the queued micro-batches in order; when it
+``M_s`` (a zero-initialised ``Linear``) trains on ``½‖M_s(h) − δ‖²`` for the queued micro-batches in order (with
+``normalize``: ``σ`` = rms(δ) at the first target, then ``0.99·σ + 0.01·rms(δ)``, and ``½‖M_s(h/‖h‖) − δ/σ‖²``;
+predictions ``σ·M_s(h/‖h‖)``, ``σ = 0`` before the first target); when it
 predicts for ``j`` it has trained on every ``i < max(j − 1, d)``, ``d`` the last drain at or before ``j`` (the
 true gradient of ``j−1`` is still on its way), and after the last micro-batch on all.
 """
@@ -24,7 +26,7 @@ def zero_linear(width: int) -> nn.Linear:
     return layer
 
 
-def dni_reference(bounds, mbs, lr, mu, synthetic_optimizer, drains=(), stages=None):
+def dni_reference(bounds, mbs, lr, mu, synthetic_optimizer, drains=(), stages=None, normalize=True):
     """(stage weights, synthetic modules' weights) after DNI training on ``mbs``; ``stages`` (modules, in order)
     replaces ``make_net`` cut at ``bounds``. Each ``M_s`` is a zero ``Linear`` over ``h_s``'s last dimension."""
     if stages is None:
@@ -34,12 +36,21 @@ def dni_reference(bounds, mbs, lr, mu, synthetic_optimizer, drains=(), stages=No
     optimizers = [torch.optim.SGD(st.parameters(), lr=lr, momentum=mu) for st in stages]
     synth, synth_opt = [None] * (K - 1), [None] * (K - 1)  # built at the first boundary (its width known then)
     queue = [[] for _ in synth]  # per boundary: (micro-batch, h, true gradient) not trained on yet
+    sigma, trained = [0.0] * (K - 1), [0] * (K - 1)
+
+    def seen(h):  # what M_s reads
+        return nn.functional.normalize(h, dim=-1) if normalize else h
 
     def train_until(s, upto):
         while queue[s] and queue[s][0][0] < upto:
             _, h, target = queue[s].pop(0)
+            if normalize:
+                rms = float(target.pow(2).mean().sqrt())
+                sigma[s] = rms if trained[s] == 0 else 0.99 * sigma[s] + 0.01 * rms
+                target = target / sigma[s] if sigma[s] > 0 else target
+            trained[s] += 1
             synth_opt[s].zero_grad()
-            (0.5 * (synth[s](h) - target).pow(2).sum()).backward()
+            (0.5 * (synth[s](seen(h)) - target).pow(2).sum()).backward()
             synth_opt[s].step()
 
     for j, (x, y) in enumerate(mbs):
@@ -55,7 +66,8 @@ def dni_reference(bounds, mbs, lr, mu, synthetic_optimizer, drains=(), stages=No
                     synth_opt[s] = synthetic_optimizer(synth[s].parameters())
                 train_until(s, max(j - 1, mark))
                 with torch.no_grad():
-                    g_hat = synth[s](h.detach())
+                    g_hat = synth[s](seen(h.detach()))
+                    g_hat = g_hat * sigma[s] if normalize else g_hat
                 grads = torch.autograd.grad(h, params, g_hat)
             else:
                 grads = torch.autograd.grad(nn.functional.mse_loss(h, y), params)

@@ -31,6 +31,7 @@ class PipelineConfig(ConfigErrors):
     synthetic_gradients: bool = False
     synthetic_module: Callable[..., Any] | None = None
     synthetic_optimizer: Callable[..., Any] | None = None
+    synthetic_normalize: bool = True
     owner: str = "PipelineStrategy"
     spec: ScheduleSpec = field(init=False, repr=False, compare=False)
 
@@ -80,6 +81,11 @@ class PipelineConfig(ConfigErrors):
                 self._fail(arg, f"{arg} must be a factory (a callable) or None", TypeError)
             if value is not None and not (self.synthetic_gradients or self.spec.synthetic):
                 self._fail(arg, f"{arg} configures the synthetic-gradient modules, which only synthetic_gradients=True has")
+        if not isinstance(self.synthetic_normalize, bool):
+            self._fail("synthetic_normalize", "synthetic_normalize must be True or False", TypeError)
+        if not self.synthetic_normalize and not (self.synthetic_gradients or self.spec.synthetic):
+            self._fail("synthetic_normalize", "synthetic_normalize configures the synthetic-gradient modules, which only "
+                                              "synthetic_gradients=True has")  # fmt: skip
         if self.synthetic_gradients:
             if self.spec.synthetic_refusal():
                 self._fail("synthetic_gradients", f"schedule={self.schedule!r}: {self.spec.synthetic_refusal()}")

@@ -145,7 +145,10 @@ class PipelineStrategy(PdistStrategy):
         synthetic_gradients: DNI on ``pipedream``'s timing (refused with any other schedule).
         synthetic_module: ``h -> nn.Module`` predicting ``dL/dh`` (called once per boundary with its first
             activation); default a zero-initialised linear map of ``h``'s last dimension.
-        synthetic_optimizer: ``params -> Optimizer`` for the synthetic modules; default ``Adam(lr=1e-3)``.
+        synthetic_optimizer: ``params -> Optimizer`` for the synthetic modules; default ``Adam(lr=1e-4)``.
+        synthetic_normalize: ``True`` (default): each synthetic module sees ``h/‖h‖`` and predicts ``δ/σ``, ``σ`` the
+            true gradients' running rms, and ``ĝ = σ·M(h/‖h‖)``; ``False``: ``ĝ = M(h)`` trained on ``δ``
+            (:mod:`lightning_pdist.pipeline.dni` has the measured reason).
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (``start_method``,
             ``process_group_backend``, ``timeout``). Nothing is wrapped in ``DistributedDataParallel``.
     """
@@ -168,6 +171,7 @@ class PipelineStrategy(PdistStrategy):
         synthetic_gradients: bool = False,
         synthetic_module: Callable[[Tensor], Any] | None = None,
         synthetic_optimizer: Callable[[Any], Optimizer] | None = None,
+        synthetic_normalize: bool = True,
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
@@ -182,7 +186,7 @@ class PipelineStrategy(PdistStrategy):
             split_points=tuple(split_points) if split_points is not None else None, network=network,
             vertical_sync=vertical_sync, weight_stashing=weight_stashing, max_message_bytes=max_message_bytes,
             nonfinite=nonfinite, synthetic_gradients=synthetic_gradients, synthetic_module=synthetic_module,
-            synthetic_optimizer=synthetic_optimizer, owner=owner,
+            synthetic_optimizer=synthetic_optimizer, synthetic_normalize=synthetic_normalize, owner=owner,
         )  # fmt: skip
         if not weight_stashing:
             rank_zero_warn(f"{owner}(weight_stashing=False): backwards will use newer weights than their forwards "
@@ -371,7 +375,8 @@ class PipelineStrategy(PdistStrategy):
         K, s, config = self.pipeline_stages, self.stage, self.config
         # A split_points cut packs the boundary's values in one vector: one synthetic module per value with a gradient.
         parts = gradient_parts if isinstance(self.split, OwnedSplit) else None
-        synthetic = (SyntheticGradient(config.synthetic_module, config.synthetic_optimizer, type(self).__name__, parts)
+        synthetic = (SyntheticGradient(config.synthetic_module, config.synthetic_optimizer, type(self).__name__, parts,
+                                       config.synthetic_normalize)
                      if config.spec.synthetic and s < K - 1 else None)  # fmt: skip
         p2p = P2P(self._pp_group, max_message_bytes=self.config.max_message_bytes, meter=self.comm_meter, device=self.root_device)
         return StageExecutor(

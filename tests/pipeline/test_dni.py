@@ -1,7 +1,8 @@
 """Tiers 1-2: synthetic gradients (DNI, ``synthetic_gradients=True``, the schedule machinery's ``dni``) on the executor.
 
 One 3-rank gloo world (fork-launched once for the module) trains the 7-layer network of ``_delayed_reference`` under
-DNI, one batch (window) at a time as the strategy does, then drains; the same world also runs every stage's
+DNI, one batch (window) at a time as the strategy does, then drains (with the default normalised synthetic modules,
+and with ``normalize=False``); the same world also runs every stage's
 synthetic module replaced by an *oracle* that returns the true gradient (a copy of the stages above it, stepped as
 they are), which must be backprop exactly; rank 0 also runs DNI as a one-stage pipeline. Checked against the
 plain-torch reference in ``tests/_dni_reference.py`` at 1e-6, and against the simulator's depths.
@@ -25,7 +26,7 @@ from lightning_pdist.pipeline.strategy import PipelineStrategy
 
 M, BATCHES, B, K = 4, 3, 8, 3
 BOUNDS = [(0, 2), (2, 4), (4, 7)]
-SYNTH_LR = 0.01
+SYNTH_LR = 0.1
 
 
 def synthetic_optimizer(params):
@@ -68,7 +69,8 @@ def run_case(rank, world, case):
     a, b = BOUNDS[rank] if world > 1 else (0, 7)
     stage = nn.Sequential(*[net[i] for i in range(a, b)])
     optimizer = torch.optim.SGD(stage.parameters(), lr=LR, momentum=MU)
-    synthetic = None if b == 7 else Oracle(b) if case == "oracle" else SyntheticGradient(optimizer_factory=synthetic_optimizer)
+    synthetic = (None if b == 7 else Oracle(b) if case == "oracle"
+                 else SyntheticGradient(optimizer_factory=synthetic_optimizer, normalize=case != "raw"))  # fmt: skip
     mbs = microbatches()
     executor = StageExecutor(
         stage, rank, world, "dni", P2P(None, meter=CommMeter()),
@@ -83,13 +85,13 @@ def run_case(rank, world, case):
     synth = executor.synthetic
     return {"params": [p.detach().clone() for p in stage.parameters()], "drained": executor.drained,
             "pending": executor.p2p.pending, "max_versions": executor.max_versions, "max_held": executor.max_held,
-            "synth": [p.detach().clone() for p in synth.module.parameters()] if case == "dni" and synth else None,
+            "synth": [p.detach().clone() for p in synth.module.parameters()] if case in ("dni", "raw") and synth else None,
             "state": executor.state_dict(), "worst": synth.worst if case == "oracle" and synth else 0.0}  # fmt: skip
 
 
 def _worker(rank, world, out):
     torch.set_num_threads(1)
-    results = {case: run_case(rank, world, case) for case in ("dni", "oracle")}
+    results = {case: run_case(rank, world, case) for case in ("dni", "raw", "oracle")}
     if rank == 0:
         results["one_stage"] = run_case(0, 1, "dni")
     torch.save(results, f"{out}/rank{rank}.pt")
@@ -103,14 +105,16 @@ def world(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(K)]
 
 
-def test_three_stages_equal_the_plain_torch_reference_and_the_simulator(world):
-    """DNI on 3 gloo ranks ends where the reference ends (stage weights and synthetic modules); the stages are
-    drained, hold one weight version and at most the simulated micro-batches; stage 0 moved, not as backprop."""
-    weights, synth = dni_reference(BOUNDS, microbatches(), LR, MU, synthetic_optimizer)
+@pytest.mark.parametrize("case", ["dni", "raw"])
+def test_three_stages_equal_the_plain_torch_reference_and_the_simulator(world, case):
+    """DNI on 3 gloo ranks ends where the reference ends (stage weights and synthetic modules), normalised (the
+    default) and not; the stages are drained, hold one weight version and at most the simulated micro-batches;
+    stage 0 moved, not as backprop."""
+    weights, synth = dni_reference(BOUNDS, microbatches(), LR, MU, synthetic_optimizer, normalize=case == "dni")
     stats = validate(build_schedule("dni", K, M, BATCHES))
     assert stats.stash_depth == (1, 1, 1) and stats.max_in_flight == (2, 2, 1)
     for s in range(K):
-        got = world[s]["dni"]
+        got = world[s][case]
         assert got["drained"] and got["pending"] == 0
         assert (got["max_versions"], got["max_held"]) == (stats.stash_depth[s], stats.max_in_flight[s])
         for g, w in zip(got["params"], weights[s]):
@@ -118,11 +122,12 @@ def test_three_stages_equal_the_plain_torch_reference_and_the_simulator(world):
         for g, w in zip(got["synth"] or [], synth[s] if s < K - 1 else []):
             torch.testing.assert_close(g, w, atol=1e-6, rtol=0)
         assert (got["state"].get("synthetic") is not None) == (s < K - 1)
-    first = torch.cat([p.reshape(-1) for p in world[0]["dni"]["params"]])
+    first = torch.cat([p.reshape(-1) for p in world[0][case]["params"]])
     init = torch.cat([p.detach().reshape(-1) for p in list(make_net().parameters())[:2]])
     sgd = torch.cat([p.reshape(-1) for p in momentum_sgd(microbatches())[:2]])
     assert (first - init).abs().max() > 1e-4 and (first - sgd).abs().max() > 1e-4
-    assert world[0]["dni"]["synth"][0].abs().max() > 0  # the zero-initialised module learned
+    assert world[0][case]["synth"][0].abs().max() > 0  # the zero-initialised module learned
+    assert (world[0][case]["state"]["synthetic"]["scale"] > 0) == (case == "dni")
 
 
 def test_true_gradient_in_place_of_the_prediction_is_backprop(world):
@@ -159,6 +164,10 @@ def test_the_simulated_timeline_has_no_backward_chain():
          r"\(synthetic_module=<class .*Linear'>\): synthetic_module configures .* only synthetic_gradients=True has"),
         (dict(schedule="pipedream", synthetic_gradients=True, synthetic_optimizer="adam"), TypeError,
          r"\(synthetic_optimizer='adam'\): synthetic_optimizer must be a factory"),
+        (dict(schedule="pipedream", synthetic_normalize=False), ValueError,
+         r"\(synthetic_normalize=False\): synthetic_normalize configures .* only synthetic_gradients=True has"),
+        (dict(schedule="pipedream", synthetic_gradients=True, synthetic_normalize=1), TypeError,
+         r"\(synthetic_normalize=1\): synthetic_normalize must be True or False"),
         (dict(schedule="pipedream", synthetic_gradients="yes"), TypeError, r"\(synthetic_gradients='yes'\): synthetic_gradients must be True or False"),
         (dict(schedule="pipedream", synthetic_gradients=True, vertical_sync=True), ValueError,
          r"vertical_sync=True\): vertical sync applies to schedule='pipedream', not 'dni'"),
@@ -193,18 +202,42 @@ def test_replicas_wrong_modules_and_missing_pieces_are_refused():
 
 
 def test_default_module_is_zero_and_its_state_round_trips():
-    """The default M is a zero linear map (ĝ = 0 at first) with Adam(lr=1e-3); a state loaded before the first
-    boundary waits for it, and a trained module's prediction comes back exactly."""
+    """The default M is a zero linear map (ĝ = 0 at first) with Adam(lr=1e-4), trained on the target over its rms
+    σ; a state loaded before the first boundary waits for it, and a trained module's prediction (and σ) come back
+    exactly."""
     h, target = torch.randn(4, 6), torch.randn(4, 6)
     first = SyntheticGradient()
     assert torch.equal(first.predict(h), torch.zeros(4, 6))
-    assert isinstance(first.optimizer, torch.optim.Adam) and first.optimizer.param_groups[0]["lr"] == 1e-3
+    assert isinstance(first.optimizer, torch.optim.Adam) and first.optimizer.param_groups[0]["lr"] == 1e-4
     losses = [first.train(h, target) for _ in range(3)]
-    assert losses[0] == pytest.approx(0.5 * float(target.pow(2).sum())) and losses[2] < losses[0]
+    assert first.scale == pytest.approx(float(target.pow(2).mean().sqrt()))
+    assert losses[0] == pytest.approx(0.5 * target.numel()) and losses[2] < losses[0]  # ½‖0 − δ/σ‖² = ½·numel
     second = SyntheticGradient()
     second.load_state_dict(first.state_dict())
     torch.testing.assert_close(second.predict(h), first.predict(h), atol=0, rtol=0)
-    assert second.train(h, target) == first.train(h, target)
+    assert second.train(h, target) == first.train(h, target) and second.scale == first.scale
+
+
+def test_normalised_prediction_neither_overshoots_nor_grows_with_the_activation():
+    """The measured cause of DNI's blow-up on the digits CNN: after one Adam step on a wide non-negative boundary
+    (ReLU features) and a small true gradient, ``ĝ = M(h)`` overshoots the target many times over and scales with
+    ``h``; ``σ·M(h/‖h‖)`` stays below the target's size and is the same for ``1000·h``."""
+    g = torch.Generator().manual_seed(0)
+    h, delta = torch.rand(8, 512, generator=g), 3e-3 * torch.randn(8, 512, generator=g)
+    ratios = {}
+    for normalize in (False, True):
+        for lr in (1e-3, 1e-4):
+            synthetic = SyntheticGradient(optimizer_factory=lambda p, lr=lr: torch.optim.Adam(p, lr=lr), normalize=normalize)
+            synthetic.train(h, delta)
+            g_hat = synthetic.predict(h)
+            ratios[normalize, lr] = float(g_hat.norm() / delta.norm())
+            big = synthetic.predict(1000 * h)
+            if normalize:
+                torch.testing.assert_close(big, g_hat, atol=1e-9, rtol=1e-5)
+            else:  # h·A + b: the bias stays, the rest grows 1000-fold
+                assert float(big.norm()) > 100 * float(g_hat.norm())
+    assert ratios[False, 1e-3] > 10 and ratios[False, 1e-4] > 1  # lr·‖h‖₁ per element, against |δ| ≈ 3e-3
+    assert ratios[True, 1e-3] < 1 and ratios[True, 1e-4] < 0.1
 
 
 def test_a_packed_boundary_predicts_only_the_values_that_carry_a_gradient():
