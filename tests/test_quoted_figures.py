@@ -56,7 +56,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "docs/algorithms/diloco.md": ("diloco.json",),
     "docs/algorithms/dpsgd.md": (),  # no benchmark yet
     "docs/algorithms/hogwild.md": (),  # no benchmark yet
-    "docs/algorithms/apex.md": (),  # no benchmark yet
+    "docs/algorithms/apex.md": ("rl.json",),
     "docs/algorithms/parallax.md": (),  # no benchmark yet (issue 23 item 5)
 }
 MARKERS = ("paper", "published", "default", "chosen", "by hand", "recipe run", "simulated")
