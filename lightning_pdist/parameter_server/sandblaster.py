@@ -28,10 +28,15 @@ The gradient of the batch is computed in *portions* (contiguous slices of the ba
 handed out, an idle worker may get a copy of a portion still being computed (``backup_portions`` per step, the last
 portions first), and each server keeps the first answer for each portion (:class:`ShardVectors`). The module's loss
 is taken to be a mean over its batch, so portion ``p`` of ``n_p`` samples weighs ``n_p / B``.
+
+Every worker must hold the same batch: ``g`` sums slices of *one* batch. Each claim carries a 64-bit digest of the
+claimant's batch (:func:`batch_digest`); the dispatcher compares it with the step's first and refuses the step's
+claims, and every later one, once two differ, naming the step and both workers.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from typing import Any, Callable
@@ -41,6 +46,7 @@ from torch import Tensor
 
 __all__ = [
     "LBFGSCoordinator",
+    "batch_digest",
     "MAX_OPS",
     "PortionDispatcher",
     "ShardVectors",
@@ -51,6 +57,8 @@ __all__ = [
 
 VECTORS = ("x", "g", "prev", "d", "q", "s", "y")  # x is the shard itself; S<i>/Y<i> name the history, oldest first
 MAX_OPS = 64  # commands in one request: the longest the coordinator sends is 6
+DIGEST_STEPS = 64  # steps whose batch digest the dispatcher keeps (a worker this far behind is not checked)
+DIGEST = re.compile(r"^[0-9a-f]{16}$")  # a batch digest: 64 bits in hex
 _HISTORY = re.compile(r"^([SY])(0|[1-9][0-9]{0,3})$")
 _SCALAR_OPS = {"dot": "sum", "absmax": "max", "abssum": "sum", "close": "first"}
 _ARITY = {"dot": 2, "absmax": 1, "abssum": 1, "axpy": 3, "scale": 2, "copy": 2, "sub": 3, "remember": 0,
@@ -68,6 +76,16 @@ def portion_bounds(batch: int, portions: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+def batch_digest(tensors: list[Tensor]) -> str:
+    """A 64-bit digest (BLAKE2b, hex) of a batch's tensors: their dtypes, shapes and bytes, in order."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def _is_number(v: Any) -> bool:
@@ -229,6 +247,8 @@ class PortionDispatcher:
     def __init__(self, backup_portions: int):
         self.backup_portions = backup_portions
         self.closed = 0  # steps finished
+        self.digests: dict[int, tuple[str, int]] = {}  # step -> (batch digest, first worker), the last DIGEST_STEPS
+        self.mixed: str | None = None  # set once two workers claimed with different batches
         self._open(0, 0)
 
     def _open(self, step: int, portions: int) -> None:
@@ -237,12 +257,25 @@ class PortionDispatcher:
         self.answered: set[int] = set()
         self.next, self.reissued = 0, 0
 
-    def claim(self, step: int, portions: int, worker: int) -> tuple[int | None, bool]:
-        """``(portion, is_backup)`` for ``worker`` in ``step``; ``(None, False)``: nothing left to hand out."""
+    def claim(self, step: int, portions: int, worker: int, batch: str | None = None) -> tuple[int | None, bool]:
+        """``(portion, is_backup)`` for ``worker`` in ``step``; ``(None, False)``: nothing left to hand out.
+
+        ``batch``: the digest of the worker's batch (:func:`batch_digest`); ``ValueError`` if it differs from the
+        first one claimed for ``step``, and for every claim after that (the job mixed batches: it cannot go on)."""
+        if step > self.closed + 1:
+            raise ValueError(f"step={step}: step {self.closed + 1} is the open one")
+        if self.mixed is None and batch is not None:
+            first = self.digests.setdefault(step, (batch, worker))
+            if first[0] != batch:
+                self.mixed = (f"step {step}: worker {worker}'s batch (digest {batch}) differs from worker {first[1]}'s "
+                              f"(digest {first[0]}); Sandblaster's portions are slices of one batch that every worker "
+                              "must hold (same sampler order, same data on every rank)")  # fmt: skip
+            for old in [s for s in self.digests if s <= step - DIGEST_STEPS]:
+                del self.digests[old]
+        if self.mixed is not None:
+            raise ValueError(self.mixed)
         if step <= self.closed:
             return None, False  # a late worker: the step is over
-        if step != self.closed + 1:
-            raise ValueError(f"step={step}: step {self.closed + 1} is the open one")
         if self.step != step:
             self._open(step, portions)
         if portions != self.portions:

@@ -2,8 +2,9 @@
 
 Three request kinds, each checked field by field before it touches any state (a refused request changes nothing):
 
-``SB_CLAIM``  worker -> server 0: ``{"step", "portions"}``; reply ``{"portion": p | null, "backup": bool}``
-              (:class:`~lightning_pdist.parameter_server.sandblaster.PortionDispatcher`).
+``SB_CLAIM``  worker -> server 0: ``{"step", "portions", "batch"?}``; reply ``{"portion": p | null, "backup": bool}``
+              (:class:`~lightning_pdist.parameter_server.sandblaster.PortionDispatcher`); ``batch``, the 64-bit hex
+              digest of the worker's batch, is compared with the step's first (refused once two differ).
 ``SB_GRAD``   worker -> every server: this shard of portion ``p``'s gradient (payload, at most the shard's bytes),
               ``{"step", "portion", "portions", "samples", "loss"}``; reply ``{"accepted": bool}`` (the first answer
               for a portion is kept; a later one, or one for a finished step, is dropped).
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_pdist.parameter_server.loop import Connection, RequestRefused
-from lightning_pdist.parameter_server.sandblaster import PortionDispatcher, ShardVectors, check_ops
+from lightning_pdist.parameter_server.sandblaster import DIGEST, PortionDispatcher, ShardVectors, check_ops
 from lightning_pdist.core.ps_wire import Kind, bytes_to_tensor
 
 __all__ = ["MAX_HISTORY", "MAX_PORTIONS", "SB_KINDS", "SandblasterShard"]
@@ -111,8 +112,11 @@ class SandblasterShard:
         if self.dispatcher is None:
             raise RequestRefused(f"SB_CLAIM: parameter server {self.server.index} does not hand out portions (server 0 does)")
         portions = self._portions(meta, "SB_CLAIM")
+        batch = meta.get("batch")
+        if batch is not None and not (isinstance(batch, str) and DIGEST.match(batch)):
+            raise RequestRefused(f"SB_CLAIM: batch={str(batch)[:60]}: batch must be a digest of 16 lowercase hex digits")
         try:
-            portion, backup = self.dispatcher.claim(step, portions, worker)
+            portion, backup = self.dispatcher.claim(step, portions, worker, batch)
         except ValueError as err:
             raise RequestRefused(f"SB_CLAIM: {err}") from None
         self.stats["claims"] += portion is not None

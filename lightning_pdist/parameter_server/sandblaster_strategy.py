@@ -14,7 +14,9 @@ Per training batch, on every worker::
     pull x (answered once the coordinator finished the step)
 
 Every worker loads the whole dataset (``distributed_sampler_kwargs``: one replica), so any worker can compute any
-portion. The server side is :mod:`~lightning_pdist.parameter_server.sandblaster_server`; the servers, their
+portion; it must draw the same batches as the others. Under ``use_distributed_sampler=True`` the ranks' seeds must
+agree (refused at setup otherwise); every claim carries the digest of the worker's batch, and server 0 refuses a
+step whose workers hold different batches (naming the step and both workers). The server side is :mod:`~lightning_pdist.parameter_server.sandblaster_server`; the servers, their
 placement, authentication and the workers' group are :class:`ParameterServerStrategy`'s. The method card is
 ``docs/algorithms/parameter_server.md`` (Sandblaster L-BFGS).
 """
@@ -22,6 +24,7 @@ placement, authentication and the workers' group are :class:`ParameterServerStra
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Callable
 
 import torch
@@ -34,7 +37,7 @@ from typing_extensions import override
 from lightning_pdist.core.config import is_int
 from lightning_pdist.core.strategy import PdistStrategy
 from lightning_pdist.core.ps_client import ParameterServerClient
-from lightning_pdist.parameter_server.sandblaster import LBFGSCoordinator, combine, portion_bounds
+from lightning_pdist.parameter_server.sandblaster import LBFGSCoordinator, batch_digest, combine, portion_bounds
 from lightning_pdist.parameter_server.sandblaster_server import MAX_HISTORY, MAX_PORTIONS
 from lightning_pdist.parameter_server.strategy import ParameterServerStrategy
 from lightning_pdist.core.ps_wire import Kind
@@ -100,6 +103,7 @@ class SandblasterStrategy(ParameterServerStrategy):
         self.portion_counts = {"computed": 0, "accepted": 0, "backups": 0}  # this worker's, over the fit
         self._portion: tuple[int, int] | None = None
         self._batch_size = 0
+        self._batch_digest: str | None = None
         self._history_size = 0
 
     def portions_for(self, world_size: int) -> int:
@@ -154,6 +158,21 @@ class SandblasterStrategy(ParameterServerStrategy):
             raise ValueError(f"{owner}: precision with a gradient scaler ({type(self.precision_plugin).__name__}): the "
                              "portions' gradients go unscaled into L-BFGS; use precision='32-true' or 'bf16-mixed'")  # fmt: skip
 
+    def _check_sampler_seed(self, owner: str) -> None:
+        """Under ``use_distributed_sampler=True`` Lightning shuffles every rank's one-replica sampler with that rank's
+        ``PL_GLOBAL_SEED``: refused unless every rank has the same one (all ranks see the list and refuse alike)."""
+        trainer = self.lightning_module.trainer
+        if not trainer._accelerator_connector.use_distributed_sampler or self.workers is None:
+            return
+        seeds = self.workers.all_gather_object(os.environ.get("PL_GLOBAL_SEED", "0"))
+        if len(set(seeds)) > 1:
+            differ = ", ".join(f"rank {r}: {s}" for r, s in enumerate(seeds) if s != seeds[0])
+            raise ValueError(f"{owner}: Trainer(use_distributed_sampler=True) shuffles each rank's sampler with its "
+                             f"PL_GLOBAL_SEED, which differs across ranks (rank 0: {seeds[0]}, {differ}); Sandblaster "
+                             "needs the same batch on every rank: seed every rank alike (seed_everything(s), one s), "
+                             "or pass use_distributed_sampler=False with a loader that yields the same batches on "
+                             "every rank")  # fmt: skip
+
     @staticmethod
     def _check_group(owner: str, group: dict) -> None:
         if group.get("line_search_fn") is not None:
@@ -168,6 +187,7 @@ class SandblasterStrategy(ParameterServerStrategy):
     def setup_algorithm(self) -> None:
         owner = type(self).__name__
         self._check_setup(owner)
+        self._check_sampler_seed(owner)
         params = self._params()
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
@@ -220,6 +240,9 @@ class SandblasterStrategy(ParameterServerStrategy):
             raise ValueError(f"{type(self).__name__}: the batch's tensors have first dimensions {sorted(map(str, sizes))}; "
                              "portions slice every tensor of the batch along dim 0, so they must all share it")  # fmt: skip
         self._batch_size = sizes.pop()
+        tensors: list[Tensor] = []
+        apply_to_collection(batch, Tensor, tensors.append)
+        self._batch_digest = batch_digest(tensors)
         super().on_train_batch_start(batch, batch_idx)
 
     @override
@@ -257,7 +280,8 @@ class SandblasterStrategy(ParameterServerStrategy):
         sent_before = sum(c.bytes_sent for c in self.client.connections)
         loss = None
         while True:
-            claim, _ = self.client.connections[0].request(Kind.SB_CLAIM, {"worker": rank, "step": step, "portions": portions})
+            ask = {"worker": rank, "step": step, "portions": portions, "batch": self._batch_digest}
+            claim, _ = self.client.connections[0].request(Kind.SB_CLAIM, ask)
             p = claim["portion"]
             if p is None:
                 break

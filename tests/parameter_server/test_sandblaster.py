@@ -14,14 +14,15 @@ import time
 import pytest
 import torch
 from _helpers import SnapshotParams, TinyRegression, closed_by_server, fit, load_snapshot, make_net, rank_batches, regression_data
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_pdist import SandblasterStrategy
 from lightning_pdist.core.ps_client import ParameterServerClient, ServerConnection, ServerError, WorkerStalled
 from lightning_pdist.parameter_server.process import start_server
-from lightning_pdist.parameter_server.sandblaster import portion_bounds
+from lightning_pdist.parameter_server.sandblaster import batch_digest, portion_bounds
 from lightning_pdist.core.ps_wire import HEADER, MAGIC, Kind, dumps_state, loads_state, recv_message
 
 TIMEOUT = 10.0
@@ -116,6 +117,37 @@ def test_two_workers_equal_torch_lbfgs_with_a_straggler_and_resume_exactly(tmp_p
         assert torch.equal(load_snapshot(resumed, 0, t), load_snapshot(run, 0, t)), t
     for rank in (0, 1):
         assert torch.equal(load_snapshot(resumed, rank, "final"), load_snapshot(run, rank, "final")), rank
+
+
+class RankDependent(LBFGSRegression):
+    """``seeds``: each rank seeds itself with its rank (in ``setup``, before the strategy's); ``data``: each rank
+    loads a dataset of its own (same size, same seed: Lightning's sampler order agrees, the samples do not)."""
+
+    def __init__(self, what):
+        super().__init__()
+        self.what = what
+
+    def setup(self, stage):
+        if self.what == "seeds":
+            seed_everything(self.global_rank, verbose=False)
+
+    def train_dataloader(self):
+        data = regression_data(N, seed=self.global_rank if self.what == "data" else 0)
+        return DataLoader(data, batch_size=BATCH, shuffle=True)
+
+
+def test_ranks_that_would_draw_different_batches_are_refused():
+    """Ranks seeded apart under use_distributed_sampler=True: refused at setup, naming the argument, both seeds and
+    the rule. Ranks with different data (same sampler order): step 1 is refused on its claims, naming the step and
+    both workers, before any L-BFGS step is taken."""
+    with pytest.raises(Exception, match=r"SandblasterStrategy: Trainer\(use_distributed_sampler=True\) shuffles each "
+                                        r"rank's sampler with its PL_GLOBAL_SEED, which differs across ranks \(rank 0: "
+                                        r"0, rank 1: 1\); Sandblaster needs the same batch on every rank"):  # fmt: skip
+        fit(sandblaster(), RankDependent("seeds"), max_steps=2)
+    with pytest.raises(Exception, match=r"SB_CLAIM: step 1: worker [01]'s batch \(digest [0-9a-f]{16}\) differs from "
+                                        r"worker [01]'s \(digest [0-9a-f]{16}\); Sandblaster's portions are slices of one "
+                                        r"batch"):  # fmt: skip
+        fit(sandblaster(), RankDependent("data"), max_steps=2)
 
 
 # ---------------------------------------------------------------------- bad input
@@ -225,6 +257,27 @@ def test_portions_backups_first_answers_commands_and_a_named_straggler():
         server.stop(timeout=5)
 
 
+def test_claims_with_different_batch_digests_are_refused_from_then_on():
+    """Claims of one step carrying the same digest are served; a claim with another digest is refused naming the
+    step and both workers, and so is every claim after it, the first worker's included (the job mixed batches)."""
+    server = start_server(0, secret=SECRET)
+    try:
+        admin = init(server.address, secret=SECRET)
+        w1 = ServerConnection(0, server.address, timeout=TIMEOUT, secret=SECRET)
+        w1.request(Kind.HELLO, {"worker": 1})
+        a, b = batch_digest([torch.ones(4, 2), torch.zeros(4)]), batch_digest([torch.ones(4, 2), torch.zeros(4, 1)])
+        assert a != b and a == batch_digest([torch.ones(4, 2), torch.zeros(4)])  # the shape counts, not only the bytes
+        claim = lambda c, w, d: c.request(Kind.SB_CLAIM, {"worker": w, "step": 1, "portions": 4, "batch": d})[0]  # noqa: E731
+        assert [claim(admin, 0, a)["portion"], claim(w1, 1, a)["portion"]] == [0, 1]
+        mixed = rf"SB_CLAIM: step 1: worker 1's batch \(digest {b}\) differs from worker 0's \(digest {a}\)"
+        for conn, w, d in [(w1, 1, b), (admin, 0, a), (w1, 1, a)]:
+            with pytest.raises(ServerError, match=mixed):
+                claim(conn, w, d)
+    finally:
+        assert server.poll() is None, "the server died"
+        server.stop(timeout=5)
+
+
 def test_hostile_frames_of_each_new_kind_are_refused_and_the_server_lives():
     """SB_GRAD is bounded by the shard, SB_CLAIM and SB_OPS by zero payload bytes, all checked on the header; an
     unauthenticated SB_OPS never reaches the handler; bad fields and commands are refused naming them; none changes
@@ -254,6 +307,7 @@ def test_hostile_frames_of_each_new_kind_are_refused_and_the_server_lives():
             (Kind.SB_CLAIM, {"step": 2, "portions": 4}, None, r"SB_CLAIM: step=2: step must be an int in \[1, 1\]"),
             (Kind.SB_CLAIM, {"step": 1, "portions": 5}, None, r"SB_CLAIM: portions=5: portions must be an int in \[1, 4\]"),
             (Kind.SB_CLAIM, {"step": 1}, None, r"SB_CLAIM: field 'portions' is missing"),
+            (Kind.SB_CLAIM, {"step": 1, "portions": 4, "batch": 7}, None, r"SB_CLAIM: batch=7: batch must be a digest of 16"),
             (Kind.SB_GRAD, {**good, "portion": 4}, torch.ones(6), r"SB_GRAD: portion=4: portion must be an int in \[0, 4\)"),
             (Kind.SB_GRAD, {**good, "loss": math.inf}, torch.ones(6), r"SB_GRAD: loss=inf: loss must be a finite number"),
             (Kind.SB_GRAD, {**good, "samples": 0}, torch.ones(6), r"SB_GRAD: samples=0: samples must be an int >= 1"),
