@@ -616,7 +616,9 @@ def keep_parts(doc: dict[str, Any], old: dict[str, Any], config: SuiteConfig) ->
         doc["part_wall_s"][part] = old.get("part_wall_s", {}).get(part)
     before = old.get("kept") or {}  # the parts ``old`` itself kept came from an earlier run (and so on)
     sources = [{k: v for k, v in before.items() if k != "earlier"}, *before.get("earlier", [])] if before.get("parts") else []
-    earlier = [{**e, "parts": [p for p in e["parts"] if p in kept]} for e in sources]
+    # each part under the earliest run it came from only (a nearer entry that lists it kept it in turn)
+    earlier = [{**e, "parts": [p for p in e["parts"] if p in kept and not any(p in d["parts"] for d in sources[i + 1:])]}
+               for i, e in enumerate(sources)]  # fmt: skip
     doc["kept"] = {"parts": kept, "from_command": old["command"], "from_created": old["created"], "from_host": old["host"],
                    "earlier": [e for e in earlier if e["parts"]]}  # fmt: skip
 

@@ -207,6 +207,13 @@ def test_convergence_runs_not_made_again_are_kept_with_their_command_and_must_ma
     later = {"config": asdict(bert), "networks": {}, "part_wall_s": {}, "bert": {"rows": []}}
     keep_parts(later, nxt, bert)
     assert later["convergence"] == nxt["convergence"] and later["kept"]["parts"] == ["convergence"]
+    # a part kept through a chain of runs is named under the run that made it, once
+    nxt["kept"] = {"parts": ["bert"], "from_command": "cmd1", "from_created": "c1", "from_host": {},
+                   "earlier": [{"parts": ["bert"], "from_command": "cmd0", "from_created": "c0", "from_host": {}}]}  # fmt: skip
+    nxt["bert"] = {"rows": []}
+    again = {"config": asdict(tr), "networks": {}, "part_wall_s": {}, "convergence": {}}
+    keep_parts(again, nxt, tr)
+    assert again["kept"]["from_command"] == "cmd2" and [(e["from_command"], e["parts"]) for e in again["kept"]["earlier"]] == [("cmd0", ["bert"])]
     for setting, value in (("converge_lr", 0.5), ("epochs", 3), ("converge_momentum", 0.5)):
         other = SuiteConfig(parts=("convergence",), converge_models=("transformer",), methods=("dni",), **{"epochs": 2, setting: value})
         with pytest.raises(ValueError, match=rf"its convergence rows ran with other settings \({setting}=.* \(now {value}\)\); re-run them"):
