@@ -39,6 +39,11 @@
    ``pipeline()`` traced at the same point (``ScheduleGPipe``/``Schedule1F1B`` at the executor level, as in part 1),
    same batches and micro-batches, loopback, both in one launch. A cut torch cannot trace or run is recorded in
    ``not_run`` with its error.
+
+``--keep-from OLD.json`` keeps the parts of an earlier run that this one does not run (``doc["kept"]``), and, when
+this run makes only some convergence runs (``--converge-models``, ``--methods``), the earlier run's other convergence
+runs beside them (``doc["convergence"]["kept"]``: per earlier command its runs, command, date and load), so that the
+part can be re-run in pieces of under 10 minutes, each keeping the one before.
 """
 
 from __future__ import annotations
@@ -141,7 +146,8 @@ class SuiteConfig(SuiteRules):
     bert_batch_size: int = 32
     """global batch of the bert part (2 stages, --microbatches micro-batches)"""
     keep_from: str | None = None
-    """a pipeline.json whose parts not run now are kept as they are (its command and date are recorded with them)"""
+    """a pipeline.json whose parts not run now are kept as they are, and whose convergence runs (model, method, seed)
+    not made now are kept beside this run's (same settings); its command and date are recorded with them"""
     timeout: float = 600.0
     """seconds per launch"""
     quick: bool = True
@@ -568,7 +574,10 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
             doc["not_run"] = not_run
             lap("bert")
     if config.keep_from is not None:
-        keep_parts(doc, json.loads(Path(config.keep_from).read_text()), config)
+        old = json.loads(Path(config.keep_from).read_text())
+        keep_parts(doc, old, config)
+        if "convergence" in config.parts:
+            keep_convergence_rows(doc, old, config)
     return run.finish(plot)
 
 
@@ -594,17 +603,73 @@ def keep_parts(doc: dict[str, Any], old: dict[str, Any], config: SuiteConfig) ->
     kept = [p for p in PARTS if p not in config.parts and all(k in old for k in PART_KEYS[p][:1])]
     for part in kept:
         now = json.loads(json.dumps(doc["config"]))  # tuples as the file's lists
-        differ = [k for k in PART_SETTINGS[part] if k in old["config"] and old["config"][k] != now[k]]
+        then = {**old["config"], **(old.get(part) or {}).get("covers", {})}  # row-level kept convergence: the rows it holds
+        differ = [k for k in PART_SETTINGS[part] if k in then and then[k] != now[k]]
         if differ:
             raise ValueError(f"pipeline(--keep-from={config.keep_from}): its {part} part ran with other settings "
-                             f"({', '.join(k + '=' + repr(old['config'][k]) for k in differ)}); re-run that part")  # fmt: skip
+                             f"({', '.join(k + '=' + repr(then[k]) for k in differ)}); re-run that part")  # fmt: skip
         for key in PART_KEYS[part]:
             if key == "networks":
                 doc["networks"] = {**old["networks"], **doc["networks"]}
             elif key in old:
                 doc[key] = old[key]
         doc["part_wall_s"][part] = old.get("part_wall_s", {}).get(part)
-    doc["kept"] = {"parts": kept, "from_command": old["command"], "from_created": old["created"], "from_host": old["host"]}
+    before = old.get("kept") or {}  # the parts ``old`` itself kept came from an earlier run (and so on)
+    sources = [{k: v for k, v in before.items() if k != "earlier"}, *before.get("earlier", [])] if before.get("parts") else []
+    # each part under the earliest run it came from only (a nearer entry that lists it kept it in turn)
+    earlier = [{**e, "parts": [p for p in e["parts"] if p in kept and not any(p in d["parts"] for d in sources[i + 1:])]}
+               for i, e in enumerate(sources)]  # fmt: skip
+    doc["kept"] = {"parts": kept, "from_command": old["command"], "from_created": old["created"], "from_host": old["host"],
+                   "earlier": [e for e in earlier if e["parts"]]}  # fmt: skip
+
+
+#: The settings every convergence row depends on: rows kept from an earlier run (``--keep-from``) must share them.
+CONVERGE_KEEP_SETTINGS = ("converge_stages", "converge_lr", "converge_lr_transformer", "converge_momentum",
+                          "converge_batch_size", "epochs")  # fmt: skip
+
+
+def keep_convergence_rows(doc: dict[str, Any], old: dict[str, Any], config: SuiteConfig) -> None:
+    """Add to this run's convergence part the runs of ``old`` (an earlier pipeline.json) it did not make again, by
+    (model, method, seed): their curve rows, their bytes rows and their runs, in model, seed, method order; recompute
+    the summary. ``doc["convergence"]["kept"]`` holds, per earlier command, the runs it made (``"cnn dni s0"``) and its
+    command, date and load (an earlier run's own kept runs keep their entries); ``doc["convergence"]["covers"]`` the
+    models, methods and seeds the part now holds (what a later whole-part keep compares).
+
+    Raises:
+        ValueError: ``old`` is another suite's, or its convergence ran with other :data:`CONVERGE_KEEP_SETTINGS`.
+    """
+    where = f"pipeline(--keep-from={config.keep_from!r})"
+    if old.get("suite") != SUITE:
+        raise ValueError(f"{where}: holds suite {old.get('suite')!r}, not {SUITE!r}")
+    if not old.get("convergence"):
+        return
+    now = json.loads(json.dumps(doc["config"]))
+    differ = [k for k in CONVERGE_KEEP_SETTINGS if old["config"].get(k) != now[k]]
+    if differ:
+        raise ValueError(f"{where}: its convergence rows ran with other settings ("
+                         + ", ".join(f"{k}={old['config'].get(k)!r} (now {now[k]!r})" for k in differ) + "); re-run them")
+    conv, was = doc["convergence"], old["convergence"]
+    name = lambda r: f"{r.get('model', 'cnn')} {r['method']} s{r['seed']}"  # noqa: E731
+    made = {name(r) for r in conv["runs"]}
+    kept = [r for r in was["runs"] if name(r) not in made]
+    names = {name(r) for r in kept}
+    cnn_first = {r["method"] for r in kept if r.get("model", "cnn") == "cnn" and r["seed"] == old["config"]["seeds"][0]}  # its bytes rows
+    models, methods = list(CONVERGE_MODELS), list(METHODS)
+    order = lambda r: (models.index(r.get("model", "cnn")), r["seed"], methods.index(r["method"]))  # noqa: E731
+    conv["runs"] = sorted(conv["runs"] + kept, key=order)
+    conv["rows"] = sorted(conv["rows"] + [r for r in was["rows"] if name(r) in names], key=lambda r: (*order(r), r["epoch"]))
+    bytes_made = {r["method"] for r in doc["bytes"]["rows"]}
+    doc["bytes"]["rows"] = sorted(doc["bytes"]["rows"] + [r for r in (old.get("bytes") or {}).get("rows", [])
+                                                          if r["method"] in cnn_first - bytes_made], key=lambda r: methods.index(r["method"]))  # fmt: skip
+    conv["summary"] = convergence_summary(conv["runs"])
+    earlier = {n for e in was.get("kept", []) for n in e["rows"]}
+    entries = [{**e, "rows": [n for n in e["rows"] if n in names]} for e in was.get("kept", [])]
+    entries.append({"rows": [name(r) for r in kept if name(r) not in earlier], "command": old["command"],
+                    "created": old["created"], "loadavg_1m_at_start": old["host"]["loadavg_1m_at_start"]})  # fmt: skip
+    conv["kept"] = [e for e in entries if e["rows"]]
+    conv["covers"] = {"converge_models": [m for m in models if any(r.get("model", "cnn") == m for r in conv["runs"])],
+                      "methods": [m for m in methods if any(r["method"] == m for r in conv["runs"])],
+                      "seeds": sorted({r["seed"] for r in conv["runs"]})}  # fmt: skip
 
 
 # -- output --------------------------------------------------------------------------------------------
@@ -656,6 +721,8 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         kept = doc["kept"]
         lines += ["", f"Parts {', '.join(kept['parts'])} are kept from the run `{kept['from_command']}` of {kept['from_created']} "
                   f"(1-min load average {kept['from_host']['loadavg_1m_at_start']} at its start); the others ran in the run above."]  # fmt: skip
+        lines += [f"Of these, {', '.join(e['parts'])} came to it from the run `{e['from_command']}` of {e['from_created']} "
+                  f"(1-min load average {e['from_host']['loadavg_1m_at_start']} at its start)." for e in kept.get("earlier", [])]  # fmt: skip
     if doc["rows"]:
         nets = "\n".join(network_lines(doc, goodput=None))
         lines += ["", "### Throughput", "", f"MLP: {cfg['depth']} × Linear({cfg['width']}, {cfg['width']}), batch "
@@ -694,6 +761,10 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         notes = conv["summary"]["stashing_note"]
         lines += [f"Stashing ({model}): {note}" for model, note in (notes.items() if isinstance(notes, dict) else [("cnn", notes)])]
         lines += [f"- {r.get('model', 'cnn')} {r['method']} seed {r['seed']}: error {r['error']}" for r in conv["runs"] if r.get("error")]
+        if conv.get("kept"):
+            lines += ["", "Convergence runs kept from earlier commands (the others ran in the run above):", ""]
+            lines += [f"- {', '.join(e['rows'])}: `{e['command']}` (run {e['created']}, 1-min load average "
+                      f"{e['loadavg_1m_at_start']} at its start)" for e in conv["kept"]]  # fmt: skip
     if (doc.get("bytes") or {}).get("rows"):
         lines += ["", "### Bytes per epoch against survey 002 Table 1", "", markdown_table(doc["bytes"]["rows"], BYTES_COLUMNS)]
     if doc.get("bert"):

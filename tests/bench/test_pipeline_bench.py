@@ -16,6 +16,7 @@ from lightning_pdist.bench.pipeline import (
     convergence_summary,
     ddp_bytes,
     engine_cases,
+    keep_convergence_rows,
     keep_parts,
     pipeline_bytes,
     ratios,
@@ -162,6 +163,63 @@ def test_kept_parts_come_from_the_earlier_run_with_its_command_and_must_match_it
     old["config"]["epochs"] = 8
     with pytest.raises(ValueError, match=r"its convergence part ran with other settings \(epochs=8\); re-run that part"):
         keep_parts(doc, old, cfg)
+
+
+def _conv_doc(cfg, command, runs, created="2026-01-01T00:00:00Z", kept=None):
+    """A pipeline.json with convergence runs ``(model, method, final val_acc)``, seed 0, 2 epochs each."""
+    name = lambda mo, me: {"model": mo, "method": me, "seed": 0}  # noqa: E731
+    return {"suite": "pipeline", "command": command, "created": created, "host": {"loadavg_1m_at_start": 1.5},
+            "config": json.loads(json.dumps(asdict(cfg))), "part_wall_s": {},
+            "bytes": {"rows": [{"method": me, "measured_bytes_per_epoch": acc} for mo, me, acc in runs if mo == "cnn"]},
+            "convergence": {"rows": [{**name(mo, me), "epoch": e, "val_acc": acc / e} for mo, me, acc in runs for e in (2, 1)],
+                            "runs": [{**name(mo, me), "error": None, "final_val_acc": acc} for mo, me, acc in runs],
+                            **({"kept": kept} if kept else {})}}  # fmt: skip
+
+
+def test_convergence_runs_not_made_again_are_kept_with_their_command_and_must_match_its_settings():
+    """--keep-from with --converge-models/--methods: the earlier run's other convergence runs join this run's, in
+    model and method order, with the summary and bytes rows recomputed from them; each run's command is recorded
+    (through a chain of pieces), and a keep-from with other convergence settings is refused naming the setting."""
+    full = SuiteConfig(parts=("convergence",), epochs=2)
+    old = _conv_doc(full, "cmd0", [("cnn", m, 0.5) for m in ("ddp", "gpipe", "dni")] + [("transformer", m, 0.6) for m in ("ddp", "dni")])
+    cnn = SuiteConfig(parts=("convergence",), epochs=2, converge_models=("cnn",), methods=("dni", "gpipe"))
+    doc = _conv_doc(cnn, "cmd1", [("cnn", "gpipe", 0.8), ("cnn", "dni", 0.9)], created="2026-01-02T00:00:00Z")
+    keep_convergence_rows(doc, old, cnn)
+    conv = doc["convergence"]
+    runs = [(r["model"], r["method"], r["final_val_acc"]) for r in conv["runs"]]
+    assert runs == [("cnn", "ddp", 0.5), ("cnn", "gpipe", 0.8), ("cnn", "dni", 0.9), ("transformer", "ddp", 0.6), ("transformer", "dni", 0.6)]
+    assert [(r["model"], r["method"], r["epoch"]) for r in conv["rows"]][:4] == [("cnn", "ddp", 1), ("cnn", "ddp", 2), ("cnn", "gpipe", 1), ("cnn", "gpipe", 2)]
+    assert conv["rows"][3]["val_acc"] == 0.4 and conv["rows"][5]["val_acc"] == 0.45  # this run's curve, not the old one
+    assert [(r["method"], r["measured_bytes_per_epoch"]) for r in doc["bytes"]["rows"]] == [("ddp", 0.5), ("gpipe", 0.8), ("dni", 0.9)]
+    assert conv["summary"]["final_val_acc"]["cnn"]["dni"] == 0.9 and conv["summary"]["final_val_acc"]["transformer"]["dni"] == 0.6
+    assert conv["kept"] == [{"rows": ["cnn ddp s0", "transformer ddp s0", "transformer dni s0"], "command": "cmd0",
+                             "created": "2026-01-01T00:00:00Z", "loadavg_1m_at_start": 1.5}]  # fmt: skip
+    assert conv["covers"] == {"converge_models": ["cnn", "transformer"], "methods": ["ddp", "gpipe", "dni"], "seeds": [0]}
+    # the next piece keeps from this one: the run cmd1 made keeps its own entry, cmd0's loses what is made again
+    tr = SuiteConfig(parts=("convergence",), epochs=2, converge_models=("transformer",), methods=("dni",))
+    nxt = _conv_doc(tr, "cmd2", [("transformer", "dni", 0.7)])
+    keep_convergence_rows(nxt, doc, tr)
+    assert [(e["command"], e["rows"]) for e in nxt["convergence"]["kept"]] == [
+        ("cmd0", ["cnn ddp s0", "transformer ddp s0"]), ("cmd1", ["cnn gpipe s0", "cnn dni s0"])]  # fmt: skip
+    assert nxt["convergence"]["summary"]["final_val_acc"]["transformer"]["dni"] == 0.7
+    # a later run of another part keeps the whole merged convergence part: its covers, not cmd2's --methods, are compared
+    bert = SuiteConfig(parts=("bert",), epochs=2, methods=("ddp", "gpipe", "dni"))
+    later = {"config": asdict(bert), "networks": {}, "part_wall_s": {}, "bert": {"rows": []}}
+    keep_parts(later, nxt, bert)
+    assert later["convergence"] == nxt["convergence"] and later["kept"]["parts"] == ["convergence"]
+    # a part kept through a chain of runs is named under the run that made it, once
+    nxt["kept"] = {"parts": ["bert"], "from_command": "cmd1", "from_created": "c1", "from_host": {},
+                   "earlier": [{"parts": ["bert"], "from_command": "cmd0", "from_created": "c0", "from_host": {}}]}  # fmt: skip
+    nxt["bert"] = {"rows": []}
+    again = {"config": asdict(tr), "networks": {}, "part_wall_s": {}, "convergence": {}}
+    keep_parts(again, nxt, tr)
+    assert again["kept"]["from_command"] == "cmd2" and [(e["from_command"], e["parts"]) for e in again["kept"]["earlier"]] == [("cmd0", ["bert"])]
+    for setting, value in (("converge_lr", 0.5), ("epochs", 3), ("converge_momentum", 0.5)):
+        other = SuiteConfig(parts=("convergence",), converge_models=("transformer",), methods=("dni",), **{"epochs": 2, setting: value})
+        with pytest.raises(ValueError, match=rf"its convergence rows ran with other settings \({setting}=.* \(now {value}\)\); re-run them"):
+            keep_convergence_rows(_conv_doc(other, "cmd3", [("transformer", "dni", 0.7)]), doc, other)
+    with pytest.raises(ValueError, match=r"holds suite 'rl', not 'pipeline'"):
+        keep_convergence_rows(nxt, {**doc, "suite": "rl"}, tr)
 
 
 def test_a_failed_launch_gives_a_row_with_its_reason_and_no_figure():
