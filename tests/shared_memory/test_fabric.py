@@ -91,6 +91,7 @@ def run_lock_free(fabric, path, resume: bool):
     if resume:
         fabric.load(path, state)
         loaded, steps_after_load = model.weight.detach().reshape(-1).clone().numpy(), fabric.strategy.steps
+        fabric.barrier()  # nobody steps before every process has read them (the load's own barrier ends before the read)
     for t in range(state["step"] + 1, STEPS + 1):
         fabric.backward(model(torch.ones(1, D)).sum())
         opt.step()
