@@ -61,8 +61,8 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import Launcher, SuiteRun
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, parse_rate
-from lightning_pdist.bench.report import (check_rows, documented_run, markdown_table, network_lines, pyplot, run_lines,
-                                          save_figure)  # fmt: skip
+from lightning_pdist.bench.report import (check_rows, documented_run, kept_provenance, markdown_table, network_lines,
+                                          pyplot, refuse_other_settings, run_lines, save_figure)  # fmt: skip
 
 SUITE = "pipeline"
 PARTS = ("throughput", "bubble", "stash", "convergence", "bert")
@@ -644,10 +644,7 @@ def keep_convergence_rows(doc: dict[str, Any], old: dict[str, Any], config: Suit
     if not old.get("convergence"):
         return
     now = json.loads(json.dumps(doc["config"]))
-    differ = [k for k in CONVERGE_KEEP_SETTINGS if old["config"].get(k) != now[k]]
-    if differ:
-        raise ValueError(f"{where}: its convergence rows ran with other settings ("
-                         + ", ".join(f"{k}={old['config'].get(k)!r} (now {now[k]!r})" for k in differ) + "); re-run them")
+    refuse_other_settings(where, old["config"], now, CONVERGE_KEEP_SETTINGS, "convergence rows", "; re-run them")
     conv, was = doc["convergence"], old["convergence"]
     name = lambda r: f"{r.get('model', 'cnn')} {r['method']} s{r['seed']}"  # noqa: E731
     made = {name(r) for r in conv["runs"]}
@@ -662,11 +659,7 @@ def keep_convergence_rows(doc: dict[str, Any], old: dict[str, Any], config: Suit
     doc["bytes"]["rows"] = sorted(doc["bytes"]["rows"] + [r for r in (old.get("bytes") or {}).get("rows", [])
                                                           if r["method"] in cnn_first - bytes_made], key=lambda r: methods.index(r["method"]))  # fmt: skip
     conv["summary"] = convergence_summary(conv["runs"])
-    earlier = {n for e in was.get("kept", []) for n in e["rows"]}
-    entries = [{**e, "rows": [n for n in e["rows"] if n in names]} for e in was.get("kept", [])]
-    entries.append({"rows": [name(r) for r in kept if name(r) not in earlier], "command": old["command"],
-                    "created": old["created"], "loadavg_1m_at_start": old["host"]["loadavg_1m_at_start"]})  # fmt: skip
-    conv["kept"] = [e for e in entries if e["rows"]]
+    conv["kept"] = kept_provenance(old, was.get("kept", []), [name(r) for r in kept])
     conv["covers"] = {"converge_models": [m for m in models if any(r.get("model", "cnn") == m for r in conv["runs"])],
                       "methods": [m for m in methods if any(r["method"] == m for r in conv["runs"])],
                       "seeds": sorted({r["seed"] for r in conv["runs"]})}  # fmt: skip

@@ -220,6 +220,28 @@ def goal_lines(goals: Sequence[Mapping[str, Any]]) -> list[str]:
     return [f"- {g['goal']}: {verdict[g['met']]}. {g['measured']}." for g in goals]
 
 
+def refuse_other_settings(where: str, old: Mapping[str, Any], now: Mapping[str, Any], keys: Sequence[str], what: str,
+                          advice: str = "") -> None:
+    """Raise ``ValueError`` naming each of ``keys`` whose value in ``old`` (an earlier run's config) differs from ``now``:
+    rows kept with ``--keep-from`` must have run with the settings of the rows made now."""
+    differ = [k for k in keys if old.get(k) != now[k]]
+    if differ:
+        raise ValueError(f"{where}: its {what} ran with other settings ("
+                         + ", ".join(f"{k}={old.get(k)!r} (now {now[k]!r})" for k in differ) + f"){advice}")
+
+
+def kept_provenance(old: Mapping[str, Any], previous: Sequence[Mapping[str, Any]], kept: Sequence[str],
+                    **fields: Any) -> list[dict[str, Any]]:
+    """Per earlier command, the rows (by name) a ``--keep-from`` run keeps from it: ``previous`` (``old``'s own record
+    of the rows it had kept) narrowed to ``kept``, then ``old``'s command, date and load (and ``fields``) with the
+    rest; commands left without a row are dropped."""
+    earlier = {n for e in previous for n in e["rows"]}
+    entries = [{**e, "rows": [n for n in e["rows"] if n in kept]} for e in previous]
+    entries.append({"rows": [n for n in kept if n not in earlier], "command": old["command"], "created": old["created"],
+                    "loadavg_1m_at_start": old["host"]["loadavg_1m_at_start"], **fields})  # fmt: skip
+    return [e for e in entries if e["rows"]]
+
+
 def finish_suite(doc: dict[str, Any], out: Path, suite: str, started: float, plot: Callable[[dict, Path], Any]) -> dict[str, Any]:
     """Stamp the suite's wall time (since ``started``, a ``time.perf_counter()``), write its JSON and plot."""
     import time

@@ -30,8 +30,9 @@ from typing import Any, ClassVar
 
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import Launcher
-from lightning_pdist.bench.report import (check_rows, finish_suite, goal_lines, markdown_table, new_document, output_dir,
-                                          run_documented_suite, run_lines)  # fmt: skip
+from lightning_pdist.bench.report import (check_rows, finish_suite, goal_lines, kept_provenance, markdown_table,
+                                          new_document, output_dir, refuse_other_settings, run_documented_suite,
+                                          run_lines)  # fmt: skip
 
 SUITE = "rl"
 WORKER = "lightning_pdist.bench.rl_worker"
@@ -230,20 +231,12 @@ def keep_rows(doc: dict[str, Any], old: dict[str, Any], config: SuiteConfig) -> 
     where = f"{SUITE}(--keep-from={config.keep_from!r})"
     if old.get("suite") != SUITE:
         raise ValueError(f"{where}: holds suite {old.get('suite')!r}, not {SUITE!r}")
-    differ = [k for k in KEEP_SETTINGS if old["config"].get(k) != doc["config"][k]]
-    if differ:
-        raise ValueError(f"{where}: its rows ran with other settings ("
-                         + ", ".join(f"{k}={old['config'].get(k)!r} (now {doc['config'][k]!r})" for k in differ) + ")")
+    refuse_other_settings(where, old["config"], doc["config"], KEEP_SETTINGS, "rows")
     made = {r["row"] for r in doc["rows"]}
     kept = [r for r in old["rows"] if r["row"] not in made]
-    earlier = {n for e in old.get("kept", []) for n in e["rows"]}
-    entries = [{**e, "rows": [n for n in e["rows"] if n not in made]} for e in old.get("kept", [])]
-    entries.append({"rows": [r["row"] for r in kept if r["row"] not in earlier], "command": old["command"],
-                    "created": old["created"], "loadavg_1m_at_start": old["host"]["loadavg_1m_at_start"],
-                    "suite_wall_s": old.get("suite_wall_s")})  # fmt: skip
     order = {name: i for i, name in enumerate(ROWS)}
     doc["rows"] = sorted(doc["rows"] + kept, key=lambda r: order.get(r["row"], len(ROWS)))
-    doc["kept"] = [e for e in entries if e["rows"]]
+    doc["kept"] = kept_provenance(old, old.get("kept", []), [r["row"] for r in kept], suite_wall_s=old.get("suite_wall_s"))
 
 
 def run_suite(config: SuiteConfig, out: str | Path, command: str, log=print) -> dict[str, Any]:  # noqa: ANN001
