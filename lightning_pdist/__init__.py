@@ -68,7 +68,7 @@ def _runs_a_transport_program() -> bool:
     return sys.argv[:1] == ["-m"] and any(argv[i : i + 2] == ["-m", m] for i in range(len(argv)) for m in TRANSPORT_PROGRAMS)
 
 
-# The collector paused for torch's and Lightning's ~430k objects, then frozen: ~3.5 s of CPU less per process here
+# The collector paused for torch's and Lightning's ~430k objects, then frozen: about a third of a fresh process's start-up CPU here
 # (lightning_pdist.core.startup says why and how to undo it).
 with paused_then_frozen():
     import torch  # noqa: F401  (every family's first import; here, inside the pause)
