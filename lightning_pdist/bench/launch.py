@@ -300,6 +300,10 @@ def worker_main(module: str, doc: str | None, check: Callable[[dict[str, Any]], 
         if result is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / f"{prefix}{env.get('RANK', '0')}.json").write_text(json.dumps(result))
+    if argv is None:  # a launched rank, its results written: skip interpreter teardown, where threads a library left
+        sys.stdout.flush()  # (gloo's, DTensor's) can still abort the finished process with SIGABRT ("terminate called
+        sys.stderr.flush()  # without an active exception": seen once on a tensor_parallel rank after its group closed)
+        os._exit(0)
     return 0
 
 

@@ -102,11 +102,17 @@ def test_every_config_field_is_an_option_with_its_docstring_and_plan(suite):
 # the launcher's variables), and rank 1 fails at the spec that says so.
 EACH_WORKER = textwrap.dedent(
     """
-    import os, sys
+    import os, sys, time
 
     from lightning_pdist.bench.launch import worker_main
 
     def run(spec, out_dir):
+        # a real spec rendezvouses (init_process_group), so no rank runs ahead of the others: wait for both results of
+        # the spec before (without this, rank 1 could reach the failing spec before rank 0 wrote spec 0)
+        before, deadline = out_dir.parent / str(spec["i"] - 1), time.monotonic() + 30
+        while spec["i"] and not all((before / f"rank{r}.json").exists() for r in range(2)):
+            assert time.monotonic() < deadline, f"spec {spec['i'] - 1} never finished on both ranks"
+            time.sleep(0.01)
         if spec["fail"] and os.environ["RANK"] == "1":
             sys.exit("spec failed on purpose")
         return {"i": spec["i"], "pid": os.getpid(), "port": os.environ["MASTER_PORT"], "rank": os.environ.pop("RANK")}
