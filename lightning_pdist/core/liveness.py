@@ -3,10 +3,11 @@
 A failed gloo collective never says which rank is missing: ``Timed out waiting 1800000ms for recv operation``,
 ``Application timeout caused pair closure``, ``Connection closed by peer [127.0.0.1]:53386``. So every rank runs a
 :class:`Heartbeat`, a daemon thread that adds 1 to its own counter (``pdist/heartbeat/{rank}``) every ``period``
-seconds, over a store connection of its own. When a collective fails, :func:`silent_ranks` reads every counter
-twice, ``wait`` seconds apart: a rank whose counter did not move is stopped (SIGSTOP, a debugger), dead, or cut
-off from the store. Counters, not timestamps, so no clocks are compared across hosts. A rank whose main thread
-hangs (a deadlock, an endless loop) still beats and is not named; :func:`describe_silent_ranks` says so.
+seconds, over a store connection of its own (one per process and store, shared by its heartbeats). When a
+collective fails, :func:`silent_ranks` reads every counter twice, ``wait`` seconds apart: a rank whose counter
+did not move is stopped (SIGSTOP, a debugger), dead, or cut off from the store. Counters, not timestamps, so no
+clocks are compared across hosts. A rank whose main thread hangs (a deadlock, an endless loop) still beats and is not
+named; :func:`describe_silent_ranks` says so.
 
 The store is the job's rendezvous store (``MASTER_ADDR:MASTER_PORT``; under Lightning's launchers global rank 0
 hosts it). If it does not answer, the rank that hosts it is the one to look at, and the description says that.
@@ -16,6 +17,7 @@ Never imports Lightning.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from datetime import timedelta
@@ -45,6 +47,31 @@ def _client(host: str, port: int, timeout: float) -> dist.Store:
     return dist.PrefixStore(_PREFIX, store)
 
 
+#: This process's heartbeat connection to each store, reused by every :class:`Heartbeat` (one per strategy setup: a
+#: script or test with many Trainers starts many). Each new TCP store connection costs both ends a reverse DNS lookup of
+#: the peer (torch names it in its logs), and a slow resolver turns that into seconds: on the build machine every 25th
+#: lookup of 127.0.0.1 waited out the resolver's 5 s timeout, 15 of a 19 s conformance column. Keyed by process id:
+#: a forked child never shares its parent's socket. TCP store clients serialize their own requests across threads.
+_SHARED: dict[tuple[int, str, int], dist.Store] = {}
+
+
+def _shared_client(host: str, port: int, rank: int, timeout: float) -> dist.Store:
+    """The shared connection to ``host:port``, after adding 1 to ``rank``'s counter through it; a connection whose
+    store has gone (a job before, on the same address) is replaced by a new one."""
+    key = (os.getpid(), host, port)
+    store = _SHARED.get(key)
+    if store is not None:
+        try:
+            store.add(str(rank), 1)
+            return store
+        except Exception:  # noqa: BLE001  (that store is gone: connect again below)
+            _SHARED.pop(key, None)
+    store = _client(host, port, timeout)  # raises if the store cannot be reached now
+    store.add(str(rank), 1)
+    _SHARED[key] = store
+    return store
+
+
 class Heartbeat:
     """A daemon thread adding 1 to ``pdist/heartbeat/{rank}`` in the store at ``host:port`` every ``period`` s.
 
@@ -53,8 +80,7 @@ class Heartbeat:
 
     def __init__(self, host: str, port: int, rank: int, period: float = 2.0, timeout: float = 10.0) -> None:
         self.host, self.port, self.rank, self.period = host, port, rank, period
-        self._store = _client(host, port, timeout)  # raises if the store cannot be reached now
-        self._store.add(str(rank), 1)
+        self._store = self.store_connection = _shared_client(host, port, rank, timeout)  # raises if unreachable now
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name=f"pdist-heartbeat-{rank}", daemon=True)
         self._thread.start()

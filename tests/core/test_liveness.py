@@ -69,3 +69,21 @@ def test_a_store_that_does_not_answer_is_named_with_its_host():
 def test_which_errors_look_like_a_lost_peer(error, lost):
     """gloo's timeout and closed/reset connection errors are lost peers; a user's own error is not."""
     assert looks_like_a_lost_peer(error) is lost
+
+
+def test_heartbeats_of_one_process_share_one_connection_and_replace_a_gone_store():
+    """Every Heartbeat of a process reuses one connection per store (each new connection costs a reverse DNS lookup on
+    both ends); when that store is gone and another serves the same address, the next Heartbeat connects again."""
+    port = free_port()
+    make = lambda: dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)  # noqa: E731
+    server = make()
+    first, second = (Heartbeat("127.0.0.1", port, rank=0, period=0.1) for _ in range(2))
+    first.stop(), second.stop()
+    assert first.store_connection is second.store_connection
+    beats = lambda: dist.PrefixStore("pdist/heartbeat/", server).add("0", 0)  # noqa: E731
+    assert beats() >= 2  # both beat into the job's store
+    del server
+    server = make()  # a new job on the same address: the old connection is dead
+    third = Heartbeat("127.0.0.1", port, rank=0, period=0.1)
+    third.stop()
+    assert third.store_connection is not first.store_connection and beats() >= 1
