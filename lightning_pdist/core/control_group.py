@@ -15,6 +15,7 @@ Never imports Lightning.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import pickle
 import socket
@@ -88,7 +89,8 @@ class ControlGroup:
             run, restart = os.environ.get("TORCHELASTIC_RUN_ID", "run"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             prefix += f"{run}/{restart}/{ControlGroup._agent_groups}/"
         elif rank == 0:
-            self._server = dist.TCPStore(host, port, None, True, timeout=timeout, wait_for_workers=False)
+            self._server = dist.TCPStore(host, port, None, True, timeout=timeout, wait_for_workers=False,
+                                         master_listen_fd=_ipv4_listener(host, port))  # fmt: skip
         else:
             _await_listener(host, port, timeout)
         self._client = dist.TCPStore(host, port, None, False, timeout=timeout, wait_for_workers=False)
@@ -203,6 +205,31 @@ class ControlGroup:
         except RuntimeError:
             pass
         self._client = None
+
+
+def _ipv4_listener(host: str, port: int) -> int | None:
+    """A listening IPv4 socket on every interface at ``port`` for the store to take over, where ``host`` is an IPv4
+    address (``None`` otherwise: torch then listens on IPv6 and IPv4).
+
+    torch's own listener is an IPv6 socket, so every connection it accepts from an IPv4 client has an IPv4-mapped
+    address (``::ffff:a.b.c.d``), which it names with ``getnameinfo``: a reverse DNS query that ``/etc/hosts`` never
+    answers for a mapped address. A group costs four such queries; a slow or rate-limited resolver turns them into
+    seconds (this project's build machine answers about 25 in a burst, then waits out a 5 s timeout). An IPv4
+    listener's peers are plain IPv4 addresses, named from ``/etc/hosts`` where listed.
+    """
+    try:
+        if ipaddress.ip_address(host).version != 4:
+            return None
+    except ValueError:  # a host name
+        return None
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's listener: a restart reuses the port
+        listener.bind(("0.0.0.0", port))
+    except OSError:
+        listener.close()
+        raise
+    return listener.detach()  # the store owns the descriptor from here (and closes it when it stops)
 
 
 def _await_listener(host: str, port: int, timeout: timedelta) -> None:
