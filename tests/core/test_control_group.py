@@ -32,3 +32,19 @@ def test_all_gather_object_returns_every_workers_object_in_rank_order(tmp_path):
 def test_one_worker_gathers_its_own_object():
     """With world_size 1 there is no group: the gather is the object itself."""
     assert ControlGroup("127.0.0.1", 0, 0, 1).all_gather_object(("secret", None)) == [("secret", None)]
+
+
+def test_the_store_listens_on_ipv4_for_an_ipv4_host_and_as_torch_does_otherwise():
+    """Rank 0's store takes an IPv4 listener for an IPv4 host (its peers then have plain IPv4 addresses, which torch
+    names without a reverse DNS query for an IPv4-mapped one); a host name or an IPv6 address leaves it to torch."""
+    import socket
+
+    from lightning_pdist.core.control_group import _ipv4_listener
+
+    assert _ipv4_listener("localhost", free_port()) is None and _ipv4_listener("::1", free_port()) is None
+    port = free_port()
+    listener = socket.socket(fileno=_ipv4_listener("127.0.0.1", port))
+    try:
+        assert listener.family == socket.AF_INET and listener.getsockname() == ("0.0.0.0", port)
+    finally:
+        listener.close()
