@@ -456,8 +456,8 @@ def long_checkpoints(row: dict[str, Any], ddp: dict[str, Any], main_steps: int) 
     that many steps ends with; not so for dgc_warmup, whose warm-up is a fraction of the run); ``within_from_step``:
     the first evaluation step from which every later one is within 0.5 points of DDP's at the same step (None when the
     last one is not)."""
-    theirs = {e[0]: e[2] for e in ddp["evals"]}
-    mine = [(e[0], e[2], e[2] - theirs[e[0]]) for e in row["evals"] if e[0] in theirs]
+    theirs = {e[0]: round(e[2], 4) for e in ddp["evals"]}  # at the rows' 4 decimals, as "vs DDP"
+    mine = [(e[0], round(e[2], 4), round(round(e[2], 4) - theirs[e[0]], 4)) for e in row["evals"] if e[0] in theirs]
     steps, marks = row["train_steps"], []
     while main_steps < steps:
         marks.append(main_steps)
@@ -468,7 +468,7 @@ def long_checkpoints(row: dict[str, Any], ddp: dict[str, Any], main_steps: int) 
         if round(g, 6) < -GAP:
             break
         within = s
-    return {"acc_at": [[s, round(at[s][0], 4), round(at[s][1], 4)] for s in [*marks, steps] if s in at],
+    return {"acc_at": [[s, at[s][0], at[s][1]] for s in [*marks, steps] if s in at],
             "within_from_step": within}
 
 
@@ -632,8 +632,9 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
     c = doc["config"]
     warm = [r for r in doc["rows"] if r["method"] == "dgc_warmup"]
     kept = kept_lines(doc)
-    lines = [*run_lines(doc, json_path), *([""] + kept if kept else []), "", "Networks:", "",
-             *network_lines(doc, named=False, goodput="short")]  # fmt: skip
+    lines = [*run_lines(doc, json_path), *([""] + kept if kept else [])]
+    if doc["networks"]:
+        lines += ["", "Networks:", "", *network_lines(doc, named=False, goodput="short")]
     if warm:
         lines += ["", f"dgc_warmup warms its sparsity up over the first {c['dgc_warmup']:.0%} of the steps in "
                   f"{DGC_WARMUP_STAGES} equal stages (density 0.001^((j+1)/5): 25.1 %, 6.3 %, 1.6 %, 0.4 %, then 0.1 %); "
@@ -668,7 +669,9 @@ def long_section(long: dict[str, Any]) -> list[str]:
     c, host = long["config"], long["host"]
     marks = [a[0] for a in long["rows"][0]["acc_at"]]
     columns = (*LONG_COLUMNS[:2], *((f"val_acc at {m} (vs DDP)", f"at_{m}", None) for m in marks), *LONG_COLUMNS[2:])
-    shown = [{**r, **{f"at_{s}": f"{a:.4f} ({100 * g:+.2f})" for s, a, g in r["acc_at"]}} for r in long["rows"]]
+    ddp = {s: a for s, a, _ in next((r["acc_at"] for r in long["rows"] if r["method"] == "ddp"), [])}
+    shown = [{**r, **{f"at_{s}": f"{a:.4f} ({100 * (a - ddp.get(s, a - g)):+.2f})" for s, a, g in r["acc_at"]}}
+             for r in long["rows"]]  # the points from the accuracies shown, as "vs DDP"
     warm = next((r["what"] for r in long["rows"] if r["method"] == "dgc_warmup"), None)
     return [f"**Long part** (DGC's accuracy goal): the digits CNN (width {c['width']}) for {c['steps']} steps of "
             f"{c['batch_size']} digits per rank ({c['scale']}× the main run's {c['main_steps']}) on {c['world_size']} ranks "
