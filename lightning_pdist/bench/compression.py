@@ -728,12 +728,13 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
     if long:
         ax_acc, ax_gap = axes[-1]
         ddp = {e[0]: e[2] for e in next(r for r in long if r["method"] == "ddp")["evals"]}
-        for row in long:
-            ax_acc.plot([e[0] for e in row["evals"]], [e[2] for e in row["evals"]], label=row["method"], linewidth=1)
+        for i, row in enumerate(long):
+            ax_acc.plot([e[0] for e in row["evals"]], [e[2] for e in row["evals"]], label=row["method"], linewidth=1, color=f"C{i}")
             gaps = [(e[0], 100 * (e[2] - ddp[e[0]])) for e in row["evals"] if e[0] in ddp]
             if row["method"] != "ddp":
-                ax_gap.plot(*zip(*gaps), label=row["method"], linewidth=1)
+                ax_gap.plot(*zip(*gaps), label=row["method"], linewidth=1, color=f"C{i}")
         ax_gap.axhline(-100 * GAP, color="gray", linestyle=":")
+        ax_gap.set_ylim(-10, 5)  # the goal's band; the first evaluations lie far below
         ax_acc.set_xlabel(f"step (long part, {long[0]['world_size']} ranks, loopback)")
         ax_acc.set_ylabel("CNN val_acc")
         ax_gap.set_xlabel("step")

@@ -98,4 +98,4 @@ def kept_lines(doc: Mapping[str, Any]) -> list[str]:
                      + ("; its networks:" if e.get("networks") else ")."))  # fmt: skip
         if e.get("networks"):
             lines[-1] += " " + "; ".join(x[2:] for x in network_lines({"networks": e["networks"]}, named=False, goodput="short")) + ")."
-    return lines
+    return [line + "  " for line in lines]  # one line each
