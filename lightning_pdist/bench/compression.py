@@ -32,10 +32,23 @@ Per row:
   within the run).
 
 ``doc["goals"]`` checks the issue's goals against the rows (:func:`goals`).
+
+``--parts long`` (with or without ``main``) runs the **long part**, DGC's accuracy goal over more steps: the CNN on 2
+ranks over loopback for ``--long-scale`` times the main launch's steps, ``--long-methods`` (``ddp topk dgc
+dgc_warmup``), the same data order, so the main run's steps are its first and, for every method whose schedule does not
+depend on the run's length (all but ``dgc_warmup``), its evaluation after step ``s`` is what a run of ``s`` steps ends
+with. ``doc["long"]`` holds its rows (each with ``acc_at``: the accuracy and the points against DDP at the main run's
+length and each doubling; ``within_from_step``), its own command, date, load and wall time; :func:`long_goal` judges
+DGC's goal on it.
+
+``--keep-from OLD.json`` (:mod:`~lightning_pdist.bench.compression_keep`) makes only the launches asked for and keeps
+every other launch's rows from ``OLD.json`` with their provenance (``doc["kept"]``), and its long part unless this run
+makes one; ``OLD.json`` made with other settings is refused before anything runs.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -47,10 +60,11 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.compression_worker import (BMUF_PERIOD, DGC_RATIO, DGC_WARMUP_STAGES, LM_CLIP, METHODS, MODELS,
                                                       PEERS, TEXT_BYTES)  # fmt: skip
+from lightning_pdist.bench.compression_keep import check_keep, keep_launches, kept_lines
 from lightning_pdist.bench.launch import SuiteRun
-from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import (check_rows, documented_run, markdown_table, network_lines, run_lines,
-                                          write_json)  # fmt: skip
+from lightning_pdist.bench.netns import LOOPBACK, parse_rate
+from lightning_pdist.bench.report import (check_rows, documented_run, host_info, markdown_table, network_lines, run_lines,
+                                          utc_now, write_json)  # fmt: skip
 
 SUITE = "compression"
 NETWORKS = ("loopback", "emulated")
@@ -62,6 +76,11 @@ TARGET = {"cnn": ("val_acc", True), "lm": ("val_loss", False)}
 QUICK = {"networks": NETWORKS, "rates": ("100mbit",), "world_sizes": (2,)}
 FULL = {"networks": ("emulated",), "rates": ("100mbit", "1gbit"), "world_sizes": (2, 4)}
 MAX_WORLD_SIZE = 8
+PARTS = ("main", "long")
+LONG_METHODS = ("ddp", "topk", "dgc", "dgc_warmup")
+LONG_WORLD_SIZE = 2
+#: "within 0.5 points of DDP": the goal's accuracy gap, as a fraction.
+GAP = 0.005
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's first gradient bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 
 
@@ -117,6 +136,16 @@ class SuiteConfig(SuiteRules):
     budget: float = 0.0
     """seconds the suite may take (0: no limit): a launch that would end past it, judged by the last launch of the
     same model, is skipped and listed under "not run"; launches go by network, then world size, then model"""
+    parts: tuple[str, ...] = ("main",)
+    """main: one launch per network, world size and model (the tables); long: DGC's accuracy goal over --long-scale
+    times the steps (the CNN on 2 ranks over loopback, --long-methods)"""
+    long_scale: int = 8
+    """the long part trains this many times the steps of the main part's 2-rank CNN launch"""
+    long_methods: tuple[str, ...] = LONG_METHODS
+    """methods of the long part (ddp and at least one of dgc, dgc_warmup)"""
+    keep_from: str | None = None
+    """an earlier compression.json: the rows of its launches this run does not make (by network, world size and model)
+    are kept with their provenance, and its long part unless this run has one (it must have the same settings)"""
     quick: bool = True
     SUITE: ClassVar[str] = SUITE
     FLAGS: ClassVar[dict[str, str]] = {"networks": "--network", "world_sizes": "--world-size"}
@@ -147,6 +176,13 @@ class SuiteConfig(SuiteRules):
                            f"the byte model needs its fp32 gradients in DDP's first bucket (<= {FIRST_BUCKET_BYTES:,} B)")  # fmt: skip
         if not 0 <= self.momentum < 1:
             raise self.bad("momentum", self.momentum, "must be in [0, 1)")
+        self.distinct("parts", PARTS)
+        self.ints("long_scale")
+        self.distinct("long_methods", tuple(METHODS))
+        if "ddp" not in self.long_methods or not {"dgc", "dgc_warmup"} & set(self.long_methods):
+            raise self.bad("long_methods", self.long_methods, "must include ddp and dgc or dgc_warmup (the goal compares them)")
+        if self.keep_from is not None and not Path(self.keep_from).is_file():
+            raise self.bad("keep_from", self.keep_from, "must be an existing compression.json")
         self.positive("timeout", unit=" seconds")
         if not self.budget >= 0:
             raise self.bad("budget", self.budget, "must be >= 0 seconds (0: no limit)")
@@ -157,9 +193,10 @@ class SuiteConfig(SuiteRules):
     def steps(self, world_size: int) -> int:
         return self.samples // (world_size * self.batch_size)
 
-    def dgc_warmup_steps(self, world_size: int) -> int:
-        """dgc_warmup's warm-up in steps (at least one per stage when the fraction is not 0)."""
-        return 0 if not self.dgc_warmup else max(DGC_WARMUP_STAGES, round(self.dgc_warmup * self.steps(world_size)))
+    def dgc_warmup_steps(self, world_size: int, scale: int = 1) -> int:
+        """dgc_warmup's warm-up in steps of a run of ``scale`` times the steps (at least one per stage when the
+        fraction is not 0)."""
+        return 0 if not self.dgc_warmup else max(DGC_WARMUP_STAGES, round(self.dgc_warmup * scale * self.steps(world_size)))
 
 
 def worker_spec(config: SuiteConfig, world_size: int, model: str = "cnn") -> dict[str, Any]:
@@ -170,6 +207,14 @@ def worker_spec(config: SuiteConfig, world_size: int, model: str = "cnn") -> dic
             "momentum": config.momentum, "width": config.lm_width if lm else config.width, "layers": config.lm_layers,
             "context": config.lm_context, "seed": config.seed, "eval_every": config.eval_every,
             "dgc_warmup_steps": config.dgc_warmup_steps(world_size)}  # fmt: skip
+
+
+def long_spec(config: SuiteConfig) -> dict[str, Any]:
+    """The long part's launch: the CNN on :data:`LONG_WORLD_SIZE` ranks for ``--long-scale`` times the main launch's
+    steps (the same data order: the main run's steps are its first), ``--long-methods``, the warm-up scaled too."""
+    ws, scale = LONG_WORLD_SIZE, config.long_scale
+    return {**worker_spec(config, ws, "cnn"), "methods": list(config.long_methods), "steps": scale * config.steps(ws),
+            "dgc_warmup_steps": config.dgc_warmup_steps(ws, scale)}  # fmt: skip
 
 
 # -- byte models --------------------------------------------------------------------------------
@@ -318,15 +363,16 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def goals(rows: Sequence[dict[str, Any]], slow: str | None) -> list[dict[str, Any]]:
+def goals(rows: Sequence[dict[str, Any]], slow: str | None, long: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The issue's goals, each ``{"goal", "met", "measured"}`` (``met`` None where the rows cannot tell), judged on the
-    smallest world size: DGC's on the CNN (either DGC row), the time goal per model, the coded indices per model.
+    smallest world size: DGC's on the CNN (either DGC row), the time goal per model, the coded indices per model; then
+    DGC's again on the long part's rows (``long``, :func:`long_goal`).
 
     ``slow``: the network of the 100 Mbit/s runs (None when it did not run).
     """
     out: list[dict[str, Any]] = []
     if not rows:
-        return out
+        return long_goal(long)
     small = min(x["world_size"] for x in rows)
     two = [r for r in rows if r["world_size"] == small]
     models = list(dict.fromkeys(r.get("model", "cnn") for r in two))
@@ -341,9 +387,9 @@ def goals(rows: Sequence[dict[str, Any]], slow: str | None) -> list[dict[str, An
                 ddp = r["bytes_per_step"] * r["compression"]
                 part += f"; after its warm-up its uncoded payload is {ddp / r['last_model_bytes_per_step']:.0f}x smaller"
             parts.append(part)
-        met = any(r["compression"] >= 100 and r["acc_vs_ddp"] >= -0.005 for r in variants)
-        out.append({"goal": "DGC >= 100x smaller than fp32 DDP, final accuracy within 0.5 points of DDP (CNN)",
-                    "met": met, "measured": "; ".join(parts)})  # fmt: skip
+        met = any(r["compression"] >= 100 and r["acc_vs_ddp"] >= -GAP for r in variants)
+        out.append({"goal": f"{DGC_GOAL} (CNN, {variants[0]['train_steps']} steps on {small} ranks)", "met": met,
+                    "measured": "; ".join(parts)})  # fmt: skip
     for model in models if slow is not None else ():
         by = {r["method"]: r for r in two if r["network"] == slow and r.get("model", "cnn") == model}
         if "ddp" not in by:
@@ -377,21 +423,73 @@ def goals(rows: Sequence[dict[str, Any]], slow: str | None) -> list[dict[str, An
         out.append({"goal": "coded indices <= 60% of raw int32 indices at ratio 0.01", "met": all(x <= 0.6 for _, x in ratios),
                     "measured": "; ".join(f"TopK(0.01) on the {MODEL_NAMES[m]}: the coded indices take {100 * x:.1f}% of 4 B "
                                           "per index" for m, x in ratios)})  # fmt: skip
-    return out
+    return out + long_goal(long)
+
+
+DGC_GOAL = "DGC >= 100x smaller than fp32 DDP, final accuracy within 0.5 points of DDP"
+
+
+def long_goal(long: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """DGC's goal judged on the long part's rows (none without them): per DGC row its compression, its final accuracy
+    against DDP's, its gap at the main run's length, and the step from which it stayed within 0.5 points."""
+    by = {r["method"]: r for r in (long or {}).get("rows", [])}
+    variants = [by[m] for m in ("dgc", "dgc_warmup") if m in by]
+    if "ddp" not in by or not variants:
+        return []
+    ddp, steps, first = by["ddp"], by["ddp"]["train_steps"], long["config"]["main_steps"]
+    parts = []
+    for r in variants:
+        early = next((a for a in r["acc_at"] if a[0] == first), None)
+        since = (f"within 0.5 points of DDP at every evaluation from step {r['within_from_step']} on" if r["within_from_step"]
+                 else "more than 0.5 points below DDP at its last evaluation")  # fmt: skip
+        parts.append(f"{r['method']} sends {r['compression']}x fewer bytes per step than DDP; after {steps} steps val_acc "
+                     f"{r['val_acc']:.4f} against DDP's {ddp['val_acc']:.4f} ({100 * r['acc_vs_ddp']:+.2f} points)"
+                     + (f", after {first} steps {100 * early[2]:+.2f} points" if early and first != steps else "") + f"; {since}")  # fmt: skip
+    met = any(r["compression"] >= 100 and r["acc_vs_ddp"] >= -GAP for r in variants)
+    return [{"goal": f"{DGC_GOAL} (CNN, {steps} steps on {ddp['world_size']} ranks, the long part)", "met": met,
+             "measured": "; ".join(parts)}]  # fmt: skip
+
+
+def long_checkpoints(row: dict[str, Any], ddp: dict[str, Any], main_steps: int) -> dict[str, Any]:
+    """``acc_at``: ``[step, val_acc, val_acc − DDP's at that step]`` at ``main_steps`` and each doubling of it, and at
+    the last step (the evaluations at those steps: without a schedule that depends on the run's length, what a run of
+    that many steps ends with; not so for dgc_warmup, whose warm-up is a fraction of the run); ``within_from_step``:
+    the first evaluation step from which every later one is within 0.5 points of DDP's at the same step (None when the
+    last one is not)."""
+    theirs = {e[0]: round(e[2], 4) for e in ddp["evals"]}  # at the rows' 4 decimals, as "vs DDP"
+    mine = [(e[0], round(e[2], 4), round(round(e[2], 4) - theirs[e[0]], 4)) for e in row["evals"] if e[0] in theirs]
+    steps, marks = row["train_steps"], []
+    while main_steps < steps:
+        marks.append(main_steps)
+        main_steps *= 2
+    at = {s: (a, g) for s, a, g in mine}
+    within = None
+    for s, _, g in reversed(mine):
+        if round(g, 6) < -GAP:
+            break
+        within = s
+    return {"acc_at": [[s, at[s][0], at[s][1]] for s in [*marks, steps] if s in at],
+            "within_from_step": within}
 
 
 # -- running ------------------------------------------------------------------------------------
 
 
 def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run every model at every world size on every network (one launch each; a failed launch becomes a line of
-    ``doc["not_run"]``); write ``out/compression.{json,png}`` (the JSON also after each launch, as far as it got)."""
-    slow, failed, last = None, [], {}
+    """The main part: every model at every world size on every network (one launch each; a failed launch becomes a
+    line of ``doc["not_run"]``); the long part (:func:`run_long`); with ``--keep-from`` the earlier run's other
+    launches and long part (:func:`assemble`). Writes ``out/compression.{json,png}`` (the JSON also after each launch,
+    as far as it got)."""
+    old = None
+    if config.keep_from is not None:  # refused before anything runs
+        old = json.loads(Path(config.keep_from).read_text())
+        check_keep(old, config, f"{SUITE}(--keep-from={config.keep_from!r})")
+    failed, last = [], {}
     with SuiteRun(SUITE, config, out, command, log) as run:
         doc = run.doc
         # one emulated network at a time, built for the largest world size
-        for name, net, rate in run.networks(config.networks, config.rates, max(config.world_sizes), key="{rate}"):
-            slow = rate if rate and parse_rate(rate) == parse_rate("100mbit") else slow
+        main = config.networks if "main" in config.parts else ()
+        for name, net, _ in run.networks(main, config.rates, max(config.world_sizes), key="{rate}"):
             for ws, model in [(ws, model) for ws in config.world_sizes for model in config.models]:
                 spent = time.perf_counter() - run.started
                 if config.budget and spent + last.get(model, 0.0) > config.budget:
@@ -412,11 +510,56 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
                     log(f"{model} {name} n={ws} {row['method']}: {row['bytes_per_step']:.0f} B/step, "
                         f"{row['ms_per_step']:.1f} ms/step, val_acc {row['val_acc']:.4f}, val_loss {row['val_loss']}")
                 doc["rows"] += rows
-                write_json(doc, run.out / f"{SUITE}.json")
-    check_rows(doc["rows"], ROW_KEYS, SUITE)
-    doc["goals"] = goals(doc["rows"], slow)
-    doc["not_run"] = [*failed, onebit_adam_status()]
+                write_json(assemble(doc, old, failed), run.out / f"{SUITE}.json")
+        if "long" in config.parts:
+            doc["long"] = run_long(run, config, command, log)
+            if doc["long"]["error"]:
+                failed.append(f"long part: {doc['long']['error']}")
+    doc.update(assemble(doc, old, [*failed, onebit_adam_status()]))
     return run.finish(plot)
+
+
+def assemble(doc: dict[str, Any], old: dict[str, Any] | None, not_run: Sequence[str]) -> dict[str, Any]:
+    """``doc`` with ``not_run``, the launches and long part kept from ``old`` (an earlier compression.json, or None;
+    :func:`~lightning_pdist.bench.compression_keep.keep_launches`; its long part where this run made none, or its
+    own failed) and the goals of the whole; a new dict (``doc`` itself unchanged)."""
+    whole = {**doc, "rows": list(doc["rows"]), "networks": dict(doc["networks"]), "not_run": list(not_run)}
+    if old is not None:
+        keep_launches(whole, old)
+        if old.get("long") and (not whole.get("long") or whole["long"]["error"]):
+            whole["long"] = old["long"]
+    check_rows(whole["rows"], ROW_KEYS, SUITE)
+    slow = next((n for n, info in whole["networks"].items()
+                 if info.get("rate") and parse_rate(info["rate"]) == parse_rate("100mbit")), None)  # fmt: skip
+    whole["goals"] = goals(whole["rows"], slow, whole.get("long"))
+    return whole
+
+
+def run_long(run: SuiteRun, config: SuiteConfig, command: str, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The long part (:func:`long_spec`, over loopback: accuracy does not depend on the link): its rows, each with its
+    accuracy at the main run's length and its doublings (:func:`long_checkpoints`), and its own command, date, load
+    and wall time (a later ``--keep-from`` run keeps the part whole)."""
+    spec = long_spec(config)
+    cfg = {"scale": config.long_scale, "world_size": LONG_WORLD_SIZE, "main_steps": config.steps(LONG_WORLD_SIZE),
+           "dgc_warmup": config.dgc_warmup, **{k: spec[k] for k in ("steps", "methods", "batch_size", "lr", "momentum",
+                                                                    "width", "seed", "eval_every", "dgc_warmup_steps")}}  # fmt: skip
+    part = {"command": command, "created": utc_now(), "host": host_info(), "network": "loopback: " + LOOPBACK.describe(),
+            "config": cfg, "rows": [], "error": None}  # fmt: skip
+    log(f"long part: {', '.join(spec['methods'])}, {spec['steps']} steps on {LONG_WORLD_SIZE} ranks, loopback")
+    got = run.launcher.run("lightning_pdist.bench.compression_worker", spec, LONG_WORLD_SIZE, LOOPBACK, errors=400)
+    part["wall_s"] = round(got.wall_s, 1)
+    if got.error:
+        part["error"] = f"the launch failed after {got.wall_s:.0f} s: {got.error}"
+        return part
+    rows = compare(build_rows(got.results, "loopback", part["network"]))
+    ddp = next(r for r in rows if r["method"] == "ddp")
+    for row in rows:
+        row["other_load_cores"] = got.other_load_cores
+        row.update(long_checkpoints(row, ddp, cfg["main_steps"]))
+        log(f"long {row['method']}: val_acc {row['val_acc']:.4f} ({100 * row['acc_vs_ddp']:+.2f} points), "
+            f"within 0.5 points from step {row['within_from_step']}, {row['compression']}x fewer bytes")
+    part["rows"] = rows
+    return part
 
 
 def onebit_adam_status() -> str:
@@ -488,32 +631,76 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
     """The suite's section of docs/benchmarks.md, everything read from ``doc``: one table per model."""
     c = doc["config"]
     warm = [r for r in doc["rows"] if r["method"] == "dgc_warmup"]
-    lines = [*run_lines(doc, json_path), "", "Networks:", "", *network_lines(doc, named=False, goodput="short")]
+    kept = kept_lines(doc)
+    lines = [*run_lines(doc, json_path), *([""] + kept if kept else [])]
+    if doc["networks"]:
+        lines += ["", "Networks:", "", *network_lines(doc, named=False, goodput="short")]
     if warm:
         lines += ["", f"dgc_warmup warms its sparsity up over the first {c['dgc_warmup']:.0%} of the steps in "
                   f"{DGC_WARMUP_STAGES} equal stages (density 0.001^((j+1)/5): 25.1 %, 6.3 %, 1.6 %, 0.4 %, then 0.1 %); "
                   f"{', '.join(sorted({r['what'] for r in warm}))}."]  # fmt: skip
     for model in dict.fromkeys(r.get("model", "cnn") for r in doc["rows"]):
         lines += ["", model_line(doc, model), "", results_table([r for r in doc["rows"] if r.get("model", "cnn") == model])]
+    if doc.get("long", {}).get("rows"):
+        lines += ["", *long_section(doc["long"])]
     lines += ["", "Goals (issue 20):", "", *goal_lines(doc)]
     if doc.get("not_run"):
         lines += ["", "Not in this run:", "", *[f"- {n}" for n in doc["not_run"]]]
     return "\n".join(lines)
 
 
+LONG_COLUMNS = (
+    ("method", "method", None),
+    ("steps", "train_steps", None),
+    ("B/step", "bytes_per_step", ",.0f"),
+    ("× smaller than DDP", "compression", ".1f"),
+    ("val_acc", "val_acc", ".4f"),
+    ("vs DDP", "acc_vs_ddp", "+.4f"),
+    ("val_loss", "val_loss", ".4f"),
+    ("within 0.5 points of DDP from step", "within_from_step", None),
+    ("ms/step", "ms_per_step", ".1f"),
+    ("other load", "other_load_cores", ".2f"),
+)
+
+
+def long_section(long: dict[str, Any]) -> list[str]:
+    """The long part's lines: what it trained, its own command and run, a table with the accuracy at the main run's
+    length and its doublings (val_acc, then the points against DDP at that step)."""
+    c, host = long["config"], long["host"]
+    marks = [a[0] for a in long["rows"][0]["acc_at"]]
+    columns = (*LONG_COLUMNS[:2], *((f"val_acc at {m} (vs DDP)", f"at_{m}", None) for m in marks), *LONG_COLUMNS[2:])
+    ddp = {s: a for s, a, _ in next((r["acc_at"] for r in long["rows"] if r["method"] == "ddp"), [])}
+    shown = [{**r, **{f"at_{s}": f"{a:.4f} ({100 * (a - ddp.get(s, a - g)):+.2f})" for s, a, g in r["acc_at"]}}
+             for r in long["rows"]]  # the points from the accuracies shown, as "vs DDP"
+    warm = next((r["what"] for r in long["rows"] if r["method"] == "dgc_warmup"), None)
+    return [f"**Long part** (DGC's accuracy goal): the digits CNN (width {c['width']}) for {c['steps']} steps of "
+            f"{c['batch_size']} digits per rank ({c['scale']}× the main run's {c['main_steps']}) on {c['world_size']} ranks "
+            f"over loopback (accuracy does not depend on the link), SGD lr {c['lr']}, momentum {c['momentum']} (0 for dgc "
+            f"and dgc_warmup), seed {c['seed']}, evaluated every {c['eval_every']} steps"
+            + (f"; dgc_warmup: {warm}" if warm else "") + ". The first steps are the main run's (same data order): "
+            "\"val_acc at s\" is the evaluation after step s, which for every method but dgc_warmup (its warm-up is a "
+            "fraction of the run) is what a run of s steps ends with.  ",
+            f"Command: `{long['command']}`  ",
+            f"Run: {long['created']}, {long['wall_s']} s for the launch, on {host['cpus']} CPUs (1-min load average "
+            f"{host['loadavg_1m_at_start']} at its start), torch {host['torch']}; {long['network']}.", "",
+            markdown_table(shown, columns)]  # fmt: skip
+
+
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Per model (one row of panels each): its target (CNN: val_acc, LM: val_loss) against training time on the
-    slowest network (left); ms per step per method and network (right); at the smallest world size."""
+    slowest network (left); ms per step per method and network (right); at the smallest world size. With a long part,
+    a last row: its val_acc against the step (left), and each method's points against DDP's at the same step (right)."""
     from lightning_pdist.bench.report import pyplot, save_figure
 
     plt = pyplot()
 
     rows = doc["rows"]
-    models = list(dict.fromkeys(r.get("model", "cnn") for r in rows)) or ["cnn"]
+    long = (doc.get("long") or {}).get("rows") or []
+    models = list(dict.fromkeys(r.get("model", "cnn") for r in rows)) or ([] if long else ["cnn"])
     nets = list(dict.fromkeys(r["network"] for r in rows))
     slowest = min((n for n in nets if n != "loopback"), key=parse_rate, default=nets[0] if nets else None)
     small = min((r["world_size"] for r in rows), default=2)
-    fig, axes = plt.subplots(len(models), 2, figsize=(14, 5.5 * len(models)), squeeze=False)
+    fig, axes = plt.subplots(len(models) + bool(long), 2, figsize=(14, 5.5 * (len(models) + bool(long))), squeeze=False)
     for (ax_acc, ax_time), model in zip(axes, models):
         mine = [r for r in rows if r.get("model", "cnn") == model and r["world_size"] == small]
         key, _ = TARGET[model]
@@ -538,6 +725,23 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
         ax_time.set_xlabel(f"{MODEL_NAMES[model]}: ms per training step (slowest rank)")
         ax_time.grid(True, axis="x", alpha=0.3)
         ax_time.legend(fontsize=8)
+    if long:
+        ax_acc, ax_gap = axes[-1]
+        ddp = {e[0]: e[2] for e in next(r for r in long if r["method"] == "ddp")["evals"]}
+        for i, row in enumerate(long):
+            ax_acc.plot([e[0] for e in row["evals"]], [e[2] for e in row["evals"]], label=row["method"], linewidth=1, color=f"C{i}")
+            gaps = [(e[0], 100 * (e[2] - ddp[e[0]])) for e in row["evals"] if e[0] in ddp]
+            if row["method"] != "ddp":
+                ax_gap.plot(*zip(*gaps), label=row["method"], linewidth=1, color=f"C{i}")
+        ax_gap.axhline(-100 * GAP, color="gray", linestyle=":")
+        ax_gap.set_ylim(-10, 5)  # the goal's band; the first evaluations lie far below
+        ax_acc.set_xlabel(f"step (long part, {long[0]['world_size']} ranks, loopback)")
+        ax_acc.set_ylabel("CNN val_acc")
+        ax_gap.set_xlabel("step")
+        ax_gap.set_ylabel("val_acc − DDP's at the same step (points)")
+        for ax in (ax_acc, ax_gap):
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
     fig.suptitle(f"compression suite, {doc['created']}", fontsize=9)
     fig.tight_layout()
     return save_figure(fig, path, dpi=110)
