@@ -32,6 +32,19 @@ def command_line(suite: str, argv: Sequence[str]) -> str:
     return shlex.join(["python", "-m", "lightning_pdist.bench", suite, *argv])
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name and the widest x86 vector extension torch's kernels may pick (``"AMD EPYC, avx512"``):
+    the same seed and data can give other floating-point results on another CPU, and times are not comparable."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or None
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), None)
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    vector = next((v for v in ("avx512f", "avx2", "avx") if v in flags), None)
+    return ", ".join(x for x in (model, vector and vector.removesuffix("f")) if x) or None
+
+
 def host_info() -> dict[str, Any]:
     """What the figures depend on besides the network: CPU count, load at the start, library versions."""
     info: dict[str, Any] = {
@@ -39,6 +52,7 @@ def host_info() -> dict[str, Any]:
         "loadavg_1m_at_start": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "cpu": cpu_model(),
     }
     for name in ("torch", "lightning"):
         module = sys.modules.get(name)
@@ -187,8 +201,8 @@ def run_lines(doc: Mapping[str, Any], json_path: str) -> list[str]:
     host = doc["host"]
     return [
         f"Command: `{doc['command']}`  ",
-        f"Run: {doc['created']}, {doc['suite_wall_s']} s for the whole suite, on {host['cpus']} CPUs "
-        f"(1-min load average {host['loadavg_1m_at_start']} at the start), torch {host['torch']}.  ",
+        f"Run: {doc['created']}, {doc['suite_wall_s']} s for the whole suite, on {host['cpus']} CPUs"
+        f"{' (' + host['cpu'] + ')' if host.get('cpu') else ''} (1-min load average {host['loadavg_1m_at_start']} at the start), torch {host['torch']}.  ",
         f"Output: `{json_path}`",
     ]
 

@@ -138,3 +138,20 @@ def test_run_each_runs_every_spec_in_one_launch_each_on_its_own_port(tmp_path, m
     with pytest.raises(SystemExit) as exc:  # a list needs one port per spec
         worker_main("w", None, lambda s: s, lambda s, o: None, ["--spec", "[{}]", "--out-dir", str(tmp_path), "--ports", "1,2"])
     assert exc.value.code == 2
+
+
+def test_every_run_records_the_cpu_it_ran_on_and_its_docs_line_names_it():
+    """host_info()["cpu"]: the model name and widest vector extension from /proc/cpuinfo (the same seed can give other
+    floats on another CPU); the docs' Run line names it, and an older file without it renders as before."""
+    from pathlib import Path
+
+    from lightning_pdist.bench.report import host_info, run_lines
+
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    model = next(line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name"))
+    host = host_info()
+    assert host["cpu"].startswith(model)
+    doc = {"command": "c", "created": "t", "suite_wall_s": 1.0, "host": host}
+    assert f"on 2 CPUs ({host['cpu']}) (1-min" in run_lines(doc, "x.json")[1].replace(f"on {host['cpus']} CPUs", "on 2 CPUs")
+    del host["cpu"]
+    assert f"on {host['cpus']} CPUs (1-min" in run_lines(doc, "x.json")[1]
