@@ -16,6 +16,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("PL_DISABLE_FORK", "0")
+# torch's TCP store names each socket it connects or accepts with a reverse DNS query (for its logs; an IPv4-mapped
+# loopback address, which /etc/hosts never answers). This machine's resolver drops about every 25th query a process
+# sends, which then waits out glibc's default 5 s timeout: a long-lived rank building many Trainers (a conformance
+# column) lost tens of seconds. A 1 s timeout (glibc's least) bounds that; the package itself already connects as
+# rarely as it can (core/liveness.py, core/control_group.py). Set before any lookup; every child inherits it.
+os.environ.setdefault("RES_OPTIONS", "timeout:1")
 
 # Every Trainer and Fabric constructor scans the entry points of every installed distribution for callback factories
 # (lightning.fabric.utilities.registry._load_external_callbacks): ~40 ms of CPU each here, for the ~1,500 Trainers the
