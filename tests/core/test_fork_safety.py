@@ -17,9 +17,9 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A gloo group left as garbage exactly as a finished DDP wrap leaves it: destroyed, still held by a Reducer in a cycle.
 GARBAGE_GROUP = """
 import gc, os, sys, tempfile
+import lightning_pdist  # first: torch and Lightning imported with the collector paused (core/startup.py)
 import torch, torch.distributed as dist
 sys.path.insert(0, {tests!r})
-import lightning_pdist
 gc.disable()
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
