@@ -37,6 +37,8 @@ __all__ = ["WAIT_GRACE", "ParameterServerClient", "ServerConnection", "ServerErr
 #: Seconds a waiting request's reply may take beyond ``timeout``: the server answers at ``timeout`` when other
 #: workers hold it back (naming them); only a server that has not answered by ``timeout + WAIT_GRACE`` is blamed.
 WAIT_GRACE = 10.0
+#: Send buffer of each chunk connection (bytes; Linux doubles it): see :meth:`ParameterServerClient.open_chunks`.
+CHUNK_SEND_BUFFER = 1 << 16
 _WAITING_KINDS = (Kind.PULL, Kind.PUSHPULL, Kind.PUSHPULL_CODED, Kind.PUSHPULL_CHUNK, Kind.PULL_ROWS, Kind.SB_OPS)  # SB_OPS: a close waits for portions
 
 
@@ -211,12 +213,19 @@ class ParameterServerClient:
         Chunk ``j`` of a step always travels on connection ``j``: a server answers each connection's requests one at
         a time, so chunk ``j``'s pull can come back while chunk ``j + 1``'s push is still going out on another.
         """
-        meta = {"worker": self.worker, "pid": os.getpid()}
+        meta: dict[str, Any] = {"worker": self.worker, "pid": os.getpid()}
+        host = socket.gethostname()
+        if 0 < len(host) <= 255 and host.isascii() and host.isprintable():
+            meta["host"] = host
         try:
             for server, count in enumerate(counts):
                 for _ in range(count - len(self.chunk_connections[server])):
                     connection = ServerConnection(server, self._addresses[server], timeout=self._timeout,
                                                   secret=self._secret, wait_grace=self._wait_grace)  # fmt: skip
+                    # A small send buffer keeps chunks in order on the wire: sendall of chunk j returns only when
+                    # all but CHUNK_SEND_BUFFER of it left, so chunk j + 1 does not share the link with all of chunk j
+                    # (an autotuned buffer grows to megabytes behind a queueing link and sends every chunk at once).
+                    connection.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CHUNK_SEND_BUFFER)
                     self.chunk_connections[server].append(connection)
                     connection.request(Kind.HELLO, meta)
         except BaseException:

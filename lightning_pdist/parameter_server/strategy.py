@@ -175,6 +175,9 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
+        if chunk_bytes is not None and type(self).setup_algorithm is not ParameterServerStrategy.setup_algorithm:
+            raise ValueError(f"{owner}(chunk_bytes={chunk_bytes!r}): chunked steps cut ParameterServerStrategy's sync "
+                             f"gradient pushes; {owner} exchanges its own messages (leave chunk_bytes=None)")  # fmt: skip
         if compression is not None and chunk_bytes is not None:
             raise ValueError(f"{owner}(chunk_bytes={chunk_bytes!r}, compression={compression!r}): chunked steps push "
                              "plain gradients; use compression=None or chunk_bytes=None")  # fmt: skip
