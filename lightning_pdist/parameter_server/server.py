@@ -611,8 +611,8 @@ class ShardServer:
             return pending.worker in self.clock.retired or self.clock.may_start(pending.worker)
         if self.steps_closed:
             return True
-        if pending.chunk is not None:
-            return self.chunked.closed(pending.chunk) >= pending.wait_version
+        if pending.chunk is not None:  # a chunk whose step failed to apply has closed in count only: not ready
+            return not self.failed and self.chunked.closed(pending.chunk) >= pending.wait_version
         return pending.wait_version is None or self.version >= pending.wait_version
 
     def serve_pending(self) -> None:
