@@ -38,7 +38,7 @@ __all__ = ["WAIT_GRACE", "ParameterServerClient", "ServerConnection", "ServerErr
 #: workers hold it back (naming them); only a server that has not answered by ``timeout + WAIT_GRACE`` is blamed.
 WAIT_GRACE = 10.0
 #: Send buffer of each chunk connection (bytes; Linux doubles it): see :meth:`ParameterServerClient.open_chunks`.
-CHUNK_SEND_BUFFER = 1 << 16
+CHUNK_SEND_BUFFER = 1 << 14
 _WAITING_KINDS = (Kind.PULL, Kind.PUSHPULL, Kind.PUSHPULL_CODED, Kind.PUSHPULL_CHUNK, Kind.PULL_ROWS, Kind.SB_OPS)  # SB_OPS: a close waits for portions
 
 

@@ -501,7 +501,9 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
                 parts.append([compact[a:b] for a, b in zip(bounds, bounds[1:])])
             replies = self.client.pushpull_chunks(metas, parts)
             shards = [torch.cat([bytes_to_tensor(p, m["dtype"]) for m, p in chunks]) for chunks in replies]
-            return shards, [chunks[-1][0] for chunks in replies]  # every chunk's reply carries the step's version
+            # Every chunk's reply carries the step's version; the step's byte counters are in the replies answered
+            # after its last chunk closed (chunks on separate connections may close out of order): the largest.
+            return shards, [max((m for m, _ in chunks), key=lambda m: m["step_bytes_in"]) for chunks in replies]
         return self.client.push([g for g, _ in packed], self._versions, hparams, pull=pull, extras=extras,
                                 coded=coder is not None)  # fmt: skip
 
