@@ -24,7 +24,7 @@ MATH = {
     "averaging": {"schedule", "rules", "bmuf", "easgd"},
     "compression": {"sparse", "quantize"},
     "sign": {"vote", "llr", "simulator"},
-    "parameter_server": {"sharding", "rules", "elastic", "parallax", "sandblaster"},
+    "parameter_server": {"sharding", "rules", "elastic", "parallax", "sandblaster", "chunks"},
     "pipeline": {"schedule", "partition", "spectrain", "delayed", "dni", "split", "ownership"},
     "tensor_parallel": {"plan", "cost"},
     "diloco": {"outer", "fragments", "quantize"},

@@ -91,6 +91,9 @@ class SuiteConfig(SuiteRules):
     """timed steps of Part B"""
     slow_delay_s: float = 1.0
     """the straggler's sleep per batch, s"""
+    chunk_bytes: int | None = None
+    """the workers' ParameterServerStrategy(chunk_bytes=...) in Part A's memory runs: each partition of that many bytes
+    pushed and pulled on its own (None: unchunked steps)"""
     timeout: float = 600.0
     """seconds per run"""
     quick: bool = True
@@ -113,6 +116,9 @@ class SuiteConfig(SuiteRules):
         if not 0 < self.width <= 1:
             raise self.bad("width", self.width, "must be in (0, 1] (1 is the full VGG-16)")
         self.positive("slow_delay_s", "timeout", unit=" seconds")
+        if self.chunk_bytes is not None and (isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int)
+                                             or self.chunk_bytes < 8 or self.chunk_bytes % 8):  # fmt: skip
+            raise self.bad("chunk_bytes", self.chunk_bytes, "must be None or a multiple of 8 bytes, at least 8")
 
     def servers_for(self, workers: int) -> int:
         return math.ceil(workers / self.workers_per_server)
@@ -128,6 +134,7 @@ def worker_spec(config: SuiteConfig, workers: int, sharding: str, mode: str = "s
         "width": float(config.width), "batch_size": config.batch_size, "warmup_steps": config.warmup_steps,
         "steps": steps or config.steps, "server_port": SERVER_PORT, "slow_worker": slow_worker,
         "slow_delay_s": config.slow_delay_s if slow_worker is not None else 0.0, "seed": 0, "subnet": subnet,
+        "chunk_bytes": config.chunk_bytes if sharding == "memory" and mode == "sync" and slow_worker is None else None,
     })  # fmt: skip
 
 
@@ -189,6 +196,7 @@ def build_row(spec: dict[str, Any], result: dict[str, Any], config: SuiteConfig,
         "servers": spec["servers"],
         "sharding": spec["sharding"],
         "mode": spec["mode"],
+        "chunk_bytes": spec["chunk_bytes"],
         "samples_per_s": round(samples_per_s, 2),
         "speedup_vs_1_worker": None,
         "max_server_bytes_per_step": round(max(loads)),

@@ -55,6 +55,7 @@ class Spec(WorkerSpec):
     slow_delay_s: float
     seed: int
     subnet: str
+    chunk_bytes: int | None = None
 
     def __post_init__(self) -> None:
         self.one_of("mode", MODES)
@@ -145,6 +146,7 @@ def run_worker(spec: dict[str, Any], worker: int, hosts: list[str], out_dir: Pat
     strategy = ParameterServerStrategy(
         sharding=spec["sharding"], mode=spec["mode"], allowed_networks=spec["subnet"],
         server_addresses=[f"{hosts[s]}:{spec['server_port']}" for s in range(servers)], server_timeout=120.0,
+        chunk_bytes=spec.get("chunk_bytes"),
     )  # fmt: skip
     trainer = Trainer(
         accelerator="cpu", devices=1, num_nodes=workers, strategy=strategy, max_steps=total, logger=False,

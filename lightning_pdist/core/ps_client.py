@@ -37,7 +37,9 @@ __all__ = ["WAIT_GRACE", "ParameterServerClient", "ServerConnection", "ServerErr
 #: Seconds a waiting request's reply may take beyond ``timeout``: the server answers at ``timeout`` when other
 #: workers hold it back (naming them); only a server that has not answered by ``timeout + WAIT_GRACE`` is blamed.
 WAIT_GRACE = 10.0
-_WAITING_KINDS = (Kind.PULL, Kind.PUSHPULL, Kind.PUSHPULL_CODED, Kind.PULL_ROWS, Kind.SB_OPS)  # SB_OPS: a close waits for portions
+#: Send buffer of each chunk connection (bytes; Linux doubles it): see :meth:`ParameterServerClient.open_chunks`.
+CHUNK_SEND_BUFFER = 1 << 14
+_WAITING_KINDS = (Kind.PULL, Kind.PUSHPULL, Kind.PUSHPULL_CODED, Kind.PUSHPULL_CHUNK, Kind.PULL_ROWS, Kind.SB_OPS)  # SB_OPS: a close waits for portions
 
 
 class ServerUnavailable(RuntimeError):
@@ -135,10 +137,14 @@ class ServerConnection:
 
     def request(self, kind: Kind, meta: dict | None = None, payload: Any = None) -> tuple[dict, bytearray]:
         """Send one request and wait for its reply: ``(meta, payload)``."""
-        waits = kind in _WAITING_KINDS
-        if waits:  # the server answers by then, naming the workers it waits for, if any hold it back
+        if kind in _WAITING_KINDS:  # the server answers by then, naming the workers it waits for, if any hold it back
             meta = {**(meta or {}), "patience": self.timeout}
         self.send(kind, meta, payload)
+        return self.receive(kind)
+
+    def receive(self, kind: Kind) -> tuple[dict, bytearray]:
+        """Wait for the reply to the ``kind`` request sent last on this connection: ``(meta, payload)``."""
+        waits = kind in _WAITING_KINDS
         limit = self.timeout + self.wait_grace if waits else self.timeout
         try:
             reply, meta_in, payload_in, nbytes = recv_message(self.sock, timeout=limit)  # whole reply
@@ -192,6 +198,68 @@ class ParameterServerClient:
             raise
         self._pool = ThreadPoolExecutor(max_workers=len(addresses), thread_name_prefix="pdist-ps-client") if len(addresses) > 1 else None
         self.last_wait_s = 0.0
+        self.chunk_connections: list[list[ServerConnection]] = [[] for _ in addresses]  # open_chunks: per server
+        self._chunk_pool: ThreadPoolExecutor | None = None
+        self._addresses, self._timeout, self._secret, self._wait_grace = list(addresses), timeout, secret, wait_grace
+
+    @property
+    def bytes_sent(self) -> int:
+        """Training bytes sent on every connection (the chunk connections included)."""
+        return sum(c.bytes_sent for c in self.connections) + sum(c.bytes_sent for cs in self.chunk_connections for c in cs)
+
+    def open_chunks(self, counts: list[int]) -> None:
+        """One more connection per chunk of each server (``counts[s]`` chunks), each said HELLO as this worker.
+
+        Chunk ``j`` of a step always travels on connection ``j``: a server answers each connection's requests one at
+        a time, so chunk ``j``'s pull can come back while chunk ``j + 1``'s push is still going out on another.
+        """
+        meta: dict[str, Any] = {"worker": self.worker, "pid": os.getpid()}
+        host = socket.gethostname()
+        if 0 < len(host) <= 255 and host.isascii() and host.isprintable():
+            meta["host"] = host
+        try:
+            for server, count in enumerate(counts):
+                for _ in range(count - len(self.chunk_connections[server])):
+                    connection = ServerConnection(server, self._addresses[server], timeout=self._timeout,
+                                                  secret=self._secret, wait_grace=self._wait_grace)  # fmt: skip
+                    # A small send buffer keeps chunks in order on the wire: sendall of chunk j returns only when
+                    # all but CHUNK_SEND_BUFFER of it left, so chunk j + 1 does not share the link with all of chunk j
+                    # (an autotuned buffer grows to megabytes behind a queueing link and sends every chunk at once).
+                    connection.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CHUNK_SEND_BUFFER)
+                    self.chunk_connections[server].append(connection)
+                    connection.request(Kind.HELLO, meta)
+        except BaseException:
+            self.abort()
+            raise
+        if self._chunk_pool is None:
+            self._chunk_pool = ThreadPoolExecutor(max_workers=2 * len(counts), thread_name_prefix="pdist-ps-chunks")
+
+    def pushpull_chunks(self, metas: list[dict], payloads: list[list[Any]]) -> list[list[tuple[dict, bytearray]]]:
+        """Server ``s``'s chunk ``j``: ``metas[s]`` with ``"chunk": j`` and ``payloads[s][j]``; the replies, per server.
+
+        Per server one thread sends the chunks in order while another reads their replies in order, so the pulls of
+        early chunks come back while later chunks are still being pushed (:meth:`open_chunks` first).
+        """
+        start = time.perf_counter()
+
+        def send(server: int) -> None:
+            for j, (connection, payload) in enumerate(zip(self.chunk_connections[server], payloads[server])):
+                connection.send(Kind.PUSHPULL_CHUNK, {**metas[server], "chunk": j, "patience": self._timeout}, payload)
+
+        def receive(server: int) -> list[tuple[dict, bytearray]]:
+            return [c.receive(Kind.PUSHPULL_CHUNK) for c in self.chunk_connections[server][: len(payloads[server])]]
+
+        try:
+            senders = [self._chunk_pool.submit(send, s) for s in range(self.num_servers)]
+            receivers = [self._chunk_pool.submit(receive, s) for s in range(self.num_servers)]
+            for future in senders:
+                future.result()
+            results = [f.result() for f in receivers]
+        except BaseException:
+            self.abort()
+            raise
+        self.last_wait_s = time.perf_counter() - start
+        return results
 
     @property
     def num_servers(self) -> int:
@@ -221,7 +289,7 @@ class ParameterServerClient:
 
     def abort(self) -> None:
         """Shut every connection down (unblocks threads waiting on a reply); the client is unusable after."""
-        for connection in self.connections:
+        for connection in [*self.connections, *(c for cs in self.chunk_connections for c in cs)]:
             try:
                 connection.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -277,7 +345,8 @@ class ParameterServerClient:
                 pass
 
     def close(self) -> None:
-        for connection in self.connections:
+        for connection in [*self.connections, *(c for cs in getattr(self, "chunk_connections", []) for c in cs)]:
             connection.close()
-        if getattr(self, "_pool", None) is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (getattr(self, "_pool", None), getattr(self, "_chunk_pool", None)):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)

@@ -94,6 +94,7 @@ class Kind(enum.IntEnum):
     ELASTIC = 12  # worker -> server, mode="easgd": payload = its x_i shard; reply payload = e = α(x_i − x̃) (elastic.py)
     PUSH_CODED = 13  # PUSH whose payload is one compressed tensor per present piece (core/push_codec.py), in shard order
     PUSHPULL_CODED = 14  # PUSHPULL with that payload
+    PUSHPULL_CHUNK = 15  # sync with chunk_bytes: {"chunk": j, ...} + chunk j's part of a compact push; reply = x[a_j:b_j]
     PUSH_ROWS = 30  # worker -> server, mode="parallax": touched rows of the sparse tables + their gradients (parallax_rows.py)
     PULL_ROWS = 31  # worker -> server, mode="parallax": rows wanted; reply payload = their values once the step closed
     SB_CLAIM = 40  # worker -> server 0, Sandblaster: the next portion of a step (sandblaster_server.py)

@@ -38,6 +38,7 @@ class ParameterServerConfig(ConfigErrors):
     easgd_period: int | None = None
     easgd_alpha: float | None = None
     implicit_momentum: str | None = None
+    chunk_bytes: int | None = None
     owner: str = "ParameterServerStrategy"
 
     def __post_init__(self) -> None:
@@ -116,6 +117,7 @@ class ParameterServerConfig(ConfigErrors):
                        TypeError)  # fmt: skip
         if self.partition_bytes is not None and (not is_int(self.partition_bytes) or self.partition_bytes < 1):
             self._fail("partition_bytes", "partition_bytes must be an int >= 1 (bytes per partition) or None")
+        self._check_chunks()
         if self.server_addresses is not None:
             if not self.server_addresses:
                 self._fail("server_addresses", "server_addresses must list at least one 'host:port' (or be None)")
@@ -140,6 +142,31 @@ class ParameterServerConfig(ConfigErrors):
         except ValueError as err:  # "allowed_networks='...': rule" -> "Owner(allowed_networks='...'): rule"
             argument, _, rule = str(err).partition(": ")
             raise ValueError(f"{self.owner}({argument}): {rule}") from None
+
+    def _check_chunks(self) -> None:
+        """``chunk_bytes``: the memory plan in partitions of that size, each pushed, closed and pulled on its own."""
+        chunk = self.chunk_bytes
+        if chunk is None:
+            return
+        if not is_int(chunk):
+            self._fail("chunk_bytes", "chunk_bytes must be an int (bytes per chunk) or None (unchunked steps)", TypeError)
+        if chunk < 8 or chunk % 8:
+            self._fail("chunk_bytes", "chunk_bytes must be a multiple of 8 bytes, at least 8 (whole elements of any "
+                                      "dtype); 262144 (256 KiB) suits 100 Mbit/s links")  # fmt: skip
+        if self.mode != "sync" or self.backup_workers:
+            self._fail("chunk_bytes", "chunked steps close each chunk on every worker's push: they need mode='sync' "
+                                      f"and backup_workers=0 (mode={self.mode!r}, backup_workers={self.backup_workers})")  # fmt: skip
+        if self.sharding != "memory":
+            self._fail("chunk_bytes", "chunk_bytes cuts the memory plan into partitions of that size; sharding must "
+                                      f"be 'memory', not {self.sharding!r}")  # fmt: skip
+        if self.partition_bytes is not None and self.partition_bytes != chunk:
+            self._fail("chunk_bytes", f"each chunk is one partition: partition_bytes={self.partition_bytes} must be "
+                                      "None or equal to chunk_bytes")  # fmt: skip
+
+    @property
+    def plan_partition_bytes(self) -> int | None:
+        """The memory plan's partition size: ``partition_bytes``, else ``chunk_bytes`` (one chunk per partition)."""
+        return self.partition_bytes if self.partition_bytes is not None else self.chunk_bytes
 
     def _check_easgd(self) -> None:
         period, alpha = self.easgd_period, self.easgd_alpha

@@ -64,11 +64,38 @@ class OptimizerLayout:
                     self.owner_of[name] = (k, g)
         # (server, optimizer) -> [(name, start, stop)] of the non-empty slices, in shard order
         self._slices: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+        # chunked steps (chunk_bytes): elements per partition of each server, and each slice's partition index there
+        self._chunk_numels: list[list[int]] = []
+        self._chunk_of: dict[tuple[int, int], list[int]] = {}
         for server in range(plan.num_servers):
+            numels: list[int] = []
+            last_part = None
             for piece in plan.param_slices(server):
+                if piece.part != last_part:
+                    numels.append(0)
+                    last_part = piece.part
+                numels[-1] += piece.numel
                 k = self.owner_of.get(piece.name, (-1, -1))[0]
                 if k >= 0 and piece.numel:
                     self._slices.setdefault((server, k), []).append((piece.name, piece.start, piece.stop))
+                    self._chunk_of.setdefault((server, k), []).append(len(numels) - 1)
+            self._chunk_numels.append(numels)
+
+    def chunks(self, server: int) -> list[int]:
+        """Elements of each of ``server``'s partitions, in shard order: its chunks under ``chunk_bytes``."""
+        return list(self._chunk_numels[server])
+
+    def chunk_bounds(self, server: int, optimizer: int, present: str) -> list[int]:
+        """Where each chunk's part starts in :meth:`pack`'s compact gradient (and where the last ends)."""
+        sizes = [0] * len(self._chunk_numels[server])
+        for (_, start, stop), chunk, p in zip(self._slices.get((server, optimizer), []),
+                                              self._chunk_of.get((server, optimizer), []), present):  # fmt: skip
+            if p == "1":
+                sizes[chunk] += stop - start
+        bounds = [0]
+        for size in sizes:
+            bounds.append(bounds[-1] + size)
+        return bounds
 
     def segments(self, server: int) -> list[list[int]]:
         """``[[optimizer, group, numel], ...]`` of ``server``'s slices in shard order (``-1``: frozen)."""

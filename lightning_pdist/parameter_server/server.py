@@ -38,6 +38,7 @@ from lightning_pdist.parameter_server.rules import (
     SSPClock,
     StalenessTracker,
 )
+from lightning_pdist.parameter_server.chunks import ChunkedStep, check_chunks
 from lightning_pdist.parameter_server.elastic import ElasticCenter
 from lightning_pdist.parameter_server.parallax_rows import ROW_KINDS, RowShard, handle_rows, row_payload_limit
 from lightning_pdist.parameter_server.loop import Connection, ConnectionLoop, RequestRefused, ServerLimits
@@ -132,6 +133,7 @@ class _Pending:
     since: float = 0.0  # when the request started waiting (monotonic)
     patience: float | None = None  # the worker's own timeout: answer by then, naming the workers we wait for
     answer: Any = None  # () -> (extra meta, payload) of the reply; None: this shard (PULL_ROWS: the rows asked for)
+    chunk: int | None = None  # PUSHPULL_CHUNK: answered once this chunk closed step wait_version - 1
 
 
 class ShardServer:
@@ -174,6 +176,7 @@ class ShardServer:
         self.elastic: ElasticCenter | None = None  # mode="easgd": the center x̃ (the shard) and its exchanges
         self.sandblaster: SandblasterShard | None = None  # mode="sandblaster": L-BFGS vectors, portions, commands
         self.open_step: tuple[int, list[bool]] | None = None  # sync: (optimizer, present) of the open step
+        self.chunked: ChunkedStep | None = None  # sync with chunk_bytes: each chunk's sums and step (chunks.py)
         self.peers: dict[int, str] = {}  # worker -> "pid P on host H, connected from A" (its last HELLO)
         self.last_heard: dict[int, float] = {}  # worker -> when its last push or pull arrived (monotonic)
 
@@ -215,6 +218,10 @@ class ShardServer:
         shard_bytes = self.shard.flat.numel() * self.shard.flat.element_size()
         if kind in (Kind.PUSH, Kind.PUSHPULL):
             return shard_bytes
+        if kind == Kind.PUSHPULL_CHUNK:  # the largest chunk; 0 (refused on the header) unless INIT had chunks
+            if self.chunked is None:
+                return 0
+            return max(b - a for a, b in self.chunked.ranges) * self.shard.flat.element_size()
         if kind in ROW_KINDS:
             return row_payload_limit(self.shard, kind)
         if kind in CODED:
@@ -229,7 +236,8 @@ class ShardServer:
         return 0
 
     def connections_needed(self) -> int:
-        return 2 * int(self.config.get("num_workers", 0)) + 8
+        chunks = self.chunked.count if self.chunked is not None else 0  # one more connection per chunk per worker
+        return (2 + chunks) * int(self.config.get("num_workers", 0)) + 8
 
     def next_deadline(self) -> float | None:
         deadlines = [p.since + p.patience for p in self.pending if p.patience is not None]
@@ -308,6 +316,11 @@ class ShardServer:
         elif kind in (Kind.PUSH, Kind.PUSHPULL) and self.elastic is not None:
             raise RequestRefused(f"{kind.name}: this server runs mode='easgd', which takes ELASTIC exchanges of the "
                                  "workers' parameters, not gradients")  # fmt: skip
+        elif kind == Kind.PUSHPULL_CHUNK:
+            self._chunk(conn, meta, payload)
+        elif kind in (Kind.PUSH, Kind.PUSHPULL) and self.chunked is not None:
+            raise RequestRefused(f"{kind.name}: this server's steps are chunked (INIT had chunks); push each chunk with "
+                                 "PUSHPULL_CHUNK")  # fmt: skip
         elif kind in (Kind.PUSH, Kind.PUSHPULL, Kind.PULL):
             worker = self._worker_of(conn, kind, meta)
             wait = _field(meta, "wait_version", kind.name, "null or an int >= 0", lambda v: v is None or (_is_int(v) and v >= 0), None)
@@ -327,6 +340,78 @@ class ShardServer:
                 self.pending.append(_Pending(conn, worker, wait, record, ack, time.monotonic(), patience))
         else:
             raise RequestRefused(f"unexpected message kind {kind.name}")
+
+    def _chunk(self, conn: Connection, meta: dict, payload: bytearray) -> None:
+        """Chunk ``j`` of a worker's sync push; answered with ``x[a_j:b_j]`` once every worker pushed chunk ``j`` (chunks.py)."""
+        if self.chunked is None:
+            raise RequestRefused(f"PUSHPULL_CHUNK: this server runs mode={self.config['mode']!r} without chunks; "
+                                 "chunked pushes need an INIT with chunks (chunk_bytes=)")  # fmt: skip
+        worker = self._worker_of(conn, Kind.PUSHPULL_CHUNK, meta)
+        steps = self.chunked
+        j = _field(meta, "chunk", "PUSHPULL_CHUNK", f"an int in [0, {steps.count})", lambda v: _is_int(v) and 0 <= v < steps.count)
+        patience = _field(meta, "patience", "PUSHPULL_CHUNK", f"null or a number of seconds in (0, {MAX_PATIENCE:g}]",
+                          lambda v: v is None or (_is_finite_number(v) and 0 < v <= MAX_PATIENCE), None)  # fmt: skip
+        if self.failed:
+            raise RuntimeError(self.failed)
+        count = len(self.shard.optimizers)
+        k = _field(meta, "optimizer", "PUSHPULL_CHUNK", f"an int in [0, {count})", lambda v: _is_int(v) and 0 <= v < count, 0)
+        version = _field(meta, "version", "PUSHPULL_CHUNK", "an int >= 0", lambda v: _is_int(v) and v >= 0)
+        dtype = self.config["dtype"]
+        _field(meta, "dtype", "PUSHPULL_CHUNK", f"{dtype!r}, the shard's dtype", lambda v: v == dtype, dtype)
+        try:
+            present = parse_present(meta.get("present"), len(self.shard.pieces[k]))
+            part = bytes_to_tensor(payload, dtype)
+            bounds = steps.bounds(k, present)
+            if part.numel() != bounds[j + 1] - bounds[j]:
+                raise ValueError(f"chunk {j} of {part.numel()} elements; optimizer {k}'s present pieces in chunk {j} "
+                                 f"hold {bounds[j + 1] - bounds[j]}")  # fmt: skip
+            hparams = meta.get("hparams")
+            self.shard.check_hparams(hparams, k)
+        except ValueError as err:
+            raise RequestRefused(f"PUSHPULL_CHUNK: {err}") from None
+        aggregator, opened = steps.aggregators[j], steps.open[j]
+        if version == aggregator.step and opened is not None and opened[0] != k:
+            self.refusals[worker] = (f"worker {worker} pushed chunk {j} of optimizer {k} for step {version}, which "
+                                     f"optimizer {opened[0]} opened; every worker must step the same optimizers in the "
+                                     "same order")  # fmt: skip
+            raise ValueError(f"parameter server {self.index}: {self.refusals[worker]}")
+        self.last_heard[worker] = time.monotonic()
+        accepted = False
+        if not self.steps_closed:  # else: the others finished, nobody can close a step; answered at once
+            dropped_before = aggregator.num_dropped
+            mean = aggregator.push(worker, version, steps.expand(part, j, k, present))
+            accepted = aggregator.num_dropped == dropped_before
+            aggregator.drain_dropped()
+            self.aggregator.num_dropped += aggregator.num_dropped - dropped_before
+            self.shard.set_hparams(hparams, k)
+            if accepted:
+                seen = opened[1] if opened is not None else [False] * len(present)
+                steps.open[j] = (k, [a or b for a, b in zip(seen, present)])
+            if mean is not None:
+                self._close_chunk(j, k, mean, version)
+        ack = {"accepted": accepted, "staleness": 0, "contributors": list(aggregator.last_contributors)}
+        a, b = steps.ranges[j]
+        answer = lambda: ({"chunk": j, "version": steps.closed(j)}, tensor_bytes(self.shard.flat[a:b]))  # noqa: E731
+        conn.pending = True
+        self.pending.append(_Pending(conn, worker, version + 1, j == steps.count - 1, ack, time.monotonic(), patience,
+                                     answer, j))  # fmt: skip
+
+    def _close_chunk(self, j: int, k: int, mean: Tensor, version: int) -> None:
+        """Chunk ``j`` of step ``version`` has every gradient: step its pieces; the last chunk closes the step."""
+        steps = self.chunked
+        a, b = steps.ranges[j]
+        try:
+            self.shard.apply_range_(mean, k, steps.open[j][1], a, b)
+        except Exception as err:
+            self.failed = (f"parameter server {self.index}: applying chunk {j} of step {version} failed "
+                           f"({type(err).__name__}: {err}); mode='sync' cannot continue")  # fmt: skip
+            raise
+        steps.open[j] = None
+        if all(steps.closed(i) > version for i in range(steps.count)):
+            self.version += 1
+            self.aggregator.step += 1
+            self.aggregator.last_contributors = steps.aggregators[j].last_contributors
+            self.closed_bytes = (self.loop.bytes_in, self.loop.bytes_out)
 
     def _elastic(self, conn: Connection, meta: dict, payload: bytearray) -> None:
         """One elastic exchange: the worker's ``x_i`` in, ``e = α(x_i − x̃)`` out, ``x̃ ← x̃ + e`` (checked first)."""
@@ -401,12 +486,22 @@ class ShardServer:
         except ValueError as err:
             raise RequestRefused(f"INIT: {err}") from None
         elastic = ElasticCenter(shard.flat, float(alpha)) if alpha is not None else None
+        chunked = None
+        if "chunks" in meta:
+            if mode != "sync" or backup:
+                raise RequestRefused(f"INIT: chunks with mode={mode!r}, backup_workers={backup}: chunked steps need "
+                                     "mode='sync' without backup workers (each chunk closes on every worker's push)")  # fmt: skip
+            try:
+                ranges = check_chunks(meta["chunks"], segments)
+            except ValueError as err:
+                raise RequestRefused(f"INIT: {err}") from None
+            chunked = ChunkedStep(ranges, [[(a, b) for a, b, _ in ps] for ps in shard.pieces], num_workers)
         aggregator = BackupWorkerAggregator(num_workers, backup) if mode in ("sync", "parallax") else None
         clock = SSPClock(num_workers, staleness) if mode == "ssp" else None
         tracker = StalenessTracker(num_workers)
         dc = DelayCompensation.starting_from(shard.flat, num_workers, float(lam)) if lam > 0 else None
         self.shard, self.aggregator, self.clock, self.tracker, self.dc = shard, aggregator, clock, tracker, dc
-        self.elastic = elastic
+        self.elastic, self.chunked = elastic, chunked
         if sandblaster is not None:
             sandblaster.attach(shard.flat)
         self.sandblaster = sandblaster
@@ -516,6 +611,8 @@ class ShardServer:
             return pending.worker in self.clock.retired or self.clock.may_start(pending.worker)
         if self.steps_closed:
             return True
+        if pending.chunk is not None:  # a chunk whose step failed to apply has closed in count only: not ready
+            return not self.failed and self.chunked.closed(pending.chunk) >= pending.wait_version
         return pending.wait_version is None or self.version >= pending.wait_version
 
     def serve_pending(self) -> None:
@@ -565,7 +662,7 @@ class ShardServer:
         """``(workers, what they have not done, the rule)`` that keep ``worker``'s waiting request from an answer."""
         n = self.config.get("num_workers", 0)
         if self.aggregator is not None:
-            step, arrived = self.aggregator.step, set(self.aggregator.arrived)
+            step, arrived = self.aggregator.step, set(self._arrived())
             quorum = self.aggregator.quorum
             rule = (f"a sync step needs the gradients of all {n} workers" if quorum == n else
                     f"a sync step needs {quorum} of {n} workers' gradients (backup_workers={n - quorum}); "
@@ -580,6 +677,12 @@ class ShardServer:
         if self.sandblaster is not None:
             return (*self.sandblaster.holding_back(), "mode='sandblaster' answers a pull once the coordinator finished the step")
         return [], "answered", f"mode={self.config.get('mode')!r}"
+
+    def _arrived(self) -> tuple[int, ...]:
+        """Sync: the workers whose gradient of the open step arrived (chunked: of its lowest chunk not yet closed)."""
+        if self.chunked is not None:
+            return self.chunked.aggregators[self.chunked.lowest_open()].arrived
+        return self.aggregator.arrived
 
     def _describe(self, worker: int, now: float) -> str:
         peer = self.peers.get(worker, "never said HELLO")
@@ -610,8 +713,8 @@ class ShardServer:
             # Backup workers: a straggler's last gradient may open a step the finished workers will never
             # complete. Once nobody left can reach the quorum, drop that step's gradients and answer its pulls.
             unfinished = {w for w in range(self.config["num_workers"]) if w not in self.gone}
-            if len(set(self.aggregator.arrived) | unfinished) < self.aggregator.quorum:
-                dropped = self.aggregator.num_dropped + len(self.aggregator.arrived)
+            if len(set(self._arrived()) | unfinished) < self.aggregator.quorum:
+                dropped = self.aggregator.num_dropped + len(self._arrived())
                 self.aggregator.load_state_dict({"step": self.aggregator.step, "num_dropped": dropped})
                 self.steps_closed = True
         if self.aggregator is not None and how == "disconnected":
@@ -627,6 +730,9 @@ class ShardServer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
+        if self.chunked is not None and any(a.arrived for a in self.chunked.aggregators):
+            raise RuntimeError(f"parameter server {self.index}: chunks of step {self.version} hold gradients; take the "
+                               "state between steps")  # fmt: skip
         return {
             "server": self.index,
             "version": self.version,
@@ -657,6 +763,8 @@ class ShardServer:
         self.open_step = None
         if self.aggregator is not None and state.get("aggregator") is not None:
             self.aggregator.load_state_dict(state["aggregator"])
+        if self.chunked is not None:
+            self.chunked.reset(self.aggregator.step)
         if self.clock is not None and state.get("clock") is not None:
             clock = state["clock"]
             # every worker of the resumed run is live again, at the clock it had

@@ -196,6 +196,28 @@ class ParameterShard:
         for _, _, piece in pieces:
             piece.grad = None
 
+    @torch.no_grad()
+    def apply_range_(self, grad: Tensor, optimizer: int, present: Sequence[bool], a: int, b: int) -> None:
+        """One step of ``optimizer`` on its pieces inside ``[a, b)`` only (``grad`` covers ``[a, b)``).
+
+        A chunked sync step (:mod:`~lightning_pdist.parameter_server.chunks`) calls this once per chunk; every piece lies
+        in one chunk, and a torch optimizer skips pieces whose ``grad`` is ``None``, so each piece steps once per step,
+        on the same numbers as :meth:`apply_`.
+        """
+        self._check_optimizer(optimizer)
+        if self.optimizers[optimizer] is None:
+            return
+        pieces = self.pieces[optimizer]
+        stepped = False
+        for (start, stop, piece), p in zip(pieces, present):
+            inside = p and a <= start and stop <= b
+            piece.grad = grad[start - a : stop - a] if inside else None
+            stepped |= inside
+        if stepped:  # a chunk holding none of this optimizer's present pieces steps nothing (not even a step count)
+            self.optimizers[optimizer].step()
+        for _, _, piece in pieces:
+            piece.grad = None
+
     def state_dict(self) -> dict:
         return {
             "values": self.flat.clone(),

@@ -37,6 +37,7 @@ its first request (:mod:`~lightning_pdist.core.ps_auth`).
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -54,6 +55,7 @@ from lightning_pdist.parameter_server.sharding import ShardingPlan, param_specs,
 from lightning_pdist.core.accounting import all_reduce_bytes
 from lightning_pdist.core.ps_auth import read_secret_file
 from lightning_pdist.core.ps_client import ParameterServerClient
+from lightning_pdist.parameter_server.chunks import MAX_CHUNKS
 from lightning_pdist.parameter_server.coded_push import PushCompressor
 from lightning_pdist.core.compression import Compressor
 from lightning_pdist.parameter_server.elastic_worker import ElasticWorkerMixin
@@ -61,7 +63,7 @@ from lightning_pdist.parameter_server.layout import OptimizerLayout, accumulate_
 from lightning_pdist.parameter_server.placement import check_placement, placed_nodes, start_servers, stop_servers
 from lightning_pdist.parameter_server.process import ServerProcess
 from lightning_pdist.parameter_server.server import ELEMENTWISE_OPTIMIZERS, STALENESS_BUCKETS
-from lightning_pdist.core.ps_wire import Kind, dumps_state, loads_state
+from lightning_pdist.core.ps_wire import Kind, bytes_to_tensor, dumps_state, loads_state
 from lightning_pdist.core.control_group import ControlGroup
 from lightning_pdist.core.control_collectives import ControlGroupCollectives
 from lightning_pdist.parameter_server.precision import ParameterServerMixedPrecision
@@ -123,6 +125,12 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
         implicit_momentum: ``"compensate"`` (``mode="async"`` only): the servers' optimizer runs with its momentum
             (SGD's ``momentum``, Adam's ``beta1``) lowered by the ``1 − 1/N`` that ``N`` asynchronous workers imply,
             floored at 0 (Mitliagkas et al. 2016; :mod:`lightning_pdist.core.momentum`).
+        chunk_bytes: ``None`` (default): a server answers a sync step's push once every worker's whole shard arrived.
+            ``c``: the memory plan is cut into ``c``-byte partitions (``partition_bytes=c``), each pushed as its own
+            request and answered with its new values as soon as every worker pushed it, so pushes and pulls overlap
+            on the servers' links (BytePS; :mod:`~.chunks`). Results are those of ``partition_bytes=c`` unchunked.
+            ``mode="sync"``, ``backup_workers=0``, ``sharding="memory"``, no ``compression``; a multiple of 8 bytes;
+            at most 64 chunks per server (each is one more connection per worker).
         nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what the workers do when a gradient
             holds NaN/Inf before its push (the method card's "Non-finite values").
         compression: a compressor from :mod:`lightning_pdist.compression` (``TopK(0.01)``, ``DGC()``, ``QSGD()``,
@@ -161,11 +169,18 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
         easgd_period: int | None = None,
         easgd_alpha: float | None = None,
         implicit_momentum: str | None = None,
+        chunk_bytes: int | None = None,
         nonfinite: str = "raise",
         compression: Compressor | None = None,
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
+        if chunk_bytes is not None and type(self).setup_algorithm is not ParameterServerStrategy.setup_algorithm:
+            raise ValueError(f"{owner}(chunk_bytes={chunk_bytes!r}): chunked steps cut ParameterServerStrategy's sync "
+                             f"gradient pushes; {owner} exchanges its own messages (leave chunk_bytes=None)")  # fmt: skip
+        if compression is not None and chunk_bytes is not None:
+            raise ValueError(f"{owner}(chunk_bytes={chunk_bytes!r}, compression={compression!r}): chunked steps push "
+                             "plain gradients; use compression=None or chunk_bytes=None")  # fmt: skip
         if compression is not None and mode == "easgd":
             raise ValueError(f"{owner}(compression={compression!r}, mode='easgd'): compression compresses gradient "
                              "pushes, and mode='easgd' pushes none (its workers exchange parameters with the center); "
@@ -177,7 +192,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
             partition_bytes=partition_bytes, server_host=server_host, server_port=server_port,
             server_addresses=_addresses(server_addresses, owner), server_secret_file=server_secret_file,
             allowed_networks=allowed_networks, server_timeout=server_timeout, easgd_period=easgd_period,
-            easgd_alpha=easgd_alpha, implicit_momentum=implicit_momentum, owner=owner,
+            easgd_alpha=easgd_alpha, implicit_momentum=implicit_momentum, chunk_bytes=chunk_bytes, owner=owner,
         )  # fmt: skip
         super().__init__(nonfinite=nonfinite, compression=compression, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
                          model_averaging_period=None, **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
@@ -189,6 +204,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
         self.staleness, self.backup_workers, self.delay_compensation = staleness, backup_workers, delay_compensation
         self.push_every, self.pull_every = push_every, pull_every
         self.easgd_period, self.easgd_alpha, self.implicit_momentum = easgd_period, easgd_alpha, implicit_momentum
+        self.chunk_bytes = chunk_bytes
         self.momentum_from: list[float] = []  # implicit_momentum="compensate": each param group's momentum before
         self.servers: list[ServerProcess] = []  # the servers this process started (a node's local rank 0)
         self.server_addresses: list[str] = []
@@ -251,7 +267,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
         """The sharding plan; an impossible one (more servers than elements, ...) is refused naming the rule."""
         try:
             return plan_sharding(param_specs(self.lightning_module), num_servers, self.config.sharding,
-                                 self.config.partition_bytes)  # fmt: skip
+                                 self.config.plan_partition_bytes)  # fmt: skip
         except ValueError as err:
             raise ValueError(f"{type(self).__name__}: {err}") from None
 
@@ -331,6 +347,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
                 "this is the local optimizer, remotely."))  # fmt: skip
         self.plan = self._plan(len(self.server_addresses) or self.config.servers_for(world_size))
         self.layout = OptimizerLayout(list(self.lightning_module.named_parameters()), self.optimizers, self.plan, owner)
+        self._check_chunk_count(owner)
         self.client = ParameterServerClient(self.server_addresses, rank, timeout=self.config.server_timeout,
                                             secret=self._secret)  # fmt: skip
         if rank == 0:
@@ -345,6 +362,8 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
             self.optimizer_steps = [int(n) for n in saved] if len(saved) == len(self.optimizers) else self.optimizer_steps
         self.barrier()
         self.client.hello()
+        if self.config.chunk_bytes is not None:
+            self.client.open_chunks([len(self.layout.chunks(s)) for s in range(self.plan.num_servers)])
         shards, metas = self.client.pull(record=True)
         self._load_shards(shards, metas)
         # Counted from the servers' start: the first logged interval holds every worker's set-up requests (INIT,
@@ -365,6 +384,19 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
             if self._loaded_pdist_state is not None:
                 self._load_push_state(*self._loaded_rank_state)
         self._loaded_rank_state = (None, "")
+
+    def _check_chunk_count(self, owner: str) -> None:
+        """``chunk_bytes``: at most :data:`~.chunks.MAX_CHUNKS` per server (each is a connection per worker)."""
+        chunk = self.config.chunk_bytes
+        if chunk is None:
+            return
+        most = max(len(self.layout.chunks(s)) for s in range(self.plan.num_servers))
+        if most > MAX_CHUNKS:
+            least = 8 * math.ceil(self.plan.nbytes / (MAX_CHUNKS * self.plan.num_servers * 8))
+            raise ValueError(f"{owner}(chunk_bytes={chunk}): the model's {self.plan.nbytes:,} bytes on "
+                             f"{self.plan.num_servers} server(s) make up to {most} chunks per server; at most "
+                             f"{MAX_CHUNKS} are allowed (each chunk is one more connection per worker), so chunk_bytes "
+                             f"must be >= {least} for this model")  # fmt: skip
 
     def _use_loss_scaling(self, owner: str) -> None:
         """Swap a ``MixedPrecision`` with a scaler for :class:`ParameterServerMixedPrecision` (the same scaler)."""
@@ -411,6 +443,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
             "segments": self.layout.segments(server), "optimizers": optimizers,
             "backup_workers": self.config.backup_workers, "staleness": self.config.staleness,
             "delay_compensation": float(self.config.delay_compensation),
+            **({"chunks": self.layout.chunks(server)} if self.config.chunk_bytes is not None else {}),
         } for server in range(self.plan.num_servers)]  # fmt: skip
         return metas, [self.plan.gather(flat, server) for server in range(self.plan.num_servers)]
 
@@ -460,6 +493,17 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
         packed = [pack(s, k, grads) for s in range(self.plan.num_servers)]
         extras = [{"optimizer": k, "present": present} for _, present in packed]
         hparams = [numeric_hparams(group) for group in self.optimizers[k].param_groups]
+        if self.config.chunk_bytes is not None and pull:  # each chunk its own request (chunks.py)
+            metas = [{"worker": self.global_rank, "version": v, "hparams": hparams, **e} for v, e in zip(self._versions, extras)]
+            parts = []
+            for s, (compact, present) in enumerate(packed):
+                bounds = self.layout.chunk_bounds(s, k, present)
+                parts.append([compact[a:b] for a, b in zip(bounds, bounds[1:])])
+            replies = self.client.pushpull_chunks(metas, parts)
+            shards = [torch.cat([bytes_to_tensor(p, m["dtype"]) for m, p in chunks]) for chunks in replies]
+            # Every chunk's reply carries the step's version; the step's byte counters are in the replies answered
+            # after its last chunk closed (chunks on separate connections may close out of order): the largest.
+            return shards, [max((m for m, _ in chunks), key=lambda m: m["step_bytes_in"]) for chunks in replies]
         return self.client.push([g for g, _ in packed], self._versions, hparams, pull=pull, extras=extras,
                                 coded=coder is not None)  # fmt: skip
 
@@ -516,7 +560,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
         grads = self.layout.grads_of(k)
         if skip:  # an fp16 overflow or a non-finite skip: this step's gradient (Inf/NaN) goes nowhere
             grads = dict.fromkeys(grads)
-        sent_before = sum(c.bytes_sent for c in self.client.connections)
+        sent_before = self.client.bytes_sent
         metas: list[dict] = []
         if self.config.mode == "async":
             if not skip:
@@ -539,7 +583,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
         # sync skip: every worker skips (agreed), no server steps, versions stay where they are
         if metas and self.nonfinite != "propagate":
             self._refuse_nonfinite()
-        self.comm_meter.add("ps_push", sum(c.bytes_sent for c in self.client.connections) - sent_before)
+        self.comm_meter.add("ps_push", self.client.bytes_sent - sent_before)
         self._average_buffers(meeting=False)
         self._log_ps_metrics(metas)
 

@@ -115,6 +115,8 @@ ATTACKS = {
                                                     "segments": [[0, 6]], "optimizer": "SGD",
                                                     "param_groups": [{"lr": 0.5}]}, torch.full((6,), 7.0))),  # fmt: skip
     "shutdown": lambda s: s.sendall(message(Kind.SHUTDOWN, {})),
+    "pushpull-chunk": lambda s: s.sendall(message(Kind.PUSHPULL_CHUNK, {"worker": 0, "version": 0, "chunk": 0,
+                                                                        "hparams": [{"lr": 1.0}]}, torch.ones(6))),  # fmt: skip
     "hello": lambda s: s.sendall(message(Kind.HELLO, {"worker": 1})),
     "wrong-hmac-then-shutdown": lambda s: (wrong_proof(s), s.sendall(message(Kind.SHUTDOWN, {}))),
     "auth-replayed-as-shutdown": lambda s: s.sendall(HEADER.pack(MAGIC, int(Kind.AUTH), 2, 32) + b"{}" + bytes(32)),

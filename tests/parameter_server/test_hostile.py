@@ -387,3 +387,96 @@ def test_a_server_silent_past_the_grace_is_blamed_itself():
                                                     r"this server is stopped, hung or unreachable"):
             connection.request(Kind.PUSHPULL, {})
         connection.sock.close()
+
+
+# ---------------------------------------------------------------------- chunked sync steps (chunk_bytes)
+
+CHUNK_INIT = {"segments": [[0, 0, 4], [0, 0, 2]], "chunks": [4, 2]}  # two chunks: 16 and 8 bytes
+
+
+@pytest.mark.parametrize(
+    "meta, payload, match",
+    [
+        ({"chunk": 2}, torch.ones(4), r"chunk=2: chunk must be an int in \[0, 2\)"),
+        ({"chunk": True}, torch.ones(4), r"chunk=True: chunk must be an int in \[0, 2\)"),
+        ({"chunk": None}, torch.ones(4), r"chunk=None: chunk must be an int"),
+        ({"chunk": 1}, torch.ones(4), r"chunk 1 of 4 elements; optimizer 0's present pieces in chunk 1 hold 2"),
+        ({"chunk": 0, "present": "01"}, torch.ones(4), r"chunk 0 of 4 elements; .* in chunk 0 hold 0"),
+        ({"chunk": 0, "version": -1}, torch.ones(4), r"version=-1: version must be an int >= 0"),
+        ({"chunk": 0, "hparams": [{"lr": "x"}]}, torch.ones(4), r"lr must be a finite number"),
+        ({"chunk": 0, "dtype": "torch.float16"}, torch.ones(4), r"dtype='torch.float16': dtype must be 'torch.float32'"),
+        ({"chunk": 0, "patience": -1}, torch.ones(4), r"patience=-1: patience must be null or a number"),
+    ],
+    ids=["chunk-range", "chunk-bool", "chunk-null", "size", "present", "version", "hparams", "dtype", "patience"],
+)
+def test_a_bad_chunk_is_refused_and_consumes_no_step(meta, payload, match):
+    """Chunked sync, 2 workers: a chunk with a bad value is refused naming field, value and rule; the step closes on good chunks."""
+    with serving() as server:
+        admin = init(server.address, mode="sync", num_workers=2, lr=1.0, numel=6, **CHUNK_INIT)
+        conns = [ServerConnection(0, server.address, timeout=GOOD_TIMEOUT) for _ in range(4)]
+        for i, conn in enumerate(conns):
+            conn.request(Kind.HELLO, {"worker": i // 2})
+        request = {"worker": 0, "version": 0, "hparams": [{"lr": 1.0}], **meta}
+        conns[0].send(Kind.PUSHPULL_CHUNK, request, payload)  # as sent: request() would add its own patience
+        with pytest.raises(ServerError, match=match):
+            conns[0].receive(Kind.PUSHPULL_CHUNK)
+        good = {"version": 0, "hparams": [{"lr": 1.0}]}
+        for worker, value in ((0, 1.0), (1, 3.0)):  # both chunks of both workers; chunk j on connection j
+            for j, n in enumerate((4, 2)):
+                conns[2 * worker + j].send(Kind.PUSHPULL_CHUNK, {**good, "chunk": j}, value * torch.ones(n))
+        for conn in conns:
+            meta_in, shard = conn.receive(Kind.PUSHPULL_CHUNK)
+            assert meta_in["version"] == 1
+            torch.testing.assert_close(torch.frombuffer(shard, dtype=torch.float32), torch.full((len(shard) // 4,), -2.0))
+        admin.close()
+
+
+def test_a_chunk_larger_than_the_largest_chunk_is_refused_from_the_header():
+    """PUSHPULL_CHUNK declaring more than the largest chunk (16 B here), or any payload before a chunked INIT: refused on
+    the header, nothing allocated; a duplicate chunk from one worker is refused and the server serves on."""
+    with serving() as server:
+        with raw(server.address) as sock:  # not initialized: chunks take no payload
+            sock.sendall(header(Kind.PUSHPULL_CHUNK, 2, 8) + b"{}")
+            kind, meta, _, _ = recv_message(sock, timeout=GOOD_TIMEOUT)
+            assert kind == Kind.ERROR and "at most 0 bytes for PUSHPULL_CHUNK" in meta["message"]
+        admin = init(server.address, mode="sync", num_workers=1, lr=1.0, numel=6, **CHUNK_INIT)
+        with raw(server.address) as sock:
+            sock.sendall(header(Kind.PUSHPULL_CHUNK, 2, 1 << 40) + b"{}")
+            kind, meta, _, _ = recv_message(sock, timeout=GOOD_TIMEOUT)
+            assert kind == Kind.ERROR and "payload_len=1099511627776" in meta["message"] and "at most 16 bytes" in meta["message"]
+            assert closed_by_server(sock)
+        a, b = (ServerConnection(0, server.address, timeout=GOOD_TIMEOUT) for _ in range(2))
+        a.request(Kind.HELLO, {"worker": 0})
+        b.request(Kind.HELLO, {"worker": 0})
+        good = {"version": 0, "hparams": [{"lr": 1.0}], "chunk": 0}
+        init(server.address, mode="sync", num_workers=2, lr=1.0, numel=6, **CHUNK_INIT)  # two workers: chunk 0 stays open
+        a.send(Kind.PUSHPULL_CHUNK, good, torch.ones(4))
+        with pytest.raises(ServerError, match="worker 0 already pushed a gradient for step 0"):
+            b.request(Kind.PUSHPULL_CHUNK, good, torch.ones(4))
+        admin.close()
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"chunks": [3, 3]}, r"chunk boundary 3 is inside a segment"),
+        ({"chunks": [4, 3]}, r"chunks hold 7 elements; the segments hold 6"),
+        ({"chunks": "4,2"}, r"chunks='4,2': chunks must be a list of 1 to 64 ints >= 1"),
+        ({"chunks": [1] * 65, "segments": [[0, 0, 1]] * 65}, r"chunks must be a list of 1 to 64"),
+        ({"chunks": [4, 2], "mode": "async"}, r"chunks with mode='async', backup_workers=0: chunked steps need mode='sync'"),
+        ({"chunks": [4, 2], "backup_workers": 1}, r"backup_workers=1: chunked steps need mode='sync' without backup"),
+    ],
+    ids=["inside", "total", "type", "too-many", "async", "backup"],
+)
+def test_a_bad_chunked_init_is_refused_and_changes_nothing(extra, match):
+    """INIT with bad chunks is refused naming the value and the rule; the server keeps serving its workers."""
+    with serving() as server:
+        init(server.address)
+        client = good_worker(server.address)
+        admin = ServerConnection(0, server.address, timeout=GOOD_TIMEOUT)
+        meta = {"mode": "sync", "num_workers": 2, "dtype": "torch.float32", "segments": [[0, 0, 4], [0, 0, 2]],
+                "optimizer": "SGD", "param_groups": [{"lr": 0.5}], **extra}  # fmt: skip
+        numel = sum(s[-1] for s in meta["segments"])
+        with pytest.raises(ServerError, match=match):
+            admin.request(Kind.INIT, meta, torch.zeros(numel))
+        assert_serving(client)

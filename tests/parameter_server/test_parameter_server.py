@@ -29,12 +29,19 @@ class AdamRegression(TinyRegression):
 
 
 def test_sync_equals_ddp_with_sgd_on_two_workers():
-    """Sync PS with plain SGD (2 workers, different data, 2 servers, memory sharding) ends where DDP ends."""
-    ddp, ps_model = TinyRegression(), TinyRegression()
+    """Sync PS with SGD + momentum (2 workers, different data, 2 servers, memory sharding) ends where DDP ends; with
+    chunk_bytes=32 (4 chunks per server, each pushed and pulled on its own) it ends bit for bit where the same
+    32-byte partitions end unchunked."""
+    model = lambda: TinyRegression(momentum=0.9)  # noqa: E731
+    ddp, ps_model, parted, chunked = model(), model(), model(), model()
     fit(DDPStrategy(start_method="fork"), ddp, max_steps=10)
     fit(ps(num_servers=2), ps_model, max_steps=10)
     torch.testing.assert_close(flat(ps_model), flat(ddp), atol=1e-6, rtol=0)
     assert not torch.allclose(flat(ps_model), flat(make_net()))
+    fit(ps(num_servers=2, partition_bytes=32), parted, max_steps=10)
+    fit(ps(num_servers=2, chunk_bytes=32), chunked, max_steps=10)
+    assert torch.equal(flat(chunked), flat(parted))
+    torch.testing.assert_close(flat(chunked), flat(ddp), atol=1e-6, rtol=0)
 
 
 def test_one_worker_equals_the_local_optimizer():
@@ -205,6 +212,12 @@ def test_a_worker_crash_ends_the_run_without_hanging():
         ({"push_every": 2}, r"push_every applies to mode='async'"),
         ({"pull_every": 0, "mode": "async"}, r"pull_every must be >= 1"),
         ({"ddp_comm_hook": print}, r"ddp_comm_hook=.*must be left unset"),
+        ({"chunk_bytes": 12}, r"chunk_bytes=12\): chunk_bytes must be a multiple of 8 bytes, at least 8"),
+        ({"chunk_bytes": 0}, r"chunk_bytes=0\): chunk_bytes must be a multiple of 8 bytes"),
+        ({"chunk_bytes": 4096, "mode": "async"}, r"chunk_bytes=4096\): chunked steps .* need mode='sync' and backup_workers=0"),
+        ({"chunk_bytes": 4096, "backup_workers": 1}, r"chunk_bytes=4096\): .*\(mode='sync', backup_workers=1\)"),
+        ({"chunk_bytes": 4096, "sharding": "layer"}, r"chunk_bytes=4096\): .*sharding must be 'memory', not 'layer'"),
+        ({"chunk_bytes": 4096, "partition_bytes": 8192}, r"chunk_bytes=4096\): each chunk is one partition: partition_bytes=8192"),
         ({"allowed_networks": "everyone"}, r"^ParameterServerStrategy\(allowed_networks='everyone'\): 'everyone' is not an address range \(.*\)$"),
     ],
 )
@@ -215,11 +228,17 @@ def test_bad_arguments_are_refused_with_the_rule(kwargs, match):
 
 
 def test_bad_argument_types():
-    """Wrong types raise TypeError."""
+    """Wrong types raise TypeError; chunk_bytes with compression is refused."""
     with pytest.raises(TypeError, match="num_servers must be an int"):
         ParameterServerStrategy(num_servers=1.5)
     with pytest.raises(TypeError, match="staleness must be an int"):
         ParameterServerStrategy(mode="ssp", staleness="2")
+    with pytest.raises(TypeError, match=r"chunk_bytes=4096.0\): chunk_bytes must be an int"):
+        ParameterServerStrategy(chunk_bytes=4096.0)
+    from lightning_pdist.compression import TopK
+
+    with pytest.raises(ValueError, match=r"chunk_bytes=4096, compression=.*chunked steps push plain gradients"):
+        ParameterServerStrategy(chunk_bytes=4096, compression=TopK(0.01))
 
 
 def test_backup_workers_must_leave_a_quorum():
