@@ -361,13 +361,14 @@ def keep_rows(doc: dict[str, Any], old: dict[str, Any], config: SuiteConfig) -> 
                          + ", ".join(f"{k}={old['config'].get(k)!r} (now {now[k]!r})" for k in differ) + ")")
     made = {(r["network"], r["world_size"], r["label"]) for r in doc["rows"]}
     kept = [r for r in old["rows"] if (r["network"], r["world_size"], r["label"]) not in made]
-    names = list(dict.fromkeys([*doc["networks"], *old["networks"]]))  # doc["networks"]: this run's only
+    # doc["networks"]: this run's only; old's rows may hold networks of a run old itself kept rows from
+    names = list(dict.fromkeys([*doc["networks"], *old["networks"], *(r["network"] for r in old["rows"])]))
     rows = doc["rows"] + kept
     rows.sort(key=lambda r: (r["network"] != "loopback", names.index(r["network"]), r["world_size"]))
     doc["rows"] = rows
     doc["kept"] = {"rows": len(kept), "from_command": old["command"], "from_created": old["created"],
                    "from_host": old["host"], "from_suite_wall_s": old.get("suite_wall_s"),
-                   "from_networks": old["networks"]}  # fmt: skip
+                   "from_networks": old["networks"], "from_kept": old.get("kept")}  # fmt: skip
 
 
 def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -436,6 +437,18 @@ GOAL_COLUMNS = (("network", "network", None), ("ranks", "world_size", None), ("g
                 ("met", "met", lambda m: "—" if m is None else ("yes" if m else "no")))  # fmt: skip
 
 
+def kept_lines(k: dict[str, Any], lead: str) -> list[str]:
+    """Where kept rows came from (``doc["kept"]``), and where that run's own kept rows came from, and so on."""
+    host = k["from_host"]
+    lines = [f"{lead}: {k['rows']} rows (those this run did not make again) from `{k['from_command']}`, run "
+             f"{k['from_created']}, {k['from_suite_wall_s']} s, on {host['cpus']} CPUs (1-min load average "
+             f"{host['loadavg_1m_at_start']} at its start); its networks:", "",
+             *network_lines({"networks": k["from_networks"]}, named=True)]  # fmt: skip
+    if k.get("from_kept"):
+        lines += ["", *kept_lines(k["from_kept"], "That run itself kept")]
+    return lines
+
+
 def docs_section(doc: dict[str, Any], json_path: str) -> str:
     """The suite's figures as markdown for docs/benchmarks.md (everything read from ``doc``)."""
     rows = [r for r in doc["rows"] if not r.get("error")]
@@ -444,13 +457,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
     streaming = {r["num_fragments"]: r["fragment_numels"] for r in rows if r["strategy"] == "streaming_diloco"}
     sizes = ", ".join(f"P={p}: {numels}" for p, numels in streaming.items())
     ranks = " and ".join(str(n) for n in sorted({r["world_size"] for r in doc["rows"]})) or str(cfg["world_size"])
-    kept = []
-    if k := doc.get("kept"):
-        host = k["from_host"]
-        kept = [f"Kept: {k['rows']} rows (those this run did not make again) from `{k['from_command']}`, run "
-                f"{k['from_created']}, {k['from_suite_wall_s']} s, on {host['cpus']} CPUs (1-min load average "
-                f"{host['loadavg_1m_at_start']} at its start); its networks:", "",
-                *network_lines({"networks": k["from_networks"]}, named=True)]  # fmt: skip
+    kept = kept_lines(doc["kept"], "Kept") if doc.get("kept") else []
     lines = [*run_lines(doc, json_path), *([""] + kept if kept else []), "",
              f"Model: byte-level Transformer LM, {cfg['layers']} blocks of width {cfg['width']}, "
              f"{first.get('model_params', 0):,} parameters; text: the first {cfg['text_bytes']:,} bytes of the Python "
