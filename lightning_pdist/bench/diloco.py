@@ -336,7 +336,8 @@ def steps_goal(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
     middle = statistics.median(ratios)
     return {"measured": f"{ours['steps_per_s']} vs {theirs['steps_per_s']} steps/s (medians of {len(a)} alternating "
             f"rounds); ours/torchft's per round {', '.join(f'{r:.2f}' for r in ratios)}: median {middle:.2f}; loop CPU "
-            f"per rank {ours['loop_cpu_s']} vs {theirs['loop_cpu_s']} s", "met": middle >= 1.0}  # fmt: skip
+            f"per rank {ours['loop_cpu_s']} vs {theirs['loop_cpu_s']} s", "met": middle >= 1.0,
+            "round_ratios": [round(r, 3) for r in ratios], "median_ratio": round(middle, 3)}  # fmt: skip
 
 
 #: The settings every row's figures depend on that a row does not record: a kept row must share them.
