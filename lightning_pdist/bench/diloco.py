@@ -27,13 +27,18 @@ mean of 20 steps) against the cumulative model bytes and the slowest rank's wall
 at which it first comes within 2% of DDP's final value on the same network with as many ranks, and the peak kernel
 bytes per second (the most one rank's link sent in one step, over that step's duration; emulated links only).
 
-``--keep-from OLD.json`` keeps the rows of an earlier run of this suite that this run does not make again (another
-world size, network or run; :func:`keep_rows`), so a short run can add rows to a long one.
+``--rounds R`` runs every spec ``R`` times, all specs in turn per round (in reverse order every other round: ours,
+torchft's, torchft's, ours, ...), so that the runs compared sample the same stretches of the machine's load; a row's
+timings (ms/step, steps/s, loop seconds and CPU) are the medians of its rounds, each round's kept in
+``round_steps_per_s``/``round_loop_cpu_s``, and the steps/s goal compares ours and torchft's round by round (the
+median of the per-round ratios). ``--keep-from OLD.json`` keeps the rows of an earlier run of this suite that this run
+does not make again (another world size, network or run; :func:`keep_rows`), so a short run can add rows to a long one.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +102,9 @@ class SuiteConfig(SuiteRules):
     """seed of weights and batches"""
     timeout: float = 300.0
     """seconds per run"""
+    rounds: int = 1
+    """runs of every spec, the specs in turn each round (reversed every other round); a row's timings are the medians
+    of its rounds and the steps/s goal compares ours and torchft's round by round"""
     keep_from: str | None = None
     """a diloco.json whose rows this run does not make again (same network, ranks and run) are kept beside this
     run's (its command, date and load are recorded with them; its model, data and optimizer settings must match)"""
@@ -114,6 +122,7 @@ class SuiteConfig(SuiteRules):
         self.distinct("sync_every")
         self.distinct("fragments")
         self.ints("world_size", low=2)
+        self.ints("rounds")
         self.ints("steps", "batch_size", "context", "width", "layers")
         self.ints("overlap", "seed", low=0)
         self.ints("text_bytes", low=1 << 17)
@@ -247,6 +256,32 @@ def build_row(spec: dict[str, Any], got: Any, network: str, rate: str | None) ->
     return row
 
 
+def pooled_row(spec: dict[str, Any], rounds: Sequence[Any], network: str, rate: str | None) -> dict[str, Any]:
+    """One row from a spec's launches on one network, one per round: the first round's row (bytes, losses and
+    curves are the same in every round) with the timings replaced by the medians of the rounds, each round's kept."""
+    rows = [build_row(spec, got, network, rate) for got in rounds]
+    row = rows[0]
+    if len(rows) == 1:
+        return row
+    failed = next((r for r in rows if r["error"]), None)
+    if failed is not None:
+        return {**failed, "rounds": len(rows)}
+    loops = [r["loop_s"] for r in rows]
+    loop, steps = statistics.median(loops), spec["steps"]
+    loads = [r["other_load_cores"] for r in rows if r["other_load_cores"] is not None]
+    row.update({
+        "rounds": len(rows), "loop_s": round(loop, 3), "step_ms": round(1000 * loop / steps, 2),
+        "steps_per_s": round(steps / loop, 2), "loop_cpu_s": round(statistics.median(r["loop_cpu_s"] for r in rows), 3),
+        "other_load_cores": round(statistics.mean(loads), 2) if loads else None,
+        "process_wall_s": round(sum(r["process_wall_s"] for r in rows), 2),
+        "replicas_agree": all(r["replicas_agree"] for r in rows),
+        "round_steps_per_s": [r["steps_per_s"] for r in rows], "round_loop_cpu_s": [r["loop_cpu_s"] for r in rows],
+        "round_other_load_cores": [r["other_load_cores"] for r in rows],
+        "round_val_loss": [r["val_loss"] for r in rows],
+    })  # fmt: skip
+    return row
+
+
 def goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Issue 21's benchmark goals, per network and world size, checked on the rows (``met`` is ``None`` where a row
     is missing)."""
@@ -284,11 +319,25 @@ def goals(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             ref = next((r for r in ours if r["sync_every"] == ft["sync_every"]), None)
             if ref:
                 out.append({"network": network, "goal": f"ours >= torchft's DiLoCo in steps/s at H={ft['sync_every']}",
-                            "measured": f"{ref['steps_per_s']} vs {ft['steps_per_s']} steps/s",
-                            "met": ref["steps_per_s"] >= ft["steps_per_s"]})  # fmt: skip
+                            **steps_goal(ref, ft)})  # fmt: skip
         for goal in out[start:]:
             goal["world_size"] = world_size
     return out
+
+
+def steps_goal(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """``measured`` and ``met`` of "ours >= torchft's in steps/s": with rounds on both rows, the median of the
+    per-round ratios ours/theirs (each round's two runs were launched one after the other, under the same load)."""
+    a, b = ours.get("round_steps_per_s"), theirs.get("round_steps_per_s")
+    if not a or not b or len(a) != len(b):
+        return {"measured": f"{ours['steps_per_s']} vs {theirs['steps_per_s']} steps/s",
+                "met": ours["steps_per_s"] >= theirs["steps_per_s"]}  # fmt: skip
+    ratios = [x / y for x, y in zip(a, b)]
+    middle = statistics.median(ratios)
+    return {"measured": f"{ours['steps_per_s']} vs {theirs['steps_per_s']} steps/s (medians of {len(a)} alternating "
+            f"rounds); ours/torchft's per round {', '.join(f'{r:.2f}' for r in ratios)}: median {middle:.2f}; loop CPU "
+            f"per rank {ours['loop_cpu_s']} vs {theirs['loop_cpu_s']} s", "met": middle >= 1.0,
+            "round_ratios": [round(r, 3) for r in ratios], "median_ratio": round(middle, 3)}  # fmt: skip
 
 
 #: The settings every row's figures depend on that a row does not record: a kept row must share them.
@@ -313,13 +362,14 @@ def keep_rows(doc: dict[str, Any], old: dict[str, Any], config: SuiteConfig) -> 
                          + ", ".join(f"{k}={old['config'].get(k)!r} (now {now[k]!r})" for k in differ) + ")")
     made = {(r["network"], r["world_size"], r["label"]) for r in doc["rows"]}
     kept = [r for r in old["rows"] if (r["network"], r["world_size"], r["label"]) not in made]
-    names = list(dict.fromkeys([*doc["networks"], *old["networks"]]))  # doc["networks"]: this run's only
+    # doc["networks"]: this run's only; old's rows may hold networks of a run old itself kept rows from
+    names = list(dict.fromkeys([*doc["networks"], *old["networks"], *(r["network"] for r in old["rows"])]))
     rows = doc["rows"] + kept
     rows.sort(key=lambda r: (r["network"] != "loopback", names.index(r["network"]), r["world_size"]))
     doc["rows"] = rows
     doc["kept"] = {"rows": len(kept), "from_command": old["command"], "from_created": old["created"],
                    "from_host": old["host"], "from_suite_wall_s": old.get("suite_wall_s"),
-                   "from_networks": old["networks"]}  # fmt: skip
+                   "from_networks": old["networks"], "from_kept": old.get("kept")}  # fmt: skip
 
 
 def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -332,15 +382,22 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
         for rate in config.rates if "emulated" in config.networks else ():  # one emulated network per rate, all up at once
             if (net := run.emulated(f"emulated {rate}", config.world_size, rate)) is not None:
                 nets[f"emulated {rate}"] = (net, rate)
+        launched: dict[tuple[int, str], list[Any]] = {}  # (spec, network) -> its launches, one per round
+        for round_ in range(config.rounds):
+            turn = list(enumerate(specs))
+            for i, spec in turn if round_ % 2 == 0 else turn[::-1]:  # ours before torchft's, then after, ...
+                for name, (net, rate) in nets.items():  # each spec on every network back to back
+                    got = run.launcher.run("lightning_pdist.bench.diloco_worker", spec, config.world_size, net, errors=400)
+                    launched.setdefault((i, name), []).append(got)
+                    row = build_row(spec, got, name, rate)
+                    log(f"[{i + 1}/{len(specs)}{f' round {round_ + 1}/{config.rounds}' if config.rounds > 1 else ''}] "
+                        f"{name} {row['label']}: " + (row["error"] or
+                        f"{row['step_ms']} ms/step, val_loss {row['val_loss']}, {row['model_bytes_per_step']} B/step "
+                        f"model, logged {row['logged_bytes_per_step']}, kernel {row['kernel_bytes_per_step']}, "
+                        f"{row['process_wall_s']} s"))  # fmt: skip
         for i, spec in enumerate(specs):
-            for name, (net, rate) in nets.items():  # each spec on every network back to back
-                got = run.launcher.run("lightning_pdist.bench.diloco_worker", spec, config.world_size, net, errors=400)
-                row = build_row(spec, got, name, rate)
-                doc["rows"].append(row)
-                log(f"[{i + 1}/{len(specs)}] {name} {row['label']}: " + (row["error"] or
-                    f"{row['step_ms']} ms/step, val_loss {row['val_loss']}, {row['model_bytes_per_step']} B/step "
-                    f"model, logged {row['logged_bytes_per_step']}, kernel {row['kernel_bytes_per_step']}, "
-                    f"{row['process_wall_s']} s"))  # fmt: skip
+            for name, (_, rate) in nets.items():
+                doc["rows"].append(pooled_row(spec, launched[(i, name)], name, rate))
     order = list(nets)
     doc["rows"].sort(key=lambda r: order.index(r["network"]) if r["network"] in order else len(order))
     check_rows(doc["rows"], ROW_KEYS, SUITE)
@@ -373,10 +430,24 @@ TABLE_COLUMNS = (
     ("reach step", "reach_step", None),
     ("reach s", "reach_s", ".1f"),
     ("MB to reach", "reach_model_bytes", _mb),
+    ("loop CPU s", "loop_cpu_s", ".2f"),
     ("other load", "other_load_cores", ".2f"),
+    ("rounds", "rounds", None),
 )
 GOAL_COLUMNS = (("network", "network", None), ("ranks", "world_size", None), ("goal", "goal", None), ("measured", "measured", None),
                 ("met", "met", lambda m: "—" if m is None else ("yes" if m else "no")))  # fmt: skip
+
+
+def kept_lines(k: dict[str, Any], lead: str) -> list[str]:
+    """Where kept rows came from (``doc["kept"]``), and where that run's own kept rows came from, and so on."""
+    host = k["from_host"]
+    lines = [f"{lead}: {k['rows']} rows (those this run did not make again) from `{k['from_command']}`, run "
+             f"{k['from_created']}, {k['from_suite_wall_s']} s, on {host['cpus']} CPUs (1-min load average "
+             f"{host['loadavg_1m_at_start']} at its start); its networks:", "",
+             *network_lines({"networks": k["from_networks"]}, named=True)]  # fmt: skip
+    if k.get("from_kept"):
+        lines += ["", *kept_lines(k["from_kept"], "That run itself kept")]
+    return lines
 
 
 def docs_section(doc: dict[str, Any], json_path: str) -> str:
@@ -387,13 +458,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
     streaming = {r["num_fragments"]: r["fragment_numels"] for r in rows if r["strategy"] == "streaming_diloco"}
     sizes = ", ".join(f"P={p}: {numels}" for p, numels in streaming.items())
     ranks = " and ".join(str(n) for n in sorted({r["world_size"] for r in doc["rows"]})) or str(cfg["world_size"])
-    kept = []
-    if k := doc.get("kept"):
-        host = k["from_host"]
-        kept = [f"Kept: {k['rows']} rows (those this run did not make again) from `{k['from_command']}`, run "
-                f"{k['from_created']}, {k['from_suite_wall_s']} s, on {host['cpus']} CPUs (1-min load average "
-                f"{host['loadavg_1m_at_start']} at its start); its networks:", "",
-                *network_lines({"networks": k["from_networks"]}, named=True)]  # fmt: skip
+    kept = kept_lines(doc["kept"], "Kept") if doc.get("kept") else []
     lines = [*run_lines(doc, json_path), *([""] + kept if kept else []), "",
              f"Model: byte-level Transformer LM, {cfg['layers']} blocks of width {cfg['width']}, "
              f"{first.get('model_params', 0):,} parameters; text: the first {cfg['text_bytes']:,} bytes of the Python "
@@ -404,7 +469,10 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
              + (f" ({sizes} parameters)" if sizes else "") + ".", "",
              f"\"reach\": the first step at which the run's training loss (mean of the ranks, trailing mean of {SMOOTH} "
              f"steps) is within 2% of DDP's final one on the same network with as many ranks, the seconds and the model "
-             "bytes per rank sent by then; \"peak kernel kB/s\": the most one rank's link sent in one step over that step's duration.",
+             "bytes per rank sent by then; \"peak kernel kB/s\": the most one rank's link sent in one step over that step's duration; "
+             "\"loop CPU s\": CPU seconds per rank over the training loop (mean of the ranks); \"other load\": cores other work "
+             "kept busy during the launch; \"rounds\": the runs of a row, the specs in turn (reversed every other round), its "
+             "timings the medians of its rounds (– : one run).",
              "", "Networks:", "", *network_lines(doc, named=True), "", markdown_table(doc["rows"], TABLE_COLUMNS)]
     if errors := [r for r in doc["rows"] if r.get("error")]:
         lines += ["", "Runs that failed:", "", *(f"- {r['network']} {r['label']}: {r['error']}" for r in errors)]

@@ -2,8 +2,10 @@
 
 The same rounds as the Trainer strategies (:class:`~lightning_pdist.diloco.rounds.Rounds`), driven by Fabric calls:
 
-* ``fabric.setup(model, optimizer)``: DDP broadcasts rank 0's weights; the gradient hook never communicates and
-  ``broadcast_buffers`` is off; ``θ_global`` and the outer optimizer(s) are built from the synchronized weights.
+* ``fabric.setup(model, optimizer)``: DDP broadcasts rank 0's weights; the gradient hook never communicates,
+  ``broadcast_buffers`` is off and so is DDP's backward machinery (``require_backward_grad_sync = False``: the
+  gradients land in ``.grad`` as without DDP); ``θ_global`` and the outer optimizer(s) are built from the
+  synchronized weights.
 * ``optimizer.step()`` (inner step ``t``, 1-based; every call counts, with several optimizers each one): the step on
   this rank's own gradients, then the exchanges and outer steps the schedule names.
 * the output is the **global model**: evaluate it inside ``with fabric.strategy.global_weights(): ...`` and call
@@ -71,6 +73,7 @@ class DiLoCoFabricStrategy(ScheduleFields, PdistFabricStrategy):
     def setup_algorithm(self) -> None:
         self.step = 0
         self.ddp_module.broadcast_buffers = False
+        self.ddp_module.require_backward_grad_sync = False  # as inside no_sync() for good: DDP's backward work skipped
         self.rounds.start(self.module, self.comm_meter)
 
     @override

@@ -111,3 +111,28 @@ def test_keep_from_adds_the_rows_this_run_did_not_make_again(tmp_path):
         keep_rows(dict(doc, config=asdict(SuiteConfig(width=32))), old, config)
     with pytest.raises(ValueError, match=r"--keep-from=.*must be an existing diloco.json"):
         SuiteConfig(keep_from=str(tmp_path / "missing.json"))
+
+
+def test_rounds_pool_into_medians_and_the_steps_goal_compares_round_by_round():
+    """--rounds: a row's timings are the medians of its rounds (each kept); the steps/s goal is the median of the
+    per-round ratios ours/torchft's, not the ratio of the medians; rows without rounds compare their one figure."""
+    from lightning_pdist.bench.diloco import pooled_row, steps_goal
+    from lightning_pdist.bench.launch import Launched
+
+    def launch(loop_s, cpu_s, other):
+        rank = {"model_params": 100, "fragment_numels": [100], "comm_bytes": 80, "step_bytes": [0, 0, 0, 80],
+                "loop_tx_bytes": None, "loop_s": loop_s, "loop_cpu_s": cpu_s, "val_loss": 2.0, "val_acc": 0.5,
+                "train_loss_last": 2.1, "param_digest": "a", "text_bytes": 1, "text_sha": "s",
+                "losses": [3.0, 2.5, 2.2, 2.1], "step_end_s": [1.0, 2.0, 3.0, loop_s], "step_tx_bytes": None}  # fmt: skip
+        return Launched(results=[rank, dict(rank, loop_s=loop_s / 2)], wall_s=10.0, ours_cpu_s=1.0, other_cpu_s=other)
+
+    spec = {"strategy": "diloco", "world_size": 2, "steps": 4, "sync_every": 4, "num_fragments": 1, "overlap_steps": 0,
+            "quantize": None, "balance": "params"}  # fmt: skip
+    row = pooled_row(spec, [launch(4.0, 1.0, 5.0), launch(2.0, 3.0, 10.0), launch(8.0, 2.0, 0.0)], "loopback", None)
+    assert (row["rounds"], row["loop_s"], row["steps_per_s"], row["step_ms"], row["loop_cpu_s"]) == (3, 4.0, 1.0, 1000.0, 2.0)
+    assert row["round_steps_per_s"] == [1.0, 2.0, 0.5] and row["other_load_cores"] == 0.5
+    assert pooled_row(spec, [launch(4.0, 1.0, 5.0)], "loopback", None).get("rounds") is None
+    theirs = {"steps_per_s": 1.0, "loop_cpu_s": 1.0, "round_steps_per_s": [2.0, 1.0, 0.25]}
+    got = steps_goal(row, theirs)  # ratios 0.5, 2.0, 2.0: median 2.0 (the medians alone say 1.0 vs 1.0)
+    assert got["met"] and "per round 0.50, 2.00, 2.00: median 2.00" in got["measured"]
+    assert not steps_goal({"steps_per_s": 1.0}, {"steps_per_s": 1.5})["met"]

@@ -1,5 +1,7 @@
 """DiLoCo on torchft: 3 replica processes, one SIGKILLed mid-round and restarted; against a plain-torch DiLoCo.
-Then, in the same processes, all three resume their own mid-round checkpoints and must end exactly where they did.
+Then, in the same processes, all three resume their own mid-round checkpoints and must reach exactly where they ended;
+they run on, and one of them alone leaves mid-round and rejoins from its own round-end checkpoint while the others
+run on: it joins their round end without contributing and takes its step; all three end at the reference.
 
 The reference (written here from the paper's rule, no lightning_pdist import) runs each round over the replicas that
 contributed to it in the real run (read from their round records): each starts from θ_global, takes H SGD steps on
@@ -21,20 +23,21 @@ from _helpers import make_net, regression_data
 from torch import nn
 
 torchft = pytest.importorskip("torchft")
-from diloco._ft_replica import CKPT_AT, H, STALL_AT, STEPS, VICTIM, ft_batch  # noqa: E402
+from diloco._ft_replica import CKPT_AT, H, REJOINER, STALL_AT, STEPS, STEPS2, VICTIM, WAIT_AT, ft_batch  # noqa: E402
 
 WORKER = Path(__file__).with_name("_ft_replica.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _reference(contributors: dict[int, list[tuple[int, int]]]) -> torch.Tensor:
-    """θ_global after the rounds; ``contributors[s]`` = the (replica, life) that contributed to the round ending at s."""
+def _reference(contributors: dict[int, list[tuple[int, int]]], steps: int) -> torch.Tensor:
+    """θ_global after the rounds to ``steps``; ``contributors[s]`` = the (replica, life) that contributed to the round
+    ending at s (a replica that did not keeps its inner optimizer state for its next round)."""
     data = regression_data(64)
     flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()])  # noqa: E731
     glob = nn.Parameter(flat(make_net()).clone())
     outer = torch.optim.SGD([glob], lr=0.7, momentum=0.9, nesterov=True)
     nets, inner, lives = {}, {}, {}
-    for s in range(H, STEPS + 1, H):
+    for s in range(H, steps + 1, H):
         deltas = []
         for r, life in contributors[s]:
             if lives.get(r) != life:  # a new process: a fresh inner optimizer
@@ -111,14 +114,14 @@ def test_a_killed_replica_is_left_out_and_a_restarted_one_heals_and_catches_up(t
     assert [r for r, _ in contributors[kill_round]] == [0, 1]
     # the restarted victim healed (from a live peer, at a round end after the kill) and contributed afterwards
     (healed,) = [rec for rec in records[VICTIM] if rec["healed"] and rec["life"] == 2]
-    assert kill_round < healed["step"] < CKPT_AT and healed["participants"] == 3
+    assert healed["step"] == WAIT_AT + H and kill_round < healed["step"] < CKPT_AT and healed["participants"] == 3
     assert healed["contributors"] == 2
     assert [r for r, _ in contributors[STEPS]] == [0, 1, 2]
     for s, rs in contributors.items():
         counts = {rec["contributors"] for recs in records.values() for rec in recs if rec["step"] == s}
         assert counts == {len(rs)}, (s, counts, rs)
 
-    expected = _reference(contributors)
+    expected = _reference(contributors, STEPS)
     finals = [torch.load(tmp_path / f"final{r}.pt") for r in range(3)]
     for r, final in enumerate(finals):
         assert final["step"] == STEPS
@@ -128,14 +131,35 @@ def test_a_killed_replica_is_left_out_and_a_restarted_one_heals_and_catches_up(t
     # The resume (every replica from its own checkpoint at CKPT_AT, mid the last round, all three together): the join
     # heals nobody (torchft's step came back with the checkpoint; reset to 0, torchft's init_sync heals replicas from
     # a peer and drops their steps CKPT_AT-1..CKPT_AT), keeps each replica's own mid-round weights, and the
-    # round at STEPS averages all three: θ_global, inner and outer optimizer states end bitwise where they did.
+    # round at STEPS averages all three: θ_global, inner and outer optimizer states reach bitwise where they ended.
     resumed = {r: [json.loads(line) for line in (tmp_path / f"rounds{r}.resumed.jsonl").read_text().splitlines()]
                for r in range(3)}  # fmt: skip
-    assert [[(rec["step"], rec["contributors"], rec["participants"], rec["healed"], rec["committed"]) for rec in recs]
-            for recs in resumed.values()] == [[(CKPT_AT, 0, 3, False, True), (STEPS, 3, 3, False, True)]] * 3  # fmt: skip
     for r in range(3):
-        again = torch.load(tmp_path / f"final{r}.resumed.pt")
+        again = torch.load(tmp_path / f"at{STEPS}_{r}.pt")
         assert again["step"] == STEPS and again["global_step"] == finals[r]["global_step"]
         for key in ("params", "inner", "outer"):
             torch.testing.assert_close(again[key], finals[r][key], atol=0, rtol=0, msg=lambda m: f"{r} {key}: {m}")
-        assert resumed[r][-1]["manager_step"] == records[r][-1]["manager_step"] + 1  # + the join's commit
+        assert resumed[r][1]["manager_step"] == records[r][-1]["manager_step"] + 1  # + the join's commit
+
+    # One replica alone leaves and rejoins (REJOINER ends its fit at LEAVE_AT, mid round STEPS + H, and resumes its
+    # checkpoint of the round end STEPS while the others run on): its torchft step is theirs, so it heals nothing; it
+    # joins their round end with w = 0 and takes the round's step from the all-reduce (S_t / S_w), then contributes.
+    fields = ("step", "contributors", "participants", "healed", "committed", "contributed")
+    rows = [(CKPT_AT, 0, 3, False, True, False), (STEPS, 3, 3, False, True, True), (STEPS + H, 2, 3, False, True, True),
+            (STEPS2, 3, 3, False, True, True)]  # fmt: skip
+    for r, recs in resumed.items():
+        want = [row if r != REJOINER or row[0] != STEPS + H else row[:-1] + (False,) for row in rows]
+        assert [tuple(rec[k] for k in fields) for rec in recs] == want, (r, recs)
+    assert [rec["phase"] for rec in resumed[REJOINER]] == ["resumed", "resumed", "rejoined", "rejoined"]
+    assert len({recs[-1]["manager_step"] for recs in resumed.values()}) == 1  # one torchft history again
+    for s in (STEPS + H, STEPS2):
+        contributors[s] = [(r, rec["life"]) for r, recs in resumed.items() for rec in recs
+                           if rec["step"] == s and rec["contributed"]]  # fmt: skip
+    expected = _reference(contributors, STEPS2)
+    ends = {r: torch.load(tmp_path / (f"final{r}.rejoined.pt" if r == REJOINER else f"final{r}.resumed.pt"))
+            for r in range(3)}  # fmt: skip
+    for r, end in ends.items():
+        assert end["step"] == STEPS2
+        torch.testing.assert_close(end["params"], expected, atol=1e-5, rtol=0, msg=lambda m: f"replica {r}: {m}")
+    rejoiner_at = torch.load(tmp_path / f"at{STEPS}_{REJOINER}.pt")
+    assert ends[REJOINER]["global_step"] == rejoiner_at["global_step"] + H  # it trained the last round only
