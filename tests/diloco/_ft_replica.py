@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+import lightning_pdist  # noqa: F401  (first: torch and Lightning imported with the collector paused, core/startup.py)
 import torch
 from torch import nn
 
