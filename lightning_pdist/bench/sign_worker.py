@@ -138,6 +138,15 @@ def build_hook(spec: dict[str, Any], model: Any, meter: Any) -> str:
     return "meter (the hook counts its own collectives)"
 
 
+#: Every DDP wrap this process made, kept alive until the process ends (``os._exit``: no destructor runs). Freeing
+#: one frees its Reducer's gloo group, and torch's ``~ProcessGroupGloo`` joins the group's work thread while holding
+#: the GIL; that thread may still be freeing the last barrier's work, whose tensors need the GIL to drop their Python
+#: objects: a deadlock (both ranks stuck for good; gdb: ``Reducer::~Reducer`` → ``ProcessGroupGloo::~ProcessGroupGloo``
+#: → ``thread::join`` against ``runLoop`` → ``~AsyncBarrierWork`` → ``decref_pyobject`` → ``take_gil``), seen about once
+#: in 5 runs of the comm test on a fast host.
+_KEPT: list[Any] = []
+
+
 def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """Run one rank as ``spec`` says; write and return its result dict."""
     import torch
@@ -179,6 +188,7 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
                             world_size=world_size)  # fmt: skip
     try:
         ddp = DDP(model)
+        _KEPT.append(ddp)
         meter = CommMeter()
         source = build_hook(spec, ddp, meter)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
