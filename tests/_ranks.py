@@ -28,7 +28,9 @@ def _entry(rank: int, world_size: int, init: str, errors: Path, fn: Callable[...
     try:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
-        dist.destroy_process_group()
+        # No destroy_process_group(): freeing the group here can deadlock in torch (~ProcessGroupGloo joins the
+        # group's work thread holding the GIL while that thread waits for the GIL to free the last collective's
+        # tensors; see lightning_pdist/bench/sign_worker.py). os._exit below ends the process without destructors.
     except BaseException as err:  # noqa: BLE001  (reported to the test, whatever it is)
         code = 1
         try:
