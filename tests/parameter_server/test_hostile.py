@@ -285,6 +285,9 @@ def test_a_bad_push_is_refused_and_consumes_no_step(meta, payload, match):
         admin.close()
 
 
+SYNC2 = {"mode": "sync", "num_workers": 2, "segments": [[0, 0, 4], [0, 0, 2]]}
+
+
 @pytest.mark.parametrize(
     "meta, match",
     [
@@ -294,8 +297,16 @@ def test_a_bad_push_is_refused_and_consumes_no_step(meta, payload, match):
         ({"param_groups": [{"lr": "x"}]}, r"param_groups\[0\]\['lr'\]='x': lr must be a finite number"),
         ({"delay_compensation": math.inf}, r"delay_compensation=inf: delay_compensation must be a finite number >= 0"),
         ({"segments": [[0, 5]]}, r"payload of 24 bytes; segments hold 5 elements"),
+        # chunked sync steps: two segments of one server that two workers step in sync, the chunks checked against them
+        ({**SYNC2, "chunks": [3, 3]}, r"chunk boundary 3 is inside a segment"),
+        ({**SYNC2, "chunks": [4, 3]}, r"chunks hold 7 elements; the segments hold 6"),
+        ({**SYNC2, "chunks": "4,2"}, r"chunks='4,2': chunks must be a list of 1 to 64 ints >= 1"),
+        ({**SYNC2, "chunks": [1] * 65}, r"chunks must be a list of 1 to 64"),
+        ({**SYNC2, "chunks": [4, 2], "mode": "async"}, r"chunks with mode='async', backup_workers=0: chunked steps need mode='sync'"),
+        ({**SYNC2, "chunks": [4, 2], "backup_workers": 1}, r"backup_workers=1: chunked steps need mode='sync' without backup"),
     ],
-    ids=["mode", "num_workers", "dtype", "lr", "dc", "segments"],
+    ids=["mode", "num_workers", "dtype", "lr", "dc", "segments", "chunk-inside", "chunk-total", "chunk-type",
+         "chunk-too-many", "chunk-async", "chunk-backup"],
 )
 def test_a_bad_init_is_refused_and_changes_nothing(meta, match):
     """INIT with a bad field is refused naming it; a server already initialized keeps serving its workers."""
@@ -454,29 +465,3 @@ def test_a_chunk_larger_than_the_largest_chunk_is_refused_from_the_header():
         with pytest.raises(ServerError, match="worker 0 already pushed a gradient for step 0"):
             b.request(Kind.PUSHPULL_CHUNK, good, torch.ones(4))
         admin.close()
-
-
-@pytest.mark.parametrize(
-    "extra, match",
-    [
-        ({"chunks": [3, 3]}, r"chunk boundary 3 is inside a segment"),
-        ({"chunks": [4, 3]}, r"chunks hold 7 elements; the segments hold 6"),
-        ({"chunks": "4,2"}, r"chunks='4,2': chunks must be a list of 1 to 64 ints >= 1"),
-        ({"chunks": [1] * 65, "segments": [[0, 0, 1]] * 65}, r"chunks must be a list of 1 to 64"),
-        ({"chunks": [4, 2], "mode": "async"}, r"chunks with mode='async', backup_workers=0: chunked steps need mode='sync'"),
-        ({"chunks": [4, 2], "backup_workers": 1}, r"backup_workers=1: chunked steps need mode='sync' without backup"),
-    ],
-    ids=["inside", "total", "type", "too-many", "async", "backup"],
-)
-def test_a_bad_chunked_init_is_refused_and_changes_nothing(extra, match):
-    """INIT with bad chunks is refused naming the value and the rule; the server keeps serving its workers."""
-    with serving() as server:
-        init(server.address)
-        client = good_worker(server.address)
-        admin = ServerConnection(0, server.address, timeout=GOOD_TIMEOUT)
-        meta = {"mode": "sync", "num_workers": 2, "dtype": "torch.float32", "segments": [[0, 0, 4], [0, 0, 2]],
-                "optimizer": "SGD", "param_groups": [{"lr": 0.5}], **extra}  # fmt: skip
-        numel = sum(s[-1] for s in meta["segments"])
-        with pytest.raises(ServerError, match=match):
-            admin.request(Kind.INIT, meta, torch.zeros(numel))
-        assert_serving(client)
