@@ -213,9 +213,9 @@ def _ipv4_listener(host: str, port: int) -> int | None:
 
     torch's own listener is an IPv6 socket, so every connection it accepts from an IPv4 client has an IPv4-mapped
     address (``::ffff:a.b.c.d``), which it names with ``getnameinfo``: a reverse DNS query that ``/etc/hosts`` never
-    answers for a mapped address. A group costs four such queries; a slow or rate-limited resolver turns them into
-    seconds (this project's build machine answers about 25 in a burst, then waits out a 5 s timeout). An IPv4
-    listener's peers are plain IPv4 addresses, named from ``/etc/hosts`` where listed.
+    answers for a mapped address, one per connection accepted (three or more per group). A slow or rate-limited
+    resolver turns them into seconds (this project's build machine answers about 25 in a burst, then waits out a 5 s
+    timeout). An IPv4 listener's peers are plain IPv4 addresses, named from ``/etc/hosts`` where listed.
     """
     try:
         if ipaddress.ip_address(host).version != 4:

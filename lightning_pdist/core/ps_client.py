@@ -213,10 +213,7 @@ class ParameterServerClient:
         Chunk ``j`` of a step always travels on connection ``j``: a server answers each connection's requests one at
         a time, so chunk ``j``'s pull can come back while chunk ``j + 1``'s push is still going out on another.
         """
-        meta: dict[str, Any] = {"worker": self.worker, "pid": os.getpid()}
-        host = socket.gethostname()
-        if 0 < len(host) <= 255 and host.isascii() and host.isprintable():
-            meta["host"] = host
+        meta = self._hello_meta()
         try:
             for server, count in enumerate(counts):
                 for _ in range(count - len(self.chunk_connections[server])):
@@ -297,11 +294,14 @@ class ParameterServerClient:
 
     def hello(self) -> list[dict]:
         """Register with every server, telling it this process's pid and host (named if this worker stalls)."""
+        return [meta for meta, _ in self.map(Kind.HELLO, [self._hello_meta()] * self.num_servers)]
+
+    def _hello_meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {"worker": self.worker, "pid": os.getpid()}
         host = socket.gethostname()
         if 0 < len(host) <= 255 and host.isascii() and host.isprintable():
             meta["host"] = host
-        return [meta for meta, _ in self.map(Kind.HELLO, [meta] * self.num_servers)]
+        return meta
 
     def pull(self, wait_version: int | None = None, record: bool = True) -> tuple[list[Tensor], list[dict]]:
         """Every server's shard (tensors over the received bytes) and reply metadata."""

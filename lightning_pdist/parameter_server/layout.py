@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_pdist.parameter_server.chunks import chunk_bounds
 from lightning_pdist.parameter_server.sharding import ShardingPlan
 
 __all__ = ["OptimizerLayout", "accumulate_grads", "group_hparams", "numeric_hparams"]
@@ -87,15 +88,9 @@ class OptimizerLayout:
 
     def chunk_bounds(self, server: int, optimizer: int, present: str) -> list[int]:
         """Where each chunk's part starts in :meth:`pack`'s compact gradient (and where the last ends)."""
-        sizes = [0] * len(self._chunk_numels[server])
-        for (_, start, stop), chunk, p in zip(self._slices.get((server, optimizer), []),
-                                              self._chunk_of.get((server, optimizer), []), present):  # fmt: skip
-            if p == "1":
-                sizes[chunk] += stop - start
-        bounds = [0]
-        for size in sizes:
-            bounds.append(bounds[-1] + size)
-        return bounds
+        pieces = [(start, stop, chunk) for (_, start, stop), chunk in zip(self._slices.get((server, optimizer), []),
+                                                                          self._chunk_of.get((server, optimizer), []))]  # fmt: skip
+        return chunk_bounds(pieces, [p == "1" for p in present], len(self._chunk_numels[server]))
 
     def segments(self, server: int) -> list[list[int]]:
         """``[[optimizer, group, numel], ...]`` of ``server``'s slices in shard order (``-1``: frozen)."""
