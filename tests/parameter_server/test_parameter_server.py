@@ -162,6 +162,19 @@ def test_resume_restores_the_servers_exactly(tmp_path):
     torch.testing.assert_close(flat(resumed), flat(straight), atol=1e-6, rtol=0)
 
 
+def test_chunked_steps_resume_exactly(tmp_path):
+    """chunk_bytes=32: stopped at step 3 of 8 and resumed with the same chunks, the weights of the uninterrupted
+    chunked run, bit for bit (the servers' shards, versions and momentum come back between steps)."""
+    model = lambda: TinyRegression(lr=0.05, momentum=0.9, n=24)  # noqa: E731  (3 steps per epoch on 2 workers)
+    straight = model()
+    fit(ps(chunk_bytes=32), straight, max_steps=8, limit_val_batches=1)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=False)
+    fit(ps(chunk_bytes=32), model(), max_steps=3, callbacks=[ckpt], enable_checkpointing=True, limit_val_batches=1)
+    resumed = model()
+    fit(ps(chunk_bytes=32), resumed, max_steps=8, ckpt_path=str(tmp_path / "epoch=0-step=3.ckpt"), limit_val_batches=1)
+    assert torch.equal(flat(resumed), flat(straight)) and not torch.equal(flat(straight), flat(make_net()))
+
+
 def test_backup_workers_train_to_the_end_with_three_workers():
     """Sync with backup_workers=1 on 3 workers finishes (late gradients dropped, no hang)."""
     model = TinyRegression()
