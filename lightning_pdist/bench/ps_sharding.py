@@ -50,7 +50,8 @@ from lightning_pdist.bench.report import (documented_run, finish_suite, markdown
 
 SUITE = "ps_sharding"
 PARTS = ("sharding", "straggler")
-SHARDINGS = ("layer", "memory")
+SHARDINGS = ("layer", "memory")  # the server plans
+ROW_SHARDINGS = (*SHARDINGS, "chunked")  # Part A's rows: "chunked" is the memory plan with chunk_bytes (BytePS steps)
 ROW_KEYS = ("workers", "servers", "sharding", "mode", "samples_per_s", "speedup_vs_1_worker",
             "max_server_bytes_per_step", "mean_server_bytes_per_step", "network")  # fmt: skip
 PAPER_RATIOS = {4: 1.20, 8: 1.66}  # paper 000 Fig. 2: memory-based over layer-wise sharding, VGG-16
@@ -71,8 +72,8 @@ class SuiteConfig(SuiteRules):
     """sharding (Part A), straggler (Part B) or both"""
     workers: tuple[int, ...] = (1, 2, 4, 8)
     """worker counts"""
-    shardings: tuple[str, ...] = SHARDINGS
-    """layer, memory or both"""
+    shardings: tuple[str, ...] = ROW_SHARDINGS
+    """any of layer, memory, chunked (the memory plan pushed and pulled in chunk_bytes pieces, BytePS-style)"""
     workers_per_server: int = 2
     """servers = ceil(workers / this)"""
     rate: str = "100mbit"
@@ -91,9 +92,9 @@ class SuiteConfig(SuiteRules):
     """timed steps of Part B"""
     slow_delay_s: float = 1.0
     """the straggler's sleep per batch, s"""
-    chunk_bytes: int | None = None
-    """the workers' ParameterServerStrategy(chunk_bytes=...) in Part A's memory runs: each partition of that many bytes
-    pushed and pulled on its own (None: unchunked steps)"""
+    chunk_bytes: int = 131072
+    """the workers' ParameterServerStrategy(chunk_bytes=...) in Part A's chunked runs, raised where a run's servers
+    would hold more than the strategy's 64 chunks each (the row records the value used)"""
     timeout: float = 600.0
     """seconds per run"""
     quick: bool = True
@@ -102,7 +103,7 @@ class SuiteConfig(SuiteRules):
 
     def __post_init__(self) -> None:
         self.distinct("parts", PARTS)
-        self.distinct("shardings", SHARDINGS)
+        self.distinct("shardings", ROW_SHARDINGS)
         self.distinct("workers")
         if any(isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 16 for w in self.workers):
             raise self.bad("workers", self.workers, "each worker count must be an int in [1, 16]")
@@ -116,9 +117,8 @@ class SuiteConfig(SuiteRules):
         if not 0 < self.width <= 1:
             raise self.bad("width", self.width, "must be in (0, 1] (1 is the full VGG-16)")
         self.positive("slow_delay_s", "timeout", unit=" seconds")
-        if self.chunk_bytes is not None and (isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int)
-                                             or self.chunk_bytes < 8 or self.chunk_bytes % 8):  # fmt: skip
-            raise self.bad("chunk_bytes", self.chunk_bytes, "must be None or a multiple of 8 bytes, at least 8")
+        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 8 or self.chunk_bytes % 8:
+            raise self.bad("chunk_bytes", self.chunk_bytes, "must be a multiple of 8 bytes, at least 8")
 
     def servers_for(self, workers: int) -> int:
         return math.ceil(workers / self.workers_per_server)
@@ -126,16 +126,29 @@ class SuiteConfig(SuiteRules):
 
 def worker_spec(config: SuiteConfig, workers: int, sharding: str, mode: str = "sync", steps: int | None = None,
                 slow_worker: int | None = None, subnet: str = "10.0.0.0/8") -> dict[str, Any]:  # fmt: skip
-    """The :mod:`~lightning_pdist.bench.ps_worker` spec of one run (validated)."""
+    """The :mod:`~lightning_pdist.bench.ps_worker` spec of one run (validated); ``sharding`` one of :data:`ROW_SHARDINGS`."""
     from lightning_pdist.bench.ps_worker import check_spec
 
+    servers = config.servers_for(workers)
     return check_spec({
-        "workers": workers, "servers": config.servers_for(workers), "sharding": sharding, "mode": mode,
+        "workers": workers, "servers": servers, "sharding": "memory" if sharding == "chunked" else sharding, "mode": mode,
         "width": float(config.width), "batch_size": config.batch_size, "warmup_steps": config.warmup_steps,
         "steps": steps or config.steps, "server_port": SERVER_PORT, "slow_worker": slow_worker,
         "slow_delay_s": config.slow_delay_s if slow_worker is not None else 0.0, "seed": 0, "subnet": subnet,
-        "chunk_bytes": config.chunk_bytes if sharding == "memory" and mode == "sync" and slow_worker is None else None,
+        "chunk_bytes": run_chunk_bytes(config, servers) if sharding == "chunked" else None,
     })  # fmt: skip
+
+
+def run_chunk_bytes(config: SuiteConfig, servers: int) -> int:
+    """``config.chunk_bytes``, raised to the least size that keeps each of ``servers`` servers at 64 chunks or fewer.
+
+    Partitions go round-robin to the servers, so ``k``-byte chunks make ``ceil(ceil(P / k) / S)`` per server for a
+    ``P``-byte model: ``k >= P / (64 S)`` keeps that at 64 (the strategy's own rule and message).
+    """
+    from lightning_pdist.parameter_server.chunks import MAX_CHUNKS
+
+    nbytes = plan_shares(config.width, servers)["memory"]["bytes"]
+    return max(config.chunk_bytes, 8 * math.ceil(nbytes / (MAX_CHUNKS * servers * 8)))
 
 
 def plan_shares(width: float, servers: int) -> dict[str, dict[str, float]]:
@@ -179,7 +192,7 @@ class Runner:
 
 
 def build_row(spec: dict[str, Any], result: dict[str, Any], config: SuiteConfig, network: str) -> dict[str, Any]:
-    """One Part A row from a sync run's results."""
+    """One Part A row from a sync run's results; a chunked run's row says ``sharding: "chunked"``."""
     ws, steps, batch = spec["workers"], spec["steps"], spec["batch_size"]
     per_worker = result["workers"]
     samples_per_s = sum(w["steps_per_s"] for w in per_worker) * batch
@@ -194,7 +207,7 @@ def build_row(spec: dict[str, Any], result: dict[str, Any], config: SuiteConfig,
     return {
         "workers": ws,
         "servers": spec["servers"],
-        "sharding": spec["sharding"],
+        "sharding": "chunked" if spec["chunk_bytes"] else spec["sharding"],
         "mode": spec["mode"],
         "chunk_bytes": spec["chunk_bytes"],
         "samples_per_s": round(samples_per_s, 2),
@@ -216,7 +229,7 @@ def build_row(spec: dict[str, Any], result: dict[str, Any], config: SuiteConfig,
 
 
 def add_speedups(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Fill ``speedup_vs_1_worker`` per sharding; return memory/layer ratios per worker count."""
+    """Fill ``speedup_vs_1_worker`` per sharding; return memory/layer (and chunked/memory) ratios per worker count."""
     for row in rows:
         base = next((r for r in rows if r["workers"] == 1 and r["sharding"] == row["sharding"]), None)
         row["speedup_vs_1_worker"] = round(row["samples_per_s"] / base["samples_per_s"], 3) if base else None
@@ -229,6 +242,8 @@ def add_speedups(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 "bound": round(by["memory"]["bound_samples_per_s"] / by["layer"]["bound_samples_per_s"], 3),
                 "paper": PAPER_RATIOS.get(ws),
             }
+        if "chunked" in by and "memory" in by:
+            ratios.setdefault(str(ws), {})["chunked_vs_memory"] = round(by["chunked"]["samples_per_s"] / by["memory"]["samples_per_s"], 3)
     return ratios
 
 
@@ -316,7 +331,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
 
 ROW_COLUMNS = (
     ("workers", "workers", None), ("servers", "servers", None), ("sharding", "sharding", None),
-    ("samples/s", "samples_per_s", ".1f"), ("speedup vs 1", "speedup_vs_1_worker", ".2f"),
+    ("chunk bytes", "chunk_bytes", None), ("samples/s", "samples_per_s", ".1f"), ("speedup vs 1", "speedup_vs_1_worker", ".2f"),
     ("bound samples/s", "bound_samples_per_s", ".1f"), ("of bound", "of_bound", ".0%"), ("busiest server MB/step", "max_server_bytes_per_step", lambda v: f"{v / 1e6:.2f}"),
     ("mean server MB/step", "mean_server_bytes_per_step", lambda v: f"{v / 1e6:.2f}"),
     ("plan max share", "plan_max_share", ".3f"), ("compute share", "compute_share", ".2f"),
@@ -330,11 +345,16 @@ STRAGGLER_COLUMNS = (
 
 
 def ratio_lines(ratios: dict[str, Any]) -> list[str]:
-    return [
-        f"- {ws} workers: memory / layer = {r['measured']:.2f} measured, {r['bound']:.2f} by the communication bounds"
-        + (f", {r['paper']:.2f} in the paper" if r["paper"] else "")
-        for ws, r in ratios.items()
-    ]
+    lines = []
+    for ws, r in ratios.items():
+        said = []
+        if "measured" in r:
+            said.append(f"memory / layer = {r['measured']:.2f} measured, {r['bound']:.2f} by the communication bounds"
+                        + (f", {r['paper']:.2f} in the paper" if r["paper"] else ""))  # fmt: skip
+        if "chunked_vs_memory" in r:
+            said.append(f"chunked / memory = {r['chunked_vs_memory']:.2f} measured")
+        lines.append(f"- {ws} workers: " + "; ".join(said))
+    return lines
 
 
 def docs_section(doc: dict[str, Any], json_path: str) -> str:
@@ -350,6 +370,9 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
     if doc["rows"]:
         lines += [
             "### Part A: paper 000 Fig. 2, layer-wise vs memory-balanced sharding (sync)", "",
+            *(["`chunked`: the memory plan cut into `chunk_bytes` partitions, each pushed, closed and pulled on its own "
+               "(`ParameterServerStrategy(chunk_bytes=...)`, BytePS-style), so pushes in and pulls out overlap.", ""]
+              if any(r["sharding"] == "chunked" for r in doc["rows"]) else []),
             f"`vgg16_scaled(width={cfg['width']})` = {first.get('params', 0):,} parameters, batch {cfg['batch_size']} of "
             f"synthetic 32x32 images per worker, plain SGD; one server per {cfg['workers_per_server']} workers; "
             f"{cfg['steps']} timed steps after {cfg['warmup_steps']}. Server bytes per step: in + out, from the servers' own "
@@ -373,8 +396,8 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
     plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    colors = {"layer": "tab:red", "memory": "tab:blue"}
-    for sharding in SHARDINGS:
+    colors = {"layer": "tab:red", "memory": "tab:blue", "chunked": "tab:green"}
+    for sharding in ROW_SHARDINGS:
         rows = sorted((r for r in doc["rows"] if r["sharding"] == sharding), key=lambda r: r["workers"])
         if not rows:
             continue

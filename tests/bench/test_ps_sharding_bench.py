@@ -18,7 +18,8 @@ _OK, _REASON = EmulatedNetwork.available()
     [
         ({"workers": (0, 2)}, r"--workers=\(0, 2\)\): each worker count must be an int in \[1, 16\]"),
         ({"workers": (2, 2)}, r"--workers=\(2, 2\)\): give at least one value, none repeated"),
-        ({"shardings": ("rows",)}, r"--shardings=\('rows',\)\): each value must be one of \('layer', 'memory'\)"),
+        ({"shardings": ("rows",)}, r"--shardings=\('rows',\)\): each value must be one of \('layer', 'memory', 'chunked'\)"),
+        ({"chunk_bytes": 100}, r"--chunk-bytes=100\): must be a multiple of 8 bytes, at least 8"),
         ({"rate": "fast"}, r"--rate='fast'\): must look like '100mbit'"),
         ({"width": 1.5}, r"--width=1.5\): must be in \(0, 1\]"),
         ({"steps": 0}, r"--steps=0\): must be an int >= 1"),
@@ -56,6 +57,23 @@ def test_worker_spec_is_checked():
         check_spec({**spec, "extra": 1})
 
 
+def test_chunked_runs_use_the_memory_plan_with_at_most_64_chunks_per_server():
+    """A chunked row is the memory plan with chunk_bytes, raised where one server would hold more than 64 chunks."""
+    from lightning_pdist.parameter_server.sharding import param_specs, plan_sharding
+    from lightning_pdist.models.vgg import vgg16_scaled
+
+    config = SuiteConfig(width=0.125, chunk_bytes=131072)
+    for workers in (1, 2, 4, 8):
+        spec = ps_sharding.worker_spec(config, workers, "chunked")
+        assert spec["sharding"] == "memory" and spec["chunk_bytes"] % 8 == 0
+        plan = plan_sharding(param_specs(vgg16_scaled(width=0.125, device="meta")), spec["servers"], "memory",
+                             partition_bytes=spec["chunk_bytes"])  # fmt: skip
+        per_server = [len({piece.part for piece in plan.param_slices(server)}) for server in range(plan.num_servers)]
+        assert max(per_server) <= 64, (workers, spec["chunk_bytes"], per_server)
+        assert (spec["chunk_bytes"] == 131072) == (spec["servers"] >= 2)  # one server: 8.7 MB needs > 128 KiB chunks
+    assert ps_sharding.worker_spec(config, 4, "memory")["chunk_bytes"] is None
+
+
 def test_plan_shares_of_the_scaled_model_are_the_real_vgg16s():
     """vgg16_scaled keeps the full VGG-16's plan shares: fc6 (74%) and a few convs on one server under layer."""
     from lightning_pdist.parameter_server.sharding import param_specs, plan_sharding
@@ -88,22 +106,26 @@ def test_speedups_and_ratios_are_computed_from_the_rows():
         for w, s, v, b in [(1, "layer", 10.0, 12.0), (1, "memory", 10.0, 12.0), (4, "layer", 20.0, 30.0),
                            (4, "memory", 30.0, 48.0)]  # fmt: skip
     ]
+    rows.append({"workers": 4, "sharding": "chunked", "samples_per_s": 45.0, "bound_samples_per_s": 48.0})
     ratios = add_speedups(rows)
-    assert [r["speedup_vs_1_worker"] for r in rows] == [1.0, 1.0, 2.0, 3.0]
-    assert ratios["4"] == {"measured": 1.5, "bound": 1.6, "paper": 1.20}
+    assert [r["speedup_vs_1_worker"] for r in rows] == [1.0, 1.0, 2.0, 3.0, None]  # no 1-worker chunked row
+    assert ratios["4"] == {"measured": 1.5, "bound": 1.6, "paper": 1.20, "chunked_vs_memory": 1.5}
     assert ratios["1"]["paper"] is None
+    assert ps_sharding.ratio_lines(ratios)[1] == ("- 4 workers: memory / layer = 1.50 measured, 1.60 by the "
+                                                  "communication bounds, 1.20 in the paper; chunked / memory = 1.50 measured")
 
 
 @pytest.mark.skipif(not _OK, reason=_REASON)
 def test_real_run_on_emulated_links_writes_rows_plot_and_docs(tmp_path, capsys):
-    """Two workers (one server), both plans, one timed step each on 1 Gbit/s links; then the report."""
+    """Two workers (one server), both plans and the chunked steps, one timed step each on 1 Gbit/s links; the report."""
     out = tmp_path / "out"
     argv = ["ps_sharding", "--out", str(out), "--parts", "sharding", "--workers", "2", "--steps", "1",
             "--warmup-steps", "1", "--width", "0.03125", "--rate", "1gbit", "--batch-size", "8"]  # fmt: skip
     assert bench_main(argv) == 0
     doc = json.loads((out / "ps_sharding.json").read_text())
     assert (out / "ps_sharding.png").stat().st_size > 10_000
-    assert [(r["workers"], r["sharding"]) for r in doc["rows"]] == [(2, "layer"), (2, "memory")]
+    assert [(r["workers"], r["sharding"]) for r in doc["rows"]] == [(2, "layer"), (2, "memory"), (2, "chunked")]
+    assert [r["chunk_bytes"] for r in doc["rows"]] == [None, None, ps_sharding.worker_spec(SuiteConfig(width=0.03125), 2, "chunked")["chunk_bytes"]]
     for row in doc["rows"]:
         assert set(ps_sharding.ROW_KEYS) <= set(row)
         assert row["network"] == "emulated 1gbit" and row["servers"] == 1 and row["samples_per_s"] > 0
@@ -111,7 +133,7 @@ def test_real_run_on_emulated_links_writes_rows_plot_and_docs(tmp_path, capsys):
         assert 2 * row["workers"] * 4 * row["params"] <= row["max_server_bytes_per_step"] < 2.05 * row["workers"] * 4 * row["params"]
         assert row["max_server_bytes_per_step"] == row["mean_server_bytes_per_step"]
         assert 1.0 < row["kernel_server_ratio"] < 1.15
-    assert doc["ratios"]["2"]["bound"] == 1.0
+    assert doc["ratios"]["2"]["bound"] == 1.0 and doc["ratios"]["2"]["chunked_vs_memory"] > 0
     section = (out / "docs_section.md").read_text()
-    assert "layer-wise vs memory-balanced" in section and "emulated" in section
+    assert "layer-wise vs memory-balanced" in section and "emulated" in section and "chunk_bytes" in section
     assert "samples/s" in capsys.readouterr().out
