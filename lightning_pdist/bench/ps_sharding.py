@@ -34,6 +34,7 @@ status 1: loopback figures are never passed off as network figures.
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -223,6 +224,9 @@ def build_row(spec: dict[str, Any], result: dict[str, Any], config: SuiteConfig,
         "step_s": round(step_s, 4),
         "compute_share": round(compute_s / step_s, 3),
         "wait_share": round(sum(w["wait_s"] for w in per_worker) / sum(w["loop_s"] for w in per_worker), 3),
+        # the machine's cores during the timed steps: all of it, and the workers' own processes' part of it
+        "machine_cpu_busy": round(sum(w["machine_cpu_busy"] for w in per_worker) / ws, 3),
+        "workers_cpu_share": round(sum(w["cpu_s"] for w in per_worker) / (os.cpu_count() * sum(w["loop_s"] for w in per_worker) / ws), 3),
         "kernel_server_ratio": round(sum(result["kernel_server_bytes"]) / served, 4) if served else None,
         "process_wall_s": round(result["wall_s"], 1),
     }
@@ -335,7 +339,8 @@ ROW_COLUMNS = (
     ("bound samples/s", "bound_samples_per_s", ".1f"), ("of bound", "of_bound", ".0%"), ("busiest server MB/step", "max_server_bytes_per_step", lambda v: f"{v / 1e6:.2f}"),
     ("mean server MB/step", "mean_server_bytes_per_step", lambda v: f"{v / 1e6:.2f}"),
     ("plan max share", "plan_max_share", ".3f"), ("compute share", "compute_share", ".2f"),
-    ("wait share", "wait_share", ".2f"), ("kernel/served", "kernel_server_ratio", ".3f"),
+    ("wait share", "wait_share", ".2f"), ("CPU busy", "machine_cpu_busy", ".0%"),
+    ("workers' CPU", "workers_cpu_share", ".0%"), ("kernel/served", "kernel_server_ratio", ".3f"),
 )  # fmt: skip
 STRAGGLER_COLUMNS = (
     ("mode", "mode", None), ("others' steps/s", "others_steps_per_s", ".3f"),
@@ -377,7 +382,9 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
             f"synthetic 32x32 images per worker, plain SGD; one server per {cfg['workers_per_server']} workers; "
             f"{cfg['steps']} timed steps after {cfg['warmup_steps']}. Server bytes per step: in + out, from the servers' own "
             "counters in their replies; kernel/served: the server hosts' veth rx + tx over the whole run against the bytes "
-            "the servers framed. Compute share: the workers' forward + backward on 2 cores over the step time.", "",
+            "the servers framed. Compute share: the workers' forward + backward on 2 cores over the step time. CPU busy: the "
+            "machine's cores busy during the timed steps (`/proc/stat`: servers, workers, the kernel's emulated links); "
+            "workers' CPU: the worker processes' part of the cores.", "",
             markdown_table([{**r, "of_bound": r["samples_per_s"] / r["bound_samples_per_s"]} for r in doc["rows"]], ROW_COLUMNS),
             "", *ratio_lines(doc["ratios"]),
         ]  # fmt: skip

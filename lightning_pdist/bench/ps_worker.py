@@ -133,8 +133,9 @@ def run_worker(spec: dict[str, Any], worker: int, hosts: list[str], out_dir: Pat
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             step = trainer.global_step
             if step == spec["warmup_steps"]:
-                self.t0 = time.perf_counter()
+                self.t0, self.cpu0, self.ticks0 = time.perf_counter(), time.process_time(), machine_cpu_ticks()
             elif step > spec["warmup_steps"]:
+                self.cpu1, self.ticks1 = time.process_time(), machine_cpu_ticks()
                 metrics = trainer.callback_metrics
                 self.wait += float(metrics.get("pdist/ps/wait_s", 0.0))
                 for s in range(servers):
@@ -156,6 +157,7 @@ def run_worker(spec: dict[str, Any], worker: int, hosts: list[str], out_dir: Pat
     )  # fmt: skip
     trainer.fit(model, DataLoader(data, batch_size=spec["batch_size"]))
     loop_s = timer.t1 - timer.t0
+    (busy0, total0), (busy1, total1) = timer.ticks0, timer.ticks1
     result = {
         "worker": worker,
         "steps": spec["steps"],
@@ -163,6 +165,8 @@ def run_worker(spec: dict[str, Any], worker: int, hosts: list[str], out_dir: Pat
         "steps_per_s": spec["steps"] / loop_s,
         "compute_ms_per_step": compute_ms,
         "wait_s": timer.wait,
+        "cpu_s": timer.cpu1 - timer.cpu0,  # this worker's process, all threads, during the timed steps
+        "machine_cpu_busy": (busy1 - busy0) / (total1 - total0),  # every core of the machine, the same window
         "server_bytes_in": timer.seen_in,
         "server_bytes_out": timer.seen_out,
         "params": sum(p.numel() for p in net.parameters()),
@@ -171,6 +175,15 @@ def run_worker(spec: dict[str, Any], worker: int, hosts: list[str], out_dir: Pat
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"worker{worker}.json").write_text(json.dumps(result))
     return result
+
+
+def machine_cpu_ticks() -> tuple[int, int]:
+    """``(busy, total)`` clock ticks of all cores since boot, from ``/proc/stat`` (not namespaced: every emulated
+    host's processes, the kernel's softirq work for the emulated links, and anything else running here)."""
+    with open("/proc/stat") as f:
+        user, nice, system, idle, iowait, irq, softirq, steal = (int(v) for v in f.readline().split()[1:9])
+    busy = user + nice + system + irq + softirq + steal
+    return busy, busy + idle + iowait
 
 
 def _compute_ms(model: Any, data: Any, batch_size: int) -> float:
