@@ -363,10 +363,13 @@ class EmulatedNetwork:
 
     # -- kernel counters -----------------------------------------------------------------------
 
-    def _stats(self, method: str, i: int) -> dict:
+    def _check_open(self, method: str, i: int) -> None:
         self._check_host(method, i)
         if self._closed:
             raise RuntimeError(f"EmulatedNetwork.{method}({i}): the network is closed")
+
+    def _stats(self, method: str, i: int) -> dict:
+        self._check_open(method, i)
         out = _run(["ip", "-n", self.namespace(i), "-j", "-s", "link", "show", "dev", self.ifname(i)])
         return json.loads(out)[0]["stats64"]
 
@@ -377,6 +380,21 @@ class EmulatedNetwork:
     def rx_bytes(self, i: int) -> int:
         """Bytes host ``i`` has received on its link, from the kernel's counter of its veth (headers included)."""
         return int(self._stats("rx_bytes", i)["rx"]["bytes"])
+
+    def tcp_retransmits(self, i: int) -> int:
+        """TCP segments host ``i`` has retransmitted (``RetransSegs`` of its namespace's ``/proc/net/snmp``)."""
+        self._check_open("tcp_retransmits", i)
+        header, values = [line.split()[1:] for line in _run(["ip", "netns", "exec", self.namespace(i), "cat",
+                                                               "/proc/net/snmp"]).splitlines() if line.startswith("Tcp:")]  # fmt: skip
+        return int(values[header.index("RetransSegs")])
+
+    def shaper_drops(self, i: int) -> int:
+        """Packets the two shapers of host ``i``'s link dropped (its egress and the bridge's side toward it)."""
+        self._check_open("shaper_drops", i)
+        drops = 0
+        for ns, dev in ((self.namespace(i), self.ifname(i)), (self.switch_namespace, f"vs{i}")):
+            drops += sum(int(q.get("drops", 0)) for q in json.loads(_run(["tc", "-n", ns, "-s", "-j", "qdisc", "show", "dev", dev])))
+        return drops
 
     # -- capability probe ----------------------------------------------------------------------
 

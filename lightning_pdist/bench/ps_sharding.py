@@ -93,6 +93,9 @@ class SuiteConfig(SuiteRules):
     """timed steps of Part B"""
     slow_delay_s: float = 1.0
     """the straggler's sleep per batch, s"""
+    repeats: int = 1
+    """runs of Part A's plan, one after the other; each row is the run with the median samples/s and lists every
+    run's figure (the spread)"""
     chunk_bytes: int = 131072
     """the workers' ParameterServerStrategy(chunk_bytes=...) in Part A's chunked runs, raised where a run's servers
     would hold more than the strategy's 64 chunks each (the row records the value used)"""
@@ -108,7 +111,7 @@ class SuiteConfig(SuiteRules):
         self.distinct("workers")
         if any(isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 16 for w in self.workers):
             raise self.bad("workers", self.workers, "each worker count must be an int in [1, 16]")
-        self.ints("workers_per_server", "batch_size", "warmup_steps", "steps", "straggler_steps")
+        self.ints("workers_per_server", "batch_size", "warmup_steps", "steps", "straggler_steps", "repeats")
         if isinstance(self.straggler_workers, bool) or not isinstance(self.straggler_workers, int) or not 2 <= self.straggler_workers <= 16:
             raise self.bad("straggler_workers", self.straggler_workers, "must be an int in [2, 16] (one straggler and others)")
         try:
@@ -185,11 +188,17 @@ class Runner:
         """Run ``spec``; return workers' and servers' results, wall time and the servers' kernel bytes."""
         servers, workers = spec["servers"], spec["workers"]
         hosts = ",".join(self.net.host_ip(i) for i in range(servers + workers))
+        lossy = lambda: [(self.net.tcp_retransmits(i), self.net.shaper_drops(i)) for i in range(servers + workers)]  # noqa: E731
+        before = lossy()
         got = self.launcher.run("lightning_pdist.bench.ps_worker", spec, servers + workers, self.net,
                                 files=[("worker", workers), ("server", servers)], extra_argv=["--hosts", hosts],
                                 kernel_hosts=servers)  # fmt: skip
+        after = lossy()
         return {"workers": got.results[:workers], "servers": got.results[workers:], "wall_s": got.wall_s,
-                "kernel_server_bytes": [rx + tx for rx, tx in got.kernel]}  # fmt: skip
+                "kernel_server_bytes": [rx + tx for rx, tx in got.kernel],
+                # every host's TCP retransmissions and shaper drops over the whole launch (warm-up included)
+                "tcp_retransmits": sum(a[0] - b[0] for a, b in zip(after, before)),
+                "shaper_drops": sum(a[1] - b[1] for a, b in zip(after, before))}  # fmt: skip
 
 
 def build_row(spec: dict[str, Any], result: dict[str, Any], config: SuiteConfig, network: str) -> dict[str, Any]:
@@ -228,6 +237,8 @@ def build_row(spec: dict[str, Any], result: dict[str, Any], config: SuiteConfig,
         "machine_cpu_busy": round(sum(w["machine_cpu_busy"] for w in per_worker) / ws, 3),
         "workers_cpu_share": round(sum(w["cpu_s"] for w in per_worker) / (os.cpu_count() * sum(w["loop_s"] for w in per_worker) / ws), 3),
         "kernel_server_ratio": round(sum(result["kernel_server_bytes"]) / served, 4) if served else None,
+        "tcp_retransmits_per_step": round(result["tcp_retransmits"] / (spec["warmup_steps"] + steps), 1),
+        "shaper_drops_per_step": round(result["shaper_drops"] / (spec["warmup_steps"] + steps), 1),
         "process_wall_s": round(result["wall_s"], 1),
     }
 
@@ -252,19 +263,28 @@ def add_speedups(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_sharding(runner: Runner, config: SuiteConfig, network: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Part A: every worker count under every sharding, sync mode."""
-    rows = []
-    total = len(config.workers) * len(config.shardings)
-    for ws in config.workers:
-        for sharding in config.shardings:
-            spec = worker_spec(config, ws, sharding, subnet=str(runner.net.subnet))
-            row = build_row(spec, runner.launch(spec), config, network)
-            rows.append(row)
-            runner.log(f"[A {len(rows)}/{total}] {ws} workers, {row['servers']} servers, {sharding}: "
-                       f"{row['samples_per_s']:.1f} samples/s (bound {row['bound_samples_per_s']:.1f}), busiest server "
-                       f"{row['max_server_bytes_per_step'] / 1e6:.2f} MB/step, compute share {row['compute_share']:.2f}, "
-                       f"kernel/served {row['kernel_server_ratio']}, run {row['process_wall_s']} s")  # fmt: skip
+    """Part A: every worker count under every sharding, sync mode; the whole plan ``repeats`` times over."""
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    total, done = config.repeats * len(config.workers) * len(config.shardings), 0
+    for _ in range(config.repeats):
+        for ws in config.workers:
+            for sharding in config.shardings:
+                spec = worker_spec(config, ws, sharding, subnet=str(runner.net.subnet))
+                row = build_row(spec, runner.launch(spec), config, network)
+                runs.setdefault((ws, sharding), []).append(row)
+                done += 1
+                runner.log(f"[A {done}/{total}] {ws} workers, {row['servers']} servers, {sharding}: "
+                           f"{row['samples_per_s']:.1f} samples/s (bound {row['bound_samples_per_s']:.1f}), busiest "
+                           f"server {row['max_server_bytes_per_step'] / 1e6:.2f} MB/step, CPU busy {row['machine_cpu_busy']:.2f}, "
+                           f"retransmits/step {row['tcp_retransmits_per_step']}, run {row['process_wall_s']} s")  # fmt: skip
+    rows = [median_run(r) for r in runs.values()]
     return rows, add_speedups(rows)
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median samples/s (the lower of the middle two), with every run's samples/s in order."""
+    row = sorted(runs, key=lambda r: r["samples_per_s"])[(len(runs) - 1) // 2]
+    return {**row, "samples_per_s_runs": [r["samples_per_s"] for r in runs]}
 
 
 def run_straggler(runner: Runner, config: SuiteConfig, network: str) -> dict[str, Any]:
@@ -333,20 +353,36 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
 
 # -- output -------------------------------------------------------------------------------------
 
+def spread(runs: list[float] | None) -> str:
+    """``min–max (n runs)`` of a row's runs; ``–`` for one run (or a file from before repeats)."""
+    if not runs or len(runs) < 2:
+        return "–"
+    return f"{min(runs):.1f}–{max(runs):.1f} ({len(runs)} runs)"
+
+
 ROW_COLUMNS = (
     ("workers", "workers", None), ("servers", "servers", None), ("sharding", "sharding", None),
-    ("chunk bytes", "chunk_bytes", None), ("samples/s", "samples_per_s", ".1f"), ("speedup vs 1", "speedup_vs_1_worker", ".2f"),
+    ("chunk bytes", "chunk_bytes", None), ("samples/s", "samples_per_s", ".1f"),
+    ("runs (min–max)", "samples_per_s_runs", spread), ("speedup vs 1", "speedup_vs_1_worker", ".2f"),
     ("bound samples/s", "bound_samples_per_s", ".1f"), ("of bound", "of_bound", ".0%"), ("busiest server MB/step", "max_server_bytes_per_step", lambda v: f"{v / 1e6:.2f}"),
     ("mean server MB/step", "mean_server_bytes_per_step", lambda v: f"{v / 1e6:.2f}"),
     ("plan max share", "plan_max_share", ".3f"), ("compute share", "compute_share", ".2f"),
     ("wait share", "wait_share", ".2f"), ("CPU busy", "machine_cpu_busy", ".0%"),
-    ("workers' CPU", "workers_cpu_share", ".0%"), ("kernel/served", "kernel_server_ratio", ".3f"),
+    ("workers' CPU", "workers_cpu_share", ".0%"), ("retransmits/step", "tcp_retransmits_per_step", ".1f"),
+    ("drops/step", "shaper_drops_per_step", ".1f"), ("kernel/served", "kernel_server_ratio", ".3f"),
 )  # fmt: skip
 STRAGGLER_COLUMNS = (
     ("mode", "mode", None), ("others' steps/s", "others_steps_per_s", ".3f"),
     ("others' steps/s, worker 0 slowed", "others_steps_per_s_with_straggler", ".3f"), ("ratio", "ratio", ".3f"),
     ("straggler steps/s", "straggler_steps_per_s", ".3f"),
 )  # fmt: skip
+
+
+def shown_columns(rows: list[dict[str, Any]]) -> tuple:
+    """:data:`ROW_COLUMNS` less those no row fills (figures a file from an older run or a one-run plan lacks)."""
+    empty = lambda key: all(spread(r.get(key)) == "–" if key == "samples_per_s_runs" else r.get(key) is None  # noqa: E731
+                            for r in rows)  # fmt: skip
+    return tuple(c for c in ROW_COLUMNS if c[1] == "of_bound" or not empty(c[1]))
 
 
 def ratio_lines(ratios: dict[str, Any]) -> list[str]:
@@ -384,8 +420,10 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
             "counters in their replies; kernel/served: the server hosts' veth rx + tx over the whole run against the bytes "
             "the servers framed. Compute share: the workers' forward + backward on 2 cores over the step time. CPU busy: the "
             "machine's cores busy during the timed steps (`/proc/stat`: servers, workers, the kernel's emulated links); "
-            "workers' CPU: the worker processes' part of the cores.", "",
-            markdown_table([{**r, "of_bound": r["samples_per_s"] / r["bound_samples_per_s"]} for r in doc["rows"]], ROW_COLUMNS),
+            "workers' CPU: the worker processes' part of the cores. Retransmits and drops: every host's TCP "
+            "retransmitted segments and the link shapers' dropped packets per step (the launch's, warm-up included).", "",
+            markdown_table([{**r, "of_bound": r["samples_per_s"] / r["bound_samples_per_s"]} for r in doc["rows"]],
+                           shown_columns(doc["rows"])),
             "", *ratio_lines(doc["ratios"]),
         ]  # fmt: skip
     if doc.get("straggler"):

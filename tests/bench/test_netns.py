@@ -158,9 +158,17 @@ def test_measure_link_rate_matches_tbf_rate(unique_prefix):
     """A 4 MB TCP transfer between 2 hosts at 100mbit runs at 70-105% of 12.5 MB/s, and the kernel counts it."""
     nbytes = 4 << 20
     with EmulatedNetwork(2, rate="100mbit", prefix=unique_prefix) as net:
+        # fresh namespaces and shapers: nothing retransmitted or dropped yet (the counters are each host's own)
+        assert [net.tcp_retransmits(i) for i in range(2)] == [0, 0] and [net.shaper_drops(i) for i in range(2)] == [0, 0]
         tx0, rx1 = net.tx_bytes(0), net.rx_bytes(1)
         rate = measure_link_rate(net, 0, 1, nbytes)
         sent, received = net.tx_bytes(0) - tx0, net.rx_bytes(1) - rx1
+        retransmitted, dropped = net.tcp_retransmits(0), net.shaper_drops(0) + net.shaper_drops(1)
+        segments_out = int(dict(zip(*[line.split() for line in subprocess.run(
+            ["ip", "netns", "exec", net.namespace(0), "cat", "/proc/net/snmp"], capture_output=True, text=True,
+            check=True).stdout.splitlines() if line.startswith("Tcp:")]))["OutSegs"])  # fmt: skip
+    assert isinstance(retransmitted, int) and isinstance(dropped, int)
+    assert 0 <= retransmitted < segments_out and segments_out >= nbytes // 65536  # host 0's own counter, not a total
     assert 0.70 * 12.5e6 <= rate <= 1.05 * 12.5e6
     # Payload plus Ethernet/IP/TCP headers: at most ~5% on 1500-byte frames, less with offloaded segments.
     assert nbytes <= sent <= 1.05 * nbytes
@@ -270,6 +278,8 @@ def test_launch_ranks_timeout_kills_every_rank(tmp_path, unique_prefix):
     [
         (lambda net: net.host_ip(2), ValueError, r"host_ip\(i=2\): i must be in \[0, 2\)"),
         (lambda net: net.tx_bytes(-1), ValueError, r"tx_bytes\(i=-1\): i must be in \[0, 2\)"),
+        (lambda net: net.tcp_retransmits(2), ValueError, r"tcp_retransmits\(i=2\): i must be in \[0, 2\)"),
+        (lambda net: net.shaper_drops(-1), ValueError, r"shaper_drops\(i=-1\): i must be in \[0, 2\)"),
         (lambda net: launch_ranks(net, ["true"], 3, 29500), ValueError, r"world_size=3\): world_size must be in \[1, 2"),
         (lambda net: launch_ranks(net, "true", 2, 29500), TypeError, r"argv='true'\): argv must be a non-empty list"),
         (lambda net: launch_ranks(net, ["true"], 2, 0), ValueError, r"master_port=0\): master_port must be in"),

@@ -74,6 +74,26 @@ def test_chunked_runs_use_the_memory_plan_with_at_most_64_chunks_per_server():
     assert ps_sharding.worker_spec(config, 4, "memory")["chunk_bytes"] is None
 
 
+def test_repeated_runs_keep_the_median_run_and_every_runs_figure():
+    runs = [{"samples_per_s": v, "run": i} for i, v in enumerate([60.0, 70.0, 65.0])]
+    row = ps_sharding.median_run(runs)
+    assert row["run"] == 2 and row["samples_per_s_runs"] == [60.0, 70.0, 65.0]
+    assert ps_sharding.median_run(runs[:2])["run"] == 0  # even count: the lower middle run
+    assert ps_sharding.spread([60.0, 70.0, 65.0]) == "60.0–70.0 (3 runs)" and ps_sharding.spread([60.0]) == "–"
+    with pytest.raises(ValueError, match=r"--repeats=0\): must be an int >= 1"):
+        SuiteConfig(repeats=0)
+
+
+def test_the_table_leaves_out_the_columns_no_row_fills():
+    """A file from an older run (no CPU or loss figures, one run per row) renders without those columns."""
+    row = {"workers": 1, "servers": 1, "sharding": "memory", "samples_per_s": 20.0, "bound_samples_per_s": 40.0,
+           "samples_per_s_runs": [20.0]}  # fmt: skip
+    keys = [c[1] for c in ps_sharding.shown_columns([row])]
+    assert keys == ["workers", "servers", "sharding", "samples_per_s", "bound_samples_per_s", "of_bound"]
+    keys = [c[1] for c in ps_sharding.shown_columns([row, {**row, "samples_per_s_runs": [20.0, 21.0], "chunk_bytes": 8}])]
+    assert "samples_per_s_runs" in keys and "chunk_bytes" in keys
+
+
 def test_plan_shares_of_the_scaled_model_are_the_real_vgg16s():
     """vgg16_scaled keeps the full VGG-16's plan shares: fc6 (74%) and a few convs on one server under layer."""
     from lightning_pdist.parameter_server.sharding import param_specs, plan_sharding
@@ -135,6 +155,8 @@ def test_real_run_on_emulated_links_writes_rows_plot_and_docs(tmp_path, capsys):
         assert 1.0 < row["kernel_server_ratio"] < 1.15
         # (one timed step: /proc/stat's 10 ms ticks are too coarse to order the two shares here)
         assert 0 < row["workers_cpu_share"] <= 1 and 0 < row["machine_cpu_busy"] <= 1
+        assert row["tcp_retransmits_per_step"] >= 0 and row["shaper_drops_per_step"] >= 0
+        assert row["samples_per_s_runs"] == [row["samples_per_s"]]  # one run of the plan
     assert doc["ratios"]["2"]["bound"] == 1.0 and doc["ratios"]["2"]["chunked_vs_memory"] > 0
     section = (out / "docs_section.md").read_text()
     assert "layer-wise vs memory-balanced" in section and "emulated" in section and "chunk_bytes" in section
