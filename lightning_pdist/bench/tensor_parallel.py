@@ -597,7 +597,8 @@ ROW_COLUMNS = (
     ("ms/step", "step_s", lambda s: f"{1000 * s:.1f}"), ("CPU ms/step", "cpu_per_step_s", lambda s: f"{1000 * s:.1f}"),
     ("MB/step measured", "meter_bytes_per_step", MB),
     ("MB/step model", "model_bytes_per_step", MB), ("MB/step kernel", "kernel_tx_bytes_per_step", MB),
-    ("kernel/model", "kernel_over_model", ".3f"), ("other load", "other_load_cores", ".2f"), ("error", "error", None),
+    ("kernel/model", "kernel_over_model", ".3f"), ("other load", "other_load_cores", ".2f"),
+    ("error", "error", lambda e: str(e).replace("|", "\\|")),  # a stderr tail's line breaks are '|': escaped in the cell
 )  # fmt: skip
 RATIO_COLUMNS = (
     ("network", "network", None), ("model", "model", None), ("config", "config", None), ("ranks", "world_size", None),

@@ -8,7 +8,7 @@ from lightning_pdist.tensor_parallel.cost import Crossover, StepBytes
 from lightning_pdist.bench import SUITES
 from lightning_pdist.bench.__main__ import main as bench_main
 from lightning_pdist.bench.netns import EmulatedNetwork
-from lightning_pdist.bench.report import check_rows
+from lightning_pdist.bench.report import check_rows, markdown_table
 from lightning_pdist.bench.tensor_parallel import (
     FULL,
     PAPER,
@@ -18,7 +18,7 @@ from lightning_pdist.bench.tensor_parallel import (
     SuiteConfig,
     build_row,
     crossover,
-    docs_section,
+    ROW_COLUMNS,
     kernel_check,
     model_facts,
     paper_scale,
@@ -207,6 +207,8 @@ def test_ratios_over_deepspeed_and_the_column_only_where_the_document_has_it():
     assert headers[headers.index("time ÷ DP") + 1] == "time ÷ DeepSpeed"
     old = [{k: v for k, v in r.items() if k != "deepspeed_ratio"} for r in got.values()]
     assert "time ÷ DeepSpeed" not in [c[0] for c in ratio_columns(old)]
+    failed = {**row("tp_sp", None, None, "albert"), "error": "rank 0 failed: | ValueError: refused"}  # a stderr tail
+    assert "rank 0 failed: \\| ValueError: refused" in markdown_table([failed], ROW_COLUMNS)  # one cell, not two
 
 
 def test_crossover_from_loopback_compute_and_modelled_bytes():
