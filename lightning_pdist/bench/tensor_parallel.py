@@ -1,7 +1,8 @@
 """Tensor-parallel suite: paper 003 Table 1 (DP vs TP for BERT/ALBERT on IMDB), DP×TP, hybrid conv-DP/FC-MP, bytes.
 
 ``python -m lightning_pdist.bench tensor_parallel [--quick] --out DIR [--network loopback|emulated|both]
-[--rates 1gbit 100mbit] [--models bert albert vgg] [--configs dp tp deepspeed_tp dp_tp hybrid]`` writes
+[--rates 1gbit 100mbit] [--models bert albert vgg transformer] [--configs dp tp tp_sp deepspeed_tp dp_tp hybrid]``
+writes
 ``DIR/tensor_parallel.json``, ``DIR/tensor_parallel.png`` and ``DIR/docs_section.md``.
 
 Paper 003 trains BERT-base and ALBERT-base on IMDB with data parallelism (6 pods) and DeepSpeed tensor parallelism
@@ -14,6 +15,9 @@ in every configuration:
 
 * ``dp``: ``PdistStrategy`` (DDP with byte accounting), 2 ranks (and 4 in the full plan);
 * ``tp``: ``TensorParallelStrategy`` (plan ``"auto"``: Megatron-style column/row pairs), 2 ranks on the whole batch;
+* ``tp_sp``: the same with ``sequence_parallel=True`` (all-gather / reduce-scatter along the sequence instead of each
+  all-reduce; byte model :mod:`~lightning_pdist.bench.tp_sp_bytes`); a model the strategy refuses gets its refusal
+  in the row's ``error`` (ALBERT until its attention is covered);
 * ``deepspeed_tp``: DeepSpeed AutoTP, degree 2, the paper's own engine (:mod:`~lightning_pdist.bench.tp_deepspeed`;
   plain torch loop, IMDB-shaped random token batches; a failure is recorded in its row, never a number);
 * ``dp_tp``: ``TensorParallelStrategy(tensor_parallel_size=2)`` on 4 ranks (2 × 2), full plan only (4 processes
@@ -24,7 +28,11 @@ in every configuration:
 Models: transformers' BERT and ALBERT (:class:`~lightning_pdist.models.encoder.EncoderClassifier`, random init) at
 reduced depth and width (stated in the JSON ``models``), on IMDB-format files this suite generates (``aclImdb``
 layout, synthetic reviews: :func:`~lightning_pdist.data.imdb_synthetic.write_imdb_like`) read by
-:class:`~lightning_pdist.data.IMDBDataModule`.
+:class:`~lightning_pdist.data.IMDBDataModule`. ``transformer`` (not in the default ``--models``): Lightning's demo
+Transformer (``lightning.pytorch.demos.Transformer``, encoder-decoder language model) at the encoders' width, heads,
+FFN and vocabulary with ``num_layers // 2`` encoder and decoder layers each, on random tokens (next-token targets,
+no download), 2 ranks only, under ``dp``, ``tp``, ``tp_sp`` and ``deepspeed_tp``; its TP rows carry the meter only
+(no byte model: ``–``).
 
 Time: **per step**, over ``steps`` timed optimizer steps after ``warmup_steps`` untimed ones, between barriers on
 every rank (``time per N steps`` / N), the fastest of ``repeats`` runs of the plan; TP/DP ratios compare those, as the paper's training times compare equal
@@ -57,11 +65,12 @@ from lightning_pdist.bench.report import (check_rows, documented_run, markdown_t
                                           save_figure)  # fmt: skip
 
 SUITE = "tensor_parallel"
-MODELS = ("bert", "albert", "vgg")
+MODELS = ("bert", "albert", "vgg")  # the default --models
+MODEL_CHOICES = (*MODELS, "transformer")
 ENCODERS = ("bert", "albert")
-CONFIGS = ("dp", "tp", "deepspeed_tp", "dp_tp", "hybrid")
+CONFIGS = ("dp", "tp", "deepspeed_tp", "dp_tp", "hybrid", "tp_sp")  # tp_sp last: the figure keeps its colours
 NETWORKS = ("loopback", "emulated")
-TP_LIKE = ("tp", "deepspeed_tp", "dp_tp", "hybrid")
+TP_LIKE = ("tp", "tp_sp", "deepspeed_tp", "dp_tp", "hybrid")
 PAPER = {"bert": {"dp_s": 556, "tp_s": 392, "ratio": 0.705}, "albert": {"dp_s": 264, "tp_s": 200, "ratio": 0.758}}
 KERNEL_TOLERANCE = 0.10  # |kernel tx / byte model - 1| allowed on emulated links
 ROW_KEYS = ("network", "model", "config", "world_size", "step_s", "meter_bytes_per_step", "model_bytes_per_step", "error")
@@ -86,9 +95,9 @@ class SuiteConfig(SuiteRules):
     rates: tuple[str, ...] = QUICK["rates"]
     """emulated link rates"""
     models: tuple[str, ...] = MODELS
-    """any of bert albert vgg"""
+    """any of bert albert vgg transformer"""
     configs: tuple[str, ...] = CONFIGS
-    """any of dp tp deepspeed_tp dp_tp hybrid (dp_tp runs with --world-sizes 4)"""
+    """any of dp tp tp_sp deepspeed_tp dp_tp hybrid (dp_tp runs with --world-sizes 4)"""
     world_sizes: tuple[int, ...] = QUICK["world_sizes"]
     """2 and/or 4"""
     hidden_size: int = 256
@@ -131,7 +140,7 @@ class SuiteConfig(SuiteRules):
 
     def __post_init__(self) -> None:
         bad = self.bad
-        for name, allowed in (("networks", NETWORKS), ("models", MODELS), ("configs", CONFIGS), ("rates", None),
+        for name, allowed in (("networks", NETWORKS), ("models", MODEL_CHOICES), ("configs", CONFIGS), ("rates", None),
                               ("world_sizes", (2, 4))):  # fmt: skip
             self.distinct(name, allowed)
         for rate in self.rates:
@@ -149,6 +158,9 @@ class SuiteConfig(SuiteRules):
         for option, value in (("--num-heads", self.num_heads), ("--intermediate-size", self.intermediate_size)):
             if value % degree:
                 raise bad(option, value, f"must be divisible by the tensor-parallel degree {degree}")
+        if "tp_sp" in self.configs and self.seq_len % degree:
+            raise bad("--seq-len", self.seq_len, f"must be divisible by the tensor-parallel degree {degree} under tp_sp "
+                      "(sequence parallelism gives each TP rank seq_len / degree positions)")  # fmt: skip
         ranks = max(self.world_sizes)
         if self.global_batch % ranks:
             raise bad("--global-batch", self.global_batch, f"must be a multiple of the largest world size ({ranks})")
@@ -170,6 +182,16 @@ class SuiteConfig(SuiteRules):
                 "num_heads": self.num_heads, "intermediate_size": self.intermediate_size, "max_len": self.seq_len,
                 "embedding_size": self.embedding_size, "num_classes": 2}  # fmt: skip
 
+    def transformer_kwargs(self) -> dict[str, Any]:
+        """``lightning.pytorch.demos.Transformer`` keywords: the encoders' shape, ``num_layers // 2`` encoder and
+        decoder layers each (as many blocks as the encoders), the demo's own dropout."""
+        return {"vocab_size": self.vocab_size, "ninp": self.hidden_size, "nhead": self.num_heads,
+                "nhid": self.intermediate_size, "nlayers": max(1, self.num_layers // 2)}  # fmt: skip
+
+    def model_kwargs(self, model: str) -> dict[str, Any]:
+        """The keywords the workers build ``model`` with."""
+        return self.transformer_kwargs() if model == "transformer" else self.encoder_kwargs()
+
 
 # -- data and the plan ---------------------------------------------------------------------------------
 
@@ -177,16 +199,18 @@ class SuiteConfig(SuiteRules):
 def plan_runs(config: SuiteConfig) -> list[dict[str, Any]]:
     """The runs on every network, in order: ``{"model", "config", "world_size", "tp_size"}``.
 
-    2 ranks: the encoders under ``dp``, ``tp`` and ``deepspeed_tp``, VGG under ``dp`` and ``hybrid``; 4 ranks: the
-    encoders under ``dp`` and ``dp_tp`` (2 × 2).
+    2 ranks: the encoders and the demo Transformer under ``dp``, ``tp``, ``tp_sp`` and ``deepspeed_tp``, VGG under
+    ``dp`` and ``hybrid``; 4 ranks: the encoders under ``dp`` and ``dp_tp`` (2 × 2).
     """
     runs = []
     for ws in config.world_sizes:
         for model in config.models:
             if model == "vgg":
                 configs = ("dp", "hybrid") if ws == 2 else ()
+            elif ws == 2:
+                configs = ("dp", "tp", "tp_sp", "deepspeed_tp")
             else:
-                configs = ("dp", "tp", "deepspeed_tp") if ws == 2 else ("dp", "dp_tp")
+                configs = () if model == "transformer" else ("dp", "dp_tp")
             for name in configs:
                 if name in config.configs:
                     tp = {"dp": 1, "dp_tp": 2}.get(name, ws)
@@ -198,7 +222,7 @@ def worker_spec(config: SuiteConfig, run: dict[str, Any], data_dir: Path) -> tup
     """The worker module and spec of ``run``: :mod:`~lightning_pdist.bench.tp_deepspeed` or :mod:`~lightning_pdist.bench.tp_worker`."""
     if run["config"] == "deepspeed_tp":
         return "lightning_pdist.bench.tp_deepspeed", {
-            "family": run["model"], "model_kwargs": config.encoder_kwargs(), "batch_size": config.global_batch,
+            "family": run["model"], "model_kwargs": config.model_kwargs(run["model"]), "batch_size": config.global_batch,
             "seq_len": config.seq_len, "steps": config.steps, "warmup_steps": config.warmup_steps, "tp_size": run["tp_size"],
             "seed": config.seed, "lr": config.lr}  # fmt: skip
     from lightning_pdist.bench.tp_worker import check_spec
@@ -207,7 +231,7 @@ def worker_spec(config: SuiteConfig, run: dict[str, Any], data_dir: Path) -> tup
     return "lightning_pdist.bench.tp_worker", check_spec({
         "config": run["config"], "model": run["model"], "world_size": run["world_size"], "tp_size": run["tp_size"],
         "global_batch": config.vgg_global_batch if vgg else config.global_batch, "seq_len": config.seq_len,
-        "model_kwargs": config.encoder_kwargs(), "vgg_width": config.vgg_width, "warmup_steps": config.warmup_steps,
+        "model_kwargs": config.model_kwargs(run["model"]), "vgg_width": config.vgg_width, "warmup_steps": config.warmup_steps,
         "steps": config.steps, "seed": config.seed, "lr": config.lr, "data_dir": str(data_dir)})  # fmt: skip
 
 
@@ -215,9 +239,11 @@ def worker_spec(config: SuiteConfig, run: dict[str, Any], data_dir: Path) -> tup
 
 
 def model_facts(config: SuiteConfig) -> dict[str, dict[str, Any]]:
-    """Per model, what the byte model needs, from meta-device builds (no memory): parameters, shards, VGG shapes."""
+    """Per model, what the byte model needs, from meta-device builds (no memory): parameters, shards, VGG shapes;
+    ``sp_partial`` the parameters sequence parallelism sums per step (or ``sp_refusal``, the strategy's refusal)."""
     import torch
 
+    from lightning_pdist.bench.tp_sp_bytes import partial_params
     from lightning_pdist.tensor_parallel.cost import tp_local_numel
     from lightning_pdist.tensor_parallel.plan import plan_for
 
@@ -227,10 +253,18 @@ def model_facts(config: SuiteConfig) -> dict[str, dict[str, Any]]:
             from lightning_pdist.models.encoder import EncoderClassifier
 
             model = EncoderClassifier(family, **config.encoder_kwargs())
+            partial = partial_params(model, plan_for(model))
             facts[family] = {"params": sum(p.numel() for p in model.parameters()),
                              "params_local_tp2": tp_local_numel(model, plan_for(model).as_dict(), 2),
                              **config.encoder_kwargs(), "seq_len": config.seq_len, "global_batch": config.global_batch,
-                             "family": family}  # fmt: skip
+                             "family": family, "sp_partial": partial if isinstance(partial, int) else None,
+                             "sp_refusal": None if isinstance(partial, int) else partial}  # fmt: skip
+        if "transformer" in config.models:
+            from lightning.pytorch.demos import Transformer
+
+            demo = Transformer(**config.transformer_kwargs())
+            facts["transformer"] = {"params": sum(p.numel() for p in demo.parameters()), **config.transformer_kwargs(),
+                                    "seq_len": config.seq_len, "global_batch": config.global_batch}  # fmt: skip
         if "vgg" in config.models:
             from lightning_pdist.models.vgg import vgg16_scaled
 
@@ -244,16 +278,23 @@ def model_facts(config: SuiteConfig) -> dict[str, dict[str, Any]]:
 
 
 def step_bytes(run: dict[str, Any], facts: dict[str, Any]) -> Any:
-    """The byte model's :class:`~lightning_pdist.tensor_parallel.cost.StepBytes` of one rank of ``run``."""
+    """The byte model's :class:`~lightning_pdist.tensor_parallel.cost.StepBytes` of one rank of ``run``
+    (:class:`~lightning_pdist.bench.tp_sp_bytes.SeqParallelBytes` for ``tp_sp``); ``None`` where there is none
+    (the demo Transformer's TP rows; ``tp_sp`` on a model the strategy refuses)."""
+    from lightning_pdist.bench.tp_sp_bytes import sp_encoder_bytes
     from lightning_pdist.tensor_parallel.cost import dp_bytes, dp_tp_bytes, hybrid_vgg_bytes, tp_encoder_bytes
 
     ws, tp, name = run["world_size"], run["tp_size"], run["config"]
     if name == "dp":
         return dp_bytes(facts["params"], ws)
+    if run.get("model") == "transformer" or (name == "tp_sp" and facts.get("sp_partial") is None):
+        return None
     if name == "hybrid":
         return hybrid_vgg_bytes(facts["conv_params"], facts["global_batch"] // ws, facts["fc_in"], facts["fc_hidden"],
                                 facts["num_classes"], ws)  # fmt: skip
     shape = (facts["seq_len"], facts["hidden_size"], facts["num_layers"])
+    if name == "tp_sp":
+        return sp_encoder_bytes(facts["global_batch"], *shape, tp_size=tp, partial_params=facts["sp_partial"])
     if name == "dp_tp":
         return dp_tp_bytes(facts["params_local_tp2"], facts["global_batch"] * tp // ws, *shape, dp_size=ws // tp, tp_size=tp)
     # DeepSpeed AutoTP all-reduces the input gradient of query, key and value separately; we once for the three
@@ -302,10 +343,11 @@ class Runner:
 def build_row(run: dict[str, Any], ranks: Sequence[dict[str, Any]], facts: dict[str, Any], steps: int, network: str,
               error: str | None) -> dict[str, Any]:  # fmt: skip
     """One JSON row from a run's ranks (``tp_worker`` or ``tp_deepspeed`` results; none when ``error``)."""
-    model = step_bytes(run, facts)
+    model = step_bytes(run, facts)  # None: no byte model for this run ("–"); the meter is in the row all the same
+    modelled = None if model is None else model.total
     row: dict[str, Any] = {**run, "network": network, "rate": None if network == "loopback" else network.split()[-1],
-                           "global_batch": facts["global_batch"], "steps": steps, "model_bytes_per_step": model.total,
-                           "model_by_kind": model.by_kind(), "params_full": facts["params"], "error": error,
+                           "global_batch": facts["global_batch"], "steps": steps, "model_bytes_per_step": modelled,
+                           "model_by_kind": None if model is None else model.by_kind(), "params_full": facts["params"], "error": error,
                            "step_s": None, "meter_bytes_per_step": None, "kernel_tx_bytes_per_step": None,
                            "meter_over_model": None, "kernel_over_model": None}  # fmt: skip
     if error is not None:
@@ -322,12 +364,12 @@ def build_row(run: dict[str, Any], ranks: Sequence[dict[str, Any]], facts: dict[
         meter = statistics.mean(r["meter_bytes"] for r in ranks) / steps
         row["meter_bytes_per_step"] = round(meter)
         row["meter_by_kind_per_step"] = {k: v // steps for k, v in ranks[0]["meter_by_kind"].items()}
-        row["meter_over_model"] = round(meter / model.total, 6) if model.total else None
+        row["meter_over_model"] = round(meter / modelled, 6) if modelled else None
     if all(r["tx_bytes"] is not None for r in ranks):
         kernel = statistics.mean(r["tx_bytes"] for r in ranks) / steps
         row["kernel_tx_bytes_per_step"] = round(kernel)
         row["kernel_tx_bytes_by_rank"] = [r["tx_bytes"] for r in ranks]
-        row["kernel_over_model"] = round(kernel / model.total, 4) if model.total else None
+        row["kernel_over_model"] = round(kernel / modelled, 4) if modelled else None
     return row
 
 
@@ -338,7 +380,8 @@ def describe(row: dict[str, Any]) -> str:
         return f"{head}: error {row['error']}"
     measured = "" if row["meter_bytes_per_step"] is None else f", meter {row['meter_bytes_per_step'] / 1e6:.3f}"
     kernel = "" if row["kernel_over_model"] is None else f", kernel/model {row['kernel_over_model']:.3f}"
-    return (f"{head}: {1000 * row['step_s']:.1f} ms/step, model {row['model_bytes_per_step'] / 1e6:.3f} MB/step"
+    modelled = "–" if row["model_bytes_per_step"] is None else f"{row['model_bytes_per_step'] / 1e6:.3f}"
+    return (f"{head}: {1000 * row['step_s']:.1f} ms/step, model {modelled} MB/step"
             f"{measured}{kernel} (run {row.get('process_wall_s', '?')} s)")  # fmt: skip
 
 
@@ -346,7 +389,9 @@ def describe(row: dict[str, Any]) -> str:
 
 
 def ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each TP-like configuration's step time over DP's (same model, network and ranks), the paper's beside it."""
+    """Each TP-like configuration's step time over DP's (same model, network and ranks), the paper's beside it, and
+    over DeepSpeed AutoTP's (``deepspeed_ratio``: same model, network and ranks; ``None`` where DeepSpeed has no
+    timed row, and for DeepSpeed's own row)."""
     out = []
     for row in rows:
         if row["config"] not in TP_LIKE or row["step_s"] is None:
@@ -355,9 +400,15 @@ def ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                    (row["network"], row["model"], row["world_size"], "dp") and r["step_s"]), None)  # fmt: skip
         if dp is None:
             continue
+        ds = next((r for r in rows if (r["network"], r["model"], r["world_size"], r["config"]) ==
+                   (row["network"], row["model"], row["world_size"], "deepspeed_tp") and r["step_s"]), None)  # fmt: skip
+        bytes_ratio = (round(row["model_bytes_per_step"] / dp["model_bytes_per_step"], 3)
+                       if row["model_bytes_per_step"] and dp["model_bytes_per_step"] else None)  # fmt: skip
         out.append({"network": row["network"], "model": row["model"], "config": row["config"], "world_size": row["world_size"],
                     "dp_step_s": dp["step_s"], "step_s": row["step_s"], "ratio": round(row["step_s"] / dp["step_s"], 3),
-                    "bytes_ratio": round(row["model_bytes_per_step"] / dp["model_bytes_per_step"], 3),
+                    "bytes_ratio": bytes_ratio,
+                    "deepspeed_ratio": round(row["step_s"] / ds["step_s"], 3) if ds and row["config"] != "deepspeed_tp"
+                    else None,
                     "paper_ratio": PAPER.get(row["model"], {}).get("ratio") if row["config"] in ("tp", "deepspeed_tp")
                     else None})  # fmt: skip
     return out
@@ -398,7 +449,7 @@ def crossover(rows: Sequence[dict[str, Any]], networks: dict[str, Any], config: 
     from lightning_pdist.tensor_parallel.cost import crossover_bandwidth, step_time
 
     out = []
-    for model in config.models:
+    for model in (m for m in config.models if m != "transformer"):  # no byte model of the demo Transformer's TP
         at = lambda name, net: next((r for r in rows if (r["model"], r["config"], r["world_size"], r["network"]) ==  # noqa: E731
                                      (model, name, 2, net) and r["step_s"]), None)  # fmt: skip
         dp = at("dp", "loopback")
@@ -546,13 +597,24 @@ ROW_COLUMNS = (
     ("ms/step", "step_s", lambda s: f"{1000 * s:.1f}"), ("CPU ms/step", "cpu_per_step_s", lambda s: f"{1000 * s:.1f}"),
     ("MB/step measured", "meter_bytes_per_step", MB),
     ("MB/step model", "model_bytes_per_step", MB), ("MB/step kernel", "kernel_tx_bytes_per_step", MB),
-    ("kernel/model", "kernel_over_model", ".3f"), ("other load", "other_load_cores", ".2f"), ("error", "error", None),
+    ("kernel/model", "kernel_over_model", ".3f"), ("other load", "other_load_cores", ".2f"),
+    ("error", "error", lambda e: str(e).replace("|", "\\|")),  # a stderr tail's line breaks are '|': escaped in the cell
 )  # fmt: skip
 RATIO_COLUMNS = (
     ("network", "network", None), ("model", "model", None), ("config", "config", None), ("ranks", "world_size", None),
     ("DP ms/step", "dp_step_s", lambda s: f"{1000 * s:.1f}"), ("ms/step", "step_s", lambda s: f"{1000 * s:.1f}"),
     ("time ÷ DP", "ratio", ".3f"), ("bytes ÷ DP", "bytes_ratio", ".3f"), ("paper 003", "paper_ratio", ".3f"),
 )  # fmt: skip
+DEEPSPEED_COLUMN = ("time ÷ DeepSpeed", "deepspeed_ratio", ".3f")  # shown when the document's ratios carry it
+
+
+def ratio_columns(ratio_rows: Sequence[dict[str, Any]]) -> tuple:
+    """:data:`RATIO_COLUMNS`, with :data:`DEEPSPEED_COLUMN` after ``time ÷ DP`` when the rows carry
+    ``deepspeed_ratio`` (documents written before it existed render as they did)."""
+    if not any("deepspeed_ratio" in r for r in ratio_rows):
+        return RATIO_COLUMNS
+    at = next(i for i, c in enumerate(RATIO_COLUMNS) if c[1] == "ratio") + 1
+    return (*RATIO_COLUMNS[:at], DEEPSPEED_COLUMN, *RATIO_COLUMNS[at:])
 CROSS_COLUMNS = (
     ("model", "model", None), ("engine", "engine", None), ("network", "network", None),
     ("predicted ÷ DP", "predicted_ratio", ".3f"), ("measured ÷ DP", "measured_ratio", ".3f"),
@@ -568,7 +630,9 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         f", {f['num_layers']} layers, hidden {f['hidden_size']}, {f['num_heads']} heads, FFN {f['intermediate_size']}, "
         f"vocabulary {f['vocab_size']}, {f['seq_len']} tokens, global batch {f['global_batch']}"
         + (f", embedding {f['embedding_size']}, one shared block" if name == "albert" else "") if name in ENCODERS else
-        f", vgg16_scaled(width={f['width']}), {f['in_size']}×{f['in_size']} random images, {f['num_classes']} classes, "
+        f", Lightning's demo Transformer, {f['nlayers']} encoder and {f['nlayers']} decoder layers, hidden {f['ninp']}, "
+        f"{f['nhead']} heads, FFN {f['nhid']}, vocabulary {f['vocab_size']}, {f['seq_len']} random tokens, global batch "
+        f"{f['global_batch']}" if name == "transformer" else f", vgg16_scaled(width={f['width']}), {f['in_size']}×{f['in_size']} random images, {f['num_classes']} classes, "
         f"global batch {f['global_batch']}, convolutions {f['conv_params']:,} parameters") for name, f in facts.items()]  # fmt: skip
     kc = doc["kernel_check"]
     lines = [*run_lines(doc, json_path), "", "Networks:", "", *nets, "", "Models (BERT-base: 12 layers, hidden 768, 12 heads, "
@@ -578,7 +642,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
              "(`other load`: cores other sessions kept busy during the kept run); `CPU ms/step` the busiest rank's CPU time over the same steps (not reported by DeepSpeed). Bytes per step and rank: `measured` by the strategy's CommMeter, "
              "`model` from `tensor_parallel/cost.py`, `kernel` the veth's tx_bytes over the same window.", "",
              markdown_table(doc["rows"], ROW_COLUMNS), "", "Step time against DP (same model, network, ranks and global batch):",
-             "", markdown_table(doc["ratios"], RATIO_COLUMNS), ""]  # fmt: skip
+             "", markdown_table(doc["ratios"], ratio_columns(doc["ratios"])), ""]  # fmt: skip
     if kc["rows"]:
         lines.append(f"Kernel tx against the byte model: {kc['within']} of {kc['rows']} rows of our strategies within "
                      f"{kc['tolerance']:.0%} (ratios {kc['min_ratio']:.3f} to {kc['max_ratio']:.3f}).")  # fmt: skip

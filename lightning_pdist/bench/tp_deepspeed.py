@@ -24,6 +24,10 @@ to 1e-6 (bit for bit with SGD). Four things had to be right:
 * The ranks of one TP group must see the same batch and draw the same dropout masks: every rank seeds torch
   with ``seed`` before building the model and again before the first step.
 
+``family="transformer"``: Lightning's demo Transformer (``lightning.pytorch.demos.Transformer(**model_kwargs)``,
+an encoder-decoder language model of ``nn.Transformer`` layers) on the same token batches, NLL of the next token; a
+failure of AutoTP on it is raised as DeepSpeed raises it (the suite records it in the row).
+
 DeepSpeed builds a ``(data_parallel, tensor_parallel)`` mesh, so rank ``r`` is TP rank ``r % tp_size`` of
 replica ``r // tp_size``; ``tp_size < world_size`` gives replica ``d`` rows ``d*B .. (d+1)*B`` of a global batch
 of ``B * world_size / tp_size`` rows. ``tp_size == world_size`` is the pure-TP baseline.
@@ -41,6 +45,7 @@ from lightning_pdist.bench.launch import worker_main
 from lightning_pdist.bench.worker import read_tx
 
 OPTIMIZERS = ("sgd", "adam")
+FAMILIES = ("bert", "albert", "transformer")
 ZERO_STAGES = (0, 1, 2)
 
 
@@ -61,13 +66,16 @@ def _check(family: str, model_kwargs: dict[str, Any], batch_size: int, seq_len: 
                             ("warmup_steps", warmup_steps, 0), ("tp_size", tp_size, 1), ("seed", seed, 0)):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"run_rank({arg}={value!r}): {arg} must be an int >= {low}")
-    max_len, num_heads = _model_arg(model_kwargs, "max_len"), _model_arg(model_kwargs, "num_heads")
+    if family == "transformer":
+        max_len, num_heads = seq_len, model_kwargs.get("nhead", 2)  # positional encoding to 5000 tokens
+    else:
+        max_len, num_heads = _model_arg(model_kwargs, "max_len"), _model_arg(model_kwargs, "num_heads")
     if seq_len > max_len:
         raise ValueError(f"run_rank(seq_len={seq_len}): seq_len must be <= the model's max_len ({max_len})")
     if num_heads % tp_size:
         raise ValueError(f"run_rank(tp_size={tp_size}): tp_size must divide the model's num_heads ({num_heads})")
-    if family not in ("bert", "albert"):
-        raise ValueError(f"run_rank(family={family!r}): family must be 'bert' or 'albert'")
+    if family not in FAMILIES:
+        raise ValueError(f"run_rank(family={family!r}): family must be one of {FAMILIES}")
     if zero_stage not in ZERO_STAGES:
         raise ValueError(f"run_rank(zero_stage={zero_stage!r}): zero_stage must be one of {ZERO_STAGES}")
     if optimizer not in OPTIMIZERS:
@@ -120,7 +128,28 @@ def _build(family: str, model_kwargs: dict[str, Any], seed: int) -> Any:
     from lightning_pdist.models.encoder import EncoderClassifier
 
     torch.manual_seed(seed)  # every rank builds the same full model before AutoTP cuts it
+    if family == "transformer":
+        from lightning.pytorch.demos import Transformer
+
+        return Transformer(**model_kwargs)
     return EncoderClassifier(family, **model_kwargs)
+
+
+def _loss(model: Any, family: str, tokens: Any, labels: Any) -> Any:
+    """Cross-entropy of the class (encoders); the demo Transformer's NLL of each next token (``labels`` unused)."""
+    from torch.nn import functional as F
+
+    if family == "transformer":
+        inputs, target = tokens[:, :-1], tokens[:, 1:]
+        return F.nll_loss(model(inputs, target), target.reshape(-1))
+    return F.cross_entropy(model(tokens), labels)
+
+
+def _batches(family: str, model_kwargs: dict[str, Any], batch_size: int, seq_len: int, count: int, seed: int) -> list:
+    """:func:`imdb_like_batches` (one token more per row for the demo Transformer: inputs and next-token targets)."""
+    classes = 2 if family == "transformer" else _model_arg(model_kwargs, "num_classes")
+    return imdb_like_batches(_model_arg(model_kwargs, "vocab_size"), classes, batch_size,
+                             seq_len + (family == "transformer"), count, seed)  # fmt: skip
 
 
 def reference_losses(family: str, model_kwargs: dict[str, Any], batch_size: int, seq_len: int, steps: int,
@@ -132,18 +161,16 @@ def reference_losses(family: str, model_kwargs: dict[str, Any], batch_size: int,
     ``gradient_clipping > 0``). With ``dropout=0`` a real tensor-parallel run matches it to float rounding.
     """
     import torch
-    from torch.nn import functional as F
 
     _check(family, model_kwargs, batch_size, seq_len, steps, warmup_steps, 1, seed, 0, optimizer, lr, gradient_clipping)
     model = _build(family, model_kwargs, seed)
     opt_cls = torch.optim.SGD if optimizer == "sgd" else torch.optim.Adam
     opt = opt_cls(model.parameters(), lr=lr)
-    vocab_size, num_classes = _model_arg(model_kwargs, "vocab_size"), _model_arg(model_kwargs, "num_classes")
-    data = imdb_like_batches(vocab_size, num_classes, batch_size, seq_len, warmup_steps + steps, seed)
+    data = _batches(family, model_kwargs, batch_size, seq_len, warmup_steps + steps, seed)
     torch.manual_seed(seed)
     losses = []
     for tokens, labels in data:
-        loss = F.cross_entropy(model(tokens), labels)
+        loss = _loss(model, family, tokens, labels)
         opt.zero_grad()
         loss.backward()
         if gradient_clipping > 0:
@@ -188,7 +215,6 @@ def run_rank(family: str, model_kwargs: dict[str, Any], batch_size: int, seq_len
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # what it would detect here; fixed so a GPU box runs the same
     import deepspeed
     import transformers
-    from torch.nn import functional as F
 
     # As in pipeline_worker.job_deepspeed: the CPU backend's shared-memory all-reduce op takes 75-80 s to JIT-build
     # and would bypass gloo (and the emulated links); off, so every collective goes over gloo.
@@ -209,8 +235,7 @@ def run_rank(family: str, model_kwargs: dict[str, Any], batch_size: int, seq_len
             raise RuntimeError(f"run_rank(tp_size={tp_size}): AutoTP left every parameter of the {family} model whole "
                                f"({params_local} of {params_full} on rank {rank})")  # fmt: skip
         dp_size, dp_rank = world_size // tp_size, rank // tp_size
-        data = imdb_like_batches(_model_arg(model_kwargs, "vocab_size"), _model_arg(model_kwargs, "num_classes"),
-                                 batch_size * dp_size, seq_len, warmup_steps + steps, seed)  # fmt: skip
+        data = _batches(family, model_kwargs, batch_size * dp_size, seq_len, warmup_steps + steps, seed)
         rows = slice(dp_rank * batch_size, (dp_rank + 1) * batch_size)
         torch.manual_seed(seed)  # the same dropout masks on every rank of a TP group
         engine.train()
@@ -218,7 +243,7 @@ def run_rank(family: str, model_kwargs: dict[str, Any], batch_size: int, seq_len
 
         def step(tokens: torch.Tensor, labels: torch.Tensor) -> None:
             t0 = time.perf_counter()
-            loss = F.cross_entropy(engine(tokens[rows]), labels[rows])
+            loss = _loss(engine, family, tokens[rows], labels[rows])
             engine.backward(loss)
             engine.step()
             step_s.append(time.perf_counter() - t0)

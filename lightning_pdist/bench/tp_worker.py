@@ -7,6 +7,7 @@ num_nodes=world_size)``). ``spec["config"]`` picks the strategy:
 * ``dp``: ``PdistStrategy`` (Lightning's DDP plus byte accounting), every rank ``global_batch / world_size`` samples;
 * ``tp``: :class:`~lightning_pdist.tensor_parallel.strategy.TensorParallelStrategy` over all ranks (plan
   ``"auto"``), the TP group on the whole ``global_batch``;
+* ``tp_sp``: the same with ``sequence_parallel=True``;
 * ``dp_tp``: the same with ``tensor_parallel_size=tp_size``: ``world_size / tp_size`` replicas of
   ``global_batch · tp_size / world_size`` samples each;
 * ``hybrid``: the same with ``plan="hybrid"`` (VGG: convolutions data-parallel, the FC stack sharded over the
@@ -14,7 +15,9 @@ num_nodes=world_size)``). ``spec["config"]`` picks the strategy:
 
 Models: ``EncoderClassifier`` (``spec["model"]`` ``"bert"`` or ``"albert"``, keywords ``spec["model_kwargs"]``) on
 the IMDB-format folder ``spec["data_dir"]`` (:class:`~lightning_pdist.data.IMDBDataModule`), or
-``vgg16_scaled(spec["vgg_width"])`` on random 32×32 images. SGD, no validation during ``fit``.
+``vgg16_scaled(spec["vgg_width"])`` on random 32×32 images, or (``"transformer"``) Lightning's demo Transformer
+(``lightning.pytorch.demos.Transformer(**model_kwargs)``) on random tokens, predicting each next token (NLL, as
+Lightning's ``LightningTransformer``). SGD, no validation during ``fit``.
 
 The rank runs ``warmup_steps`` untimed optimizer steps, then ``steps`` timed ones; at both edges of the timed
 window every rank waits at a barrier and reads the clock, its :class:`~lightning_pdist.core.accounting.CommMeter`
@@ -37,8 +40,8 @@ from typing import Any, ClassVar
 
 from lightning_pdist.bench.launch import WorkerSpec, worker_main
 
-CONFIGS = ("dp", "tp", "dp_tp", "hybrid")
-MODELS = ("bert", "albert", "vgg")
+CONFIGS = ("dp", "tp", "tp_sp", "dp_tp", "hybrid")
+MODELS = ("bert", "albert", "vgg", "transformer")
 
 
 @dataclass(frozen=True)
@@ -65,10 +68,10 @@ class Spec(WorkerSpec):
         self.one_of("model", MODELS)
         self.ints("world_size", "tp_size", "global_batch", "seq_len", "warmup_steps", "steps")
         ws, tp, config = self.world_size, self.tp_size, self.config
-        allowed = ("dp", "hybrid") if self.model == "vgg" else ("dp", "tp", "dp_tp")
+        allowed = ("dp", "hybrid") if self.model == "vgg" else ("dp", "tp", "tp_sp", "dp_tp")
         if config not in allowed:
             raise self.bad("config", f"model {self.model!r} runs one of {allowed}")
-        expected_tp = {"dp": 1, "tp": ws, "hybrid": ws}.get(config)
+        expected_tp = {"dp": 1, "tp": ws, "tp_sp": ws, "hybrid": ws}.get(config)
         if expected_tp is not None and tp != expected_tp:
             raise self.bad("tp_size", f"config {config!r} on world_size={ws} ranks has tp_size={expected_tp}")
         if config == "dp_tp" and (ws % tp or not 1 < tp < ws):
@@ -102,7 +105,7 @@ def build_strategy(spec: dict[str, Any]) -> Any:
     # nonfinite='propagate': the byte model is the algorithm's traffic; the default's 4·world_size-byte agreement on
     # non-finite gradients per step (kind nonfinite_flag) would sit beside it, unmodelled.
     return TensorParallelStrategy(tensor_parallel_size=spec["tp_size"], plan=plan, process_group_backend="gloo",
-                                  nonfinite="propagate")
+                                  nonfinite="propagate", sequence_parallel=spec["config"] == "tp_sp")
 
 
 def build_module_and_data(spec: dict[str, Any]) -> tuple[Any, Any]:
@@ -123,6 +126,14 @@ def build_module_and_data(spec: dict[str, Any]) -> tuple[Any, Any]:
         data = TensorDataset(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, model.num_classes, (n,), generator=g))
         module = ClassifierModule(model=model, num_classes=model.num_classes, optimizer="sgd", lr=spec["lr"])
         return module, DataLoader(data, batch_size=batch)
+    if spec["model"] == "transformer":
+        from lightning.pytorch.demos import Transformer
+
+        model = Transformer(**spec["model_kwargs"])
+        g = torch.Generator().manual_seed(spec["seed"])
+        n = batch * (spec["warmup_steps"] + spec["steps"]) * spec["world_size"]
+        tokens = torch.randint(0, model.vocab_size, (n, spec["seq_len"] + 1), generator=g)
+        return DemoLM(model, spec["lr"]), DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch)
     from lightning_pdist.models.encoder import EncoderClassifier
 
     kwargs = spec["model_kwargs"]
@@ -130,6 +141,27 @@ def build_module_and_data(spec: dict[str, Any]) -> tuple[Any, Any]:
     data = IMDBDataModule(spec["data_dir"], vocab_size=kwargs["vocab_size"], max_len=spec["seq_len"], batch_size=batch,
                           seed=spec["seed"])  # fmt: skip
     return ClassifierModule(model=model, num_classes=2, optimizer="sgd", lr=spec["lr"]), data
+
+
+def DemoLM(model: Any, lr: float) -> Any:  # noqa: N802 (a class, built on demand: Lightning imports lazily here)
+    """Lightning's ``LightningTransformer`` step (NLL of the next token) around ``model``, SGD at ``lr``, no download."""
+    import torch
+    from lightning.pytorch import LightningModule
+    from torch.nn import functional as F
+
+    class _DemoLM(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            inputs, target = batch
+            return F.nll_loss(self.model(inputs, target), target.reshape(-1))
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.model.parameters(), lr=lr)
+
+    return _DemoLM()
 
 
 def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from lightning_pdist.tensor_parallel.cost import Crossover, StepBytes
 from lightning_pdist.bench import SUITES
 from lightning_pdist.bench.__main__ import main as bench_main
 from lightning_pdist.bench.netns import EmulatedNetwork
-from lightning_pdist.bench.report import check_rows
+from lightning_pdist.bench.report import check_rows, markdown_table
 from lightning_pdist.bench.tensor_parallel import (
     FULL,
     PAPER,
@@ -18,13 +18,17 @@ from lightning_pdist.bench.tensor_parallel import (
     SuiteConfig,
     build_row,
     crossover,
+    ROW_COLUMNS,
     kernel_check,
+    model_facts,
     paper_scale,
     plan_runs,
+    ratio_columns,
     ratios,
     step_bytes,
     where_wins,
 )
+from lightning_pdist.bench.tp_sp_bytes import SeqParallelBytes, sp_encoder_bytes
 from lightning_pdist.bench.tp_worker import check_spec, loader_batch
 
 _OK, _REASON = EmulatedNetwork.available()
@@ -52,6 +56,7 @@ TINY = ["--world-sizes", "2", "--models", "bert", "--hidden-size", "64", "--num-
         ({"repeats": 0}, r"tensor_parallel\(--repeats=0\): must be an int >= 1"),
         ({"lr": 0.0}, r"tensor_parallel\(--lr=0.0\): must be > 0"),
         ({"seed": -1}, r"tensor_parallel\(--seed=-1\): must be an int >= 0"),
+        ({"seq_len": 63}, r"tensor_parallel\(--seq-len=63\): must be divisible by the tensor-parallel degree 2 under tp_sp"),
     ],
 )
 def test_config_rejects_bad_values_naming_option_value_and_rule(kwargs, match):
@@ -69,10 +74,16 @@ def test_cli_answers_bad_values_with_exit_status_2(tmp_path, capsys):
 
 
 def test_plan_runs_quick_and_full():
-    """Quick: 2 ranks, DP/TP/DeepSpeed per encoder, DP/hybrid on VGG; full adds DP and DP×TP (2 x 2) on 4 ranks."""
+    """Quick: 2 ranks, DP/TP/TP+SP/DeepSpeed per encoder, DP/hybrid on VGG; full adds DP and DP×TP (2 x 2) on 4
+    ranks; the demo Transformer (asked for) runs the encoders' 2-rank configurations only; an odd sequence is fine
+    without tp_sp."""
     quick = [(r["model"], r["config"], r["world_size"], r["tp_size"]) for r in plan_runs(SuiteConfig())]
-    assert quick == [("bert", "dp", 2, 1), ("bert", "tp", 2, 2), ("bert", "deepspeed_tp", 2, 2), ("albert", "dp", 2, 1),
-                     ("albert", "tp", 2, 2), ("albert", "deepspeed_tp", 2, 2), ("vgg", "dp", 2, 1), ("vgg", "hybrid", 2, 2)]  # fmt: skip
+    assert quick == [("bert", "dp", 2, 1), ("bert", "tp", 2, 2), ("bert", "tp_sp", 2, 2), ("bert", "deepspeed_tp", 2, 2),
+                     ("albert", "dp", 2, 1), ("albert", "tp", 2, 2), ("albert", "tp_sp", 2, 2),
+                     ("albert", "deepspeed_tp", 2, 2), ("vgg", "dp", 2, 1), ("vgg", "hybrid", 2, 2)]  # fmt: skip
+    demo = plan_runs(SuiteConfig(models=("transformer",), world_sizes=(2, 4)))
+    assert [(r["config"], r["world_size"]) for r in demo] == [("dp", 2), ("tp", 2), ("tp_sp", 2), ("deepspeed_tp", 2)]
+    assert SuiteConfig(seq_len=63, configs=("dp", "tp")).seq_len == 63
     full = plan_runs(SuiteConfig(world_sizes=FULL["world_sizes"], configs=("dp", "dp_tp"), models=("bert",)))
     assert [(r["config"], r["world_size"], r["tp_size"]) for r in full] == [("dp", 2, 1), ("dp", 4, 1), ("dp_tp", 4, 2)]
     assert QUICK["world_sizes"] == (2,) and QUICK["rates"] == ("100mbit",) and len(FULL["rates"]) >= 2
@@ -91,7 +102,8 @@ def test_worker_spec_is_checked_and_splits_the_global_batch():
     assert loader_batch(_spec(config="dp", tp_size=1)) == 4
     assert loader_batch(_spec(config="dp_tp", world_size=4, tp_size=2)) == 4  # two replicas of a 2-rank TP group
     assert loader_batch(_spec(config="hybrid", model="vgg", global_batch=16)) == 8
-    with pytest.raises(ValueError, match=r"config='hybrid'\): model 'bert' runs one of \('dp', 'tp', 'dp_tp'\)"):
+    assert check_spec(_spec(config="tp_sp", model="transformer"))["config"] == "tp_sp"
+    with pytest.raises(ValueError, match=r"config='hybrid'\): model 'bert' runs one of \('dp', 'tp', 'tp_sp', 'dp_tp'\)"):
         check_spec(_spec(config="hybrid"))
     with pytest.raises(ValueError, match=r"tp_size=1\): config 'tp' on world_size=2 ranks has tp_size=2"):
         check_spec(_spec(tp_size=1))
@@ -121,6 +133,37 @@ def test_step_bytes_of_every_configuration_by_hand():
     assert got == StepBytes(dp_all_reduce=400, tp_all_gather=3 * 10 * 4 + 3 * 5 * 4, tp_all_reduce=6 * 6 * 4 + 6 * 10 * 4)
 
 
+def test_sequence_parallel_bytes_by_hand_and_where_there_is_no_model():
+    """tp_sp on 2 ranks (gloo): per layer 4 all-gathers of half an activation and 4 reduce-scatters (gloo: all-reduces
+    of the whole one), 2 more all-gathers at the stack's edges, one all-reduce of the partial gradients; no model
+    (None) for the demo Transformer's TP rows or a model the strategy refuses, DP's for its DP row."""
+    one = 8 * 4 * 8 * 4  # B*L*H fp32
+    sp = step_bytes({"model": "bert", "config": "tp_sp", "world_size": 2, "tp_size": 2}, {**FACTS, "sp_partial": 48})
+    assert sp == SeqParallelBytes(tp_all_gather=(4 * 2 + 2) * one // 2, tp_reduce_scatter=4 * 2 * one, tp_all_reduce=48 * 4)
+    assert sp.by_kind() == {"tp_all_gather": 5120, "tp_reduce_scatter": 8192, "tp_all_reduce": 192}
+    nccl = sp_encoder_bytes(8, 4, 8, 2, 2, 48, gloo=False)  # a real reduce-scatter sends half of the all-reduce
+    assert nccl.tp_reduce_scatter == sp.tp_reduce_scatter // 2 and nccl.tp_all_gather == sp.tp_all_gather
+    four = sp_encoder_bytes(8, 4, 8, 1, 4, 0)  # t=4: AG sends 3 chunks of n/4, RS (gloo) 2*3/4 n
+    assert (four.tp_all_gather, four.tp_reduce_scatter, four.tp_all_reduce) == (6 * 3 * one // 4, 4 * 6 * one // 4, 0)
+    with pytest.raises(ValueError, match=r"sp_encoder_bytes\(seq_len=5\): seq_len must be divisible by tp_size=2"):
+        sp_encoder_bytes(8, 5, 8, 2, 2, 0)
+    refused = {**FACTS, "sp_partial": None}
+    assert step_bytes({"model": "albert", "config": "tp_sp", "world_size": 2, "tp_size": 2}, refused) is None
+    assert step_bytes({"model": "transformer", "config": "tp", "world_size": 2, "tp_size": 2}, FACTS) is None
+    assert step_bytes({"model": "transformer", "config": "dp", "world_size": 2, "tp_size": 1}, FACTS).total == 4000
+
+
+def test_model_facts_name_the_partial_gradients_or_the_strategys_refusal():
+    """BERT: 2 LayerNorms (2H each) and 2 row-wise biases (H) per layer are summed per step; ALBERT: the strategy's
+    own refusal is kept (its tp_sp row fails with it); the demo Transformer: parameters, its keywords."""
+    config = SuiteConfig(models=("bert", "albert", "transformer"), hidden_size=64, num_heads=2, intermediate_size=128,
+                         num_layers=2, vocab_size=300, seq_len=32, reviews_per_class=20)  # fmt: skip
+    facts = model_facts(config)
+    assert facts["bert"]["sp_partial"] == 6 * 64 * 2 and facts["bert"]["sp_refusal"] is None
+    assert facts["albert"]["sp_partial"] is None and "sequence_parallel=True" in facts["albert"]["sp_refusal"]
+    assert facts["transformer"]["nlayers"] == 1 and facts["transformer"]["params"] > 0
+
+
 def _rank(rank, window=1.0, meter=16384, tx=None):
     return {"rank": rank, "window_s": window, "cpu_s": window / 2, "step_s": [window / 2] * 2, "meter_bytes": meter, "meter_by_kind":
             {"tp_all_reduce": meter}, "tx_bytes": tx, "params_local": 600, "losses": [0.7, 0.6]}  # fmt: skip
@@ -144,6 +187,28 @@ def test_rows_ratios_and_kernel_check_come_from_the_ranks():
     assert ratio["bytes_ratio"] == round(8192 / 4000, 3)
     check = kernel_check([tp, dp, failed])
     assert check["rows"] == 1 and check["within"] == 0 and check["worst"]["config"] == "tp"
+
+
+def test_ratios_over_deepspeed_and_the_column_only_where_the_document_has_it():
+    """Each TP-like row's time over DeepSpeed AutoTP's on the same network, model and ranks; None for DeepSpeed's own
+    row and where DeepSpeed has no timed row; a row without a byte model has no bytes ratio; the table shows the
+    column when the document's ratios carry it (older documents render as before)."""
+    def row(config, step_s, nbytes=1000, model="bert", network="loopback"):
+        return {"network": network, "model": model, "config": config, "world_size": 2, "step_s": step_s,
+                "model_bytes_per_step": nbytes}  # fmt: skip
+
+    rows = [row("dp", 0.1, 4000), row("tp", 0.12), row("tp_sp", 0.15), row("deepspeed_tp", 0.2),
+            row("dp", 0.1, 4000, "transformer"), row("tp", 0.3, None, "transformer"), row("deepspeed_tp", None, None, "transformer")]  # fmt: skip
+    got = {(r["model"], r["config"]): r for r in ratios(rows)}
+    assert got["bert", "tp"]["deepspeed_ratio"] == 0.6 and got["bert", "tp_sp"]["deepspeed_ratio"] == 0.75
+    assert got["bert", "deepspeed_tp"]["deepspeed_ratio"] is None and got["bert", "tp"]["bytes_ratio"] == 0.25
+    assert got["transformer", "tp"]["deepspeed_ratio"] is None and got["transformer", "tp"]["bytes_ratio"] is None
+    headers = [c[0] for c in ratio_columns(list(got.values()))]
+    assert headers[headers.index("time ÷ DP") + 1] == "time ÷ DeepSpeed"
+    old = [{k: v for k, v in r.items() if k != "deepspeed_ratio"} for r in got.values()]
+    assert "time ÷ DeepSpeed" not in [c[0] for c in ratio_columns(old)]
+    failed = {**row("tp_sp", None, None, "albert"), "error": "rank 0 failed: | ValueError: refused"}  # a stderr tail
+    assert "rank 0 failed: \\| ValueError: refused" in markdown_table([failed], ROW_COLUMNS)  # one cell, not two
 
 
 def test_crossover_from_loopback_compute_and_modelled_bytes():
@@ -203,13 +268,18 @@ def test_paper_scale_by_hand():
 def test_tiny_real_run_on_loopback(tmp_path):
     """DP and TP on 2 real ranks: the meters equal the byte model exactly; JSON, plot and docs section written."""
     out = tmp_path / "out"
-    assert bench_main(["tensor_parallel", "--out", str(out), "--network", "loopback", "--configs", "dp", "tp", *TINY]) == 0
+    assert bench_main(["tensor_parallel", "--out", str(out), "--network", "loopback", "--configs", "dp", "tp", "tp_sp",
+                       *TINY]) == 0  # fmt: skip
     doc = json.loads((out / "tensor_parallel.json").read_text())
     check_rows(doc["rows"], ROW_KEYS, "test")
-    assert [(r["config"], r["error"]) for r in doc["rows"]] == [("dp", None), ("tp", None)]
+    assert [(r["config"], r["error"]) for r in doc["rows"]] == [("dp", None), ("tp", None), ("tp_sp", None)]
     for row in doc["rows"]:
         assert row["meter_bytes_per_step"] == row["model_bytes_per_step"] and row["step_s"] > 0
     assert doc["rows"][1]["model_by_kind"] == {"tp_all_reduce": 8 * 8 * 32 * 64 * 4}  # 4 all-reduces x 2 layers
+    one = 8 * 32 * 64 * 4  # tp_sp: the sequence-parallel model, kind by kind, equals the strategy's meter
+    assert doc["rows"][2]["model_by_kind"] == doc["rows"][2]["meter_by_kind_per_step"] == {
+        "tp_all_gather": 10 * one // 2, "tp_reduce_scatter": 8 * one, "tp_all_reduce": 6 * 64 * 2 * 4}
+    assert [r["config"] for r in doc["ratios"]] == ["tp", "tp_sp"] and "time ÷ DeepSpeed" in (out / "docs_section.md").read_text()
     assert doc["ratios"][0]["paper_ratio"] == 0.705 and doc["crossover"][0]["engine"] == "tp"
     assert (out / "tensor_parallel.png").stat().st_size > 10_000 and "Crossover" in (out / "docs_section.md").read_text()
 
