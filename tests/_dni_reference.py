@@ -8,6 +8,9 @@ momentum-SGD step (torch's rule), and the input gradient ``δ_{s−1}`` it compu
 predictions ``σ·M_s(h/‖h‖)``, ``σ = 0`` before the first target); when it
 predicts for ``j`` it has trained on every ``i < max(j − 1, d)``, ``d`` the last drain at or before ``j`` (the
 true gradient of ``j−1`` is still on its way), and after the last micro-batch on all.
+
+cDNI (``labels``: micro-batch ``j``'s class indices, ``num_classes`` C): ``M_s`` is a zero ``Linear(d + C, d)`` over
+``[h/‖h‖, onehot(y_j)]`` (the one-hot repeated over any middle dimension), in its predictions and its training alike.
 """
 
 from __future__ import annotations
@@ -18,17 +21,19 @@ from torch import nn
 from _delayed_reference import make_net
 
 
-def zero_linear(width: int) -> nn.Linear:
-    layer = nn.Linear(width, width)
+def zero_linear(width: int, extra: int = 0) -> nn.Linear:
+    layer = nn.Linear(width + extra, width)
     with torch.no_grad():
         layer.weight.zero_()
         layer.bias.zero_()
     return layer
 
 
-def dni_reference(bounds, mbs, lr, mu, synthetic_optimizer, drains=(), stages=None, normalize=True):
+def dni_reference(bounds, mbs, lr, mu, synthetic_optimizer, drains=(), stages=None, normalize=True, labels=None,
+                  num_classes=0):  # fmt: skip
     """(stage weights, synthetic modules' weights) after DNI training on ``mbs``; ``stages`` (modules, in order)
-    replaces ``make_net`` cut at ``bounds``. Each ``M_s`` is a zero ``Linear`` over ``h_s``'s last dimension."""
+    replaces ``make_net`` cut at ``bounds``. Each ``M_s`` is a zero ``Linear`` over ``h_s``'s last dimension;
+    ``labels`` (one tensor of class indices per micro-batch) and ``num_classes``: cDNI."""
     if stages is None:
         net = make_net()
         stages = [nn.Sequential(*[net[i] for i in range(a, b)]) for a, b in bounds]
@@ -38,19 +43,24 @@ def dni_reference(bounds, mbs, lr, mu, synthetic_optimizer, drains=(), stages=No
     queue = [[] for _ in synth]  # per boundary: (micro-batch, h, true gradient) not trained on yet
     sigma, trained = [0.0] * (K - 1), [0] * (K - 1)
 
-    def seen(h):  # what M_s reads
-        return nn.functional.normalize(h, dim=-1) if normalize else h
+    def seen(h, j):  # what M_s reads for micro-batch j
+        x = nn.functional.normalize(h, dim=-1) if normalize else h
+        if labels is None:
+            return x
+        c = torch.zeros(*x.shape[:-1], num_classes)  # sample b's row of every position: 1 at its class
+        c[torch.arange(len(labels[j])), ..., labels[j]] = 1.0
+        return torch.cat([x, c], dim=-1)
 
     def train_until(s, upto):
         while queue[s] and queue[s][0][0] < upto:
-            _, h, target = queue[s].pop(0)
+            i, h, target = queue[s].pop(0)
             if normalize:
                 rms = float(target.pow(2).mean().sqrt())
                 sigma[s] = rms if trained[s] == 0 else 0.99 * sigma[s] + 0.01 * rms
                 target = target / sigma[s] if sigma[s] > 0 else target
             trained[s] += 1
             synth_opt[s].zero_grad()
-            (0.5 * (synth[s](seen(h)) - target).pow(2).sum()).backward()
+            (0.5 * (synth[s](seen(h, i)) - target).pow(2).sum()).backward()
             synth_opt[s].step()
 
     for j, (x, y) in enumerate(mbs):
@@ -62,11 +72,11 @@ def dni_reference(bounds, mbs, lr, mu, synthetic_optimizer, drains=(), stages=No
             params = list(st.parameters()) + ([x_leaf] if s > 0 else [])
             if s < K - 1:
                 if synth[s] is None:
-                    synth[s] = zero_linear(h.shape[-1])
+                    synth[s] = zero_linear(h.shape[-1], num_classes if labels is not None else 0)
                     synth_opt[s] = synthetic_optimizer(synth[s].parameters())
                 train_until(s, max(j - 1, mark))
                 with torch.no_grad():
-                    g_hat = synth[s](seen(h.detach()))
+                    g_hat = synth[s](seen(h.detach(), j))
                     g_hat = g_hat * sigma[s] if normalize else g_hat
                 grads = torch.autograd.grad(h, params, g_hat)
             else:

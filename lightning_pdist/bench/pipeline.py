@@ -27,7 +27,8 @@
    Lightning, per model: digits with ``ClassifierModule(model="cnn")``, and synthetic IMDB reviews with a small BERT
    cut by ``split_points`` (``"transformer"``). DDP (``PdistStrategy``: Lightning's DDP plus byte accounting, same
    global batch), ``gpipe``, ``pipedream`` with and without weight stashing, ``2bw``, and the delayed-gradient
-   family: ``spectrain``, ``ddg``, ``features_replay`` and DNI (``synthetic_gradients=True``); every method the same
+   family: ``spectrain``, ``ddg``, ``features_replay``, DNI (``synthetic_gradients=True``) and cDNI (DNI with
+   ``synthetic_conditioning="labels"``); every method the same
    SGD (lr and momentum: SpecTrain predicts from the momentum) and epochs; every run in turn in one launch.
 5. **bytes** (``bytes.rows``): the convergence runs' training bytes per epoch (all ranks, from the ``CommMeter``;
    evaluation traffic apart) against survey 002's Table 1: pipelined SGD moves activations, ``O(N·T·M)``
@@ -70,7 +71,7 @@ NETWORKS = ("loopback", "emulated")
 SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw")
 ENGINES = ("ours_gpipe", "ours_1f1b", "ours_pipedream", "ours_2bw", "torch_gpipe", "torch_1f1b", "ddp", "deepspeed",
            "fairscale", "lightning")  # fmt: skip
-METHODS = ("ddp", "gpipe", "pipedream", "pipedream_nostash", "2bw", "spectrain", "ddg", "features_replay", "dni")  # convergence runs
+METHODS = ("ddp", "gpipe", "pipedream", "pipedream_nostash", "2bw", "spectrain", "ddg", "features_replay", "dni", "cdni")  # convergence runs
 CONVERGE_MODELS = ("cnn", "transformer")
 STASH_VARIANTS = ("1f1b", "2bw", "pipedream", "pipedream_nostash")
 BASELINE = {"1f1b": "1f1b", "2bw": "1f1b", "pipedream": "pipedream_nostash", "pipedream_nostash": "pipedream_nostash"}
@@ -124,7 +125,7 @@ class SuiteConfig(SuiteRules):
     stash_width: int = 2048
     """layer width of the stash part (2048: 16.8 MB a layer)"""
     methods: tuple[str, ...] = METHODS
-    """convergence runs, any of ddp gpipe pipedream pipedream_nostash 2bw spectrain ddg features_replay dni"""
+    """convergence runs, any of ddp gpipe pipedream pipedream_nostash 2bw spectrain ddg features_replay dni cdni"""
     converge_models: tuple[str, ...] = CONVERGE_MODELS
     """convergence models: cnn (digits), transformer (a small BERT on synthetic IMDB, cut by split_points)"""
     converge_stages: int = 2
@@ -748,8 +749,9 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
                   f"SGD for every method, momentum {cfg.get('converge_momentum', 0.0)}, lr {lrs}, batch "
                   f"{cfg['converge_batch_size']} in {max(4, cfg['converge_stages'])} micro-batches, {cfg['converge_stages']} "
                   f"stages/ranks, {cfg['epochs']} epochs, seeds {list(cfg['seeds'])}. {'; '.join(what[m] for m in models)}. "
-                  "pipedream (and spectrain, ddg, features_replay, dni) update after every micro-batch (batch/m samples, "
-                  "the same lr), the others once per batch; dni is pipedream's timing with synthetic_gradients=True.", "",
+                  "pipedream (and spectrain, ddg, features_replay, dni, cdni) update after every micro-batch (batch/m samples, "
+                  "the same lr), the others once per batch; dni is pipedream's timing with synthetic_gradients=True, cdni "
+                  "the same with synthetic_conditioning='labels'.", "",
                   markdown_table(final_rows(conv), [c for c in FINAL_COLUMNS if c[1].rsplit("_", 1)[-1] in ("method", *models)]), ""]  # fmt: skip
         notes = conv["summary"]["stashing_note"]
         lines += [f"Stashing ({model}): {note}" for model, note in (notes.items() if isinstance(notes, dict) else [("cnn", notes)])]

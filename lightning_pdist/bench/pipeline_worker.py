@@ -41,7 +41,7 @@ from lightning_pdist.bench.report import check_spec_keys
 from lightning_pdist.bench.launch import worker_main
 
 SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw")
-DELAYED = ("spectrain", "ddg", "features_replay", "dni")  # dni: pipedream with synthetic_gradients=True
+DELAYED = ("spectrain", "ddg", "features_replay", "dni", "cdni")  # dni: pipedream with synthetic_gradients=True; cdni: + labels
 CONVERGE_MODELS = ("cnn", "transformer")
 ENGINES = ("ours", "torch", "ddp")
 #: The BERT of the ``converge`` (model "transformer") and ``bert`` jobs: recipes/pipeline_bert.yaml's sizes, no dropout
@@ -553,8 +553,10 @@ def job_converge(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     if spec["strategy"] == "ddp":
         strategy = PdistStrategy(process_group_backend="gloo")
     else:
-        schedule, synthetic = ("pipedream", True) if spec["strategy"] == "dni" else (spec["strategy"], False)
+        synthetic = spec["strategy"] in ("dni", "cdni")
+        schedule = "pipedream" if synthetic else spec["strategy"]
         strategy = PipelineStrategy(schedule=schedule, synthetic_gradients=synthetic, num_microbatches=m,
+                                    synthetic_conditioning="labels" if spec["strategy"] == "cdni" else None,
                                     weight_stashing=spec["weight_stashing"], process_group_backend="gloo",
                                     split_points=None if cnn else [f"model.{BERT_SPLIT}"])  # fmt: skip
     log: dict[str, Any] = {"epochs": [], "samples": 0, "microbatches": 0, "eval_bytes": 0, "bounds": None, "announced_after": []}

@@ -11,7 +11,9 @@ from lightning_pdist.core.nonfinite import check_nonfinite_policy
 from lightning_pdist.pipeline.partition import BALANCES
 from lightning_pdist.pipeline.schedule import SPECS, ScheduleSpec, schedule_spec
 
-__all__ = ["PipelineConfig"]
+__all__ = ["CONDITIONINGS", "PipelineConfig"]
+
+CONDITIONINGS = (None, "labels")  # synthetic_conditioning: DNI, cDNI
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +34,8 @@ class PipelineConfig(ConfigErrors):
     synthetic_module: Callable[..., Any] | None = None
     synthetic_optimizer: Callable[..., Any] | None = None
     synthetic_normalize: bool = True
+    synthetic_conditioning: str | None = None
+    synthetic_num_classes: int | None = None
     owner: str = "PipelineStrategy"
     spec: ScheduleSpec = field(init=False, repr=False, compare=False)
 
@@ -86,6 +90,20 @@ class PipelineConfig(ConfigErrors):
         if not self.synthetic_normalize and not (self.synthetic_gradients or self.spec.synthetic):
             self._fail("synthetic_normalize", "synthetic_normalize configures the synthetic-gradient modules, which only "
                                               "synthetic_gradients=True has")  # fmt: skip
+        if self.synthetic_conditioning not in CONDITIONINGS:
+            self._fail("synthetic_conditioning", "synthetic_conditioning must be None (DNI) or 'labels' (cDNI: the "
+                                                 "synthetic modules also see the one-hot labels)")  # fmt: skip
+        if self.synthetic_conditioning is not None and not (self.synthetic_gradients or self.spec.synthetic):
+            self._fail("synthetic_conditioning", "synthetic_conditioning configures the synthetic-gradient modules, which "
+                                                 "only synthetic_gradients=True has")  # fmt: skip
+        if self.synthetic_num_classes is not None:
+            if not is_int(self.synthetic_num_classes):
+                self._fail("synthetic_num_classes", "synthetic_num_classes must be an int or None", TypeError)
+            if self.synthetic_num_classes < 2:
+                self._fail("synthetic_num_classes", "synthetic_num_classes must be >= 2 (the labels' one-hot width)")
+            if self.synthetic_conditioning != "labels":
+                self._fail("synthetic_num_classes", "synthetic_num_classes is the one-hot width of "
+                                                    "synthetic_conditioning='labels', which is not set")  # fmt: skip
         if self.synthetic_gradients:
             if self.spec.synthetic_refusal():
                 self._fail("synthetic_gradients", f"schedule={self.schedule!r}: {self.spec.synthetic_refusal()}")

@@ -47,27 +47,42 @@ Defaults, with their reasons:
   reach no weight of this stage, so their true gradient is zero too (an ``-inf`` causal mask fed to a linear map
   would make ``ĝ`` NaN). ``σ`` is the rms over those values only.
 
-This module is the rule only (no transport, no Lightning): :class:`SyntheticGradient`.
+* ``num_classes=C`` (cDNI, Jaderberg et al. 2017 §3, "conditional DNI"; ``synthetic_conditioning="labels"``):
+  ``M_k`` also sees the micro-batch's labels, one-hot, concatenated to its input::
+
+      ĝ = σ · M_k([ĥ, onehot(y)])       (normalize=True; [h, onehot(y)] without it)
+      M_k trains on ½‖M_k([ĥ, onehot(y)]) − δ/σ‖²
+
+  ``y`` is the micro-batch's class indices (1-D, one per sample, in ``[0, C)``, :func:`class_labels`); for a value of
+  shape ``(B, …, d)`` the one-hot ``(B, C)`` is repeated over the middle dimensions (every position of a sequence
+  sees its sample's label). The default ``M_k`` is then ``nn.Linear(d + C, d)``, zero; a ``module_factory`` is
+  called with ``M_k``'s input (last dimension ``d + C``) and must still predict ``h``'s shape. The reason: a map of
+  ``h`` alone cannot predict the label-dependent part of ``δ`` (for a softmax head ``δ`` contains ``−Wᵀonehot(y)``),
+  which the label's column of the linear map can.
+
+This module is the rule only (no transport, no Lightning): :class:`SyntheticGradient`, and :func:`class_labels`
+(the conditioning labels of a batch).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-__all__ = ["SyntheticGradient", "zero_linear"]
+__all__ = ["SyntheticGradient", "class_labels", "zero_linear"]
 
 DEFAULT_LR = 1e-4
 SCALE_DECAY = 0.99  # σ's running average (normalize=True)
 
 
-def zero_linear(h: Tensor) -> nn.Module:
-    """The default ``M_k``: ``nn.Linear(d, d)`` over ``h``'s last dimension ``d``, weight and bias zero."""
-    layer = nn.Linear(h.shape[-1], h.shape[-1])
+def zero_linear(h: Tensor, out_features: int | None = None) -> nn.Module:
+    """The default ``M_k``: ``nn.Linear(d, d)`` over ``h``'s last dimension ``d`` (``out_features``: cDNI's
+    ``Linear(d + C, d)``), weight and bias zero."""
+    layer = nn.Linear(h.shape[-1], out_features or h.shape[-1])
     nn.init.zeros_(layer.weight)
     nn.init.zeros_(layer.bias)
     return layer
@@ -88,14 +103,16 @@ class SyntheticGradient:
     activation's device; a state loaded before that waits for it. ``parts(h)``, for a packed boundary: the
     ``(offset, shape)`` of each value of the 1-D ``h`` that carries a gradient; ``module`` is then an
     ``nn.ModuleList``, one ``M`` per value, and ``ĝ`` is zero elsewhere. ``normalize``: ``M`` sees ``h/‖h‖`` and
-    predicts ``δ/σ`` (see the module docstring).
+    predicts ``δ/σ`` (see the module docstring). ``num_classes``: cDNI, :meth:`predict` and :meth:`train` take the
+    micro-batch's class indices ``labels`` and ``M`` sees ``[ĥ, onehot(labels)]``.
     """
 
     def __init__(self, module_factory: Callable[[Tensor], nn.Module] | None = None,
                  optimizer_factory: Callable[[Iterable[nn.Parameter]], Optimizer] | None = None,
-                 owner: str = "PipelineStrategy", parts: Parts | None = None, normalize: bool = True) -> None:  # fmt: skip
-        self.module_factory, self.optimizer_factory = module_factory or zero_linear, optimizer_factory or adam
-        self.owner, self.parts, self.normalize = owner, parts, normalize
+                 owner: str = "PipelineStrategy", parts: Parts | None = None, normalize: bool = True,
+                 num_classes: int | None = None) -> None:  # fmt: skip
+        self.module_factory, self.optimizer_factory = module_factory, optimizer_factory or adam
+        self.owner, self.parts, self.normalize, self.num_classes = owner, parts, normalize, num_classes
         self.scale = 0.0  # σ (normalize=True): the true gradients' running rms; 0 before the first
         self.module: nn.Module | None = None
         self.optimizer: Optimizer | None = None
@@ -113,14 +130,35 @@ class SyntheticGradient:
                                "the network must hand the split point the same tensors at every step")  # fmt: skip
         return values
 
-    def _make(self, h: Tensor) -> nn.Module:
-        module = self.module_factory(h.detach().float())
+    @property
+    def conditioned(self) -> bool:
+        """cDNI: ``M`` also sees the labels."""
+        return self.num_classes is not None
+
+    def _make(self, h: Tensor, c: Tensor | None) -> nn.Module:
+        x = _input(h.detach().float(), c, False)  # M's input, for its shape
+        if self.module_factory is None:
+            return zero_linear(x, h.shape[-1])
+        module = self.module_factory(x)
         if not isinstance(module, nn.Module):
             raise TypeError(f"{self.owner}(synthetic_module=...): the factory returned {type(module).__name__}, not an nn.Module")
         return module
 
-    def _build(self, h: Tensor) -> None:
-        module = self._make(h) if self.parts is None else nn.ModuleList(self._make(v) for _, v in self._values(h))
+    def _onehot(self, h: Tensor, labels: Tensor | None) -> Tensor | None:
+        """``onehot(labels)`` (float32, on ``h``'s device) where conditioned; the labels checked against the rule."""
+        if not self.conditioned:
+            if labels is not None:
+                raise ValueError(f"{self.owner}: labels given to a synthetic module that is not conditioned on them")
+            return None
+        if labels is None:
+            raise ValueError(f"{self.owner}(synthetic_conditioning='labels'): the synthetic module needs the micro-batch's "
+                             "labels, and none came with it")  # fmt: skip
+        check_labels(labels, self.num_classes, self.owner)
+        return nn.functional.one_hot(labels.to(h.device), self.num_classes).float()
+
+    def _build(self, h: Tensor, c: Tensor | None = None) -> None:
+        module = (self._make(h, c) if self.parts is None else
+                  nn.ModuleList(self._make(v, c) for _, v in self._values(h)))  # fmt: skip
         self.module = module.to(device=h.device, dtype=torch.float32)
         self.optimizer = self.optimizer_factory(self.module.parameters())
         if not isinstance(self.optimizer, Optimizer):
@@ -130,13 +168,13 @@ class SyntheticGradient:
             self._load(self._pending)
             self._pending = None
 
-    def _apply(self, h: Tensor) -> Tensor:
+    def _apply(self, h: Tensor, c: Tensor | None) -> Tensor:
         """``ĝ`` in float32, of ``h``'s shape (with a graph into ``M`` where grad mode is on)."""
         if self.parts is None:
-            return _checked(self.module, h, self.owner, self.normalize)
+            return _checked(self.module, h, c, self.owner, self.normalize)
         out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
         for m, (offset, v) in zip(self.module, self._values(h)):
-            out[offset : offset + v.numel()] = _checked(m, v, self.owner, self.normalize).reshape(-1)
+            out[offset : offset + v.numel()] = _checked(m, v, c, self.owner, self.normalize).reshape(-1)
         return out
 
     def _rms(self, h: Tensor, target: Tensor) -> float:
@@ -146,19 +184,21 @@ class SyntheticGradient:
         return float(torch.cat([target[o : o + v.numel()] for o, v in self._values(h)]).pow(2).mean().sqrt())
 
     @torch.no_grad()
-    def predict(self, h: Tensor) -> Tensor:
-        """``ĝ = M(h)`` in ``h``'s dtype (no graph)."""
+    def predict(self, h: Tensor, labels: Tensor | None = None) -> Tensor:
+        """``ĝ = M(h)`` (cDNI: ``M([h, onehot(labels)])``) in ``h``'s dtype (no graph)."""
+        c = self._onehot(h, labels)
         if self.module is None:
-            self._build(h)
+            self._build(h, c)
         with torch.inference_mode(False), torch.autocast(h.device.type, enabled=False):
-            g = self._apply(h)
+            g = self._apply(h, c)
             return (g * self.scale if self.normalize else g).to(h.dtype)
 
-    def train(self, h: Tensor, target: Tensor) -> float:
+    def train(self, h: Tensor, target: Tensor, labels: Tensor | None = None) -> float:
         """One step of ``M``'s optimizer on ``½‖M(h) − target‖²`` (``normalize``: ``½‖M(ĥ) − target/σ‖²``, ``σ``
-        updated with this target first); returns that loss (before the step)."""
+        updated with this target first; cDNI: ``M`` sees ``onehot(labels)`` too); returns that loss (before the step)."""
+        c = self._onehot(h, labels)
         if self.module is None:
-            self._build(h)
+            self._build(h, c)
         target = target.detach().float()
         if self.normalize:
             rms = self._rms(h, target)
@@ -166,7 +206,7 @@ class SyntheticGradient:
             if self.scale > 0:
                 target = target / self.scale
         with torch.inference_mode(False), torch.enable_grad(), torch.autocast(h.device.type, enabled=False):
-            loss = 0.5 * (self._apply(h) - target).pow(2).sum()
+            loss = 0.5 * (self._apply(h, c) - target).pow(2).sum()
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
         self.optimizer.step()
@@ -195,9 +235,53 @@ class SyntheticGradient:
         self.optimizer.load_state_dict(_clone(state["optimizer"]))
 
 
-def _checked(module: nn.Module, h: Tensor, owner: str, normalize: bool) -> Tensor:
-    x = h.detach().float()
-    out = module(nn.functional.normalize(x, dim=-1) if normalize else x)
+def class_labels(batch: object, num_classes: int, owner: str = "PipelineStrategy") -> Tensor:
+    """cDNI's labels of a batch: its last element (a tuple or list batch, as ``x, y = batch``) or its ``"labels"``
+    entry (a dict batch, as transformers'), which must be class indices (:func:`check_labels`)."""
+    rule = ("the labels are the batch's last element (a tuple or list batch) or its 'labels' entry (a dict batch): "
+            "a 1-D integer tensor of class indices, one per sample, in [0, synthetic_num_classes)")
+    if isinstance(batch, Mapping):
+        labels = batch.get("labels")
+        where = f"a dict batch with keys {sorted(map(str, batch))}"
+    elif isinstance(batch, (tuple, list)) and batch:
+        labels, where = batch[-1], f"the last element of a {type(batch).__name__} batch"
+    else:
+        labels, where = None, f"a {type(batch).__name__} batch"
+    if not isinstance(labels, Tensor):
+        raise ValueError(f"{owner}(synthetic_conditioning='labels'): the stage that owns the boundary cannot see the "
+                         f"targets in {where} ({type(labels).__name__} found); {rule}")  # fmt: skip
+    check_labels(labels, num_classes, owner, where)
+    return labels
+
+
+def check_labels(labels: Tensor, num_classes: int, owner: str, where: str = "the labels") -> None:
+    """Refuse labels that are not class indices: 1-D, an integer dtype, every value in ``[0, num_classes)``."""
+    bad = ("not 1-D" if labels.ndim != 1 else
+           f"of dtype {labels.dtype}, not an integer type" if labels.is_floating_point() or labels.is_complex()
+           or labels.dtype == torch.bool else
+           f"holding {int(labels.min())}..{int(labels.max())}, outside [0, {num_classes})"
+           if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes) else "")  # fmt: skip
+    if bad:
+        raise ValueError(f"{owner}(synthetic_conditioning='labels', synthetic_num_classes={num_classes}): {where} is a "
+                         f"tensor of shape {tuple(labels.shape)} {bad}; the targets must be class indices (a 1-D integer "
+                         f"tensor, one per sample, in [0, {num_classes})) to be one-hot encoded")  # fmt: skip
+
+
+def _input(h: Tensor, c: Tensor | None, normalize: bool) -> Tensor:
+    """What ``M`` reads: ``ĥ`` (or ``h``), with cDNI's one-hot ``c (B, C)`` repeated over ``h``'s middle dimensions."""
+    x = nn.functional.normalize(h, dim=-1) if normalize else h
+    if c is None:
+        return x
+    if h.ndim < 2 or h.shape[0] != c.shape[0]:
+        raise RuntimeError(f"PipelineStrategy(synthetic_conditioning='labels'): a boundary value of shape {tuple(h.shape)} "
+                           f"does not lead with the micro-batch's {c.shape[0]} samples, so its labels cannot be attached "
+                           "to it (cDNI needs batch-first boundary activations)")  # fmt: skip
+    c = c.view(c.shape[0], *([1] * (h.ndim - 2)), c.shape[1]).expand(*h.shape[:-1], c.shape[1])
+    return torch.cat([x, c.to(x.dtype)], dim=-1)
+
+
+def _checked(module: nn.Module, h: Tensor, c: Tensor | None, owner: str, normalize: bool) -> Tensor:
+    out = module(_input(h.detach().float(), c, normalize))
     if not isinstance(out, Tensor) or out.shape != h.shape:
         got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
         raise RuntimeError(f"{owner}(synthetic_module=...): the synthetic module maps a boundary activation of "

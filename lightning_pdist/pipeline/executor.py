@@ -26,7 +26,9 @@ backward on fresh predicted weights from ``weight_predictor`` (:mod:`.spectrain`
 **Synthetic gradients** (``dni``, :mod:`.dni`): a stage's ``B j`` follows its ``F j`` at once and backpropagates the
 gradient its :class:`~lightning_pdist.pipeline.dni.SyntheticGradient` predicts from the output (the last stage: the
 loss), sending the input gradient back as usual; only the detached output is kept, until ``S j`` receives the
-gradient stage ``s+1`` sent for it and trains the synthetic module on it.
+gradient stage ``s+1`` sent for it and trains the synthetic module on it. Conditioned on labels (cDNI), ``label_fn(j)``
+gives micro-batch ``j``'s class indices at ``B j`` (this rank's own copy of the batch: every stage of a replica loads
+the same batches, so no message carries them), and they are kept with the output for ``S j``.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class StageExecutor:
             overflow flag), and that step must land first.
         weight_predictor: ``spectrain``: ``(params, s) -> ŵ`` (fresh tensors), the weights ``s`` updates ahead.
         synthetic: ``dni``, every stage but the last: the boundary's synthetic-gradient module and its optimizer.
+        label_fn: a conditioned ``synthetic`` (cDNI): micro-batch id -> its class indices.
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class StageExecutor:
         settle_fn: Callable[[], None] | None = None,
         weight_predictor: Callable[[dict[str, Tensor], int], dict[str, Tensor]] | None = None,
         synthetic: SyntheticGradient | None = None,
+        label_fn: Callable[[int], Tensor] | None = None,
     ) -> None:
         self.module, self.stage, self.num_stages, self.schedule = module, stage, num_stages, schedule
         self.p2p, self.prev_rank, self.next_rank = p2p, prev_rank, next_rank
@@ -119,7 +123,12 @@ class StageExecutor:
         if self.cursor.synthesizes and synthetic is None:
             raise ValueError(f"StageExecutor(schedule={schedule!r}): stage {stage} needs a synthetic-gradient module")
         self.synthetic = synthetic if self.cursor.synthesizes else None
-        self.boundary: dict[int, Tensor] = {}  # dni: detached outputs waiting for their true gradient
+        if self.synthetic is not None and self.synthetic.conditioned and label_fn is None:
+            raise ValueError(f"StageExecutor(stage={stage}): its synthetic module is conditioned on labels and no "
+                             "label_fn gives them")  # fmt: skip
+        self.label_fn = label_fn
+        # dni: detached outputs (and cDNI's labels) waiting for their true gradient
+        self.boundary: dict[int, tuple[Tensor, Tensor | None]] = {}
         self._last_backward_weights: dict[str, Tensor] = {}  # the leaves the last backward accumulated into
         self.params: dict[str, nn.Parameter] = dict(module.named_parameters())
         self.handlers: dict[str, Callable[[int], None]] = {"F": self.forward, "B": self.backward, "U": self.update,
@@ -316,15 +325,17 @@ class StageExecutor:
         """``dni``: the gradient stage ``s+1`` sent for micro-batch ``j`` trains the synthetic module on ``(h_j, δ_j)``."""
         target = self.p2p.recv(self.next_rank, BACKWARD, j).tensor
         self.p2p.release(self.next_rank, FORWARD, j)  # next ran its backward j, hence its forward j
-        self.synthetic.train(self.boundary.pop(j), target)
+        h, labels = self.boundary.pop(j)
+        self.synthetic.train(h, target, *([labels] if labels is not None else []))
 
     def backward(self, j: int) -> None:
         record = self.in_flight.pop(j)
         if self.is_last:
             outputs, grad_outputs = (record.output * self.scale(j) if record.output is not None else None), None
         elif self.synthetic is not None:  # dni: the predicted gradient now; the true one trains the module at S j
-            outputs, grad_outputs = record.output, self.synthetic.predict(record.output)
-            self.boundary[j] = record.output.detach()
+            labels = self.label_fn(j) if self.synthetic.conditioned else None
+            outputs, grad_outputs = record.output, self.synthetic.predict(record.output, *([labels] if labels is not None else []))
+            self.boundary[j] = (record.output.detach(), labels)
         else:
             outputs, grad_outputs = record.output, self.p2p.recv(self.next_rank, BACKWARD, j).tensor
             self.p2p.release(self.next_rank, FORWARD, j)  # next ran its backward j, hence its forward j

@@ -47,7 +47,7 @@ from typing_extensions import override
 from lightning_pdist.core.flat import flatten, unflatten_into_
 from lightning_pdist.core.nonfinite import all_finite, culprit_ranks, one_hot_flag
 from lightning_pdist.pipeline.config import PipelineConfig
-from lightning_pdist.pipeline.dni import SyntheticGradient
+from lightning_pdist.pipeline.dni import SyntheticGradient, class_labels
 from lightning_pdist.pipeline.ownership import gradient_parts
 from lightning_pdist.pipeline.partition import Partition
 from lightning_pdist.core.accounting import all_reduce_bytes
@@ -149,6 +149,13 @@ class PipelineStrategy(PdistStrategy):
         synthetic_normalize: ``True`` (default): each synthetic module sees ``h/‖h‖`` and predicts ``δ/σ``, ``σ`` the
             true gradients' running rms, and ``ĝ = σ·M(h/‖h‖)``; ``False``: ``ĝ = M(h)`` trained on ``δ``
             (:mod:`lightning_pdist.pipeline.dni` has the measured reason).
+        synthetic_conditioning: ``None`` (default, DNI) or ``"labels"`` (cDNI, Jaderberg et al. 2017 §3): each synthetic
+            module also sees the micro-batch's one-hot labels, concatenated to its input. The labels are the batch's
+            last element (a tuple or list batch) or its ``"labels"`` entry (a dict batch), class indices (1-D integer,
+            one per sample, in ``[0, C)``); anything else is refused at the first batch. Every stage of the pipeline
+            loads the same batch, so each stage takes its micro-batches' labels from its own copy: no message.
+        synthetic_num_classes: ``C``, the one-hot width; ``None``: the module's ``hparams.num_classes`` (or its
+            ``num_classes`` attribute), refused at setup when it has neither.
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (``start_method``,
             ``process_group_backend``, ``timeout``). Nothing is wrapped in ``DistributedDataParallel``.
     """
@@ -172,6 +179,8 @@ class PipelineStrategy(PdistStrategy):
         synthetic_module: Callable[[Tensor], Any] | None = None,
         synthetic_optimizer: Callable[[Any], Optimizer] | None = None,
         synthetic_normalize: bool = True,
+        synthetic_conditioning: str | None = None,
+        synthetic_num_classes: int | None = None,
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
@@ -186,7 +195,8 @@ class PipelineStrategy(PdistStrategy):
             split_points=tuple(split_points) if split_points is not None else None, network=network,
             vertical_sync=vertical_sync, weight_stashing=weight_stashing, max_message_bytes=max_message_bytes,
             nonfinite=nonfinite, synthetic_gradients=synthetic_gradients, synthetic_module=synthetic_module,
-            synthetic_optimizer=synthetic_optimizer, synthetic_normalize=synthetic_normalize, owner=owner,
+            synthetic_optimizer=synthetic_optimizer, synthetic_normalize=synthetic_normalize,
+            synthetic_conditioning=synthetic_conditioning, synthetic_num_classes=synthetic_num_classes, owner=owner,
         )  # fmt: skip
         if not weight_stashing:
             rank_zero_warn(f"{owner}(weight_stashing=False): backwards will use newer weights than their forwards "
@@ -206,6 +216,7 @@ class PipelineStrategy(PdistStrategy):
         self._defer_steps = False  # 2bw under loss scaling on several ranks: steps wait for the agreed flag
         self._deferred: list[_DeferredStep] = []
         self._pending_pdist_state: dict | None = None  # any module: resumed state waits for the cut at the first batch
+        self._num_classes: int | None = None  # cDNI: the one-hot width (resolved at setup)
 
     # ------------------------------------------------------------------ layout
     @property
@@ -295,6 +306,7 @@ class PipelineStrategy(PdistStrategy):
             self._check_optimizer_unscaling()
             if self.config.spec.predicts_weights:
                 check_momentum(self.optimizers[0], type(self).__name__, self.config.schedule)
+            self._num_classes = self._conditioning_classes()
         self.setup_precision_plugin()
         # Any module (OwnedSplit) is cut at its first batch: its executor and resumed state wait until then.
         self.executor = self._make_executor() if self.split.ready else None
@@ -376,7 +388,7 @@ class PipelineStrategy(PdistStrategy):
         # A split_points cut packs the boundary's values in one vector: one synthetic module per value with a gradient.
         parts = gradient_parts if isinstance(self.split, OwnedSplit) else None
         synthetic = (SyntheticGradient(config.synthetic_module, config.synthetic_optimizer, type(self).__name__, parts,
-                                       config.synthetic_normalize)
+                                       config.synthetic_normalize, self._num_classes)
                      if config.spec.synthetic and s < K - 1 else None)  # fmt: skip
         p2p = P2P(self._pp_group, max_message_bytes=self.config.max_message_bytes, meter=self.comm_meter, device=self.root_device)
         return StageExecutor(
@@ -391,7 +403,22 @@ class PipelineStrategy(PdistStrategy):
             forward_context=self.precision_plugin.train_step_context, settle_fn=self._settle,
             weight_predictor=(lambda params, s: predicted_weights(params, self.optimizers[0], s))
             if self.config.spec.predicts_weights else None, synthetic=synthetic,
+            label_fn=lambda j: self._window["labels"][j - self._window["start"]],
         )  # fmt: skip
+
+    def _conditioning_classes(self) -> int | None:
+        """cDNI's one-hot width: ``synthetic_num_classes``, else the module's ``num_classes`` (refused without one)."""
+        if self.config.synthetic_conditioning is None:
+            return None
+        if self.config.synthetic_num_classes is not None:
+            return self.config.synthetic_num_classes
+        module = self.lightning_module
+        found = getattr(module, "hparams", {}).get("num_classes", getattr(module, "num_classes", None))
+        if not (isinstance(found, int) and not isinstance(found, bool) and found >= 2):
+            raise ValueError(f"{type(self).__name__}(synthetic_conditioning='labels', synthetic_num_classes=None): the "
+                             f"labels' one-hot needs the number of classes, and {type(module).__name__} has no "
+                             f"hparams.num_classes or num_classes >= 2 (found {found!r}); pass synthetic_num_classes=C")  # fmt: skip
+        return found
 
     # ------------------------------------------------------------------ the user's hooks, per stage
     def _stage_inputs(self, hook: str, batch: Any, rest: tuple, n: int, first_key: int) -> Any:
@@ -532,8 +559,10 @@ class PipelineStrategy(PdistStrategy):
                                f"{batch_size_of(batch)} samples gives {n} micro-batches, fewer than num_stages "
                                f"({self.pipeline_stages}); under 16-mixed the stages could then wait on each other's "
                                "overflow flags across steps (use drop_last=True or a batch size of at least num_stages)")  # fmt: skip
-        if executor.is_last:
+        if executor.is_last or self._num_classes is not None:
             self._window["chunks"] = split_batch(batch, n)
+        if self._num_classes is not None:  # cDNI: every stage reads its own copy of the labels (and refuses alike)
+            self._window["labels"] = [class_labels(chunk, self._num_classes, type(self).__name__) for chunk in self._window["chunks"]]
         if self.split.needs_call(executor.is_first, executor.is_last):
             self._window["inputs"] = self._stage_inputs("training_step", batch, rest, n, start)
         wait0, began = executor.p2p.wait_s, time.perf_counter()

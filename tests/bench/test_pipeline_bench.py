@@ -290,11 +290,11 @@ def test_real_throughput_run_on_emulated_links_names_the_network(tmp_path):
 @pytest.mark.standalone
 def test_real_stash_convergence_and_bert_runs(tmp_path):
     """Versions and their bytes equal the schedule's depth; training bytes per epoch equal Table 1's formulas exactly
-    (DDP, and DNI: the delayed-gradient family sends what PipeDream sends); the BERT cut by split_points runs under ours
-    and under torch's pipeline() on the same block."""
+    (DDP, and cDNI: the delayed-gradient family sends what PipeDream sends, the labels never travel); the BERT cut by
+    split_points runs under ours and under torch's pipeline() on the same block."""
     out = tmp_path / "out"
     argv = ["pipeline", "--out", str(out), "--parts", "stash", "convergence", "bert", "--stash-width", "64", "--epochs", "1",
-            "--methods", "ddp", "dni", "--converge-models", "cnn", "--seeds", "0", "--microbatches", "2",
+            "--methods", "ddp", "cdni", "--converge-models", "cnn", "--seeds", "0", "--microbatches", "2",
             "--bert-batch-size", "8", "--warmup-steps", "1", "--steps", "2"]  # fmt: skip
     assert bench_main(argv) == 0
     doc = json.loads((out / "pipeline.json").read_text())
@@ -310,17 +310,17 @@ def test_real_stash_convergence_and_bert_runs(tmp_path):
     # 2BW's second version is the only weight memory it holds beyond 1F1B; PipeDream's first stage one beyond no stashing
     assert stash[("2bw", 1)]["expected_over_baseline"] == stash[("pipedream", 0)]["expected_over_baseline"] == row["param_bytes"]
     curves = doc["convergence"]["rows"]
-    assert [(r["model"], r["method"], r["epoch"], r["samples"]) for r in curves] == [("cnn", "ddp", 1, 1438), ("cnn", "dni", 1, 1438)]
+    assert [(r["model"], r["method"], r["epoch"], r["samples"]) for r in curves] == [("cnn", "ddp", 1, 1438), ("cnn", "cdni", 1, 1438)]
     assert all(0 <= r["val_acc"] <= 1 and r["network"] == "loopback" and r["lr"] == 0.02 for r in curves)
     assert "not compared" in doc["convergence"]["summary"]["stashing_note"]["cnn"]
     rows = {r["method"]: r for r in doc["bytes"]["rows"]}
     assert rows["ddp"]["measured_bytes_per_epoch"] == rows["ddp"]["formula_bytes_per_epoch"] > 0
-    assert rows["dni"]["measured_bytes_per_epoch"] == rows["dni"]["formula_bytes_per_epoch"] > 0
+    assert rows["cdni"]["measured_bytes_per_epoch"] == rows["cdni"]["formula_bytes_per_epoch"] > 0
     # the CNN's cut carries 512 floats a sample both ways, plus a header per micro-batch message
-    assert rows["dni"]["activation_numel"] == [512]
+    assert rows["cdni"]["activation_numel"] == [512]
     # 180 data frames each way, plus two announce frames: the first message's (header only) and the epoch's short
     # last batch's (32 -> 8, 8, 7, 7: sized like the 8-sample frame before it)
-    assert rows["dni"]["measured_bytes_per_epoch"] == 2 * (1438 * 512 * 4 + 180 * HEADER_BYTES + HEADER_BYTES + HEADER_BYTES + 8 * 512 * 4)
+    assert rows["cdni"]["measured_bytes_per_epoch"] == 2 * (1438 * 512 * 4 + 180 * HEADER_BYTES + HEADER_BYTES + HEADER_BYTES + 8 * 512 * 4)
     bert = {r["engine"]: r for r in doc["bert"]["rows"]}
     assert set(bert) == {"ours+lightning", "torch"} and doc["not_run"] == []
     assert bert["ours+lightning"]["split_point"] == "model." + bert["torch"]["split_point"] == "model.encoder.bert.encoder.layer.1"

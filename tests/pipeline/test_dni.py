@@ -2,7 +2,7 @@
 
 One 3-rank gloo world (fork-launched once for the module) trains the 7-layer network of ``_delayed_reference`` under
 DNI, one batch (window) at a time as the strategy does, then drains (with the default normalised synthetic modules,
-and with ``normalize=False``); the same world also runs every stage's
+with ``normalize=False``, and conditioned on labels: cDNI); the same world also runs every stage's
 synthetic module replaced by an *oracle* that returns the true gradient (a copy of the stages above it, stepped as
 they are), which must be backprop exactly; rank 0 also runs DNI as a one-stage pipeline. Checked against the
 plain-torch reference in ``tests/_dni_reference.py`` at 1e-6, and against the simulator's depths.
@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_pdist.core.accounting import CommMeter
 from lightning_pdist.pipeline.config import PipelineConfig
-from lightning_pdist.pipeline.dni import SyntheticGradient
+from lightning_pdist.pipeline.dni import SyntheticGradient, class_labels
 from lightning_pdist.pipeline.executor import StageExecutor
 from lightning_pdist.pipeline.p2p import P2P
 from lightning_pdist.pipeline.schedule import build_schedule, validate
@@ -31,6 +31,13 @@ SYNTH_LR = 0.1
 
 def synthetic_optimizer(params):
     return torch.optim.Adam(params, lr=SYNTH_LR)
+
+
+C = 3  # cDNI: classes of the labels (how many of y's two targets are positive)
+
+
+def labels():
+    return [(y > 0).sum(1) for _, y in microbatches()]
 
 
 def microbatches():
@@ -70,13 +77,15 @@ def run_case(rank, world, case):
     stage = nn.Sequential(*[net[i] for i in range(a, b)])
     optimizer = torch.optim.SGD(stage.parameters(), lr=LR, momentum=MU)
     synthetic = (None if b == 7 else Oracle(b) if case == "oracle"
-                 else SyntheticGradient(optimizer_factory=synthetic_optimizer, normalize=case != "raw"))  # fmt: skip
+                 else SyntheticGradient(optimizer_factory=synthetic_optimizer, normalize=case != "raw",
+                                        num_classes=C if case == "cdni" else None))  # fmt: skip
+    ys = labels()
     mbs = microbatches()
     executor = StageExecutor(
         stage, rank, world, "dni", P2P(None, meter=CommMeter()),
         prev_rank=rank - 1 if rank > 0 else None, next_rank=rank + 1 if rank < world - 1 else None,
         input_fn=lambda j: mbs[j][0], loss_fn=lambda j, forward: nn.functional.mse_loss(forward(mbs[j][0]), mbs[j][1]),
-        update_fn=optimizer.step, synthetic=synthetic,
+        update_fn=optimizer.step, synthetic=synthetic, label_fn=lambda j: ys[j],
     )  # fmt: skip
     for _ in range(BATCHES):
         executor.admit(M)
@@ -85,13 +94,13 @@ def run_case(rank, world, case):
     synth = executor.synthetic
     return {"params": [p.detach().clone() for p in stage.parameters()], "drained": executor.drained,
             "pending": executor.p2p.pending, "max_versions": executor.max_versions, "max_held": executor.max_held,
-            "synth": [p.detach().clone() for p in synth.module.parameters()] if case in ("dni", "raw") and synth else None,
+            "synth": [p.detach().clone() for p in synth.module.parameters()] if case in ("dni", "raw", "cdni") and synth else None,
             "state": executor.state_dict(), "worst": synth.worst if case == "oracle" and synth else 0.0}  # fmt: skip
 
 
 def _worker(rank, world, out):
     torch.set_num_threads(1)
-    results = {case: run_case(rank, world, case) for case in ("dni", "raw", "oracle")}
+    results = {case: run_case(rank, world, case) for case in ("dni", "raw", "cdni", "oracle")}
     if rank == 0:
         results["one_stage"] = run_case(0, 1, "dni")
     torch.save(results, f"{out}/rank{rank}.pt")
@@ -105,12 +114,14 @@ def world(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(K)]
 
 
-@pytest.mark.parametrize("case", ["dni", "raw"])
+@pytest.mark.parametrize("case", ["dni", "raw", "cdni"])
 def test_three_stages_equal_the_plain_torch_reference_and_the_simulator(world, case):
     """DNI on 3 gloo ranks ends where the reference ends (stage weights and synthetic modules), normalised (the
-    default) and not; the stages are drained, hold one weight version and at most the simulated micro-batches;
-    stage 0 moved, not as backprop."""
-    weights, synth = dni_reference(BOUNDS, microbatches(), LR, MU, synthetic_optimizer, normalize=case == "dni")
+    default), not, and conditioned on the labels (cDNI: ``M([h/‖h‖, onehot(y)])``, each label column learned); the
+    stages are drained, hold one weight version and at most the simulated micro-batches; stage 0 moved, not as
+    backprop."""
+    conditioned = dict(labels=labels(), num_classes=C) if case == "cdni" else {}
+    weights, synth = dni_reference(BOUNDS, microbatches(), LR, MU, synthetic_optimizer, normalize=case != "raw", **conditioned)
     stats = validate(build_schedule("dni", K, M, BATCHES))
     assert stats.stash_depth == (1, 1, 1) and stats.max_in_flight == (2, 2, 1)
     for s in range(K):
@@ -127,7 +138,9 @@ def test_three_stages_equal_the_plain_torch_reference_and_the_simulator(world, c
     sgd = torch.cat([p.reshape(-1) for p in momentum_sgd(microbatches())[:2]])
     assert (first - init).abs().max() > 1e-4 and (first - sgd).abs().max() > 1e-4
     assert world[0][case]["synth"][0].abs().max() > 0  # the zero-initialised module learned
-    assert (world[0][case]["state"]["synthetic"]["scale"] > 0) == (case == "dni")
+    assert (world[0][case]["state"]["synthetic"]["scale"] > 0) == (case != "raw")
+    if case == "cdni":  # Linear(8 + C, 8): every label's column moved
+        assert world[0][case]["synth"][0].shape == (8, 8 + C) and (world[0][case]["synth"][0][:, 8:].abs().amax(0) > 0).all()
 
 
 def test_true_gradient_in_place_of_the_prediction_is_backprop(world):
@@ -174,6 +187,14 @@ def test_the_simulated_timeline_has_no_backward_chain():
         (dict(schedule="pipedream", synthetic_gradients=True, weight_stashing=False), ValueError,
          r"weight_stashing=False\): .*with synthetic_gradients=True keeps no weight stash"),
         (dict(schedule="pipedream", synthetic_gradients=True, nonfinite="skip_step"), ValueError, r"skip_step needs every rank"),
+        (dict(schedule="pipedream", synthetic_conditioning="labels"), ValueError,
+         r"\(synthetic_conditioning='labels'\): synthetic_conditioning configures .* only synthetic_gradients=True has"),
+        (dict(schedule="pipedream", synthetic_gradients=True, synthetic_conditioning="label"), ValueError,
+         r"\(synthetic_conditioning='label'\): synthetic_conditioning must be None \(DNI\) or 'labels'"),
+        (dict(schedule="pipedream", synthetic_gradients=True, synthetic_num_classes=10), ValueError,
+         r"\(synthetic_num_classes=10\): synthetic_num_classes is the one-hot width of synthetic_conditioning='labels'"),
+        (dict(schedule="pipedream", synthetic_gradients=True, synthetic_conditioning="labels", synthetic_num_classes=1),
+         ValueError, r"\(synthetic_num_classes=1\): synthetic_num_classes must be >= 2"),
     ],
 )  # fmt: skip
 def test_bad_combinations_are_refused_at_construction(kwargs, error, match):
@@ -199,6 +220,38 @@ def test_replicas_wrong_modules_and_missing_pieces_are_refused():
         SyntheticGradient(optimizer_factory=list).predict(h)
     with pytest.raises(ValueError, match=r"schedule='dni'\): stage 0 needs a synthetic-gradient module"):
         StageExecutor(nn.Linear(2, 2), 0, 2, "dni", P2P(None), None, 1, None, None, lambda: None)
+    with pytest.raises(ValueError, match=r"stage=0\): its synthetic module is conditioned on labels and no label_fn"):
+        StageExecutor(nn.Linear(2, 2), 0, 2, "dni", P2P(None), None, 1, None, None, lambda: None,
+                      synthetic=SyntheticGradient(num_classes=3))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "batch, match",
+    [
+        (torch.zeros(4, 2), r"cannot see the targets in a Tensor batch.*the batch's last element \(a tuple or list "
+                            r"batch\) or its 'labels' entry \(a dict batch\)"),
+        ({"input_ids": torch.zeros(4, 2)}, r"cannot see the targets in a dict batch with keys \['input_ids'\]"),
+        ((torch.zeros(4, 2), torch.zeros(4, 2)), r"last element of a tuple batch is a tensor of shape \(4, 2\) not 1-D"),
+        ((torch.zeros(4, 2), torch.zeros(4)), r"shape \(4,\) of dtype torch.float32, not an integer type"),
+        ([torch.zeros(4, 2), torch.tensor([0, 1, 3, 2])], r"holding 0..3, outside \[0, 3\); the targets must be class indices"),
+    ],
+)  # fmt: skip
+def test_cdni_refuses_a_batch_whose_targets_are_not_class_indices(batch, match):
+    """cDNI's labels: a batch without visible targets, or targets that are not 1-D integer class indices in [0, C),
+    are refused naming the rule; a dict's 'labels' and a tuple's last element are taken; a module without
+    num_classes is refused at setup unless synthetic_num_classes is given."""
+    with pytest.raises(ValueError, match=match):
+        class_labels(batch, 3)
+    assert torch.equal(class_labels({"labels": torch.tensor([2, 0])}, 3), torch.tensor([2, 0]))
+    assert torch.equal(class_labels((torch.zeros(2, 5), torch.tensor([1, 2])), 3), torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match=r"\(synthetic_conditioning='labels', synthetic_num_classes=None\): the labels' "
+                                         r"one-hot needs the number of classes, and Linear has no hparams.num_classes"):
+        strategy = PipelineStrategy(schedule="pipedream", synthetic_gradients=True, synthetic_conditioning="labels")
+        strategy._lightning_module = nn.Linear(2, 2)
+        strategy._conditioning_classes()
+    given = PipelineStrategy(schedule="pipedream", synthetic_gradients=True, synthetic_conditioning="labels",
+                             synthetic_num_classes=4)  # fmt: skip
+    assert given._conditioning_classes() == 4
 
 
 def test_default_module_is_zero_and_its_state_round_trips():

@@ -2,10 +2,12 @@
 processes, with the default synthetic module (zero linear map) and optimizer (Adam, lr 1e-4), normalised (``σ·M(h/‖h‖)``); and the registered
 aliases of the pipeline's newer schedules.
 
-The DNI test runs the whole Lightning path twice: a fit of 8 steps that drains for validation at each epoch end (3
-steps per epoch) and writes a checkpoint there, compared with the plain-torch reference (``tests/_dni_reference.py``,
-drains included; stage weights and the synthetic module); then a fit resumed from the first epoch's checkpoint
-(synthetic module and its Adam state restored on stage 0), which must end, step by step, where the first ends.
+The DNI test runs the whole Lightning path twice, conditioned on labels (cDNI, ``synthetic_conditioning="labels"``:
+the batches are ``(x, y, c)`` with ``c`` = how many of ``y``'s two targets are positive, which stage 0 takes from its
+own copy of the batch): a fit of 8 steps that drains for validation at each epoch end (3 steps per epoch) and writes
+a checkpoint there, compared with the plain-torch reference (``tests/_dni_reference.py``, drains included; stage
+weights and the synthetic module); then a fit resumed from the first epoch's checkpoint (synthetic module with its
+label columns and its Adam state restored on stage 0), which must end, step by step, where the first ends.
 """
 
 import _delayed_reference as delayed
@@ -15,6 +17,8 @@ from _dni_reference import dni_reference
 from _helpers import SnapshotParams, TinyRegression, fit, load_snapshot, rank_batches, regression_data
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pdist import PipelineStrategy
 
@@ -26,6 +30,23 @@ class DeepRegression(TinyRegression):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.net = delayed.make_net()
+
+
+def classes(y):
+    """cDNI's labels of the regression targets: how many of each sample's two targets are positive (0, 1 or 2)."""
+    return (y > 0).sum(1)
+
+
+class LabelledRegression(DeepRegression):
+    """Batches ``(x, y, c)``: the regression plus class labels that only the synthetic modules read."""
+
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def train_dataloader(self):
+        x, y = regression_data(self.n).tensors
+        return DataLoader(TensorDataset(x, y, classes(y)), batch_size=self.batch_size, shuffle=False)
 
 
 class SaveSynthetic(Callback):
@@ -54,23 +75,26 @@ def flat(tensors):
 
 
 def test_trains_as_its_reference_and_resumes_exactly(tmp_path):
-    """8 steps on 2 ranks equal the DNI reference (drained at 6 and 12 micro-batches; the stage weights and stage 0's
-    synthetic module); a run resumed from the epoch-0 checkpoint matches it at every step."""
-    make = lambda: DeepRegression(lr=LR, momentum=MU, n=N)  # noqa: E731
+    """8 steps of cDNI on 2 ranks equal the reference (drained at 6 and 12 micro-batches; the stage weights and stage
+    0's synthetic module, label columns included); a run resumed from the epoch-0 checkpoint matches it at every step."""
+    make = lambda: LabelledRegression(lr=LR, momentum=MU, n=N)  # noqa: E731
     strategy = lambda: PipelineStrategy(start_method="fork", schedule="pipedream", synthetic_gradients=True,  # noqa: E731
-                                        num_microbatches=M, split_points=["net.4"])  # fmt: skip
+                                        num_microbatches=M, split_points=["net.4"], synthetic_conditioning="labels",
+                                        synthetic_num_classes=3)  # fmt: skip
     first, resumed = tmp_path / "first", tmp_path / "resumed"
     first.mkdir(), resumed.mkdir()
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=False)
     module = make()
     trainer = fit(strategy(), module, max_steps=STEPS, limit_val_batches=1, enable_checkpointing=True,
                   callbacks=[SnapshotParams(first), checkpoint, SaveSynthetic(tmp_path / "synthetic.pt")])  # fmt: skip
-    weights, synth = dni_reference([(0, 4), (4, 7)], microbatches(), LR, MU, lambda p: torch.optim.Adam(p, lr=1e-4),
-                                   drains=(6, 12))  # fmt: skip
+    mbs = microbatches()
+    weights, synth = dni_reference([(0, 4), (4, 7)], mbs, LR, MU, lambda p: torch.optim.Adam(p, lr=1e-4), drains=(6, 12),
+                                   labels=[classes(y) for _, y in mbs], num_classes=3)  # fmt: skip
     torch.testing.assert_close(flat(module.parameters()), flat(t for stage in weights for t in stage), atol=1e-6, rtol=0)
     saved = torch.load(tmp_path / "synthetic.pt", weights_only=False)
     torch.testing.assert_close(flat(saved["module"].values()), flat(synth[0]), atol=1e-6, rtol=0)
     assert saved["steps"] == STEPS * M and float(flat(synth[0]).abs().max()) > 0
+    assert saved["module"]["weight"].shape == (8, 8 + 3) and float(saved["module"]["weight"][:, 8:].abs().max()) > 0
     assert [int(trainer.callback_metrics[f"pdist/pipeline/stage{s}/stash_depth"]) for s in range(2)] == [1, 1]
     ckpt = tmp_path / "ckpts" / "epoch=0-step=3.ckpt"
     stages = torch.load(ckpt, weights_only=False)["pdist"]["pipeline"]["stages"]
