@@ -269,8 +269,8 @@ def sequence_parallel_albert_attention(attn: nn.Module, enter: SharedInput, shar
         shape = (batch, length, -1, attn.attention_head_size)
         q, k, v = (getattr(attn, n)(x).view(shape).transpose(1, 2) for n in ("query", "key", "value"))
         interface = interfaces.get_interface(attn.config._attn_implementation, eager)
-        o, weights = interface(attn, q, k, v, attention_mask, dropout=attn.attention_dropout.p if attn.training else 0.0,
-                               scaling=attn.scaling, **kwargs)  # fmt: skip
+        dropout = attn.attention_dropout.p if attn.training else 0.0
+        o, weights = interface(attn, q, k, v, attention_mask, dropout=dropout, scaling=attn.scaling, **kwargs)
         o = attn.output_dropout(attn.dense(o.reshape(batch, length, -1).contiguous()))
         return attn.LayerNorm(hidden_states + o), weights
 
