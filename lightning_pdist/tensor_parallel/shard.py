@@ -31,7 +31,7 @@ from lightning_pdist.tensor_parallel.layers import sequence_parallel_encoder, se
 from lightning_pdist.tensor_parallel.layers import sequence_parallel_stack, shard_attention, shard_linear
 from lightning_pdist.tensor_parallel.plan import _QKV, COLWISE, ELEMENTWISE, HEADS, QKV, ROWWISE, TPPlan
 
-__all__ = ["apply_plan", "is_norm", "parent_kind", "sequence_parallel_encoders"]
+__all__ = ["apply_plan", "is_norm", "parent_kind", "per_head_norms", "sequence_parallel_encoders"]
 
 _DTENSOR_STYLES = {COLWISE: ColwiseParallel, ROWWISE: RowwiseParallel}
 
@@ -88,6 +88,15 @@ def parent_kind(parent_name: str, modules: dict[str, nn.Module], placed: dict[st
     return "attention" if qkv or fused else "ffn"
 
 
+def per_head_norms(parent: nn.Module) -> list[nn.Module]:
+    """Norms inside an attention module over one head's features (Qwen3's ``q_norm``/``k_norm``: weight of size
+    ``head_dim``): each rank applies them to its own heads only, so their gradient is a partial sum over the heads,
+    summed over the group once per step like sequence parallelism's."""
+    head_dim = getattr(parent, "head_dim", None)
+    return [m for m in parent.children() if is_norm(m) and isinstance(head_dim, int) and
+            getattr(m, "weight", None) is not None and tuple(m.weight.shape) == (head_dim,)]  # fmt: skip
+
+
 def _check_stack_parents(region: str, modules: dict[str, nn.Module], placed: dict[str, str], owner: str) -> None:
     """An attention module sees the whole sequence (gathered at its input); one that also holds its row-wise output
     projection returns that projection's reduce-scatter, this rank's positions (LLaMA's ``self_attn``). One that holds
@@ -106,7 +115,8 @@ def _check_stack_parents(region: str, modules: dict[str, nn.Module], placed: dic
                                  f"(transformers' layout) to be rewritten for sequence parallelism; it has rows {rows} "
                                  f"and lacks {missing}")  # fmt: skip
             continue
-        norms = [c for c, m in modules[parent].named_children() if is_norm(m)]
+        heads = per_head_norms(modules[parent])
+        norms = [c for c, m in modules[parent].named_children() if is_norm(m) and all(m is not h for h in heads)]
         if kind == "attention" and rows and norms:
             raise ValueError(f"{owner}: sequence_parallel=True: {parent!r} ({type(modules[parent]).__name__}) holds "
                              f"its column-wise projections, the row-wise {rows[0]!r} and the norm {norms[0]!r}: a "
@@ -219,6 +229,9 @@ def apply_plan(module: nn.Module, plan: TPPlan, mesh: DeviceMesh, comm: TPComm, 
                     gate = shared[parent_name] = SharedInput(comm, seq_dims.get(name))
                     gate.install(modules[parent_name], sharding)
                     kind = parent_kind(parent_name, modules, plan.as_dict())
+                    if kind == "attention":
+                        for norm in per_head_norms(modules[parent_name]):
+                            sequence_parallel_norm(norm, sharding)  # this rank's heads: a partial sum, as in SP
                     if any(name.startswith(r) for r in hf_regions) and kind == "albert":
                         sequence_parallel_albert_attention(modules[parent_name], gate, sharding)
                     elif any(name.startswith(r) for r in hf_regions) and kind == "attention":
