@@ -18,12 +18,14 @@ the explicit collectives of :mod:`.comm`. The DTensor parameters keep the plan's
   split_factor=3)``, so rank ``i`` holds ``[q_i; k_i; v_i]`` -- the rows of its own heads in each block;
 * ``nn.MultiheadAttention``: its packed ``in_proj_weight``/``in_proj_bias`` the same way, ``out_proj``
   row-wise; rank ``i`` computes heads ``i*H/t .. (i+1)*H/t - 1`` with ``scaled_dot_product_attention``;
-* under sequence parallelism, ``nn.LayerNorm`` keeps replicated weights whose gradient, computed from this rank's
-  positions only, is summed over the group once per step (:attr:`Sharding.partial`, one flat all-reduce for all
-  of them and the row-wise biases), and the input of an ``nn.TransformerEncoder``
-  (or of transformers' BERT encoder stack) is split along the sequence at its first layer and gathered at its
-  output; in transformers' stacks the sequence is gathered at the input of the column-wise layers' parent
-  (:meth:`SharedInput.enter_at_input`), whose attention shapes heads by its input's length.
+* under sequence parallelism, ``nn.LayerNorm`` and RMSNorms keep replicated weights whose gradient, computed from
+  this rank's positions only, is summed over the group once per step (:attr:`Sharding.partial`, one flat
+  all-reduce for all of them and the row-wise biases), and the input of an ``nn.TransformerEncoder``
+  (or of a transformers stack: BERT's, ALBERT's, LLaMA's) is split along the sequence at its first layer and
+  gathered at its output; in transformers' stacks the sequence is gathered at the input of an attention module
+  (:meth:`SharedInput.enter_at_input`), which shapes heads by its input's length, or at the projections inside
+  ALBERT's, which also holds the residual and LayerNorm (:func:`sequence_parallel_albert_attention`); an FFN's
+  column-wise layers gather their own (shared) input.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from lightning_pdist.tensor_parallel.comm import TPComm, copy_to, gather_seq, ga
 from lightning_pdist.tensor_parallel.comm import scatter_seq, split_seq
 
 __all__ = ["SharedInput", "Sharding", "is_strided", "local_shard", "shard_attention", "shard_linear",
-           "sequence_parallel_encoder", "sequence_parallel_stack", "unshard"]
+           "sequence_parallel_albert_attention", "sequence_parallel_encoder", "sequence_parallel_norm",
+           "sequence_parallel_stack", "unshard"]
 
 
 class Sharding:
@@ -237,10 +240,41 @@ def _additive_mask(attn_mask: Any, key_padding_mask: Any, batch: int, num_heads:
     return mask
 
 
-def sequence_parallel_norm(norm: nn.LayerNorm, sharding: Sharding) -> None:
-    """A LayerNorm on this rank's positions: its weight's gradient is a partial sum (:attr:`Sharding.partial`),
-    summed over the group once per step (Megatron does the same, in one flat all-reduce after the backward)."""
-    sharding.add_partial(norm.weight, norm.bias)
+def sequence_parallel_norm(norm: nn.Module, sharding: Sharding) -> None:
+    """A LayerNorm or RMSNorm on this rank's positions: its weight's gradient is a partial sum
+    (:attr:`Sharding.partial`), summed over the group once per step (Megatron does the same, in one flat all-reduce
+    after the backward)."""
+    sharding.add_partial(getattr(norm, "weight", None), getattr(norm, "bias", None))
+
+
+def sequence_parallel_albert_attention(attn: nn.Module, enter: SharedInput, sharding: Sharding) -> None:
+    """transformers' ``AlbertAttention`` under sequence parallelism: it holds the column-wise ``query/key/value``,
+    the row-wise ``dense`` *and* the residual and ``LayerNorm`` after it, so the sequence is gathered at the
+    projections and scattered by ``dense``, inside the module. With ``x_s`` this rank's positions::
+
+        x = AG(x_s)                                 one all-gather for q, k and v (``enter``: backward reduce-scatter)
+        o = attention(x W_q,i, x W_k,i, x W_v,i)    this rank's heads, over the whole sequence
+        y_s = LayerNorm(x_s + dropout(RS(o D_i)))   ``dense`` reduce-scatters: residual and norm on L/t positions
+
+    the same function as transformers' forward (its attention interface, mask and scaling), with the collectives of
+    sequence parallelism; its weights stay those of the one shared block however often ALBERT applies it."""
+    import sys
+
+    source = sys.modules[type(attn).__module__]  # what transformers' own forward calls, from the same module
+    interfaces, eager = source.ALL_ATTENTION_FUNCTIONS, source.eager_attention_forward
+
+    def forward(hidden_states: torch.Tensor, attention_mask: Any = None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        x = enter(hidden_states)
+        batch, length = x.shape[:2]
+        shape = (batch, length, -1, attn.attention_head_size)
+        q, k, v = (getattr(attn, n)(x).view(shape).transpose(1, 2) for n in ("query", "key", "value"))
+        interface = interfaces.get_interface(attn.config._attn_implementation, eager)
+        dropout = attn.attention_dropout.p if attn.training else 0.0
+        o, weights = interface(attn, q, k, v, attention_mask, dropout=dropout, scaling=attn.scaling, **kwargs)
+        o = attn.output_dropout(attn.dense(o.reshape(batch, length, -1).contiguous()))
+        return attn.LayerNorm(hidden_states + o), weights
+
+    sharding.set_forward(attn, forward)
 
 
 def sequence_parallel_encoder(encoder: nn.TransformerEncoder, comm: TPComm, sharding: Sharding,

@@ -54,6 +54,9 @@ _FUSED = (("qkv", "proj"), ("qkv", "out_proj"), ("Wqkv", "out_proj"), ("query_ke
 #: output (``attention.output.dense`` after ``attention.self``).
 _FFN_PAIRS = (("intermediate.dense", "output.dense"), ("ffn", "ffn_output"), ("mlp.fc1", "mlp.fc2"),
               ("mlp.up_proj", "mlp.down_proj"), ("linear1", "linear2"))  # fmt: skip
+#: the gate of a gated FFN (LLaMA's ``down_proj(act(gate_proj(x)) * up_proj(x))``): column-wise beside its partner,
+#: the two column-wise outputs multiplied elementwise on each rank's features
+_FFN_GATES = (("mlp.gate_proj", "mlp.down_proj"),)
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,8 @@ def plan_for(module: nn.Module, hybrid: bool = False) -> TPPlan:
     * A module with Linear children ``query/key/value`` (or ``q_proj/k_proj/v_proj``) is attention: those are
       column-wise; its output projection (``dense``/``o_proj``/``out_proj`` beside them, or BERT's sibling
       ``output.dense``) row-wise. FFNs: ``intermediate.dense``/``output.dense`` (BERT), ``ffn``/``ffn_output``
-      (ALBERT), ``mlp.fc1``/``mlp.fc2``, ``mlp.up_proj``/``mlp.down_proj``, ``linear1``/``linear2``.
+      (ALBERT), ``mlp.fc1``/``mlp.fc2``, ``mlp.up_proj``/``mlp.down_proj`` (with LLaMA's ``mlp.gate_proj``
+      column-wise too: ``Σ_i (act(X G_i) ⊙ X U_i) D_i``), ``linear1``/``linear2``.
     * In an ``nn.Sequential``, two Linear layers with only elementwise modules (:data:`ELEMENTWISE`) between them
       become a column/row pair; a Linear left without a partner (often the classifier) is replicated.
     * ``hybrid=True``: the first Sequential with a column/row pair is model-parallel over the gathered batch
@@ -182,6 +186,9 @@ def _encoder_layers(modules: dict[str, nn.Module]) -> dict[str, str]:
         for col, row in _FFN_PAIRS:
             if linear(prefix + col) and linear(prefix + row) and prefix + row not in layers:
                 layers[prefix + col], layers[prefix + row] = COLWISE, ROWWISE
+        for gate, row in _FFN_GATES:
+            if linear(prefix + gate) and layers.get(prefix + row) == ROWWISE:
+                layers[prefix + gate] = COLWISE
     return layers
 
 
@@ -204,7 +211,9 @@ def check_plan(plan: TPPlan, module: nn.Module, tp_size: int, owner: str = "plan
 
     Rules: every named module exists; column-/row-wise modules are ``nn.Linear`` (or ``nn.Embedding``);
     a column-wise Linear's ``out_features`` and a row-wise Linear's ``in_features`` divide by ``tp_size``;
-    attention modules with sharded projections have ``num_attention_heads`` divisible by ``tp_size``;
+    attention modules with sharded projections have ``num_attention_heads`` divisible by ``tp_size``, and a
+    column-wise projection of an attention module with a ``head_dim`` (LLaMA's grouped key/value heads included)
+    whole heads per rank (``out_features`` divisible by ``head_dim × tp_size``);
     ``gather_batch_at`` exists. ``owner`` prefixes the message (e.g. ``"TensorParallelStrategy(plan=...)"``).
     """
     modules = dict(module.named_modules())
@@ -245,6 +254,15 @@ def check_plan(plan: TPPlan, module: nn.Module, tp_size: int, owner: str = "plan
         if isinstance(heads, int) and any(n.startswith(prefix) for n in sharded) and heads % tp_size:
             raise ValueError(f"{owner}: module {name!r}: {attr}={heads} must be divisible by "
                              f"tensor_parallel_size={tp_size} (each rank computes whole heads)")  # fmt: skip
+    for name in plan.named(COLWISE):
+        child, parent = modules[name], modules[name.rsplit(".", 1)[0] if "." in name else ""]
+        dims = [getattr(parent, a) for a in ("head_dim", "attention_head_size") if hasattr(parent, a)]
+        head_dim = dims[0] if dims and isinstance(dims[0], int) and not isinstance(parent, nn.MultiheadAttention) else 0
+        if isinstance(child, nn.Linear) and head_dim > 0 and child.out_features % (head_dim * tp_size):
+            raise ValueError(f"{owner}: module {name!r} ({_describe(child)}): out_features={child.out_features} holds "
+                             f"{child.out_features // head_dim} heads of head_dim={head_dim}, which must be divisible by "
+                             f"tensor_parallel_size={tp_size} (each rank computes whole heads; grouped key/value "
+                             "heads too)")  # fmt: skip
 
 
 def _check_attention(name: str, child: nn.Module, tp_size: int, owner: str) -> None:

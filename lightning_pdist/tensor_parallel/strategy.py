@@ -94,12 +94,13 @@ class TensorParallelStrategy(ModelParallelStrategy):
             :func:`~lightning_pdist.tensor_parallel.plan.plan_for`), ``"hybrid"`` (convolutions
             data-parallel over all ranks, the fully connected stack sharded over the gathered batch), or a dict
             ``{module name: "colwise" | "rowwise" | "replicate"}``.
-        sequence_parallel: shard the LayerNorm/dropout/residual activations of every ``nn.TransformerEncoder``
-            and transformers' BERT encoder stack with sharded layers along the sequence (Korthikanti et
-            al., 2022): all-gather before and reduce-scatter after each sharded pair instead of the all-reduces,
-            the LayerNorm and row-wise bias gradients summed over the group once per step; the sequence length
-            must be divisible by ``tensor_parallel_size`` (checked at the first forward). Refused for models
-            without such a stack (decoders) and for ALBERT.
+        sequence_parallel: shard the LayerNorm/RMSNorm/dropout/residual activations of every
+            ``nn.TransformerEncoder`` and transformers' BERT/ALBERT encoder or LLaMA-style decoder stack with
+            sharded layers along the sequence (Korthikanti et al., 2022): all-gather before and reduce-scatter
+            after each sharded pair instead of the all-reduces, the norm and row-wise bias gradients summed over
+            the group once per step; the sequence length must be divisible by ``tensor_parallel_size`` (checked at
+            the first forward). Refused for models without such a stack (torch's ``nn.TransformerDecoder``) and
+            for cross-attention.
         gather_on_teardown: ``True`` (default): when ``fit``/``validate``/``test``/``predict`` ends, every rank's
             module holds the full, plain trained parameters again (one all-gather per sharded parameter): a plain
             ``model.state_dict()`` that loads anywhere, and a module that runs on one rank alone. ``False``: the

@@ -106,23 +106,60 @@ def test_fused_qkv_linear_is_split_by_heads_and_checked():
         check_plan(TPPlan.from_dict({"0.qkv": QKV}), net, 32)
 
 
-def test_sequence_parallelism_covers_torch_and_transformers_encoders_with_every_layer_sharded():
-    """sequence_parallel=True covers nn.TransformerEncoder stacks and transformers' BERT encoder stacks; refused,
-    named: ALBERT (its attention holds its row-wise output projection), a model without a stack, a replicated Linear
-    inside, a stack holding parameters beside its blocks, a parameterised module inside that is not a LayerNorm, and
-    BERT's cross-attention."""
+def _llama(num_key_value_heads: int = 2) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=num_key_value_heads,
+                                        max_position_embeddings=16, use_cache=False))  # fmt: skip
+
+
+def test_llama_blocks_are_sharded_with_the_gate_and_whole_key_value_heads():
+    """LLaMA: q/k/v and the gated FFN's gate and up projections column-wise, o_proj and down_proj row-wise, the
+    RMSNorms, embedding and lm_head replicated; grouped key/value heads (2 for 4 query heads) over 4 ranks would
+    split a head: refused naming the module, the value and the rule."""
+    net = _llama()
+    p = "model.layers.0."
+    assert plan_for(net).as_dict() == {p + "self_attn.q_proj": COLWISE, p + "self_attn.k_proj": COLWISE,
+                                       p + "self_attn.v_proj": COLWISE, p + "self_attn.o_proj": ROWWISE,
+                                       p + "mlp.gate_proj": COLWISE, p + "mlp.up_proj": COLWISE,
+                                       p + "mlp.down_proj": ROWWISE}  # fmt: skip
+    check_plan(plan_for(net), net, 2)
+    with pytest.raises(ValueError, match=r"P: module 'model.layers.0.self_attn.k_proj' \(Linear 32->16\): "
+                                         r"out_features=16 holds 2 heads of head_dim=8, which must be divisible by "
+                                         r"tensor_parallel_size=4 \(each rank computes whole heads"):  # fmt: skip
+        check_plan(plan_for(net), net, 4, owner="P")
+    check_plan(plan_for(_llama(4)), _llama(4), 4)
+
+
+class _PostNormAttention(nn.Module):
+    """q/k/v, the output projection and a norm in one module: the residual is inside, as in ALBERT's attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(16, 16) for _ in range(4))
+        self.norm = nn.LayerNorm(16)
+
+
+def test_sequence_parallelism_covers_torch_and_transformers_stacks_with_every_layer_sharded():
+    """sequence_parallel=True covers nn.TransformerEncoder stacks, transformers' BERT and ALBERT encoder stacks and
+    LLaMA-style decoder stacks (RMSNorm allowed); torch's nn.TransformerDecoder stays plain TP. Refused, named: a
+    model without a stack, a replicated Linear inside, a stack holding parameters beside its blocks, a parameterised
+    module inside that is not a LayerNorm/RMSNorm, an attention module holding its output projection and a norm
+    that is not ALBERT's, and cross-attention."""
     from transformers import BertConfig, BertModel
 
-    bert, albert = _encoder("bert", num_layers=1), _encoder("albert", num_layers=2)
+    bert, albert, llama = _encoder("bert", num_layers=1), _encoder("albert", num_layers=2), _llama()
     assert list(sequence_parallel_encoders(bert, plan_for(bert), "O")) == ["encoder.bert.encoder"]
-    with pytest.raises(ValueError, match=r"O: sequence_parallel=True: 'encoder.albert.encoder.albert_layer_groups.0."
-                                         r"albert_layers.0.attention' \(AlbertAttention\) holds the column-wise .*"
-                                         r"and the row-wise .*ALBERT's attention is not covered"):
-        sequence_parallel_encoders(albert, plan_for(albert), "O")
+    assert list(sequence_parallel_encoders(albert, plan_for(albert), "O")) == ["encoder.albert.encoder"]
+    assert list(sequence_parallel_encoders(llama, plan_for(llama), "O")) == ["model"]
+    demo = Transformer(vocab_size=20, ninp=16, nhead=2, nhid=32, nlayers=1)
+    assert list(sequence_parallel_encoders(demo, plan_for(demo), "O")) == ["transformer.encoder"]
     mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
     with pytest.raises(ValueError, match=r"O: sequence_parallel=True shards the LayerNorm/dropout regions of "
-                                         r"nn.TransformerEncoder stacks and transformers' BERT encoders, and "
-                                         r"Sequential has none"):
+                                         r"nn.TransformerEncoder stacks, transformers' BERT/ALBERT encoders and "
+                                         r"LLaMA-style decoders, and Sequential has none with sharded layers \(torch's "
+                                         r"nn.TransformerDecoder and cross-attention are not covered\)"):
         sequence_parallel_encoders(mlp, plan_for(mlp), "O")
     net = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1)
     assert list(sequence_parallel_encoders(net, plan_for(net), "O")) == [""]
@@ -139,10 +176,18 @@ def test_sequence_parallelism_covers_torch_and_transformers_encoders_with_every_
     with pytest.raises(ValueError, match=r"O: sequence_parallel=True: '' \(Module\) holds 'norm' with parameters "
                                          r"beside its blocks"):
         sequence_parallel_encoders(stack, plan_for(stack), "O")
-    net.layers[0].norm1 = nn.RMSNorm(16)
-    with pytest.raises(ValueError, match=r"module 'layers.0.norm1' \(RMSNorm\) inside the sequence-parallel '' has "
-                                         r"parameters and is neither a sharded layer nor an nn.LayerNorm"):
+    net.layers[0].norm1 = nn.RMSNorm(16)  # per position: its weight's gradient is summed over the group
+    assert list(sequence_parallel_encoders(net, plan_for(net), "O")) == [""]
+    net.layers[0].norm1 = nn.BatchNorm1d(16)
+    with pytest.raises(ValueError, match=r"module 'layers.0.norm1' \(BatchNorm1d\) inside the sequence-parallel '' "
+                                         r"has parameters and is neither a sharded layer nor a LayerNorm/RMSNorm"):
         sequence_parallel_encoders(net, plan_for(net), "O")
+    post = nn.Module()
+    post.layer = nn.ModuleList([_PostNormAttention()])
+    with pytest.raises(ValueError, match=r"O: sequence_parallel=True: 'layer.0' \(_PostNormAttention\) holds its "
+                                         r"column-wise projections, the row-wise 'layer.0.o_proj' and the norm 'norm': "
+                                         r"a residual and norm inside an attention module"):
+        sequence_parallel_encoders(post, plan_for(post), "O")
     decoder = BertModel(BertConfig(vocab_size=20, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                    intermediate_size=32, is_decoder=True, add_cross_attention=True))  # fmt: skip
     with pytest.raises(ValueError, match=r"'encoder.layer.0.crossattention' \(cross-attention\) is not covered"):

@@ -31,6 +31,29 @@ def _bert(family: str = "bert") -> nn.Module:
                              intermediate_size=64, max_len=SEQ, dropout=0.0)  # fmt: skip
 
 
+class Stacks(nn.Module):
+    """A BERT-like and an ALBERT-like encoder and two causal decoders, LLaMA-style (RMSNorm, gated FFN, 2 key/value
+    heads for 4 query heads, rotary positions) and Qwen3-style (the same with an RMSNorm over each head's query and
+    key), side by side on the same tokens, their logits summed: one launch checks the four stacks under sequence
+    parallelism."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForSequenceClassification, Qwen3Config, Qwen3ForSequenceClassification
+
+        self.bert, self.albert = _bert("bert"), _bert("albert")
+        common = dict(vocab_size=60, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=HIDDEN // 4, max_position_embeddings=SEQ,
+                      pad_token_id=0, num_labels=2, use_cache=False)  # fmt: skip
+        self.llama = LlamaForSequenceClassification(LlamaConfig(**common))
+        self.qwen3 = Qwen3ForSequenceClassification(Qwen3Config(**common))
+
+    def forward(self, x):
+        mask = (x != 0).long()  # the decoders classify from the last non-padding token
+        return self.bert(x) + self.albert(x) + self.llama(input_ids=x, attention_mask=mask).logits + \
+            self.qwen3(input_ids=x, attention_mask=mask).logits  # fmt: skip
+
+
 def _tokens(n: int = 16) -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     x = torch.randint(1, 60, (n, SEQ), generator=g)
@@ -149,15 +172,17 @@ def _run(tmp_path, net, data, strategy, devices=2, steps=3, callbacks=(), **kwar
     return trainer, torch.load(tmp_path / "record.pt")
 
 
-@pytest.mark.parametrize(("family", "sequence_parallel"), [("bert", False), ("albert", False), ("bert", True)],
-                         ids=["bert", "albert", "bert_sp"])  # fmt: skip
+@pytest.mark.parametrize(("family", "sequence_parallel"), [("bert", False), ("albert", False), ("stacks", True)],
+                         ids=["bert", "albert", "sp_bert_albert_llama_qwen3"])  # fmt: skip
 def test_encoder_gradients_losses_and_weights_equal_the_unsharded_model(tmp_path, family, sequence_parallel):
-    """BERT-like and ALBERT-like encoders on 2 ranks (t=2), and BERT with sequence parallelism: every step's loss and
-    gradient and the final weights equal one process training the unsharded model on the same batches (1e-5). With
+    """BERT-like and ALBERT-like encoders on 2 ranks (t=2), and under sequence parallelism BERT, ALBERT (its one
+    shared block applied twice), a LLaMA-style and a Qwen3-style causal decoder side by side: every step's loss and
+    gradient and
+    the final weights equal one process training the unsharded model on the same batches (1e-5). With
     gather_on_teardown=False (ALBERT here) the ranks keep their shards after fit; the main process still receives
     full weights."""
-    net, data = _bert(family), _tokens()
-    gather = family == "bert"
+    net, data = (Stacks() if family == "stacks" else _bert(family)), _tokens()
+    gather = family != "albert"
     strategy = TensorParallelStrategy(start_method="fork", gather_on_teardown=gather, sequence_parallel=sequence_parallel)
     trainer, got = _run(tmp_path, net, data, strategy, callbacks=[SaveAfterFit(tmp_path)])
     assert [torch.load(tmp_path / f"after_fit.rank{r}.pt")["sharded"] for r in range(2)] == [not gather] * 2
@@ -167,11 +192,15 @@ def test_encoder_gradients_losses_and_weights_equal_the_unsharded_model(tmp_path
         _assert_close(g, w)
     _assert_close(dict(trainer.lightning_module.named_parameters()), want["weights"])
     if sequence_parallel:
-        # Per layer application: one all-gather into q/k/v (shared) and one into the FFN forward, one
-        # reduce-scatter out of each row-wise layer; the transposes backward. Per step, the stack's input split
-        # (backward: all-gather) and output gather. The LayerNorm weights and row-wise biases saw this rank's
-        # positions: their gradients are summed over the group once per step, in one flat all-reduce.
-        assert got["calls"] == {"all_gather": 3 * (LAYERS * 4 + 2), "reduce_scatter": 3 * LAYERS * 4,
+        # Per layer application, in each of the four stacks: one all-gather into q/k/v (shared; BERT and LLaMA at
+        # the attention module's input, ALBERT at the projections inside its attention) and one into the FFN
+        # (LLaMA's gate and up projections share it), one reduce-scatter out of each row-wise layer; the
+        # transposes backward. Per step and stack, the input split (backward: all-gather) and output gather. The
+        # norm weights (LayerNorm, RMSNorm) and row-wise biases saw this rank's positions, Qwen3's per-head query
+        # and key norms this rank's heads: their gradients are summed over the group once per step, in one flat
+        # all-reduce for the whole model.
+        stacks = 4
+        assert got["calls"] == {"all_gather": 3 * stacks * (LAYERS * 4 + 2), "reduce_scatter": 3 * stacks * LAYERS * 4,
                                 "all_reduce": 3}  # fmt: skip
         return
     # Each step: per layer, 2 forward all-reduces (attention output, FFN output) and 2 backward ones (the input

@@ -154,7 +154,8 @@ def test_attention_masks_and_weights_match_torch_and_an_odd_sequence_is_refused(
     """The sharded nn.MultiheadAttention (t=2, forward) returns torch's output and weights for need_weights averaged
     and per head, boolean/float/per-head masks, batch- and sequence-first and unbatched inputs. Under sequence
     parallelism a length-7 sequence over 2 ranks is refused at the forward, before any collective, on every rank,
-    naming the argument, the length and the rule."""
+    naming the argument, the length and the rule (at a LLaMA decoder stack, then at torch's encoder). Plain TP of a
+    Qwen3 decoder: its per-head query/key norms' gradients, summed over the group, equal the unsharded model's."""
     with pytest.raises(ValueError, match=r"sequence_parallel=True: the sequence length 7 of the input of 'encoder' must "
                                          r"be divisible by tensor_parallel_size=2"):  # fmt: skip
         run_ranks(_attention_cases, 2, tmp_path)
@@ -183,6 +184,34 @@ def _attention_cases(rank: int, world_size: int) -> None:
         one, one_mem = (x[0], mem[0]) if batch_first else (x[:, 0], mem[:, 0])  # unbatched (L, E)
         got, want = mha(one, one_mem, one_mem)[0], ref(one, one_mem, one_mem)[0]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    try:
+        from transformers import LlamaConfig, LlamaModel, Qwen3Config, Qwen3Model
+    except ImportError:  # transformers is optional: these cases are skipped without it
+        LlamaModel = None
+    if LlamaModel is not None:
+        # plain TP: Qwen3's per-head query/key RMSNorms see this rank's heads only; their gradients, summed over the
+        # group as the strategy does once per step, equal the unsharded model's
+        qwen = Qwen3Model(Qwen3Config(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=4, use_cache=False))  # fmt: skip
+        ref, comm = copy.deepcopy(qwen), TPComm(mesh.get_group())
+        partial = apply_plan(qwen, plan_for(qwen), mesh, comm, False, "T").partial
+        assert {id(p) for p in partial} == {id(qwen.layers[0].self_attn.q_norm.weight),
+                                            id(qwen.layers[0].self_attn.k_norm.weight)}  # fmt: skip
+        tokens = torch.randint(1, VOCAB, (2, 6))
+        for net in (qwen, ref):
+            net(tokens).last_hidden_state.square().mean().backward()
+        comm.sum_flat_([p.grad for p in partial])
+        for (name, p), q in zip(qwen.named_parameters(), ref.parameters()):
+            got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            torch.testing.assert_close(got, q.grad, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+        # the sequence length rule at a transformers stack's first block
+        llama = LlamaModel(LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, use_cache=False))  # fmt: skip
+        apply_plan(llama, plan_for(llama), mesh, TPComm(mesh.get_group()), True, "TensorParallelStrategy(...)")
+        with pytest.raises(ValueError, match=r"the sequence length 7 of the input of '' must be divisible by "
+                                             r"tensor_parallel_size=2 \(each rank holds length / "
+                                             r"tensor_parallel_size positions\)"):  # fmt: skip
+            llama(torch.randint(1, VOCAB, (2, 7)))
     net = _encoder()
     apply_plan(net, plan_for(net), mesh, TPComm(mesh.get_group()), True, "TensorParallelStrategy(...)")
     net(torch.randint(1, VOCAB, (2, 7)))
