@@ -154,14 +154,24 @@ def test_sequence_parallel_bytes_by_hand_and_where_there_is_no_model():
 
 
 def test_model_facts_name_the_partial_gradients_or_the_strategys_refusal():
-    """BERT: 2 LayerNorms (2H each) and 2 row-wise biases (H) per layer are summed per step; ALBERT: the strategy's
-    own refusal is kept (its tp_sp row fails with it); the demo Transformer: parameters, its keywords."""
+    """BERT: 2 LayerNorms (2H each) and 2 row-wise biases (H) per layer are summed per step; ALBERT: the same for its
+    one shared block, counted once; a module the strategy refuses gives its refusal (a tp_sp row fails with it); the
+    demo Transformer: parameters, its keywords."""
+    import torch
+    from torch import nn
+
+    from lightning_pdist.bench.tp_sp_bytes import partial_params
+    from lightning_pdist.tensor_parallel.plan import plan_for
+
     config = SuiteConfig(models=("bert", "albert", "transformer"), hidden_size=64, num_heads=2, intermediate_size=128,
                          num_layers=2, vocab_size=300, seq_len=32, reviews_per_class=20)  # fmt: skip
     facts = model_facts(config)
     assert facts["bert"]["sp_partial"] == 6 * 64 * 2 and facts["bert"]["sp_refusal"] is None
-    assert facts["albert"]["sp_partial"] is None and "sequence_parallel=True" in facts["albert"]["sp_refusal"]
+    assert facts["albert"]["sp_partial"] == 6 * 64 and facts["albert"]["sp_refusal"] is None
     assert facts["transformer"]["nlayers"] == 1 and facts["transformer"]["params"] > 0
+    with torch.device("meta"):
+        mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))  # sharded, but no encoder stack to cover
+    assert "sequence_parallel=True" in partial_params(mlp, plan_for(mlp))
 
 
 def _rank(rank, window=1.0, meter=16384, tx=None):
