@@ -67,7 +67,7 @@ class SuiteConfig(SuiteRules):
     world_size: int = 2
     """ranks of the network part"""
     methods: tuple[str, ...] = ("ddp", "adpsgd")
-    """network part: methods from ddp ps_async dpsgd adpsgd sgp (ddp is the reference)"""
+    """network part: methods from ddp ps_async dpsgd adpsgd sgp (ddp is the reference: run now or kept)"""
     shared: tuple[str, ...] = SHARED_METHODS
     """shared part: runs from single hogwild hogwild_lock ddp (single is the reference)"""
     steps: int = 8
@@ -106,8 +106,9 @@ class SuiteConfig(SuiteRules):
         self.distinct("models", tuple(MODELS))
         parse_rate(self.rate)  # raises with the rule
         self.distinct("methods", NETWORK_METHODS)
-        if "ddp" not in self.methods:
-            raise self.bad("methods", self.methods, "must include ddp (the time-to-accuracy target is DDP's accuracy)")
+        if "ddp" not in self.methods and self.keep_from is None:
+            raise self.bad("methods", self.methods, "must include ddp (the time-to-accuracy target is DDP's accuracy), "
+                                                    "or keep DDP's rows with --keep-from")  # fmt: skip
         self.distinct("shared", SHARED_METHODS)
         self.ints("world_size", low=2)
         self.ints("steps", low=2)  # the clock starts after the first step
