@@ -5,8 +5,8 @@ without a straggler on slow links; Hogwild! against a lock, one process and DDP 
 [--keep-from OLD.json]`` trains each model of ``--models``, every run from the same seed and weights
 (:mod:`~lightning_pdist.bench.asynchronous_worker`): ``cnn``, ``ClassifierModule(model="cnn")`` on the digits (SGD
 ``--lr``, ``--momentum``); ``text``, ``SparseBagClassifier`` (an ``nn.EmbeddingBag(sparse=True)`` table of 12,012
-rows, the case Hogwild! was made for) on synthetic IMDB reviews the suite writes once in a temporary folder (plain
-SGD: ``--text-lr`` for the table, ``--text-head-lr`` for the head, no momentum). Per model, in two parts:
+rows, the case Hogwild! was made for) on synthetic IMDB reviews the suite writes once in a temporary folder (Adagrad,
+which steps only the touched rows: ``--text-lr`` for the table, ``--text-head-lr`` for the head). Per model, in two parts:
 
 * **network**: ``--world-size`` ranks, one per emulated host on ``--rate`` links (netns + tbf, needs root), each
   method of ``--methods`` in one launch of two fits: without a straggler, then with the last rank slowed
@@ -84,10 +84,10 @@ class SuiteConfig(SuiteRules):
     """SGD momentum"""
     width: int = 32
     """SmallCNN width"""
-    text_lr: float = 10.0
-    """text model: SGD learning rate of the embedding table"""
-    text_head_lr: float = 0.05
-    """text model: SGD learning rate of its linear head"""
+    text_lr: float = 0.2
+    """text model: Adagrad learning rate of the embedding table"""
+    text_head_lr: float = 0.02
+    """text model: Adagrad learning rate of its linear head"""
     text_width: int = 32
     """text model: embedding width (rows of 12,012 ids)"""
     seed: int = 0
@@ -368,7 +368,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         models.append(f"text: SparseBagClassifier, an nn.EmbeddingBag(sparse=True) table of 12,012 rows of "
                       f"{cfg['text_width']} (the mean of a review's rows) and a linear head, {params['text']:,} "
                       f"parameters, on {2 * TEXT_REVIEWS} synthetic IMDB-format training reviews (10% held out: 300); "
-                      f"SGD without momentum, lr {cfg['text_lr']} for the table, {cfg['text_head_lr']} for the head; each "
+                      f"Adagrad, lr {cfg['text_lr']} for the table, {cfg['text_head_lr']} for the head; each "
                       "step's table gradient is a sparse tensor of the rows its batch touched.")  # fmt: skip
     lines = [*run_lines(doc, json_path), *kept, "",
              f"Models: {' '.join(models)} Batches of {cfg['batch_size']} per process, seed {cfg['seed']}. "

@@ -2,7 +2,7 @@
 
 Started once per rank by :class:`~lightning_pdist.bench.launch.Launcher`. The process trains ``spec["model"]``
 (:data:`MODELS`: ``ClassifierModule(model="cnn", width=...)`` on the digits, or
-``SparseBagClassifier(embed_dim=width, lr, head_lr)`` on the synthetic IMDB reviews the suite wrote in
+``SparseBagClassifier(embed_dim=width, lr, head_lr)`` (Adagrad) on the synthetic IMDB reviews the suite wrote in
 ``spec["data_dir"]``) with the method of ``spec["method"]`` (:data:`METHODS`) for ``steps`` optimizer steps of
 ``batch_size``, from the same seed and weights as every other method:
 
@@ -50,7 +50,7 @@ ONE_NODE = ("hogwild", "hogwild_lock")
 #: model -> what it trains.
 MODELS: dict[str, str] = {
     "cnn": "ClassifierModule(model='cnn') on the digits",
-    "text": "SparseBagClassifier (nn.EmbeddingBag(sparse=True) + linear, two SGD groups) on synthetic IMDB reviews",
+    "text": "SparseBagClassifier (nn.EmbeddingBag(sparse=True) + linear, Adagrad) on synthetic IMDB reviews",
 }
 #: Synthetic IMDB reviews per class and split the suite writes for the text model (2,700 training, 300 held out).
 TEXT_REVIEWS = 1500
@@ -240,7 +240,7 @@ def build_task(spec: dict[str, Any]) -> tuple[Any, Any]:
                 ClassifierModule(model="cnn", width=spec["width"], optimizer="sgd", lr=spec["lr"], momentum=spec["momentum"]))  # fmt: skip
     data = IMDBDataModule(data_dir=spec["data_dir"], vocab_size=SYNTHETIC_VOCAB, batch_size=spec["batch_size"],
                           seed=spec["seed"])  # fmt: skip
-    return data, SparseBagClassifier(embed_dim=spec["width"], lr=spec["lr"], head_lr=spec["head_lr"], momentum=spec["momentum"])
+    return data, SparseBagClassifier(embed_dim=spec["width"], lr=spec["lr"], head_lr=spec["head_lr"])  # Adagrad
 
 
 def fit_one(spec: dict[str, Any], straggler: int | None, rank: int) -> dict[str, Any]:

@@ -56,7 +56,7 @@ def test_plan_and_worker_spec_rules():
         check_spec(spec)
     cnn, text = launches[0][1], launches[6][1]  # the text model: its own rates, no momentum, the reviews' folder
     assert (cnn["lr"], cnn["momentum"], cnn["width"], cnn["head_lr"], cnn["data_dir"]) == (0.05, 0.9, 32, None, None)
-    assert (text["lr"], text["momentum"], text["width"], text["head_lr"], text["data_dir"]) == (10.0, 0.0, 32, 0.05, "/tmp/reviews")
+    assert (text["lr"], text["momentum"], text["width"], text["head_lr"], text["data_dir"]) == (0.2, 0.0, 32, 0.02, "/tmp/reviews")
     with pytest.raises(ValueError, match=r"the text model needs data_dir \(str\) and head_lr > 0; the cnn takes neither"):
         check_spec({**cnn, "data_dir": "/tmp/reviews"})
     spec = launches[0][1]
