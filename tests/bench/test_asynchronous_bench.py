@@ -106,6 +106,9 @@ def test_rows_time_to_ddps_accuracy_and_the_goals_by_hand():
     text = [{**r, "model": "text", **low(r)} for r in rows if r["part"] == "network"]
     by_model = compare(rows + text)  # each model against its own DDP: the text AD-PSGD never reaches its DDP
     assert by[("adpsgd", 1)]["tta_speedup"] == 3.0 and all(r["time_to_target_s"] is None for r in text if r["method"] == "adpsgd")
+    thirds = build_rows(*_launch("ddp", [[(1, 0.5), (2, 2 / 3)], [(1, 0.5), (3, 2 / 3)]], [2.0, 3.0]))
+    assert [r["val_acc"] for r in thirds] == [0.6667, 0.6667]  # rounded up: the copies still reach it
+    assert [r["time_to_target_s"] for r in compare(thirds)] == [2, 3]
     both = goals(by_model, 3.0)
     assert [g["goal"].split(":")[0] for g in both] == ["cnn", "cnn", "text", "text"]
     assert [g["met"] for g in both] == [True, False, False, None] and "never reached" in both[2]["measured"]
