@@ -19,7 +19,7 @@ step (set-up and first-batch costs stay out). Every
 ``eval_every`` steps rank 0 copies the parameters it holds and the training time so far (the clock excludes the
 copies); after ``fit`` it evaluates the copies and the model ``fit`` leaves on the whole validation split.
 
-Writes ``DIR/rank<r>.json``: ``{"rank", "method", "world_size", "fits": [{"straggler", "steps", "loop_s", "slept_s",
+Writes ``DIR/rank<r>.json``: ``{"rank", "model", "method", "world_size", "fits": [{"straggler", "steps", "loop_s", "slept_s",
 "compute_s", "evals": [[step, train_s, acc], ...], "val_acc", "model_params", "error"}]}`` (``evals``/``val_acc`` on
 rank 0 only; a fit that could not run holds ``straggler`` and ``error`` alone).
 """
@@ -38,7 +38,8 @@ from lightning_pdist.bench.worker import evaluate
 #: method -> what it runs.
 METHODS: dict[str, str] = {
     "ddp": "PdistStrategy() (fp32 all-reduce every step)",
-    "ps_async": "ParameterServerStrategy(mode='async', implicit_momentum='compensate' for the cnn, None for the text model's Adagrad) (Downpour; ceil(N/2) servers)",
+    "ps_async": "ParameterServerStrategy(mode='async', implicit_momentum='compensate' for the cnn, None for the text "
+                "model's Adagrad) (Downpour; ceil(N/2) servers)",
     "dpsgd": "DecentralizedStrategy(topology='ring') (D-PSGD)",
     "adpsgd": "DecentralizedStrategy(topology='ring', mode='async') (AD-PSGD)",
     "sgp": "fairscale SlowMoDistributedDataParallel(slowmo_base_algorithm=SGP) (peer)",

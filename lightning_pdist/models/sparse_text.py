@@ -29,8 +29,9 @@ class SparseBagClassifier(ClassifierModule):
     nearly every review, so their rows act as a bias that a rate large enough for the rare sentiment rows (the mean
     over 40-200 tokens scales each row's gradient by about 1/120) throws from class to class; on the synthetic
     reviews, one process at batch 32 or 128 swung between 0.5 and 1.0 validation accuracy with SGD at table rates
-    10 to 300, and stayed between 0.89 and 1.0 from step 24 on with Adagrad at the defaults (``optimizer='sgd'`` in the hyperparameters is ClassifierModule's, unused here). Two parameter groups: the table at
-    ``lr``, the head (features of norm about 1) at ``head_lr``.
+    10 to 300, and stayed between 0.89 and 1.0 from step 24 on with Adagrad at the defaults. Two parameter groups:
+    the table at ``lr``, the head (features of norm about 1) at ``head_lr``. (``optimizer='sgd'`` in the
+    hyperparameters is ClassifierModule's, unused: :meth:`configure_optimizers` builds the Adagrad.)
 
     Args:
         vocab_size: rows of the table (match the data module's ``vocab_size``; 0 is padding).
