@@ -1,8 +1,10 @@
 """One process of the asynchronous suite: ``python -m lightning_pdist.bench.asynchronous_worker --spec JSON --out-dir DIR``.
 
-Started once per rank by :class:`~lightning_pdist.bench.launch.Launcher`. The process trains
-``ClassifierModule(model="cnn", width=...)`` on the digits with the method of ``spec["method"]`` (:data:`METHODS`)
-for ``steps`` optimizer steps of ``batch_size``, from the same seed and weights as every other method:
+Started once per rank by :class:`~lightning_pdist.bench.launch.Launcher`. The process trains ``spec["model"]``
+(:data:`MODELS`: ``ClassifierModule(model="cnn", width=...)`` on the digits, or
+``SparseBagClassifier(embed_dim=width, lr, head_lr)`` (Adagrad) on the synthetic IMDB reviews the suite wrote in
+``spec["data_dir"]``) with the method of ``spec["method"]`` (:data:`METHODS`) for ``steps`` optimizer steps of
+``batch_size``, from the same seed and weights as every other method:
 
 * the Lightning methods run a real ``Trainer``; ``hogwild``/``hogwild_lock`` renumber the launcher's ranks as local
   ranks of one node (``devices=N, num_nodes=1``: Hogwild! shares one machine's memory); ``single`` is one process
@@ -17,7 +19,7 @@ step (set-up and first-batch costs stay out). Every
 ``eval_every`` steps rank 0 copies the parameters it holds and the training time so far (the clock excludes the
 copies); after ``fit`` it evaluates the copies and the model ``fit`` leaves on the whole validation split.
 
-Writes ``DIR/rank<r>.json``: ``{"rank", "method", "world_size", "fits": [{"straggler", "steps", "loop_s", "slept_s",
+Writes ``DIR/rank<r>.json``: ``{"rank", "model", "method", "world_size", "fits": [{"straggler", "steps", "loop_s", "slept_s",
 "compute_s", "evals": [[step, train_s, acc], ...], "val_acc", "model_params", "error"}]}`` (``evals``/``val_acc`` on
 rank 0 only; a fit that could not run holds ``straggler`` and ``error`` alone).
 """
@@ -36,7 +38,8 @@ from lightning_pdist.bench.worker import evaluate
 #: method -> what it runs.
 METHODS: dict[str, str] = {
     "ddp": "PdistStrategy() (fp32 all-reduce every step)",
-    "ps_async": "ParameterServerStrategy(mode='async', implicit_momentum='compensate') (Downpour; ceil(N/2) servers)",
+    "ps_async": "ParameterServerStrategy(mode='async', implicit_momentum='compensate' for the cnn, None for the text "
+                "model's Adagrad) (Downpour; ceil(N/2) servers)",
     "dpsgd": "DecentralizedStrategy(topology='ring') (D-PSGD)",
     "adpsgd": "DecentralizedStrategy(topology='ring', mode='async') (AD-PSGD)",
     "sgp": "fairscale SlowMoDistributedDataParallel(slowmo_base_algorithm=SGP) (peer)",
@@ -45,6 +48,13 @@ METHODS: dict[str, str] = {
     "single": "one process, Lightning's default strategy",
 }
 ONE_NODE = ("hogwild", "hogwild_lock")
+#: model -> what it trains.
+MODELS: dict[str, str] = {
+    "cnn": "ClassifierModule(model='cnn') on the digits",
+    "text": "SparseBagClassifier (nn.EmbeddingBag(sparse=True) + linear, Adagrad) on synthetic IMDB reviews",
+}
+#: Synthetic IMDB reviews per class and split the suite writes for the text model (2,700 training, 300 held out).
+TEXT_REVIEWS = 1500
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,7 @@ class Spec(WorkerSpec):
     ``None``), ``steps`` steps each."""
 
     WHO: ClassVar[str] = "asynchronous_worker"
+    model: str
     method: str
     world_size: int
     steps: int
@@ -64,9 +75,15 @@ class Spec(WorkerSpec):
     eval_every: int
     stragglers: list
     slowdown: float
+    head_lr: float | None
+    data_dir: str | None
 
     def __post_init__(self) -> None:
+        self.one_of("model", tuple(MODELS))
         self.one_of("method", tuple(METHODS))
+        text_ok = isinstance(self.data_dir, str) and isinstance(self.head_lr, (int, float)) and self.head_lr > 0
+        if (text_ok, self.data_dir is None and self.head_lr is None) != (self.model == "text", self.model == "cnn"):
+            raise self.bad("data_dir", "the text model needs data_dir (str) and head_lr > 0; the cnn takes neither")
         self.ints("world_size", "steps", "batch_size", "width", "eval_every")
         self.ints("seed", low=0)
         self.sgd()
@@ -129,11 +146,14 @@ class Clock:
         return out
 
 
-def build_strategy(method: str) -> Any:
+def build_strategy(method: str, model: str = "cnn") -> Any:
+    """``method``'s strategy; ``ps_async`` compensates implicit momentum only for the CNN's SGD (the text model's
+    Adagrad has no momentum to lower: ``implicit_momentum='compensate'`` refuses it)."""
     from lightning_pdist import DecentralizedStrategy, HogwildStrategy, ParameterServerStrategy, PdistStrategy
 
     gloo = {"process_group_backend": "gloo"}
-    return {"ddp": lambda: PdistStrategy(**gloo), "ps_async": lambda: ParameterServerStrategy(mode="async", implicit_momentum="compensate"),
+    compensate = "compensate" if model == "cnn" else None
+    return {"ddp": lambda: PdistStrategy(**gloo), "ps_async": lambda: ParameterServerStrategy(mode="async", implicit_momentum=compensate),
             "dpsgd": lambda: DecentralizedStrategy(topology="ring", **gloo),
             "adpsgd": lambda: DecentralizedStrategy(topology="ring", mode="async", **gloo),
             "hogwild": HogwildStrategy, "hogwild_lock": lambda: HogwildStrategy(lock=True), "single": lambda: "auto"}[method]()  # fmt: skip
@@ -162,7 +182,7 @@ def fit_lightning(spec: dict[str, Any], clock: Clock, module: Any, data: Any) ->
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE"):
             os.environ.pop(key, None)
     trainer = Trainer(accelerator="cpu", devices=ws if one_node else 1, num_nodes=1 if one_node else ws,
-                      strategy=build_strategy(spec["method"]), max_steps=spec["steps"], limit_val_batches=0,
+                      strategy=build_strategy(spec["method"], spec["model"]), max_steps=spec["steps"], limit_val_batches=0,
                       num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, callbacks=[Probe()])  # fmt: skip
     trainer.fit(module, datamodule=data)
@@ -213,16 +233,26 @@ def fit_sgp(spec: dict[str, Any], clock: Clock, module: Any, data: Any) -> str |
     return None
 
 
+def build_task(spec: dict[str, Any]) -> tuple[Any, Any]:
+    """The data module and the module of ``spec["model"]``, from ``spec``'s seed (seeded by the caller)."""
+    from lightning_pdist.data import DigitsDataModule, IMDBDataModule
+    from lightning_pdist.models import ClassifierModule, SparseBagClassifier
+    from lightning_pdist.models.sparse_text import SYNTHETIC_VOCAB
+
+    if spec["model"] == "cnn":
+        return (DigitsDataModule(batch_size=spec["batch_size"], seed=spec["seed"]),
+                ClassifierModule(model="cnn", width=spec["width"], optimizer="sgd", lr=spec["lr"], momentum=spec["momentum"]))  # fmt: skip
+    data = IMDBDataModule(data_dir=spec["data_dir"], vocab_size=SYNTHETIC_VOCAB, batch_size=spec["batch_size"],
+                          seed=spec["seed"])  # fmt: skip
+    return data, SparseBagClassifier(embed_dim=spec["width"], lr=spec["lr"], head_lr=spec["head_lr"])  # Adagrad
+
+
 def fit_one(spec: dict[str, Any], straggler: int | None, rank: int) -> dict[str, Any]:
     """One fit of ``spec["method"]`` with rank ``straggler`` slowed (``None``: no straggler); its record."""
     from lightning.fabric.utilities.seed import seed_everything
 
-    from lightning_pdist.data import DigitsDataModule
-    from lightning_pdist.models.classifier import ClassifierModule
-
     seed_everything(spec["seed"], verbose=False)
-    data = DigitsDataModule(batch_size=spec["batch_size"], seed=spec["seed"])
-    module = ClassifierModule(model="cnn", width=spec["width"], optimizer="sgd", lr=spec["lr"], momentum=spec["momentum"])
+    data, module = build_task(spec)
     clock = Clock(spec, rank, straggler)
     if spec["method"] == "sgp":
         data.setup("fit")
@@ -249,7 +279,7 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         fits.append(fit_one(spec, straggler, rank))
     os.environ.clear()
     os.environ.update(env)
-    return {"rank": rank, "method": spec["method"], "world_size": spec["world_size"], "fits": fits}
+    return {"rank": rank, "model": spec["model"], "method": spec["method"], "world_size": spec["world_size"], "fits": fits}
 
 
 if __name__ == "__main__":

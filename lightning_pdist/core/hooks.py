@@ -47,8 +47,9 @@ class AllReduceState:
 
     def note_bucket(self, buffer: torch.Tensor) -> None:
         """Note whether ``buffer`` (this rank's own gradients, before the average) holds NaN/Inf."""
-        if self.track_nonfinite and buffer.numel():
-            self._extremes.extend(torch.aminmax(buffer))  # NaN propagates; far cheaper than isfinite(buffer).all()
+        values = buffer._values() if buffer.is_sparse else buffer  # an nn.Embedding(sparse=True) gradient: its rows
+        if self.track_nonfinite and values.numel():
+            self._extremes.extend(torch.aminmax(values))  # NaN propagates; far cheaper than isfinite(buffer).all()
             if len(self._extremes) > 128:  # bounded memory: fold into the flag now and then
                 self._fold()
 
@@ -72,8 +73,9 @@ def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futu
     buffer = bucket.buffer()
     state.note_bucket(buffer)  # this rank's own gradients, before the average (a NaN average is blamed on them)
     buffer.div_(world_size)
-    if state.meter is not None:
-        state.meter.add("grad_all_reduce", all_reduce_bytes(buffer.numel() * buffer.element_size(), world_size))
+    if state.meter is not None:  # a sparse bucket (gloo all-gathers it): counted as the bytes of its indices and rows
+        size = (buffer._values().nbytes + buffer._indices().nbytes) if buffer.is_sparse else buffer.numel() * buffer.element_size()
+        state.meter.add("grad_all_reduce", all_reduce_bytes(size, world_size))
     # The process group's own call (DDP's built-in reduction makes the same one): dist.all_reduce's Python checks
     # and logging wrapper cost more than the rest of this hook on a small model.
     fut = group.allreduce([buffer]).get_future()

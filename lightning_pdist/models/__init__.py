@@ -5,5 +5,6 @@ from lightning_pdist.models.cnn import SmallCNN
 from lightning_pdist.models.mlp import MLP
 from lightning_pdist.models.encoder import EncoderClassifier
 from lightning_pdist.models.text import BagOfEmbeddings
+from lightning_pdist.models.sparse_text import SparseBagClassifier
 
-__all__ = ["MLP", "BagOfEmbeddings", "ClassifierModule", "EncoderClassifier", "SmallCNN", "build_model"]
+__all__ = ["MLP", "BagOfEmbeddings", "ClassifierModule", "EncoderClassifier", "SmallCNN", "SparseBagClassifier", "build_model"]

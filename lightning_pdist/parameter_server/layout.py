@@ -114,8 +114,8 @@ class OptimizerLayout:
         for name, start, stop in self._slices.get((server, optimizer), []):
             grad = grads.get(name)
             present.append("0" if grad is None else "1")
-            if grad is not None:
-                parts.append(grad.detach().reshape(-1)[start:stop])
+            if grad is not None:  # a sparse embedding gradient goes dense: the servers step whole slices (Parallax: rows)
+                parts.append((grad.detach().to_dense() if grad.is_sparse else grad.detach()).reshape(-1)[start:stop])
         if not parts:
             return torch.zeros(0, dtype=next(iter(self.params.values())).dtype), "".join(present)
         return torch.cat(parts), "".join(present)

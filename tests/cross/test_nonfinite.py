@@ -25,6 +25,7 @@ from lightning_pdist.core.nonfinite import (
     BufferSnapshot,
     SkippedSteps,
     all_finite,
+    grads_finite,
     check_nonfinite_policy,
     culprit_ranks,
     nonfinite_error,
@@ -83,6 +84,9 @@ def test_agreement_vector_messages_and_state():
             bad = torch.ones(5, dtype=dtype)
             bad[2] = value
             assert not all_finite([torch.ones(3), bad]), (value, dtype)
+            sparse = torch.sparse_coo_tensor([[0, 3]], [[1.0, value], [2.0, 3.0]], (5, 2))  # an embedding's gradient
+            assert not all_finite([sparse]) and not grads_finite([sparse]), value
+    assert all_finite([torch.sparse_coo_tensor([[1]], [[1.0, 1.0]], (5, 2))]) and grads_finite([torch.ones(2).to_sparse()])
     error = nonfinite_error("S", "gradients", [1], 7, "the optimizer step")
     assert isinstance(error, FloatingPointError)
     assert "S(nonfinite='raise'): non-finite gradients (NaN/Inf) on rank(s) [1] at global step 7" in str(error)

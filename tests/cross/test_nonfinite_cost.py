@@ -76,3 +76,7 @@ def test_hook_notes_are_read_only_when_asked_and_stay_bounded():
     for _ in range(200):
         state.note_bucket(torch.randn(10))
     assert state.take_nonfinite() is True and state.take_nonfinite() is False
+    state.note_bucket(torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,)))  # DDP's bucket of a sparse embedding
+    assert state.take_nonfinite() is False
+    state.note_bucket(torch.sparse_coo_tensor([[0, 2]], [1.0, float("inf")], (4,)))
+    assert state.take_nonfinite() is True

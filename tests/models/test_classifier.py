@@ -159,3 +159,30 @@ def test_mlp_and_text_models_reject_bad_arguments(build, message):
     """MLP and BagOfEmbeddings reject out-of-range sizes and non-token inputs, naming the value."""
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_sparse_bag_classifier_steps_only_the_rows_its_batch_touched():
+    """SparseBagClassifier: the table's gradient is a sparse tensor of the touched rows; one Adagrad step moves exactly
+    those rows (the first step from G = 0 is lr·g/(|g| + 1e-10), written out here) and the head at head_lr; the
+    table is nearly all the parameters."""
+    from lightning_pdist.models import SparseBagClassifier
+
+    torch.manual_seed(0)
+    module = SparseBagClassifier(vocab_size=100, embed_dim=8, lr=3.0, head_lr=0.1)
+    table = module.model.embedding.weight
+    assert table.numel() / sum(p.numel() for p in module.parameters()) > 0.97
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    tokens, y = torch.tensor([[5, 7, 0, 0], [7, 9, 11, 0]]), torch.tensor([0, 1])
+    opt = module.configure_optimizers()
+    torch.nn.functional.cross_entropy(module(tokens), y).backward()
+    grad = table.grad
+    assert grad.is_sparse and set(grad.coalesce().indices()[0].tolist()) == {5, 7, 9, 11}
+    head_grad = module.model.head.weight.grad.clone()
+    opt.step()
+    moved = (table.detach() != before["model.embedding.weight"]).any(dim=1).nonzero().flatten().tolist()
+    assert moved == [5, 7, 9, 11]
+    first = lambda g, lr: lr * g / (g.square().sqrt() + 1e-10)  # noqa: E731
+    torch.testing.assert_close(table.detach(), before["model.embedding.weight"] - first(grad.to_dense(), 3.0))
+    torch.testing.assert_close(module.model.head.weight.detach(), before["model.head.weight"] - first(head_grad, 0.1))
+    with pytest.raises(ValueError, match=r"SparseBagClassifier\(head_lr=0\): head_lr must be > 0"):
+        SparseBagClassifier(head_lr=0)

@@ -24,6 +24,8 @@ def test_pack_then_expand_round_trips_and_skips_missing_gradients():
         expanded = shard.expand(compact, 0, parse_present(present, len(shard.pieces[0])))
         torch.testing.assert_close(expanded, plan.gather(full, server))
     assert accumulate_grads(accumulate_grads(None, {"a": None}), {"a": torch.ones(1)})["a"].item() == 1.0
+    sparse = {"0.weight": grads["0.weight"].to_sparse(), "0.bias": None}  # an embedding's gradient is pushed dense
+    assert [layout.pack(s, 0, sparse)[0].tolist() for s in range(2)] == [layout.pack(s, 0, grads)[0].tolist() for s in range(2)]
 
 
 def test_bad_layouts_and_pushes_are_refused():
