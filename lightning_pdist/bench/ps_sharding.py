@@ -27,6 +27,11 @@ It is reachable only where one worker's push overlaps another's pull. In sync mo
 once every push of the step has arrived, so on a server's link the pushes and then the pulls take turns and
 a step takes about twice the bound's time (a lone worker, too, pushes, waits and then pulls).
 
+Part A's ``chunked`` rows run the memory plan with ``ParameterServerStrategy(chunk_bytes=...)`` (BytePS-style chunked
+steps: pushes in and pulls out overlap, so the bound above is reachable in principle). Every Part A row also records
+the machine's CPU busy during the timed steps and every host's TCP retransmissions and shaper drops, which tell a
+link-bound run from a CPU-bound or a lossy one; ``--repeats N`` runs the plan N times (median run, spread).
+
 Without network namespaces (not root, no ``ip``/``tc``) the suite says why and stops with exit
 status 1: loopback figures are never passed off as network figures.
 """
