@@ -151,3 +151,40 @@ def test_constructors_reject_wrong_types_naming_the_argument(make, match):
     """A value of the wrong type raises TypeError naming class, argument and value, not Python's comparison error."""
     with pytest.raises(TypeError, match=match):
         make()
+
+
+def test_sparse_embedding_gradients_train_under_pdist_ddp_as_one_process_would():
+    """An ``EmbeddingBag(sparse=True)`` table on 2 fork-launched ranks through the DDP comm hook (the non-finite check
+    and the byte count read a sparse bucket's values): rank 0's final weights equal one process taking the same
+    SGD steps on both ranks' batches at once (the mean of two equal-size batch means is the union's mean)."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from lightning_pdist.models import SparseBagClassifier
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randint(1, 40, (48, 6), generator=g), torch.randint(0, 2, (48,), generator=g))
+
+    class Bag(SparseBagClassifier):
+        def train_dataloader(self):
+            return DataLoader(data, batch_size=4)
+
+        def configure_optimizers(self):  # plain SGD: a step proportional to the gradient (Adagrad would hide a scale)
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    torch.manual_seed(0)
+    module = Bag(vocab_size=40, embed_dim=4, lr=0.5, head_lr=0.1)
+    reference = Bag(vocab_size=40, embed_dim=4, lr=0.5, head_lr=0.1)
+    reference.load_state_dict(module.state_dict())
+    fit(PdistStrategy(start_method="fork"), module, max_steps=3)
+    opt = reference.configure_optimizers()
+    # what Lightning's distributed sampler hands each rank in a training fit (shuffled, seed 0, epoch 0)
+    order = [list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=0)) for r in (0, 1)]
+    for step in range(3):
+        idx = [order[r][4 * step + k] for r in (0, 1) for k in range(4)]  # both ranks' batch of this step
+        x, y = data[idx]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x), y).backward()
+        opt.step()
+    for (name, got), want in zip(module.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=name)
+    assert not torch.equal(module.model.embedding.weight, Bag(vocab_size=40, embed_dim=4).model.embedding.weight)
