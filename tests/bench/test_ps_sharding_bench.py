@@ -150,7 +150,14 @@ def test_real_run_on_emulated_links_writes_rows_plot_and_docs(tmp_path, capsys):
         assert set(ps_sharding.ROW_KEYS) <= set(row)
         assert row["network"] == "emulated 1gbit" and row["servers"] == 1 and row["samples_per_s"] > 0
         # push + pull of the whole model per worker, as the server counts it (framing adds a little)
-        assert 2 * row["workers"] * 4 * row["params"] <= row["max_server_bytes_per_step"] < 2.05 * row["workers"] * 4 * row["params"]
+        full = 2 * row["workers"] * 4 * row["params"]
+        if row["sharding"] == "chunked":
+            # a worker reads the server's running totals from its last chunk's reply, which may already count the
+            # other workers' next pushes (pushes and pulls overlap): each window edge is off by up to (W - 1) pushes
+            slack = (row["workers"] - 1) * 4 * row["params"]
+            assert full - slack <= row["max_server_bytes_per_step"] < 1.05 * (full + slack)
+        else:
+            assert full <= row["max_server_bytes_per_step"] < 1.025 * full
         assert row["max_server_bytes_per_step"] == row["mean_server_bytes_per_step"]
         assert 1.0 < row["kernel_server_ratio"] < 1.15
         # (one timed step: /proc/stat's 10 ms ticks are too coarse to order the two shares here)
