@@ -57,7 +57,13 @@ def _teardown_process_group():
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        # Let the group's runloop threads finish the last works first: a work that completes while this thread holds
+        # the GIL and frees the group waits for the GIL inside the group's lock, and the destructor waits for that
+        # lock (torch's ~ProcessGroupGloo deadlock; hung a CI run here once, gdb: conftest -> gc -> ~ProcessGroupGloo
+        # on pthread_mutex_lock, a pt_gloo_runloop thread in take_gil). Sleeping releases the GIL.
+        time.sleep(0.02)
         dist.destroy_process_group()
+        time.sleep(0.02)
         gc.collect()  # a DDP wrap's Reducer holds the group in cycles: free it here, where its threads exist
 
 
