@@ -279,7 +279,7 @@ def model_facts(config: SuiteConfig) -> dict[str, dict[str, Any]]:
 
 def step_bytes(run: dict[str, Any], facts: dict[str, Any]) -> Any:
     """The byte model's :class:`~lightning_pdist.tensor_parallel.cost.StepBytes` of one rank of ``run``
-    (:class:`~lightning_pdist.bench.tp_sp_bytes.SeqParallelBytes` for ``tp_sp``); ``None`` where there is none
+    (for ``tp_sp`` too, from :mod:`~lightning_pdist.bench.tp_sp_bytes`); ``None`` where there is none
     (the demo Transformer's TP rows; ``tp_sp`` on a model the strategy refuses)."""
     from lightning_pdist.bench.tp_sp_bytes import sp_encoder_bytes
     from lightning_pdist.tensor_parallel.cost import dp_bytes, dp_tp_bytes, hybrid_vgg_bytes, tp_encoder_bytes

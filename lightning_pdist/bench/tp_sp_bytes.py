@@ -27,31 +27,13 @@ Per call of the stack: the first block's input is split (backward: ``AG(n/t)``) 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-KINDS = ("tp_all_gather", "tp_reduce_scatter", "tp_all_reduce")
-
-
-@dataclass(frozen=True)
-class SeqParallelBytes:
-    """Bytes one rank sends per step under sequence parallelism, per ``CommMeter`` label (``total``, ``by_kind()``
-    as :class:`~lightning_pdist.tensor_parallel.cost.StepBytes`)."""
-
-    tp_all_gather: int = 0
-    tp_reduce_scatter: int = 0
-    tp_all_reduce: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.tp_all_gather + self.tp_reduce_scatter + self.tp_all_reduce
-
-    def by_kind(self) -> dict[str, int]:
-        return {kind: getattr(self, kind) for kind in KINDS if getattr(self, kind)}
+from lightning_pdist.tensor_parallel.cost import StepBytes
 
 
 def sp_encoder_bytes(batch_size: int, seq_len: int, hidden_size: int, num_layers: int, tp_size: int,
-                     partial_params: int, bytes_per_element: int = 4, gloo: bool = True) -> SeqParallelBytes:  # fmt: skip
+                     partial_params: int, bytes_per_element: int = 4, gloo: bool = True) -> StepBytes:  # fmt: skip
     """The module docstring's model; ``seq_len`` must be divisible by ``tp_size`` (as the strategy requires)."""
     for name, value, low in (("batch_size", batch_size, 1), ("seq_len", seq_len, 1), ("hidden_size", hidden_size, 1),
                              ("num_layers", num_layers, 1), ("tp_size", tp_size, 1), ("partial_params", partial_params, 0)):  # fmt: skip
@@ -62,7 +44,7 @@ def sp_encoder_bytes(batch_size: int, seq_len: int, hidden_size: int, num_layers
     t, n = tp_size, bytes_per_element * batch_size * seq_len * hidden_size
     gather = (t - 1) * (n // t)
     scatter = (2 * (t - 1) * n) // t if gloo else ((t - 1) * n) // t
-    return SeqParallelBytes(tp_all_gather=(4 * num_layers + 2) * gather, tp_reduce_scatter=4 * num_layers * scatter,
+    return StepBytes(tp_all_gather=(4 * num_layers + 2) * gather, tp_reduce_scatter=4 * num_layers * scatter,
                             tp_all_reduce=(2 * (t - 1) * bytes_per_element * partial_params) // t)  # fmt: skip
 
 

@@ -81,7 +81,7 @@ __all__ = [
     "tp_local_numel",
 ]
 
-KINDS = ("dp_all_reduce", "tp_all_reduce", "tp_all_gather")  # the CommMeter labels the strategies use
+KINDS = ("dp_all_reduce", "tp_all_reduce", "tp_all_gather", "tp_reduce_scatter")  # the CommMeter labels the strategies use
 COLUMN_INPUTS_PER_LAYER = 2  # the input of query/key/value (one, shared) and of FFN in: one backward all-reduce each
 UNFUSED_COLUMN_INPUTS_PER_LAYER = 4  # query, key, value, FFN in, each its own backward all-reduce
 ROW_MODULES_PER_LAYER = 2  # attention output, FFN out: one forward all-reduce each
@@ -116,10 +116,11 @@ class StepBytes:
     dp_all_reduce: int = 0
     tp_all_reduce: int = 0
     tp_all_gather: int = 0
+    tp_reduce_scatter: int = 0  # sequence parallelism only
 
     @property
     def total(self) -> int:
-        return self.dp_all_reduce + self.tp_all_reduce + self.tp_all_gather
+        return sum(getattr(self, kind) for kind in KINDS)
 
     def by_kind(self) -> dict[str, int]:
         """The non-zero kinds, as ``CommMeter.by_kind`` lists them."""

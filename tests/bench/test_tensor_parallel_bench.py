@@ -28,7 +28,8 @@ from lightning_pdist.bench.tensor_parallel import (
     step_bytes,
     where_wins,
 )
-from lightning_pdist.bench.tp_sp_bytes import SeqParallelBytes, sp_encoder_bytes
+from lightning_pdist.bench.tp_sp_bytes import sp_encoder_bytes
+from lightning_pdist.tensor_parallel.cost import StepBytes
 from lightning_pdist.bench.tp_worker import check_spec, loader_batch
 
 _OK, _REASON = EmulatedNetwork.available()
@@ -139,7 +140,7 @@ def test_sequence_parallel_bytes_by_hand_and_where_there_is_no_model():
     (None) for the demo Transformer's TP rows or a model the strategy refuses, DP's for its DP row."""
     one = 8 * 4 * 8 * 4  # B*L*H fp32
     sp = step_bytes({"model": "bert", "config": "tp_sp", "world_size": 2, "tp_size": 2}, {**FACTS, "sp_partial": 48})
-    assert sp == SeqParallelBytes(tp_all_gather=(4 * 2 + 2) * one // 2, tp_reduce_scatter=4 * 2 * one, tp_all_reduce=48 * 4)
+    assert sp == StepBytes(tp_all_gather=(4 * 2 + 2) * one // 2, tp_reduce_scatter=4 * 2 * one, tp_all_reduce=48 * 4)
     assert sp.by_kind() == {"tp_all_gather": 5120, "tp_reduce_scatter": 8192, "tp_all_reduce": 192}
     nccl = sp_encoder_bytes(8, 4, 8, 2, 2, 48, gloo=False)  # a real reduce-scatter sends half of the all-reduce
     assert nccl.tp_reduce_scatter == sp.tp_reduce_scatter // 2 and nccl.tp_all_gather == sp.tp_all_gather
