@@ -60,7 +60,11 @@ def _teardown_process_group():
         # Let the group's runloop threads finish the last works first: a work that completes while this thread holds
         # the GIL and frees the group waits for the GIL inside the group's lock, and the destructor waits for that
         # lock (torch's ~ProcessGroupGloo deadlock; hung a CI run here once, gdb: conftest -> gc -> ~ProcessGroupGloo
-        # on pthread_mutex_lock, a pt_gloo_runloop thread in take_gil). Sleeping releases the GIL.
+        # on pthread_mutex_lock, a pt_gloo_runloop thread in take_gil). Sleeping releases the GIL; the hooks' own
+        # callbacks are waited for until gloo's threads have freed them.
+        from lightning_pdist.core.hooks import settle_comm_callbacks
+
+        settle_comm_callbacks()
         time.sleep(0.02)
         dist.destroy_process_group()
         time.sleep(0.02)

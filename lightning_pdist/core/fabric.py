@@ -38,7 +38,7 @@ from typing_extensions import override
 
 from lightning_pdist.core.accounting import CommMeter
 from lightning_pdist.core.compression import CompressionState, Compressor, refuse_compression
-from lightning_pdist.core.hooks import AllReduceState, allreduce_hook
+from lightning_pdist.core.hooks import AllReduceState, allreduce_hook, settle_comm_callbacks
 from lightning_pdist.core import lifetime, rank_files
 from lightning_pdist.core.collectives import rank_world
 from lightning_pdist.core.strategy import check_keywords, register_variants
@@ -146,6 +146,11 @@ class PdistFabricStrategy(DDPStrategy):
         output = super().optimizer_step(optimizer, **kwargs)
         self.after_optimizer_step()
         return output
+
+    @override
+    def teardown(self) -> None:
+        settle_comm_callbacks()  # no hook callback left on gloo's threads when the DDP wrap and its group are freed
+        super().teardown()
 
     # ------------------------------------------------------------------ checkpoints
     def pdist_state_dict(self) -> dict:

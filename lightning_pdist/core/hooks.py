@@ -9,10 +9,21 @@ They can be registered on any ``DistributedDataParallel`` model with
   otherwise hands the local gradient back untouched: the gradient side of local SGD, BMUF and
   EASGD, whose strategies flip the flag after warm-up (like PyTorch's ``post_localSGD_hook``).
 
+A hook's ``Future.then`` callback runs on one of gloo's threads, which takes the GIL to run it and again to free it.
+While such a callback is in flight, a process must neither free its process group holding the GIL
+(``~ProcessGroupGloo`` waits for that thread, which waits for the GIL: a deadlock) nor finalize the interpreter (the
+thread is made to exit inside C++ frames that cannot unwind: ``terminate called without an active exception``,
+SIGABRT). :func:`handed_then` remembers each callback until gloo's thread has freed it, and
+:func:`settle_comm_callbacks` waits, the GIL released, until none is left: the strategies call it in ``teardown``
+and every process calls it at exit (``atexit``).
+
 No ``from __future__ import annotations`` here: DDP checks the hook's annotations at run time.
 """
 
 
+import atexit
+import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +31,32 @@ import torch.distributed as dist
 
 from lightning_pdist.core.accounting import CommMeter, all_reduce_bytes
 
-__all__ = ["AllReduceState", "allreduce_hook", "periodic_allreduce_hook"]
+__all__ = ["AllReduceState", "allreduce_hook", "handed_then", "periodic_allreduce_hook", "settle_comm_callbacks"]
+
+#: The callbacks this process handed to torch's communication threads that those threads have not freed yet.
+_HANDED: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def handed_then(fut: torch.futures.Future, callback) -> torch.futures.Future:
+    """``fut.then(callback)``, with ``callback`` (a new function object per call) remembered until it is freed."""
+    _HANDED.add(callback)
+    return fut.then(callback)
+
+
+def settle_comm_callbacks(timeout: float = 10.0) -> bool:
+    """Sleep (the GIL released) until torch's threads have run and freed every :func:`handed_then` callback.
+
+    Returns whether none is left; after ``timeout`` seconds (a work that never completes: a peer gone) it gives up.
+    """
+    deadline = time.monotonic() + timeout
+    while len(_HANDED):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+atexit.register(settle_comm_callbacks, 5.0)  # registered at import, so it runs after the program's own exit handlers
 
 
 @dataclass
@@ -79,7 +115,7 @@ def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futu
     # The process group's own call (DDP's built-in reduction makes the same one): dist.all_reduce's Python checks
     # and logging wrapper cost more than the rest of this hook on a small model.
     fut = group.allreduce([buffer]).get_future()
-    return fut.then(lambda f: f.value()[0])
+    return handed_then(fut, lambda f: f.value()[0])
 
 
 def periodic_allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

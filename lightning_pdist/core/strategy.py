@@ -56,7 +56,7 @@ from lightning_pdist.core.nonfinite import culprit_ranks, grads_finite, one_hot_
 from lightning_pdist.core.accounting import CommMeter
 from lightning_pdist.core.collectives import all_reduce_sum_, rank_world
 from lightning_pdist.core.compression import CompressionState, Compressor, refuse_compression
-from lightning_pdist.core.hooks import AllReduceState, allreduce_hook
+from lightning_pdist.core.hooks import AllReduceState, allreduce_hook, settle_comm_callbacks
 from lightning_pdist.core import lifetime, rank_files
 from lightning_pdist.core.multinode import check_gloo_interface
 from lightning_pdist.core.guard import NonFiniteGuard, SkipStep, optimizer_grads
@@ -153,6 +153,7 @@ class PdistStrategy(DDPStrategy):
         heartbeat, self._heartbeat = getattr(self, "_heartbeat", None), None
         if heartbeat is not None:
             heartbeat.stop()
+        settle_comm_callbacks()  # no hook callback left on gloo's threads when the DDP wrap and its group are freed
         super().teardown()
 
     # ------------------------------------------------------------------ comm hooks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -25,7 +26,10 @@ def test_the_readme_example_runs_and_prints_once(strategy, tmp_path):
         code = code.replace(AS_WRITTEN, f'strategy="{strategy}"')
     script = tmp_path / "example.py"
     script.write_text(code.replace("max_epochs=5", "max_epochs=1"))
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    # faulthandler: a rank that aborts at exit (seen once with _spawn, cause unknown) prints every thread's stack
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                          env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     printed = [line for line in done.stdout.splitlines() if line.startswith("tensor(")]
     assert len(printed) == 1, done.stdout[-2000:]
