@@ -264,6 +264,37 @@ class HFEncoder(Classifier):
         return TensorDataset(ids, ids[:, 0] % self.classes)
 
 
+class TorchEncoder(Classifier):
+    """torch's ``nn.TransformerEncoder`` (2 post-norm layers, batch-first, a padding mask) over token embeddings,
+    mean-pooled into a linear head: the encoder a user builds from ``torch.nn`` alone."""
+
+    vocab, width = 40, 16
+
+    def build(self) -> nn.Module:
+        layer = nn.TransformerEncoderLayer(self.width, 2, 32, dropout=0.0, batch_first=True)
+        encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        return nn.ModuleDict({"embed": nn.Embedding(self.vocab, self.width), "encoder": encoder,
+                              "head": nn.Linear(self.width, self.classes)})
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.net["encoder"](self.net["embed"](ids), src_key_padding_mask=ids == 0)
+        return self.net["head"](hidden.mean(1))
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        ids, y = batch
+        return nn.functional.cross_entropy(self.logits(ids), y)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.logits(batch[0])
+
+    def dataset(self, split: str) -> TensorDataset:
+        n = WORLD * BATCH * STEPS_PER_EPOCH if split == "train" else WORLD * BATCH * 2
+        g = torch.Generator().manual_seed(len(split))
+        ids = torch.randint(1, self.vocab, (n, 8), generator=g)
+        ids[::3, 6:] = 0  # padding, masked in attention
+        return TensorDataset(ids, ids[:, 0] % self.classes)
+
+
 class Boring(BoringModel):
     """Lightning's own BoringModel, unchanged (its random data come from the seed set before it is built)."""
 
@@ -300,6 +331,7 @@ MODULES: dict[str, ModuleSpec] = {
     "frozen": ModuleSpec(Frozen, about="frozen first layer, Adam on the rest"),
     "transformer_lm": ModuleSpec(TokenTransformer, about="Lightning's demo Transformer LM, random tokens"),
     "hf_bert": ModuleSpec(HFEncoder, about="transformers BERT encoder (random init)"),
+    "torch_encoder": ModuleSpec(TorchEncoder, about="torch's nn.TransformerEncoder (2 layers, a padding mask), mean-pooled"),
     "bf16_mixed": ModuleSpec(Classifier, trainer=dict(precision="bf16-mixed"), about="precision='bf16-mixed'"),
     "16_mixed": ModuleSpec(Classifier, trainer=dict(precision="16-mixed"),
                            about="precision='16-mixed' (on CPU Lightning runs bf16-mixed instead)"),
