@@ -264,28 +264,29 @@ class HFEncoder(Classifier):
         return TensorDataset(ids, ids[:, 0] % self.classes)
 
 
-class TorchEncoder(Classifier):
-    """torch's ``nn.TransformerEncoder`` (2 post-norm layers, batch-first, a padding mask) over token embeddings,
-    mean-pooled into a linear head: the encoder a user builds from ``torch.nn`` alone."""
+class _EncoderNet(nn.Module):
+    """Token embeddings, torch's ``nn.TransformerEncoder`` (2 post-norm layers, batch-first) with a padding mask,
+    mean-pooled into a linear head."""
 
-    vocab, width = 40, 16
+    def __init__(self, vocab: int, width: int, classes: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        layer = nn.TransformerEncoderLayer(width, 2, 2 * width, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(ids), src_key_padding_mask=ids == 0).mean(1))
+
+
+class TorchEncoder(Classifier):
+    """torch's ``nn.TransformerEncoder`` classifier on random tokens, some padded: the encoder a user builds from
+    ``torch.nn`` alone."""
+
+    vocab = 40
 
     def build(self) -> nn.Module:
-        layer = nn.TransformerEncoderLayer(self.width, 2, 32, dropout=0.0, batch_first=True)
-        encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        return nn.ModuleDict({"embed": nn.Embedding(self.vocab, self.width), "encoder": encoder,
-                              "head": nn.Linear(self.width, self.classes)})
-
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.net["encoder"](self.net["embed"](ids), src_key_padding_mask=ids == 0)
-        return self.net["head"](hidden.mean(1))
-
-    def loss(self, batch: Any) -> torch.Tensor:
-        ids, y = batch
-        return nn.functional.cross_entropy(self.logits(ids), y)
-
-    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.logits(batch[0])
+        return _EncoderNet(self.vocab, 16, self.classes)
 
     def dataset(self, split: str) -> TensorDataset:
         n = WORLD * BATCH * STEPS_PER_EPOCH if split == "train" else WORLD * BATCH * 2
