@@ -26,7 +26,7 @@ MATH = {
     "sign": {"vote", "llr", "simulator"},
     "parameter_server": {"sharding", "rules", "elastic", "parallax", "sandblaster", "chunks"},
     "pipeline": {"schedule", "partition", "spectrain", "delayed", "dni", "split", "ownership"},
-    "tensor_parallel": {"plan", "cost"},
+    "tensor_parallel": {"plan", "cost", "regions"},
     "diloco": {"outer", "fragments", "quantize"},
     "decentralized": {"topology", "config"},
     "shared_memory": {"config", "svrg"},

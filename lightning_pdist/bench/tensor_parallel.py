@@ -16,7 +16,7 @@ in every configuration:
 * ``dp``: ``PdistStrategy`` (DDP with byte accounting), 2 ranks (and 4 in the full plan);
 * ``tp``: ``TensorParallelStrategy`` (plan ``"auto"``: Megatron-style column/row pairs), 2 ranks on the whole batch;
 * ``tp_sp``: the same with ``sequence_parallel=True`` (all-gather / reduce-scatter along the sequence instead of each
-  all-reduce; byte model :mod:`~lightning_pdist.bench.tp_sp_bytes`); a model the strategy refuses gets its refusal
+  all-reduce; byte model :func:`~lightning_pdist.tensor_parallel.cost.sp_encoder_bytes`); a model the strategy refuses gets its refusal
   in the row's ``error`` (ALBERT until its attention is covered);
 * ``deepspeed_tp``: DeepSpeed AutoTP, degree 2, the paper's own engine (:mod:`~lightning_pdist.bench.tp_deepspeed`;
   plain torch loop, IMDB-shaped random token batches; a failure is recorded in its row, never a number);
@@ -243,8 +243,7 @@ def model_facts(config: SuiteConfig) -> dict[str, dict[str, Any]]:
     ``sp_partial`` the parameters sequence parallelism sums per step (or ``sp_refusal``, the strategy's refusal)."""
     import torch
 
-    from lightning_pdist.bench.tp_sp_bytes import partial_params
-    from lightning_pdist.tensor_parallel.cost import tp_local_numel
+    from lightning_pdist.tensor_parallel.cost import partial_params, tp_local_numel
     from lightning_pdist.tensor_parallel.plan import plan_for
 
     facts = {}
@@ -279,10 +278,10 @@ def model_facts(config: SuiteConfig) -> dict[str, dict[str, Any]]:
 
 def step_bytes(run: dict[str, Any], facts: dict[str, Any]) -> Any:
     """The byte model's :class:`~lightning_pdist.tensor_parallel.cost.StepBytes` of one rank of ``run``
-    (for ``tp_sp`` too, from :mod:`~lightning_pdist.bench.tp_sp_bytes`); ``None`` where there is none
+    (for ``tp_sp`` too: :func:`~lightning_pdist.tensor_parallel.cost.sp_encoder_bytes`); ``None`` where there is none
     (the demo Transformer's TP rows; ``tp_sp`` on a model the strategy refuses)."""
-    from lightning_pdist.bench.tp_sp_bytes import sp_encoder_bytes
-    from lightning_pdist.tensor_parallel.cost import dp_bytes, dp_tp_bytes, hybrid_vgg_bytes, tp_encoder_bytes
+    from lightning_pdist.tensor_parallel.cost import dp_bytes, dp_tp_bytes, hybrid_vgg_bytes, sp_encoder_bytes
+    from lightning_pdist.tensor_parallel.cost import tp_encoder_bytes
 
     ws, tp, name = run["world_size"], run["tp_size"], run["config"]
     if name == "dp":

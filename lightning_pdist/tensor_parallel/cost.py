@@ -27,7 +27,25 @@ and every run communicates)::
     tp_all_reduce = 4 · num_layers · AR(e·B·L·H, t)
 
 An engine that all-reduces the input gradient of query, key and value separately (torch's ``ColwiseParallel``,
-DeepSpeed AutoTP's ``LinearLayer``: ``fused_qkv=False``) sends ``6 · num_layers · AR(e·B·L·H, t)``.
+DeepSpeed AutoTP's ``LinearLayer``: ``fused_qkv=False``) sends ``6 · num_layers · AR(e·B·L·H, t)``. LLaMA-style
+decoders have the same four (the gate and up projections of the FFN share one input). A norm over each head's
+features inside attention (Qwen3's ``q_norm``/``k_norm``, ``head_dim`` weights) sees this rank's heads only: its
+gradient is a partial sum, and the strategy sums all of them over the group in one flat all-reduce per step
+(``P_partial`` parameters, :func:`partial_params`): ``+ AR(e · P_partial, t)``.
+
+Sequence parallelism (``sequence_parallel=True``, Korthikanti et al., 2022; :mod:`.comm`'s collectives) turns each
+all-reduce into an all-gather and a reduce-scatter, one each way. With ``n = e·B·L·H`` one activation,
+``AG(n/t) = (t-1)·n/t`` the all-gather of this rank's ``L/t`` positions and ``RS(n)`` a reduce-scatter of ``n``
+(``(t-1)/t · n`` on NCCL; gloo has none, so the strategy all-reduces the whole tensor and keeps its chunk:
+``AR(n, t)``), per layer application: forward ``2 · AG`` (the sequence gathered before attention and FFN in) and
+``2 · RS`` (the row-wise outputs scattered), backward the transposes, ``2 · RS`` and ``2 · AG``; per call of a stack
+its input split (backward ``AG``) and its output gathered (forward ``AG``). Once per step the partial gradients
+(every norm of the covered stacks, LayerNorm or RMSNorm, LLaMA's final norm, the row-wise biases there, per-head
+norms; each parameter once however often a shared block runs) in one flat all-reduce (:func:`sp_encoder_bytes`)::
+
+    tp_all_gather     = (4 · layers + 2) · AG(n/t)
+    tp_reduce_scatter = 4 · layers · RS(n)
+    tp_all_reduce     = AR(e · P_partial, t)
 
 DP×TP on a ``d × t`` mesh: TP's traffic over each TP group (``B`` = the DP replica's batch) plus the all-reduce
 of each rank's parameter *shard* over its DP group (column-wise weights and biases and row-wise weights hold
@@ -53,7 +71,8 @@ ranks for both schemes) only the bytes decide; with measured compute per scheme 
 layers on every rank and runs smaller matmuls) :func:`crossover_bandwidth` gives the bandwidth below which the
 scheme that sends less wins, and :func:`find_crossovers` the batch sizes or widths where the winner changes.
 
-Pure functions: ``torch`` only (for :func:`tp_local_numel`); no process group.
+Pure functions: ``torch`` only (for :func:`tp_local_numel`; :func:`partial_params` reads the strategy's rules from
+:mod:`.regions`); no process group.
 """
 
 from __future__ import annotations
@@ -61,6 +80,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -74,8 +94,10 @@ __all__ = [
     "encoder_flops",
     "find_crossovers",
     "hybrid_vgg_bytes",
+    "partial_params",
     "ring_all_gather_bytes",
     "ring_all_reduce_bytes",
+    "sp_encoder_bytes",
     "step_time",
     "tp_encoder_bytes",
     "tp_local_numel",
@@ -147,8 +169,10 @@ def tp_encoder_bytes(
     tp_size: int,
     bytes_per_element: int = 4,
     fused_qkv: bool = True,
+    partial_params: int = 0,
 ) -> StepBytes:
-    """Tensor parallelism of degree ``tp_size`` on an encoder: ``4 · num_layers · AR(e·B·L·H, t)``.
+    """Tensor parallelism of degree ``tp_size`` on an encoder or decoder: ``4 · num_layers · AR(e·B·L·H, t)``, plus
+    ``AR(e · partial_params, t)`` for the per-head norms.
 
     Args:
         batch_size: samples the TP group runs per step (all its ranks run the same ones).
@@ -159,13 +183,81 @@ def tp_encoder_bytes(
         bytes_per_element: 4 for fp32 activations.
         fused_qkv: ``True`` (``TensorParallelStrategy``): one backward all-reduce for query, key and value;
             ``False`` (DeepSpeed AutoTP, torch's ``ColwiseParallel``): one each, ``6 · num_layers · AR``.
+        partial_params: parameters whose gradient is summed over the group once per step (Qwen3's per-head
+            norms: :func:`partial_params` with ``sequence_parallel=False``).
     """
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("hidden_size", hidden_size),
                         ("num_layers", num_layers)):  # fmt: skip
         _check_int(name, value, 1)
+    _check_int("partial_params", partial_params, 0)
     one = ring_all_reduce_bytes(bytes_per_element * batch_size * seq_len * hidden_size, tp_size)
     columns = COLUMN_INPUTS_PER_LAYER if fused_qkv else UNFUSED_COLUMN_INPUTS_PER_LAYER
-    return StepBytes(tp_all_reduce=(columns + ROW_MODULES_PER_LAYER) * num_layers * one)
+    partial = ring_all_reduce_bytes(bytes_per_element * partial_params, tp_size)
+    return StepBytes(tp_all_reduce=(columns + ROW_MODULES_PER_LAYER) * num_layers * one + partial)
+
+
+def sp_encoder_bytes(batch_size: int, seq_len: int, hidden_size: int, num_layers: int, tp_size: int,
+                     partial_params: int, bytes_per_element: int = 4, gloo: bool = True) -> StepBytes:  # fmt: skip
+    """Sequence parallelism on one encoder or decoder stack (the module docstring's model); ``seq_len`` must be
+    divisible by ``tp_size``, as the strategy requires. ``gloo=False``: a real reduce-scatter (NCCL)."""
+    for name, value, low in (("batch_size", batch_size, 1), ("seq_len", seq_len, 1), ("hidden_size", hidden_size, 1),
+                             ("num_layers", num_layers, 1), ("tp_size", tp_size, 1), ("partial_params", partial_params, 0)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"sp_encoder_bytes({name}={value!r}): {name} must be an int >= {low}")
+    if seq_len % tp_size:
+        raise ValueError(f"sp_encoder_bytes(seq_len={seq_len}): seq_len must be divisible by tp_size={tp_size}")
+    t, n = tp_size, bytes_per_element * batch_size * seq_len * hidden_size
+    gather = (t - 1) * (n // t)
+    scatter = ring_all_reduce_bytes(n, t) if gloo else ((t - 1) * n) // t
+    return StepBytes(tp_all_gather=(4 * num_layers + 2) * gather, tp_reduce_scatter=4 * num_layers * scatter,
+                     tp_all_reduce=ring_all_reduce_bytes(bytes_per_element * partial_params, t))  # fmt: skip
+
+
+def partial_params(module: nn.Module, plan: Any, sequence_parallel: bool = True) -> int | str:
+    """Parameters whose gradient the strategy sums over the tensor-parallel group once per step, each counted once
+    (a shared block's once); or, under sequence parallelism, the strategy's refusal of ``module`` as text.
+
+    Always: the per-head norms of attention modules with sharded projections (Qwen3's ``q_norm``/``k_norm``: this
+    rank's heads only). ``sequence_parallel=True`` adds, in every stack it covers, the norms (``nn.LayerNorm``,
+    ``nn.RMSNorm``, transformers' ``*RMSNorm``/``*LayerNorm``; LLaMA's final ``norm``) and the biases of row-wise
+    layers (``nn.MultiheadAttention``'s ``out_proj`` included): they see this rank's positions only.
+    """
+    from lightning_pdist.tensor_parallel.plan import COLWISE, HEADS, QKV, ROWWISE
+    from lightning_pdist.tensor_parallel.regions import HF_STACKS, is_norm, parent_kind, per_head_norms
+    from lightning_pdist.tensor_parallel.regions import sequence_parallel_encoders
+
+    modules, placed = dict(module.named_modules()), plan.as_dict()
+    found: dict[int, int] = {}
+
+    def add(*params: Any) -> None:
+        found.update({id(p): p.numel() for p in params if p is not None})
+
+    parents = dict.fromkeys(n.rsplit(".", 1)[0] if "." in n else "" for n, p in placed.items() if p in (COLWISE, QKV))
+    for parent in parents:
+        if parent_kind(parent, modules, placed) == "attention":
+            for norm in per_head_norms(modules[parent]):
+                add(getattr(norm, "weight", None), getattr(norm, "bias", None))
+    if not sequence_parallel:
+        return sum(found.values())
+    try:
+        stacks = sequence_parallel_encoders(module, plan, "TensorParallelStrategy")
+    except ValueError as err:
+        return str(err)
+    for stack_name, (stack, attr) in stacks.items():
+        region = stack_name if attr is None else (f"{stack_name}.{attr}" if stack_name else attr)
+        inside = stack if attr is None else getattr(stack, attr)
+        after = [] if attr is None else [getattr(stack, n) for n in HF_STACKS[attr][1] if hasattr(stack, n)]
+        for child in after:
+            if is_norm(child):
+                add(getattr(child, "weight", None), getattr(child, "bias", None))
+        for name, child in inside.named_modules(prefix=region):
+            owner = name.rsplit(".", 1)[0]
+            if is_norm(child):
+                add(getattr(child, "weight", None), getattr(child, "bias", None))
+            in_attention = name.endswith(".out_proj") and placed.get(owner) == HEADS  # nn.MultiheadAttention's
+            if isinstance(child, nn.Linear) and not is_norm(child) and (placed.get(name) == ROWWISE or in_attention):
+                add(child.bias)
+    return sum(found.values())
 
 
 def dp_tp_bytes(

@@ -15,7 +15,8 @@ the explicit collectives of :mod:`.comm`. The DTensor parameters keep the plan's
   no mix of DTensor and plain gradients in a fully sharded stack); forward ``g(x_i W_i^T) + b``
   (or the sequence reduce-scatter);
 * fused query/key/value ``nn.Linear`` (``out_features = 3E``, rows ``[q; k; v]``): ``_StridedShard(0,
-  split_factor=3)``, so rank ``i`` holds ``[q_i; k_i; v_i]`` -- the rows of its own heads in each block;
+  split_factor=3)``, so rank ``i`` holds ``[q_i; k_i; v_i]`` -- the rows of its own heads in each block; the
+  attention module around it sees this rank's head counts (:func:`local_head_counts`: Phi-3 slices by them);
 * ``nn.MultiheadAttention``: its packed ``in_proj_weight``/``in_proj_bias`` the same way, ``out_proj``
   row-wise; rank ``i`` computes heads ``i*H/t .. (i+1)*H/t - 1`` with ``scaled_dot_product_attention``;
 * under sequence parallelism, ``nn.LayerNorm`` and RMSNorms keep replicated weights whose gradient, computed from
@@ -42,7 +43,8 @@ from torch.nn import functional as F
 from lightning_pdist.tensor_parallel.comm import TPComm, copy_to, gather_seq, gather_seq_replicated, reduce_from
 from lightning_pdist.tensor_parallel.comm import scatter_seq, split_seq
 
-__all__ = ["SharedInput", "Sharding", "is_strided", "local_shard", "shard_attention", "shard_linear",
+__all__ = ["SharedInput", "Sharding", "is_strided", "local_head_counts", "local_shard", "shard_attention",
+           "shard_linear",
            "sequence_parallel_albert_attention", "sequence_parallel_encoder", "sequence_parallel_norm",
            "sequence_parallel_stack", "unshard"]
 
@@ -156,6 +158,28 @@ def shard_linear(linear: nn.Linear, placement: str, mesh: DeviceMesh, comm: TPCo
         return F.linear(enter(x), _local(linear.weight), _local(linear.bias))
 
     sharding.set_forward(linear, col_forward)
+
+
+def local_head_counts(attention: nn.Module, size: int, sharding: Sharding) -> None:
+    """An attention module around a fused ``qkv`` Linear sees this rank's head counts: ``num_heads``,
+    ``num_attention_heads`` and ``num_key_value_heads`` divided by ``t``, on the module and on a copy of its
+    ``config`` (the model's other modules keep the shared one). Phi-3 slices its ``qkv`` output at
+    ``config.num_attention_heads · head_dim``: with the whole count it would read this rank's key rows as queries.
+    ``head_dim`` and the query/key-value group size are unchanged."""
+    import copy
+
+    names = ("num_heads", "num_attention_heads", "num_key_value_heads")
+    for name in names:
+        value = getattr(attention, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            sharding.set_attribute(attention, name, value // size)
+    config = getattr(attention, "config", None)
+    if config is not None and isinstance(getattr(config, "num_attention_heads", None), int):
+        local = copy.copy(config)
+        for name in names[1:]:
+            if isinstance(getattr(config, name, None), int):
+                setattr(local, name, getattr(config, name) // size)
+        sharding.set_attribute(attention, "config", local)
 
 
 def shard_attention(mha: nn.MultiheadAttention, mesh: DeviceMesh, comm: TPComm, sharding: Sharding,

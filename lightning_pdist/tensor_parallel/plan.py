@@ -213,8 +213,10 @@ def check_plan(plan: TPPlan, module: nn.Module, tp_size: int, owner: str = "plan
     a column-wise Linear's ``out_features`` and a row-wise Linear's ``in_features`` divide by ``tp_size``;
     attention modules with sharded projections have ``num_attention_heads`` divisible by ``tp_size``, and a
     column-wise projection of an attention module with a ``head_dim`` (LLaMA's grouped key/value heads included)
-    whole heads per rank (``out_features`` divisible by ``head_dim × tp_size``);
-    ``gather_batch_at`` exists. ``owner`` prefixes the message (e.g. ``"TensorParallelStrategy(plan=...)"``).
+    whole heads per rank (``out_features`` divisible by ``head_dim × tp_size``); a fused ``qkv`` Linear three equal
+    blocks (no grouped key/value heads: Phi-3-medium's ``qkv_proj`` is refused) and its module's heads, declared on
+    the module or its ``config``, divisible by ``tp_size``; ``gather_batch_at`` exists. ``owner`` prefixes the
+    message (e.g. ``"TensorParallelStrategy(plan=...)"``).
     """
     modules = dict(module.named_modules())
     names = list(plan.as_dict()) + ([plan.gather_batch_at] if plan.gather_batch_at is not None else [])
@@ -234,6 +236,7 @@ def check_plan(plan: TPPlan, module: nn.Module, tp_size: int, owner: str = "plan
             if not isinstance(child, nn.Linear):
                 raise ValueError(f"{owner}: module {name!r} is {type(child).__name__}; {QKV!r} (a fused query/key/value "
                                  "projection) applies to nn.Linear only")  # fmt: skip
+            _check_fused_heads(name, child, modules[name.rsplit(".", 1)[0] if "." in name else ""], tp_size, owner)
             if child.out_features % (3 * tp_size):
                 raise ValueError(f"{owner}: module {name!r} ({_describe(child)}): out_features={child.out_features} "
                                  f"must be divisible by 3 x tensor_parallel_size={3 * tp_size} (query, key and value "
@@ -263,6 +266,41 @@ def check_plan(plan: TPPlan, module: nn.Module, tp_size: int, owner: str = "plan
                              f"{child.out_features // head_dim} heads of head_dim={head_dim}, which must be divisible by "
                              f"tensor_parallel_size={tp_size} (each rank computes whole heads; grouped key/value "
                              "heads too)")  # fmt: skip
+
+
+def _head_counts(attention: nn.Module) -> tuple[int | None, int | None]:
+    """``(query heads, key/value heads)`` an attention module declares, on itself (``num_heads``,
+    ``num_attention_heads``, ``num_key_value_heads``) or on its ``config`` (Phi-3's); ``None`` where it says nothing."""
+    config = getattr(attention, "config", None)
+    found = []
+    for names in (("num_heads", "num_attention_heads"), ("num_key_value_heads",)):
+        values = [getattr(o, n, None) for o in (attention, config) for n in names if o is not None]
+        found.append(next((v for v in values if isinstance(v, int) and not isinstance(v, bool)), None))
+    return found[0], found[1]
+
+
+def _check_fused_heads(name: str, child: nn.Linear, parent: nn.Module, tp_size: int, owner: str) -> None:
+    """A fused ``[q; k; v]`` Linear splits as three equal blocks, each by whole heads: refused with grouped key/value
+    heads (Phi-3-medium's ``qkv_proj``: ``H·d`` query rows, ``H_kv·d`` key and value rows), whose blocks differ."""
+    heads, kv_heads = _head_counts(parent)
+    head_dim = getattr(parent, "head_dim", None)
+    if isinstance(heads, int) and kv_heads is not None and kv_heads != heads:
+        blocks = f" of {heads * head_dim}, {kv_heads * head_dim} and {kv_heads * head_dim} rows" if \
+            isinstance(head_dim, int) else ""  # fmt: skip
+        parent_name, local = name.rsplit(".", 1) if "." in name else ("", name)
+        out = next((o for f, o in _FUSED if f == local and isinstance(getattr(parent, o, None), nn.Linear)), None)
+        instead = {name: REPLICATE, **({f"{parent_name}.{out}" if parent_name else out: REPLICATE} if out else {})}
+        raise ValueError(f"{owner}: module {name!r} ({_describe(child)}): a fused query/key/value projection with "
+                         f"grouped key/value heads (num_key_value_heads={kv_heads} < num_attention_heads={heads}) "
+                         f"holds query, key and value blocks{blocks}; {QKV!r} splits three equal blocks by heads, so "
+                         f"it cannot be sharded (replicate the attention: plan dict {instead!r}, or project query, "
+                         "key and value with separate q_proj/k_proj/v_proj Linear layers, which split grouped "
+                         "heads)")  # fmt: skip
+    on_config = not any(hasattr(parent, n) for n in ("num_heads", "num_attention_heads"))  # else checked below
+    if on_config and isinstance(heads, int) and heads % tp_size:
+        parent_name = name.rsplit(".", 1)[0] if "." in name else ""
+        raise ValueError(f"{owner}: module {parent_name!r}: config.num_attention_heads={heads} must be divisible by "
+                         f"tensor_parallel_size={tp_size} (each rank computes whole heads)")  # fmt: skip
 
 
 def _check_attention(name: str, child: nn.Module, tp_size: int, owner: str) -> None:

@@ -28,7 +28,7 @@ from lightning_pdist.bench.tensor_parallel import (
     step_bytes,
     where_wins,
 )
-from lightning_pdist.bench.tp_sp_bytes import sp_encoder_bytes
+from lightning_pdist.tensor_parallel.cost import sp_encoder_bytes
 from lightning_pdist.tensor_parallel.cost import StepBytes
 from lightning_pdist.bench.tp_worker import check_spec, loader_batch
 
@@ -161,7 +161,7 @@ def test_model_facts_name_the_partial_gradients_or_the_strategys_refusal():
     import torch
     from torch import nn
 
-    from lightning_pdist.bench.tp_sp_bytes import partial_params
+    from lightning_pdist.tensor_parallel.cost import partial_params
     from lightning_pdist.tensor_parallel.plan import plan_for
 
     config = SuiteConfig(models=("bert", "albert", "transformer"), hidden_size=64, num_heads=2, intermediate_size=128,

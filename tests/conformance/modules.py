@@ -264,6 +264,38 @@ class HFEncoder(Classifier):
         return TensorDataset(ids, ids[:, 0] % self.classes)
 
 
+class _EncoderNet(nn.Module):
+    """Token embeddings, torch's ``nn.TransformerEncoder`` (2 post-norm layers, batch-first) with a padding mask,
+    mean-pooled into a linear head."""
+
+    def __init__(self, vocab: int, width: int, classes: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        layer = nn.TransformerEncoderLayer(width, 2, 2 * width, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(ids), src_key_padding_mask=ids == 0).mean(1))
+
+
+class TorchEncoder(Classifier):
+    """torch's ``nn.TransformerEncoder`` classifier on random tokens, some padded: the encoder a user builds from
+    ``torch.nn`` alone."""
+
+    vocab = 40
+
+    def build(self) -> nn.Module:
+        return _EncoderNet(self.vocab, 16, self.classes)
+
+    def dataset(self, split: str) -> TensorDataset:
+        n = WORLD * BATCH * STEPS_PER_EPOCH if split == "train" else WORLD * BATCH * 2
+        g = torch.Generator().manual_seed(len(split))
+        ids = torch.randint(1, self.vocab, (n, 8), generator=g)
+        ids[::3, 6:] = 0  # padding, masked in attention
+        return TensorDataset(ids, ids[:, 0] % self.classes)
+
+
 class Boring(BoringModel):
     """Lightning's own BoringModel, unchanged (its random data come from the seed set before it is built)."""
 
@@ -300,6 +332,7 @@ MODULES: dict[str, ModuleSpec] = {
     "frozen": ModuleSpec(Frozen, about="frozen first layer, Adam on the rest"),
     "transformer_lm": ModuleSpec(TokenTransformer, about="Lightning's demo Transformer LM, random tokens"),
     "hf_bert": ModuleSpec(HFEncoder, about="transformers BERT encoder (random init)"),
+    "torch_encoder": ModuleSpec(TorchEncoder, about="torch's nn.TransformerEncoder (2 layers, a padding mask), mean-pooled"),
     "bf16_mixed": ModuleSpec(Classifier, trainer=dict(precision="bf16-mixed"), about="precision='bf16-mixed'"),
     "16_mixed": ModuleSpec(Classifier, trainer=dict(precision="16-mixed"),
                            about="precision='16-mixed' (on CPU Lightning runs bf16-mixed instead)"),

@@ -16,8 +16,10 @@ from lightning_pdist.tensor_parallel.cost import (
     encoder_flops,
     find_crossovers,
     hybrid_vgg_bytes,
+    partial_params,
     ring_all_gather_bytes,
     ring_all_reduce_bytes,
+    sp_encoder_bytes,
     step_time,
     tp_encoder_bytes,
     tp_local_numel,
@@ -52,6 +54,10 @@ def test_tp_encoder_bytes_by_hand():
     # t=4: each all-reduce sends 2*3/4 of 256 = 384 bytes
     assert tp_encoder_bytes(2, 4, 8, 2, 4).tp_all_reduce == 8 * 384
     assert tp_encoder_bytes(2, 4, 8, 2, 1).total == 0
+    # Qwen3's per-head norms (2 layers x q_norm, k_norm of head_dim 4): 16 floats summed once per step, t=2
+    assert tp_encoder_bytes(2, 4, 8, 2, 2, partial_params=16) == StepBytes(tp_all_reduce=8 * 256 + 64)
+    with pytest.raises(ValueError, match=r"partial_params=-1\): partial_params must be an int >= 0"):
+        tp_encoder_bytes(2, 4, 8, 2, 2, partial_params=-1)
 
 
 def test_dp_tp_adds_the_shard_all_reduce():
@@ -86,6 +92,53 @@ def _encoder(family):
     torch.manual_seed(0)
     return EncoderClassifier(family, vocab_size=50, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
                              max_len=16, embedding_size=4)  # fmt: skip
+
+
+def _decoder(family, hidden=8, layers=2, heads=4, **extra):
+    """A LLaMA-style or Qwen3-style (per-head query/key RMSNorms) decoder classifier, random weights."""
+    pytest.importorskip("transformers")
+    import transformers
+
+    config, model = {"llama": ("LlamaConfig", "LlamaForSequenceClassification"),
+                     "qwen3": ("Qwen3Config", "Qwen3ForSequenceClassification")}[family]  # fmt: skip
+    torch.manual_seed(0)
+    return getattr(transformers, model)(getattr(transformers, config)(
+        vocab_size=50, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=2, head_dim=hidden // heads, max_position_embeddings=16,
+        pad_token_id=0, num_labels=2, use_cache=False, **extra))  # fmt: skip
+
+
+def test_partial_params_count_every_norm_and_per_head_norm_once():
+    """Plain TP sums only Qwen3's per-head norms (2 x head_dim per layer); sequence parallelism adds every norm of the
+    stack (LayerNorm weight and bias, RMSNorm weight: 2 per block and LLaMA's final one) and the row-wise biases
+    (BERT's, and nn.MultiheadAttention's out_proj and linear2 in torch's encoder), a shared ALBERT block once."""
+    from lightning_pdist.tensor_parallel.plan import plan_for
+
+    H = 8
+    llama, qwen3 = _decoder("llama"), _decoder("qwen3")
+    assert partial_params(llama, plan_for(llama), sequence_parallel=False) == 0
+    assert partial_params(qwen3, plan_for(qwen3), sequence_parallel=False) == 2 * 2 * (H // 4)
+    assert partial_params(llama, plan_for(llama)) == 2 * 2 * H + H
+    assert partial_params(qwen3, plan_for(qwen3)) == 2 * 2 * H + H + 2 * 2 * (H // 4)
+    bert, albert = _encoder("bert"), _encoder("albert")
+    assert partial_params(bert, plan_for(bert)) == 2 * (2 * 2 * H + 2 * H)
+    assert partial_params(albert, plan_for(albert)) == 2 * 2 * H + 2 * H
+    layer = nn.TransformerEncoderLayer(H, 2, 16, dropout=0.0, batch_first=True)
+    torch_encoder = nn.Sequential(nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(H), enable_nested_tensor=False))
+    assert partial_params(torch_encoder, plan_for(torch_encoder)) == 2 * (2 * 2 * H + 2 * H) + 2 * H
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    assert partial_params(mlp, plan_for(mlp), sequence_parallel=False) == 0
+    assert "sequence_parallel=True" in partial_params(mlp, plan_for(mlp))
+
+
+def test_sequence_parallel_bytes_by_hand():
+    """B=2, L=4, H=8 (one activation 256 bytes), 2 layers, t=2: 10 all-gathers of half of it, 8 reduce-scatters
+    (gloo: the whole all-reduce, 256; NCCL: half), one all-reduce of the 40 partial parameters; L=5 is refused."""
+    assert sp_encoder_bytes(2, 4, 8, 2, 2, 40) == StepBytes(tp_all_gather=10 * 128, tp_reduce_scatter=8 * 256,
+                                                            tp_all_reduce=160)  # fmt: skip
+    assert sp_encoder_bytes(2, 4, 8, 2, 2, 40, gloo=False).tp_reduce_scatter == 8 * 128
+    with pytest.raises(ValueError, match=r"sp_encoder_bytes\(seq_len=5\): seq_len must be divisible by tp_size=2"):
+        sp_encoder_bytes(2, 5, 8, 2, 2, 0)
 
 
 def _styles(prefix, names):
@@ -212,13 +265,31 @@ def _measured(tmp_path, model, x, batch_size, devices=2, **strategy_kwargs):
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(devices)]
 
 
-@pytest.mark.parametrize("family", ["bert", "albert"])
-def test_model_equals_the_strategys_meter_for_a_tiny_encoder(tmp_path, family):
-    """TP on 2 ranks: the byte model's 4 all-reduces per layer application equal the meter of a real step, per kind."""
-    model = _encoder(family)
+class Families(nn.Module):
+    """A BERT-like and an ALBERT-like encoder, a LLaMA-style and a Qwen3-style decoder side by side, logits summed."""
+
+    def __init__(self):
+        super().__init__()
+        self.bert, self.albert, self.llama, self.qwen3 = _encoder("bert"), _encoder("albert"), _decoder("llama"), \
+            _decoder("qwen3")  # fmt: skip
+
+    def forward(self, x):
+        return self.bert(x) + self.albert(x) + self.llama(input_ids=x).logits + self.qwen3(input_ids=x).logits
+
+
+def test_model_equals_the_strategys_meter_for_each_tiny_family(tmp_path):
+    """TP on 2 ranks, one launch: for BERT, ALBERT (its shared block run twice), LLaMA and Qwen3 side by side, the
+    byte model's 4 all-reduces per layer application, plus one all-reduce of Qwen3's per-head norm gradients,
+    equal the meter of a real step, per kind."""
+    from lightning_pdist.tensor_parallel.plan import plan_for
+
+    model = Families()
     B, L = 4, 16
+    partial = partial_params(model, plan_for(model), sequence_parallel=False)
+    assert partial == 2 * 2 * 2  # Qwen3: 2 layers x (q_norm, k_norm) x head_dim 2
     ranks = _measured(tmp_path, model, torch.randint(1, 50, (16, L)), B)
-    expected = tp_encoder_bytes(B, L, hidden_size=8, num_layers=2, tp_size=2).by_kind()
+    one = tp_encoder_bytes(B, L, hidden_size=8, num_layers=2, tp_size=2)  # each family's stack
+    expected = (one * 3 + tp_encoder_bytes(B, L, 8, 2, 2, partial_params=partial)).by_kind()
     assert [r["by_kind"] for r in ranks] == [expected, expected]
 
 

@@ -132,6 +132,38 @@ def test_llama_blocks_are_sharded_with_the_gate_and_whole_key_value_heads():
     check_plan(plan_for(_llama(4)), _llama(4), 4)
 
 
+
+def _phi3(num_key_value_heads: int, num_attention_heads: int = 4) -> nn.Module:
+    from transformers import Phi3Config, Phi3Model
+
+    return Phi3Model(Phi3Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                                max_position_embeddings=16, use_cache=False, pad_token_id=0, bos_token_id=1,
+                                eos_token_id=2))  # fmt: skip
+
+
+def test_phi3_fused_qkv_is_split_by_heads_and_grouped_key_value_heads_are_refused():
+    """Phi-3's fused qkv_proj is 'qkv', o_proj row-wise (its fused gate_up_proj stays replicated). With as many
+    key/value heads as query heads (Phi-3-mini) the three blocks are equal: fine. With grouped key/value heads
+    (Phi-3-medium: 2 for 4 here) the blocks differ (32, 16 and 16 rows) and one per-head split would hand a rank
+    other heads' rows: refused naming the module, the head counts and the rule, as it would be at setup. Heads from
+    the config that do not divide the degree are refused too."""
+    p = "layers.0.self_attn."
+    assert plan_for(_phi3(4)).as_dict() == {p + "qkv_proj": QKV, p + "o_proj": ROWWISE}
+    check_plan(plan_for(_phi3(4)), _phi3(4), 2)
+    with pytest.raises(ValueError, match=r"TensorParallelStrategy\(plan='auto'\): module 'layers.0.self_attn.qkv_proj' "
+                                         r"\(Linear 32->64\): a fused query/key/value projection with grouped key/value "
+                                         r"heads \(num_key_value_heads=2 < num_attention_heads=4\) holds query, key and "
+                                         r"value blocks of 32, 16 and 16 rows; 'qkv' splits three equal blocks by heads, "
+                                         r"so it cannot be sharded \(replicate the attention: plan dict "
+                                         r"\{'layers.0.self_attn.qkv_proj': 'replicate', 'layers.0.self_attn.o_proj': "
+                                         r"'replicate'\}, or project query, key and value with separate q_proj/k_proj/"
+                                         r"v_proj Linear layers"):  # fmt: skip
+        check_plan(plan_for(_phi3(2)), _phi3(2), 2, owner="TensorParallelStrategy(plan='auto')")
+    with pytest.raises(ValueError, match=r"module 'layers.0.self_attn': config.num_attention_heads=4 must be divisible "
+                                         r"by tensor_parallel_size=8 \(each rank computes whole heads\)"):  # fmt: skip
+        check_plan(TPPlan.from_dict({p + "qkv_proj": QKV}), _phi3(4), 8)
+
 class _PostNormAttention(nn.Module):
     """q/k/v, the output projection and a norm in one module: the residual is inside, as in ALBERT's attention."""
 

@@ -16,6 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from _helpers import fit, rank_batches
 from lightning_pdist.core.accounting import all_reduce_bytes
+from lightning_pdist.tensor_parallel.cost import partial_params, sp_encoder_bytes
+from lightning_pdist.tensor_parallel.plan import plan_for
 from lightning_pdist.models.vgg import vgg16_scaled
 from lightning_pdist import TensorParallelStrategy
 
@@ -202,6 +204,12 @@ def test_encoder_gradients_losses_and_weights_equal_the_unsharded_model(tmp_path
         stacks = 4
         assert got["calls"] == {"all_gather": 3 * stacks * (LAYERS * 4 + 2), "reduce_scatter": 3 * stacks * LAYERS * 4,
                                 "all_reduce": 3}  # fmt: skip
+        # The byte model, stack by stack (its partial gradients: every LayerNorm and RMSNorm, LLaMA's and Qwen3's
+        # final norms, BERT's row-wise biases, Qwen3's per-head norms; one all-reduce for all), equals the meter
+        partial = partial_params(net, plan_for(net))
+        stack = sp_encoder_bytes(BATCH, SEQ, HIDDEN, LAYERS, 2, partial_params=0)
+        model = (stack * (stacks - 1) + sp_encoder_bytes(BATCH, SEQ, HIDDEN, LAYERS, 2, partial_params=partial)) * 3
+        assert {k: v for k, v in got["kinds"].items() if k != "nonfinite_flag"} == model.by_kind()
         return
     # Each step: per layer, 2 forward all-reduces (attention output, FFN output) and 2 backward ones (the input
     # gradient of q, k and v, summed on the rank and all-reduced once; that of the first FFN linear), each of a

@@ -19,6 +19,7 @@ from _helpers import FusedAttention, fit, rank_batches
 from _ranks import run_ranks
 from lightning_pdist import TensorParallelStrategy
 from lightning_pdist.tensor_parallel.comm import TPComm
+from lightning_pdist.tensor_parallel.layers import unshard
 from lightning_pdist.tensor_parallel.plan import TPPlan, plan_for
 from lightning_pdist.tensor_parallel.shard import apply_plan
 
@@ -155,7 +156,8 @@ def test_attention_masks_and_weights_match_torch_and_an_odd_sequence_is_refused(
     and per head, boolean/float/per-head masks, batch- and sequence-first and unbatched inputs. Under sequence
     parallelism a length-7 sequence over 2 ranks is refused at the forward, before any collective, on every rank,
     naming the argument, the length and the rule (at a LLaMA decoder stack, then at torch's encoder). Plain TP of a
-    Qwen3 decoder: its per-head query/key norms' gradients, summed over the group, equal the unsharded model's."""
+    Qwen3 decoder: its per-head query/key norms' gradients, summed over the group, equal the unsharded model's; of a
+    Phi-3 decoder (fused qkv_proj): output and gradients equal the unsharded model's."""
     with pytest.raises(ValueError, match=r"sequence_parallel=True: the sequence length 7 of the input of 'encoder' must "
                                          r"be divisible by tensor_parallel_size=2"):  # fmt: skip
         run_ranks(_attention_cases, 2, tmp_path)
@@ -185,7 +187,7 @@ def _attention_cases(rank: int, world_size: int) -> None:
         got, want = mha(one, one_mem, one_mem)[0], ref(one, one_mem, one_mem)[0]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     try:
-        from transformers import LlamaConfig, LlamaModel, Qwen3Config, Qwen3Model
+        from transformers import LlamaConfig, LlamaModel, Phi3Config, Phi3Model, Qwen3Config, Qwen3Model
     except ImportError:  # transformers is optional: these cases are skipped without it
         LlamaModel = None
     if LlamaModel is not None:
@@ -204,6 +206,25 @@ def _attention_cases(rank: int, world_size: int) -> None:
         for (name, p), q in zip(qwen.named_parameters(), ref.parameters()):
             got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             torch.testing.assert_close(got, q.grad, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+        # plain TP: Phi-3's fused qkv_proj (as many key/value heads as query heads, as in Phi-3-mini) split by heads;
+        # its forward slices the fused output by head counts, which the attention module sees divided by t: the
+        # output and every gradient equal the unsharded model's, and after unshard the module is Phi-3's own again
+        phi = Phi3Model(Phi3Config(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=4, use_cache=False, pad_token_id=0,
+                                   bos_token_id=1, eos_token_id=2))  # fmt: skip
+        ref, attn = copy.deepcopy(phi), phi.layers[0].self_attn
+        sharding = apply_plan(phi, plan_for(phi), mesh, TPComm(mesh.get_group()), False, "T")
+        assert (attn.config.num_attention_heads, attn.num_key_value_heads, phi.config.num_attention_heads) == (2, 2, 4)
+        outs = [net(tokens).last_hidden_state for net in (phi, ref)]
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+        for out in outs:
+            out.square().mean().backward()
+        for (name, p), q in zip(phi.named_parameters(), ref.parameters()):
+            got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            torch.testing.assert_close(got, q.grad, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+        unshard(phi, sharding)
+        assert attn.config is phi.config and attn.num_key_value_heads == 4
+        torch.testing.assert_close(phi(tokens).last_hidden_state, ref(tokens).last_hidden_state, atol=1e-5, rtol=0)
         # the sequence length rule at a transformers stack's first block
         llama = LlamaModel(LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=32, num_hidden_layers=1,
                                        num_attention_heads=4, num_key_value_heads=2, use_cache=False))  # fmt: skip
