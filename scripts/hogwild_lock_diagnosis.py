@@ -14,10 +14,14 @@ one shared ``w``. How stable that is depends on the *order* of the writes, which
 Part 1 (``--part quadratic``) prints those edges (the spectral radius of the two-write period map, bisected), part 2
 (``--part cnn``) trains the asynchronous benchmark's digits CNN (width 32, SGD lr 0.05, momentum 0.9, batches of 32,
 each process on its ``DistributedSampler`` shard) in ONE process, replaying each schedule deterministically from
-the same weights: 384 updates, validation accuracy every 32.
+the same weights: 384 updates, validation accuracy every 32; ``--jitter J`` makes each read a further 0 to J writes
+older (uniform, seeded), as when the operating system delays one process.
 
     python scripts/hogwild_lock_diagnosis.py --part quadratic
     python scripts/hogwild_lock_diagnosis.py --part cnn --seeds 0 1 2 3
+    python scripts/hogwild_lock_diagnosis.py --part cnn --seeds 0 1 2 3 --jitter 2
+    python scripts/hogwild_lock_diagnosis.py --part cnn --seeds 0 1 2 3 --lr 0.1
+    python scripts/hogwild_lock_diagnosis.py --part cnn --seeds 0 1 2 3 --jitter 2 --momentum 0.4
 """
 
 from __future__ import annotations
@@ -64,8 +68,12 @@ def quadratic() -> None:
         print(f"momentum {m}: largest stable lr*h: " + "; ".join(edges))
 
 
-def cnn(seed: int, stale: tuple[int, int] | None, lr: float = 0.05, m: float = 0.9, updates: int = 384) -> list[float]:
-    """Validation accuracy every 32 updates of the benchmark's CNN under ``stale`` (``None``: one process)."""
+def cnn(seed: int, stale: tuple[int, int] | None, jitter: int = 0, lr: float = 0.05, m: float = 0.9,
+        updates: int = 384) -> list[float]:  # fmt: skip
+    """Validation accuracy every 32 updates of the benchmark's CNN under ``stale`` (``None``: one process), each read
+    a further 0 to ``jitter`` writes old (uniform, seeded: a process the OS delayed)."""
+    import random
+
     import torch.nn.functional as F
     from lightning.fabric.utilities.seed import seed_everything
     from torch.nn.utils import parameters_to_vector, vector_to_parameters
@@ -93,15 +101,15 @@ def cnn(seed: int, stale: tuple[int, int] | None, lr: float = 0.05, m: float = 0
     buffers: list[torch.Tensor | None] = [None] * world
     val_x = torch.stack([x for x, _ in data.val_set])
     val_y = torch.tensor([int(y) for _, y in data.val_set])
-    accs = []
+    accs, rng = [], random.Random(seed)
     for t in range(updates):
         k = t % world
-        back = 0 if stale is None else min(stale[k], len(history) - 1)
+        back = 0 if stale is None else min(stale[k] + rng.randint(0, jitter), len(history) - 1)
         vector_to_parameters(history[-1 - back], params)
         x, y = next(shards[k])
         g = torch.cat([p.reshape(-1) for p in torch.autograd.grad(F.cross_entropy(module(x), y), params)])
         buffers[k] = g if buffers[k] is None else buffers[k].mul_(m).add_(g)
-        history = (history + [history[-1] - lr * buffers[k]])[-3:]
+        history = (history + [history[-1] - lr * buffers[k]])[-(3 + jitter):]
         if (t + 1) % 32 == 0:
             vector_to_parameters(history[-1], params)
             with torch.no_grad():
@@ -114,13 +122,15 @@ def main() -> None:
     parser.add_argument("--part", choices=("quadratic", "cnn"), default="quadratic")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--jitter", type=int, default=0, help="cnn: each read up to this many writes older")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.part == "quadratic":
         return quadratic()
     for name, stale in {"one process": None, **SCHEDULES}.items():
         for seed in args.seeds:
-            accs = cnn(seed, stale, lr=args.lr)
+            accs = cnn(seed, stale, jitter=0 if stale is None else args.jitter, lr=args.lr, m=args.momentum)
             print(f"{name:45s} seed {seed}: at update 32 {accs[0]:.3f}, lowest after 96 {min(accs[2:]):.3f}, "
                   f"final {accs[-1]:.3f}", flush=True)  # fmt: skip
 
