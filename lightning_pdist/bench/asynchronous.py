@@ -391,9 +391,14 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
                   markdown_table(net, NETWORK_COLUMNS)]  # fmt: skip
     shared = [r for r in rows if r["part"] == "shared"]
     if shared:
+        compensated = [r["method"] for r in shared if r["model"] == "cnn" and "compensate" in r.get("what", "")]
+        lowered = f"{max(0.0, cfg['momentum'] - 0.5):g}"  # 2 processes: 1 − 1/2
         lines += ["", f"Shared part (this machine, loopback): {cfg['shared_samples']} training samples per run, split "
                   "over its processes; samples/s: the samples after each process's first step over the slowest "
-                  "process's training loop.", "",
+                  "process's training loop."
+                  + (f" The CNN's {' and '.join(compensated)} rows lower each process's own momentum "
+                     f"{cfg['momentum']:g} by the 1 − 1/2 that two asynchronous processes add (implicit_momentum="
+                     f"'compensate': {lowered}); one process and DDP keep {cfg['momentum']:g}." if compensated else ""), "",
                   markdown_table(shared, SHARED_COLUMNS)]  # fmt: skip
     if errors := [r for r in rows if r["error"]]:
         lines += ["", "Runs that failed:", "", *(f"- {r['model']} {r['part']} {r['method']} (straggler {r['straggler']}): "

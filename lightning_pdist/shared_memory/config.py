@@ -20,6 +20,7 @@ class HogwildConfig(ConfigErrors):
     lock: bool = False
     variance_reduction: str | None = None
     snapshot_every_epochs: int = 1
+    implicit_momentum: str | None = None
     owner: str = "HogwildStrategy"
 
     def __post_init__(self) -> None:
@@ -31,6 +32,9 @@ class HogwildConfig(ConfigErrors):
         if not is_int(self.snapshot_every_epochs) or self.snapshot_every_epochs < 1:
             self._fail("snapshot_every_epochs", "snapshot_every_epochs must be an int >= 1 (epochs between SVRG "
                                                 "snapshots)", TypeError if not is_int(self.snapshot_every_epochs) else ValueError)  # fmt: skip
+        if self.implicit_momentum not in (None, "compensate"):
+            self._fail("implicit_momentum", "implicit_momentum must be None or 'compensate' (lower each process's "
+                                            "momentum by the 1 − 1/N that N asynchronous processes add)")  # fmt: skip
         if self.variance_reduction is None and self.snapshot_every_epochs != 1:
             self._fail("snapshot_every_epochs", "snapshot_every_epochs only applies with variance_reduction='svrg'; "
                                                 "leave it at 1 or set variance_reduction='svrg'")  # fmt: skip

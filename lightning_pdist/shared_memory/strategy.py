@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import Tensor
@@ -36,6 +37,7 @@ from lightning_pdist.core.config import refuse_owned_ddp_args
 from lightning_pdist.core.guard import float_buffers
 from lightning_pdist.core.nonfinite import grads_finite
 from lightning_pdist.core.guard import optimizer_grads
+from lightning_pdist.core.momentum import compensate_optimizers
 from lightning_pdist.core.strategy import PdistStrategy, register_variants
 from lightning_pdist.shared_memory.config import HogwildConfig
 from lightning_pdist.core.control_collectives import ControlGroupCollectives
@@ -55,6 +57,10 @@ class HogwildStrategy(ControlGroupCollectives, PdistStrategy):
         variance_reduction: ``None`` (Hogwild!) or ``"svrg"`` (AsySVRG: ``g − g̃ + μ``; one optimizer, automatic
             optimization).
         snapshot_every_epochs: epochs between AsySVRG snapshots ``w̃`` and full gradients ``μ``.
+        implicit_momentum: ``"compensate"`` lowers every optimizer's momentum (SGD's ``momentum``, Adam's ``beta1``)
+            by ``1 − 1/N`` for ``N`` processes, floored at 0 (Mitliagkas et al. 2016), when fit starts; ``None`` keeps
+            it. Each process's own momentum buffer sees only its own gradients, and two of them stepping one tensor in
+            turns are far less stable than one (the method card's "The locking baseline and momentum").
         nonfinite: what a process does with a step whose gradients hold NaN/Inf: ``"raise"``, ``"skip_step"`` (that
             process skips its own step) or ``"propagate"``.
 
@@ -68,11 +74,11 @@ class HogwildStrategy(ControlGroupCollectives, PdistStrategy):
     wraps_in_ddp = False
 
     def __init__(self, lock: bool = False, variance_reduction: str | None = None, snapshot_every_epochs: int = 1,
-                 nonfinite: str = "raise", **kwargs: Any) -> None:  # fmt: skip
+                 implicit_momentum: str | None = None, nonfinite: str = "raise", **kwargs: Any) -> None:  # fmt: skip
         owner = type(self).__name__
         refuse_owned_ddp_args(owner, kwargs, "Hogwild! has no gradient communication")
-        self.config = HogwildConfig(lock=lock, variance_reduction=variance_reduction,
-                                    snapshot_every_epochs=snapshot_every_epochs, owner=owner)  # fmt: skip
+        self.config = HogwildConfig(lock=lock, variance_reduction=variance_reduction, snapshot_every_epochs=snapshot_every_epochs,
+                                    implicit_momentum=implicit_momentum, owner=owner)  # fmt: skip
         devices = kwargs.get("parallel_devices") or []
         if any(torch.device(d).type != "cpu" for d in devices):
             self.config.check_placement(1, next(torch.device(d).type for d in devices if torch.device(d).type != "cpu"))
@@ -82,6 +88,7 @@ class HogwildStrategy(ControlGroupCollectives, PdistStrategy):
         self.control_group: ControlGroup | None = None
         self.shared: SharedTensors | None = None
         self.steps = 0  # optimizer steps this process applied to the shared weights
+        self.momentum_from: list[float] = []  # implicit_momentum="compensate": each param group's momentum before
         self._lock: ProcessLock | None = None
         self._snapshot: Snapshot | None = None
         self._batch: tuple[Any, int] | None = None
@@ -123,6 +130,7 @@ class HogwildStrategy(ControlGroupCollectives, PdistStrategy):
         if fitting:
             self._share()
             self.setup_optimizers(trainer)
+            self._compensate_momentum()
         self.setup_precision_plugin()
         self._route_metric_sync()
         self.announce(trainer)
@@ -141,6 +149,15 @@ class HogwildStrategy(ControlGroupCollectives, PdistStrategy):
         module = self.lightning_module
         tensors = list(module.parameters()) + float_buffers(module)
         self.shared, self._lock = share(tensors, self.config.lock, self.global_rank, self.broadcast, self.barrier)
+
+    def _compensate_momentum(self) -> None:
+        """``implicit_momentum="compensate"``: the freshly configured optimizers' momentum lowered by ``1 − 1/N`` (a
+        resumed run then loads each process's own states, whose param groups hold the lowered value already)."""
+        if self.config.implicit_momentum != "compensate":
+            return
+        self.momentum_from, warning = compensate_optimizers(self.optimizers, self.world_size, type(self).__name__)
+        if warning:
+            rank_zero_warn(warning)
 
     @override
     def setup_algorithm(self) -> None:

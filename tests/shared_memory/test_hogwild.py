@@ -83,25 +83,27 @@ def test_two_processes_lock_free_lose_few_updates_and_leave_untouched_rows_alone
 
 def test_lock_is_exact_and_resumes_mid_epoch_exactly(tmp_path):
     """lock=True: every update lands, so the interleaving does not matter: w0 − Σ, per-process momentum included,
-    in the mid-epoch checkpoint, at the end, and after resuming from that checkpoint."""
-    module = Counter(momentum=0.5)
+    in the mid-epoch checkpoint, at the end, and after resuming from that checkpoint. implicit_momentum="compensate"
+    took each process's 0.75 to 0.75 − (1 − 1/2) = 0.25 (the sums are those of momentum 0.25, and so is the resumed
+    run's: each process's own states come back with the lowered value)."""
+    module = Counter(momentum=0.75)
     w0, e0 = module.w.detach().clone(), module.emb.weight.detach().clone()
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=3)
-    fit(HogwildStrategy(lock=True, start_method="fork"), module, devices=2, max_steps=6, callbacks=[checkpoint],
-        enable_checkpointing=True)  # fmt: skip
-    dw, de = counter_updates(2, 6, 0.5)
+    locked = lambda: HogwildStrategy(lock=True, implicit_momentum="compensate", start_method="fork")  # noqa: E731
+    fit(locked(), module, devices=2, max_steps=6, callbacks=[checkpoint], enable_checkpointing=True)
+    dw, de = counter_updates(2, 6, 0.25)
     torch.testing.assert_close(module.w.detach(), w0 - dw, rtol=0, atol=0)
     torch.testing.assert_close(module.emb.weight.detach(), e0 - de, rtol=0, atol=0)
     path = tmp_path / "epoch=0-step=3.ckpt"
     stored = torch.load(path, weights_only=False)
-    dw3, de3 = counter_updates(2, 3, 0.5)
+    dw3, de3 = counter_updates(2, 3, 0.25)
     torch.testing.assert_close(stored["state_dict"]["w"], w0 - dw3, rtol=0, atol=0)
     torch.testing.assert_close(stored["state_dict"]["emb.weight"], e0 - de3, rtol=0, atol=0)
-    resumed = Counter(momentum=0.5)
-    fit(HogwildStrategy(lock=True, start_method="fork"), resumed, devices=2, max_steps=6, ckpt_path=str(path))
+    resumed = Counter(momentum=0.75)
+    fit(locked(), resumed, devices=2, max_steps=6, ckpt_path=str(path))
     # Lightning restarts a mid-epoch checkpoint's epoch at its first batch (its loaders keep no position): the
     # resumed steps 4-6 see batches 0-2 again, on the checkpoint's weights with each process's own momentum
-    dw, de = counter_updates(2, [0, 1, 2, 0, 1, 2], 0.5)
+    dw, de = counter_updates(2, [0, 1, 2, 0, 1, 2], 0.25)
     torch.testing.assert_close(resumed.w.detach(), w0 - dw, rtol=0, atol=0)
     torch.testing.assert_close(resumed.emb.weight.detach(), e0 - de, rtol=0, atol=0)
 

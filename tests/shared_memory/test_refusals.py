@@ -16,6 +16,7 @@ from lightning_pdist.shared_memory.svrg import variance_reduced
     ({"variance_reduction": "saga"}, ValueError, r"HogwildStrategy\(variance_reduction='saga'\): variance_reduction must be None .* or 'svrg'"),
     ({"variance_reduction": "svrg", "snapshot_every_epochs": 0}, ValueError, r"\(snapshot_every_epochs=0\): snapshot_every_epochs must be an int >= 1"),
     ({"variance_reduction": "svrg", "snapshot_every_epochs": 1.5}, TypeError, r"\(snapshot_every_epochs=1.5\): snapshot_every_epochs must be an int"),
+    ({"implicit_momentum": "always"}, ValueError, r"HogwildStrategy\(implicit_momentum='always'\): implicit_momentum must be None or 'compensate'"),
     ({"snapshot_every_epochs": 2}, ValueError, r"\(snapshot_every_epochs=2\): snapshot_every_epochs only applies with variance_reduction='svrg'"),
     ({"ddp_comm_hook": print}, ValueError, r"HogwildStrategy\(ddp_comm_hook=.*\): Hogwild! has no gradient communication"),
     ({"find_unused_parameters": True}, TypeError, r"HogwildStrategy\(find_unused_parameters=True\): HogwildStrategy never wraps the model"),
