@@ -11,16 +11,18 @@
 
 Why a held port and not a port picked free and released: another process can take a released port before rank 0
 binds it (xdist workers run side by side). Why not a store the test process hosts (``TCPStore`` on port 0, ranks
-joining with ``TORCHELASTIC_USE_AGENT_STORE``): the store serves from a native thread in the test process, and the
-ranks are forked from that process while the thread runs (accepting rank 0's connection, naming its peer with a
-reverse DNS query). A thread caught inside a lock or a one-time initialisation at ``fork()`` leaves the child that
-lock taken for good; the earlier attempt hung twice in gloo's rendezvous under load 12, only in the 4-rank tests (the
-most forks after the first rank connected), and never when repeated on a quieter machine. A held port keeps the test
-process free of threads, and the ranks use the path users get (rank 0 binds ``MASTER_PORT``).
+joining with ``TORCHELASTIC_USE_AGENT_STORE``): an earlier attempt did that and hung twice in gloo's rendezvous in a
+full run under load 12, both times in a 4-rank test, while 10 repeats alone and beside 6 busy processes passed. The
+likely reason (not shown): the store serves from a native thread in the test process, and the ranks are forked from
+that process while the thread runs (accepting the first ranks' connections, naming each peer with a reverse DNS
+query); a thread caught inside a lock or a one-time initialisation at ``fork()`` leaves the child that lock taken for
+good, and a 4-rank launch forks the most ranks after the first one connected. A held port keeps the test process free
+of threads, and the ranks use the path users get (rank 0 binds ``MASTER_PORT``), not torchrun's agent-store path.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import socket
@@ -54,6 +56,8 @@ def held_port(count: int = 1) -> Iterator[int]:
         socks: list[socket.socket] = []
         try:
             first = _hold(socks, 0)
+            if first + count - 1 > 65535:
+                raise OSError(f"{count} ports from {first} pass 65535")
             for port in range(first + 1, first + count):
                 _hold(socks, port)
         except OSError:
@@ -99,12 +103,17 @@ def _hold(socks: list[socket.socket], port: int) -> int:
     if socket.has_ipv6:
         try:
             six = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-        except OSError:  # no IPv6 in this kernel or namespace
+        except OSError:  # no IPv6 in this kernel
             return port
         socks.append(six)
         six.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         six.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        six.bind(("::", port))
+        try:
+            six.bind(("::", port))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise
+            # IPv6 unusable here (disabled, no wildcard): nothing can listen on it either
     return port
 
 
