@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
-from _helpers import free_port, make_net, rank_batches, regression_data
+from _helpers import make_net, rank_batches, regression_data
+from _ranks import held_master_port
 from lightning.fabric import Fabric
 from torch import nn
 
 
 def launch(strategy, fn, devices: int = 2, **fabric_kwargs):
-    """Run ``fn(fabric)`` on ``devices`` CPU ranks (the strategy's start method; fork in the tests); rank 0's result."""
-    os.environ["MASTER_PORT"] = str(free_port())
-    fabric = Fabric(accelerator="cpu", devices=devices, strategy=strategy, **fabric_kwargs)
-    return fabric.launch(fn)
+    """Run ``fn(fabric)`` on ``devices`` CPU ranks (the strategy's start method; fork in the tests) on a port held for
+    the launch; rank 0's result."""
+    with held_master_port():
+        fabric = Fabric(accelerator="cpu", devices=devices, strategy=strategy, **fabric_kwargs)
+        return fabric.launch(fn)
 
 
 def batch(t: int, rank: int, world: int, batch_size: int = 4, n: int = 64):

@@ -13,15 +13,10 @@ import lightning_pdist  # noqa: F401  (first: torch and Lightning imported with 
 import numpy as np
 import pytest
 import torch
+from _ranks import held_master_port
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def regression_data(n: int = 64, d_in: int = 4, d_out: int = 2, seed: int = 0) -> TensorDataset:
@@ -88,8 +83,7 @@ def load_snapshot(dirpath: str | Path, rank: int, step: int | str) -> torch.Tens
 
 
 def fit(strategy, module: LightningModule, devices: int = 2, max_steps: int = 8, callbacks=(), ckpt_path=None, **trainer_kwargs):
-    """Fork-launched CPU fit; returns the Trainer (rank 0's results come back to this process)."""
-    os.environ["MASTER_PORT"] = str(free_port())
+    """Fork-launched CPU fit on a port held for it; returns the Trainer (rank 0's results come back to this process)."""
     kwargs = dict(
         accelerator="cpu",
         devices=devices,
@@ -106,8 +100,9 @@ def fit(strategy, module: LightningModule, devices: int = 2, max_steps: int = 8,
         log_every_n_steps=1,
     )
     kwargs.update(trainer_kwargs)
-    trainer = Trainer(**kwargs)
-    trainer.fit(module, ckpt_path=ckpt_path)
+    with held_master_port():
+        trainer = Trainer(**kwargs)
+        trainer.fit(module, ckpt_path=ckpt_path)
     return trainer
 
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: a clean environment per test, no process outliving its test, tests/ on sys.path for _helpers."""
+"""Shared fixtures: a clean environment and a held MASTER_PORT per test, no process outliving its test, tests/ on
+sys.path for _helpers and _ranks."""
 
 import ctypes
 import functools
@@ -13,6 +14,7 @@ import lightning_pdist  # noqa: F401  (first: torch and Lightning imported with 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _ranks import held_port  # noqa: E402  (tests/ is on sys.path from here)
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("PL_DISABLE_FORK", "0")
@@ -48,6 +50,17 @@ def _restore_env():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def master_port(_restore_env):
+    """This test's ``MASTER_PORT``, held by this process until the test ends (``_ranks.held_port``): every launcher
+    that reads it (Lightning's, Fabric's, ``pdist fit``, a job started as torchrun would) has its rank 0 bind a port
+    nobody else can have taken, and none falls back to Lightning's own pick-and-release (``find_free_network_port``).
+    Launches in one test run one after another on it, as a script's would on a fixed port."""
+    with held_port() as port:
+        os.environ["MASTER_PORT"] = str(port)
+        yield port
 
 
 @pytest.fixture(autouse=True)

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-from queue import Empty
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from _ranks import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -185,44 +182,24 @@ def test_simulated_rounds_equal_three_real_ddp_ranks_with_the_hooks(tmp_path):
             assert torch.equal(torch.from_numpy(results[rank][name]), simulated), (name, rank)
 
 
-def _gather(queue, procs, timeout_s):
-    """{rank: result} from the queue; fails at once, naming the exit codes, when a rank died without a result."""
-    results, deadline = {}, time.monotonic() + timeout_s
-    while len(results) < len(procs):
-        try:
-            rank, result = queue.get(timeout=2)
-            results[rank] = result
-        except Empty:
-            assert all(p.exitcode in (None, 0) for p in procs), f"a rank died: exit codes {[p.exitcode for p in procs]}"
-            assert time.monotonic() < deadline, f"no result from ranks {set(range(len(procs))) - set(results)} in {timeout_s} s"
-    return results
-
-
-def _worker_rank(rank, port, specs, out_dir, queue):
+def _worker_rank(rank, world_size, specs, out_dir):
     from lightning_pdist.bench.sign_worker import run
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE="2", GLOO_SOCKET_IFNAME="lo")
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world_size), GLOO_SOCKET_IFNAME="lo")
     results = []
     for i, spec in enumerate(specs):
         # One file rendezvous per spec: no TCP port to pick (free_port() + i once collided under load).
         os.environ["PDIST_INIT_METHOD"] = f"file://{out_dir}/rendezvous{i}"
         results.append(run(spec, out_dir / spec["hook"]))
-    queue.put((rank, results))
+    torch.save(results, out_dir / f"results{rank}.pt")
 
 
 def test_comm_worker_logs_the_byte_models_on_two_real_ranks(tmp_path):
     """Two gloo ranks run every hook on a tiny MLP; logged bytes per step equal each hook's byte model."""
     config = SuiteConfig(world_sizes=(2,), steps=2, in_features=16, comm_hidden=32, powersgd_rank=1)
     specs = comm_plan(config)
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker_rank, args=(r, None, specs, tmp_path, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = _gather(queue, procs, timeout_s=240)  # 8 s alone; generous for a loaded machine
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    run_ranks(_worker_rank, 2, tmp_path, specs, tmp_path, timeout=240, group=False)  # 8 s alone; generous under load
+    results = {r: torch.load(tmp_path / f"results{r}.pt", weights_only=False) for r in range(2)}
     by_hook = {spec["hook"]: build_comm_row(spec, [results[0][i], results[1][i]], "loopback", None, "lo")
                for i, spec in enumerate(specs)}  # fmt: skip
     params = 16 * 32 + 32 + 32 * 10 + 10

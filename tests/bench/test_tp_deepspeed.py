@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from lightning_pdist.bench.launch import free_port, read_results, worker_env
+from lightning_pdist.bench.launch import read_results, worker_env
 from lightning_pdist.bench.netns import LOOPBACK, launch_ranks
 from lightning_pdist.bench.tp_deepspeed import reference_losses, run_rank
 
@@ -48,7 +48,7 @@ def test_refuses_to_run_beside_an_existing_process_group(monkeypatch, tmp_path):
         run_rank(**ARGS)
 
 
-def test_two_gloo_ranks_shard_bert_and_reproduce_the_one_process_losses(tmp_path):
+def test_two_gloo_ranks_shard_bert_and_reproduce_the_one_process_losses(tmp_path, master_port):
     """AutoTP on 2 gloo ranks halves BERT's attention/FFN weights per rank and gives the one-process losses."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("transformers")
@@ -57,7 +57,7 @@ def test_two_gloo_ranks_shard_bert_and_reproduce_the_one_process_losses(tmp_path
     argv = [sys.executable, "-m", "lightning_pdist.bench.tp_deepspeed", "--spec", json.dumps(spec), "--out-dir", str(tmp_path)]
     # A file rendezvous: no port is listened on, so none can collide (MASTER_PORT is set but unused).
     env = {**worker_env(), "PDIST_INIT_METHOD": f"file://{tmp_path}/rendezvous"}
-    launch_ranks(LOOPBACK, argv, 2, free_port(), env=env, timeout=120)
+    launch_ranks(LOOPBACK, argv, 2, master_port, env=env, timeout=120)
     ranks = read_results(tmp_path, "rank", 2, "test_tp_deepspeed")
     expected = reference_losses("bert", TINY, 4, 16, 3, 0, 0)
     query = "encoder.bert.encoder.layer.0.attention.self.query.weight"

@@ -130,8 +130,8 @@ def run_cell(strategy: str, module: str, root: Path, rank: int) -> dict:
     return result
 
 
-def worker(rank: int, strategy: str, modules: list[str], root: str, port: int) -> None:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(rank: int, world_size: int, strategy: str, modules: list[str], root: str) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", MASTER_ADDR="127.0.0.1")  # MASTER_PORT: held by the test
     os.environ.pop("WORLD_SIZE", None)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")

@@ -30,11 +30,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from _helpers import free_port
+from _ranks import held_master_port, run_ranks
 
-from lightning_pdist.core.forking import frozen_for_fork
 from tests.conformance import report, runner, strategies
 from tests.conformance.modules import MODULES
 
@@ -49,20 +47,12 @@ def _result_files(root: Path, strategy: str, module: str) -> list[Path]:
 
 
 def _run_pair(strategy: str, modules: list[str], root: Path, timeout_s: float) -> None:
-    with frozen_for_fork():  # the ranks never collect a garbage process group inherited from this process
-        context = mp.start_processes(runner.worker, args=(strategy, modules, str(root), free_port()), nprocs=2,
-                                     join=False, start_method="fork")  # fmt: skip
-    deadline = time.monotonic() + timeout_s
+    """One pair of ranks on a port held for it runs ``modules`` in turn; a failed or hung cell shows in the result files."""
     try:
-        while not context.join(timeout=max(0.1, deadline - time.monotonic())) and time.monotonic() < deadline:
-            pass
-    except mp.ProcessRaisedException:
+        with held_master_port():
+            run_ranks(runner.worker, 2, root, strategy, modules, str(root), timeout=max(timeout_s, 1.0), group=False)
+    except Exception:  # noqa: BLE001  (a rank that raised or hung: every rank is killed; the files tell which cell)
         pass
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
 
 
 def _launch(strategy: str) -> dict[str, list[dict]]:

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-from _helpers import free_port
 
 JOB = Path(__file__).with_name("_hung_job.py")
 STARTUP = 180.0  # s: two ranks importing torch and Lightning on a loaded machine
@@ -35,12 +34,12 @@ def jobs():
         proc.wait()
 
 
-def start(jobs, out: Path, *args: str, rank: int | None = None, port: int | None = None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PDIST_LAUNCHER_PID"):
+def start(jobs, out: Path, *args: str, rank: int | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # MASTER_PORT: the test's held port (conftest.py)
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "PDIST_LAUNCHER_PID"):
         env.pop(name, None)
     if rank is not None:  # launched from outside, as torchrun does: Lightning starts no process
-        env.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
     log = open(out / f"log{'' if rank is None else rank}.txt", "w")
     proc = subprocess.Popen([sys.executable, str(JOB), str(out), *args], stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)  # fmt: skip
@@ -116,8 +115,7 @@ def test_killing_the_launcher_ends_a_stopped_rank_and_the_servers(tmp_path, jobs
 
 def test_a_stopped_bmuf_rank_is_named_by_the_rank_waiting_for_it(tmp_path, jobs):
     """Externally launched BMUF, rank 1 SIGSTOPped: rank 0 fails after timeout=10 s, naming rank 1 as silent."""
-    port = free_port()
-    ranks = [start(jobs, tmp_path, "bmuf", "stop1", "external", "10", rank=r, port=port) for r in range(2)]
+    ranks = [start(jobs, tmp_path, "bmuf", "stop1", "external", "10", rank=r) for r in range(2)]
     code = ranks[0].wait(timeout=STARTUP + 60)
     log = (tmp_path / "log0.txt").read_text()
     assert code != 0
@@ -128,8 +126,7 @@ def test_a_stopped_bmuf_rank_is_named_by_the_rank_waiting_for_it(tmp_path, jobs)
 
 def test_a_killed_rank_0_under_bmuf_ends_the_other_rank_naming_it(tmp_path, jobs):
     """Externally launched BMUF, SIGKILL rank 0 (the store's host): rank 1 ends with an error that points at rank 0."""
-    port = free_port()
-    ranks = [start(jobs, tmp_path, "bmuf", "run", "external", "10", rank=r, port=port) for r in range(2)]
+    ranks = [start(jobs, tmp_path, "bmuf", "run", "external", "10", rank=r) for r in range(2)]
     both = lambda: all((tmp_path / f"step3_rank{r}").exists() for r in range(2)) or any(p.poll() is not None for p in ranks)  # noqa: E731
     wait_for(both, STARTUP, "both ranks reach step 3")
     assert ranks[1].poll() is None, (tmp_path / "log1.txt").read_text()[-3000:]

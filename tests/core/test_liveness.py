@@ -4,16 +4,14 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-from _helpers import free_port
 
 from lightning_pdist.core.liveness import Heartbeat, describe_silent_ranks, looks_like_a_lost_peer, silent_ranks
 
 
 @pytest.fixture
 def store():
-    port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)
-    yield port
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    yield server.port  # port 0: the kernel's choice, read back
     del server
 
 
@@ -47,9 +45,9 @@ def test_when_every_rank_beats_the_description_says_one_is_hung_in_its_own_code(
     assert text.startswith("every rank's heartbeat still advances (checked for 0.5 s from rank 0): no rank is stopped")
 
 
-def test_a_store_that_does_not_answer_is_named_with_its_host():
+def test_a_store_that_does_not_answer_is_named_with_its_host(master_port):
     """No store at the address: the description says so and points at the process hosting it (rank 0)."""
-    port = free_port()
+    port = master_port  # held, never listened on
     text = describe_silent_ranks("127.0.0.1", port, world_size=2, rank=1, wait=0.1, timeout=0.5)
     assert text.startswith(f"the job's store at 127.0.0.1:{port} does not answer (")
     assert text.endswith("the process that hosts it (global rank 0 under Lightning's launchers) is stopped, dead or unreachable")
@@ -71,10 +69,10 @@ def test_which_errors_look_like_a_lost_peer(error, lost):
     assert looks_like_a_lost_peer(error) is lost
 
 
-def test_heartbeats_of_one_process_share_one_connection_and_replace_a_gone_store():
+def test_heartbeats_of_one_process_share_one_connection_and_replace_a_gone_store(master_port):
     """Every Heartbeat of a process reuses one connection per store (each new connection costs a reverse DNS lookup on
     both ends); when that store is gone and another serves the same address, the next Heartbeat connects again."""
-    port = free_port()
+    port = master_port
     make = lambda: dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)  # noqa: E731
     server = make()
     first, second = (Heartbeat("127.0.0.1", port, rank=0, period=0.1) for _ in range(2))

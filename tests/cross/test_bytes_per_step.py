@@ -11,11 +11,9 @@ on the gradients: their logged bytes must lie strictly between the file's exact 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-from _helpers import free_port
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -58,7 +56,6 @@ def _measure(name: str, policy: str, tmp_path: Path) -> list[list[int]]:
 
 def _fit(strategy, module, steps, callback):
     """Fork-launched CPU fit on the digits, every step a logging step (pdist/comm_bytes is then the step's bytes)."""
-    os.environ["MASTER_PORT"] = str(free_port())
     trainer = Trainer(accelerator="cpu", devices=byte_models.WORLD, strategy=strategy, max_steps=steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, limit_val_batches=0, callbacks=[callback], log_every_n_steps=1)  # fmt: skip

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import warnings
 
 import pytest
 import torch
-from _helpers import TinyRegression, free_port
+from _helpers import TinyRegression
 from tests.conformance.strategies import PDIST_CLASSES
 from lightning.pytorch import Trainer
 
@@ -134,7 +133,6 @@ class _LBFGSRegression(TinyRegression):
 
 
 def _fit(strategy) -> float:
-    os.environ["MASTER_PORT"] = str(free_port())
     module = _module(strategy)
     trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from _fabric_loop import launch, train
-from _helpers import free_port, make_net
+from _helpers import make_net
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
@@ -105,9 +105,8 @@ def test_easgd_alpha_too_large_for_the_world_is_refused_at_setup():
         launch(EASGDFabricStrategy(alpha=0.6, start_method="fork"), lambda fabric: train(fabric, 1))
 
 
-def test_one_rank_warns_and_trains(monkeypatch):
+def test_one_rank_warns_and_trains():
     """devices=1 warns that nothing is communicated and still runs the rule (local SGD: plain SGD)."""
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     fabric = Fabric(accelerator="cpu", devices=1, strategy=LocalSGDFabricStrategy(period=2))
     with pytest.warns(UserWarning, match=r"LocalSGDFabricStrategy: world_size == 1, so there is nothing to communicate"):
         fabric.launch(lambda f: train(f, 3))
@@ -120,9 +119,8 @@ def test_consensus_before_setup_is_refused():
 
 
 @pytest.mark.filterwarnings("ignore:LocalSGDFabricStrategy. world_size == 1")
-def test_resume_without_this_ranks_file_warns(monkeypatch, tmp_path):
+def test_resume_without_this_ranks_file_warns(tmp_path):
     """A checkpoint whose rank file is gone resumes from the consensus, with a warning that says why."""
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     path = tmp_path / "ckpt.pt"
     fabric = Fabric(accelerator="cpu", devices=1, strategy=LocalSGDFabricStrategy(period=2))
     fabric.launch(lambda f: train(f, 2, save_at=1, path=path))

@@ -6,7 +6,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _helpers import free_port
 from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DistributedSampler
 
@@ -145,7 +144,6 @@ class _RecordBatches(Callback):
 
 
 def _two_rank_fit(tmp_path, dm: DigitsDataModule, use_distributed_sampler: bool) -> list[dict]:
-    os.environ["MASTER_PORT"] = str(free_port())
     trainer = Trainer(
         accelerator="cpu", devices=2, strategy="ddp_fork", max_epochs=2,
         use_distributed_sampler=use_distributed_sampler,

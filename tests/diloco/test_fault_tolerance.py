@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from _helpers import make_net, regression_data
+from _ranks import held_port
 from torch import nn
 
 torchft = pytest.importorskip("torchft")
@@ -56,11 +57,12 @@ def _reference(contributors: dict[int, list[tuple[int, int]]], steps: int) -> to
     return glob.detach()
 
 
-def _start(tmp_path, r, life, env):
-    # Each replica is its own 1-process job: Lightning picks its own free MASTER_PORT only where none is set (three
-    # replicas inheriting one, e.g. left in this pytest worker by an earlier test, collide: EADDRINUSE).
-    env = {k: v for k, v in env.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
-                                                     "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")}  # fmt: skip
+def _start(tmp_path, r, life, env, first_port):
+    # Each replica is its own 1-process job on a port of its own (the test holds them: one shared port, three stores
+    # on it, collide with EADDRINUSE); a restarted replica takes its predecessor's.
+    env = {k: v for k, v in env.items() if k not in ("MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
+                                                     "GROUP_RANK", "LOCAL_WORLD_SIZE")}  # fmt: skip
+    env["MASTER_PORT"] = str(first_port + r)
     log = open(tmp_path / f"log{r}.{life}", "w")
     return subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), str(r), str(life)], env=env, stdout=log,
                             stderr=subprocess.STDOUT)  # fmt: skip
@@ -79,14 +81,21 @@ def _wait(path: Path, procs, timeout: float) -> None:
 def test_a_killed_replica_is_left_out_and_a_restarted_one_heals_and_catches_up(tmp_path):
     from torchft._torchft import LighthouseServer
 
+    with held_port(3) as first_port:
+        _run_replicas(tmp_path, LighthouseServer, first_port)
+
+    _check_rounds(tmp_path)
+
+
+def _run_replicas(tmp_path, LighthouseServer, first_port):  # noqa: N803
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=3000, heartbeat_timeout_ms=1000)
     env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse.address(), PYTHONPATH=str(ROOT), LOGLEVEL="WARNING")
-    procs = [_start(tmp_path, r, 1, env) for r in range(3)]
+    procs = [_start(tmp_path, r, 1, env, first_port) for r in range(3)]
     try:
         _wait(tmp_path / "stalled", procs, 120)
         os.kill(procs[VICTIM].pid, signal.SIGKILL)  # mid-round 3, while the others finish it
         procs[VICTIM].wait(10)
-        procs.append(_start(tmp_path, VICTIM, 2, env))
+        procs.append(_start(tmp_path, VICTIM, 2, env, first_port))
         live = [procs[0], procs[1], procs[3]]
         for p in live:
             p.wait(120)
@@ -99,6 +108,8 @@ def test_a_killed_replica_is_left_out_and_a_restarted_one_heals_and_catches_up(t
                 p.wait()
         lighthouse.shutdown()
 
+
+def _check_rounds(tmp_path):
     records = {r: [json.loads(line) for line in (tmp_path / f"rounds{r}.jsonl").read_text().splitlines()] for r in range(3)}
     assert all(rec["committed"] for rs in records.values() for rec in rs)
     contributors = {s: [] for s in range(H, STEPS + 1, H)}

@@ -3,8 +3,8 @@
 import os
 
 import torch
-import torch.multiprocessing as mp
-from _helpers import TinyRegression, free_port, regression_data
+from _helpers import TinyRegression, regression_data
+from _ranks import run_ranks
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
@@ -40,9 +40,10 @@ def _trainer(strategy, root, **kwargs) -> Trainer:
     return Trainer(**{**args, **kwargs})
 
 
-def _sequence(rank: int, port: int, root: str) -> None:
-    # What an externally launched job (torchrun, a conformance suite) does: env set, Lightning launches nothing.
-    os.environ.update(LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0", WORLD_SIZE="2")
+def _sequence(rank: int, world_size: int, root: str) -> None:
+    # What an externally launched job (torchrun, a conformance suite) does: env set, Lightning launches nothing
+    # (MASTER_PORT: the test's held port, inherited).
+    os.environ.update(LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", NODE_RANK="0", WORLD_SIZE=str(world_size))
     model = lambda: EvalRegression(lr=0.05, momentum=0.9, n=24)  # noqa: E731  (3 steps per epoch on 2 workers)
     out = {}
     ckpt = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=False)
@@ -70,7 +71,7 @@ def _sequence(rank: int, port: int, root: str) -> None:
 
 def test_several_trainers_in_the_same_two_worker_processes(tmp_path):
     """fit, validate/test/predict (same and fresh Trainer, from a checkpoint), resume, DDP, PS again: one process pair."""
-    mp.start_processes(_sequence, args=(free_port(), str(tmp_path)), nprocs=2, start_method="fork")
+    run_ranks(_sequence, 2, tmp_path, str(tmp_path), group=False)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     net = TinyRegression().net
     torch.nn.utils.vector_to_parameters(ranks[0]["fit"], net.parameters())

@@ -1,35 +1,14 @@
 """server_port: the servers the strategy starts bind a fixed port range (what a firewall opens), checked and refused."""
 
 import json
-import random
 import socket
 
 import pytest
 from _helpers import TinyRegression, fit
+from _ranks import held_port
 from lightning.pytorch import Callback, Trainer
 
 from lightning_pdist import ParameterServerStrategy
-
-
-def free_port_range(count: int) -> int:
-    """The first of ``count`` consecutive ports that are free on 127.0.0.1 now, below Linux's ephemeral range
-    (32768-60999): the kernel never hands those to other processes' outgoing connections, so under load only an
-    explicit bind elsewhere could take them before the servers do."""
-    for _ in range(50):
-        first = random.randrange(20000, 32000 - count)
-        socks = []
-        try:
-            for port in range(first, first + count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 class ReportServers(Callback):
@@ -53,10 +32,10 @@ class ReportServers(Callback):
 
 def test_servers_listen_on_the_port_range(tmp_path):
     """server_port=p with 2 servers on one node: server 0 listens on p, server 1 on p + 1, and training runs."""
-    first = free_port_range(2)
     report = tmp_path / "servers.json"
-    fit(ParameterServerStrategy(start_method="fork", num_servers=2, server_port=first), TinyRegression(),
-        max_steps=3, callbacks=[ReportServers(report)])  # fmt: skip
+    with held_port(2) as first:  # no other process can bind the two ports meanwhile; the servers can (SO_REUSEADDR)
+        fit(ParameterServerStrategy(start_method="fork", num_servers=2, server_port=first), TinyRegression(),
+            max_steps=3, callbacks=[ReportServers(report)])  # fmt: skip
     seen = json.loads(report.read_text())
     expected = [f"127.0.0.1:{first}", f"127.0.0.1:{first + 1}"]
     assert seen["addresses"] == expected and seen["listening"] == expected and len(seen["pids"]) == 2
@@ -64,8 +43,7 @@ def test_servers_listen_on_the_port_range(tmp_path):
 
 def test_a_taken_port_stops_every_worker_naming_it():
     """A port of the range already in use: the run fails on every worker naming the node, server, port and setting."""
-    first = free_port_range(2)
-    with socket.create_server(("127.0.0.1", first + 1)):
+    with held_port(2) as first, socket.create_server(("127.0.0.1", first + 1)):
         with pytest.raises(Exception, match=rf"ParameterServerStrategy\(server_port={first}\): node 0 cannot start "
                                             rf"parameter server 1 on 127.0.0.1:{first + 1} \(OSError: .*in use.*\); "
                                             r"a node's k-th server binds server_port \+ k: choose free ports"):  # fmt: skip

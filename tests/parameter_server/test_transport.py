@@ -257,11 +257,9 @@ def test_servers_exit_when_the_process_that_started_them_dies(how):
             proc.wait()
 
 
-def test_refused_connections_are_retried_until_connect_timeout():
+def test_refused_connections_are_retried_until_connect_timeout(master_port):
     """A server still starting up is waited for; one that never comes fails after connect_timeout, naming it."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = master_port  # held by this process, never listened on until the late server below takes it
     t0 = time.monotonic()
     with pytest.raises(ServerUnavailable, match=rf"parameter server 3 at 127.0.0.1:{port}: cannot connect .*retried for 0.5 s"):
         ServerConnection(3, f"127.0.0.1:{port}", connect_timeout=0.5)

@@ -5,12 +5,11 @@ fork launcher hands rank 0's to this process, so each test compares the module i
 plain-torch reference from ``tests/_pipeline_reference.py``.
 """
 
-import os
 
 import _pipeline_reference as reference
 import pytest
 import torch
-from _helpers import SnapshotParams, TinyRegression, fit, free_port, load_snapshot, rank_batches, regression_data
+from _helpers import SnapshotParams, TinyRegression, fit, load_snapshot, rank_batches, regression_data
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
@@ -224,14 +223,12 @@ def test_validate_test_and_predict_run_through_the_pipeline(tmp_path):
     """Outside fit, the pipeline evaluates forward only: test loss and predictions equal the one-process model's."""
     module = DeepRegression()
     data = DataLoader(regression_data(16, seed=3), batch_size=8)
-    os.environ["MASTER_PORT"] = str(free_port())
     results = Trainer(accelerator="cpu", devices=2, strategy=pipeline(num_microbatches=2), logger=False, enable_progress_bar=False,
                       enable_model_summary=False).test(module, data)  # fmt: skip
     x, y = regression_data(16, seed=3).tensors
     with torch.no_grad():
         assert results[0]["test/loss"] == pytest.approx(float(nn.functional.mse_loss(deep_net()(x), y)), abs=1e-6)
     assert_model_equals(module, deep_net())
-    os.environ["MASTER_PORT"] = str(free_port())
     Trainer(accelerator="cpu", devices=2, strategy=pipeline(num_microbatches=2), logger=False, enable_progress_bar=False,
             enable_model_summary=False, callbacks=[SavePredictions(tmp_path)]).predict(module, data)  # fmt: skip
     with torch.no_grad():
@@ -244,7 +241,6 @@ def test_classifier_accuracy_metric_is_exact_across_stages():
     torch.manual_seed(0)
     module = ClassifierModule(model="cnn", lr=0.05)
     data = DigitsDataModule(batch_size=32)
-    os.environ["MASTER_PORT"] = str(free_port())
     trainer = Trainer(accelerator="cpu", devices=2, strategy=pipeline(num_stages=2, num_microbatches=2), max_steps=5,
                       val_check_interval=5, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
@@ -454,7 +450,6 @@ def test_dropout_is_reproducible_and_off_in_evaluation():
     assert not torch.allclose(runs[0], runs[2])
     module = DropoutRegression(p=0.5)
     data = DataLoader(regression_data(16, seed=3), batch_size=8)
-    os.environ["MASTER_PORT"] = str(free_port())
     results = Trainer(accelerator="cpu", devices=2, strategy=pipeline(num_microbatches=2), logger=False, enable_progress_bar=False,
                       enable_model_summary=False).test(module, data)  # fmt: skip
     x, y = regression_data(16, seed=3).tensors

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _helpers import free_port
+from _ranks import held_port
 
 from lightning_pdist.cli import main
 
@@ -44,7 +44,7 @@ def test_recipe_parses_and_names_its_strategy(recipe, capsys):
 
 
 def _run_pdist(recipe: Path, tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MASTER_PORT=str(free_port()), WANDB_MODE="offline", WANDB_SILENT="true")
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")  # MASTER_PORT: the test's held port
     cmd = [str(PDIST), "fit", "--config", str(recipe), "--trainer.max_steps=9", "--trainer.limit_val_batches=2", "--trainer.val_check_interval=4",
            f"--trainer.default_root_dir={tmp_path}", *overrides]  # fmt: skip
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
@@ -59,11 +59,12 @@ def trained(tmp_path_factory):
     recipe: each launch re-imports torch and Lightning in two processes (~7 s of CPU each), the recipes' 9 steps
     cost ~1 s. The ``pdist`` console script itself, as a user runs it, is the wandb test below."""
     out = tmp_path_factory.mktemp("recipes")
-    env = dict(os.environ, MASTER_PORT=str(free_port()), WANDB_MODE="offline", WANDB_SILENT="true")
-    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "PDIST_LAUNCHER_PID"):
-        env.pop(name, None)
-    cmd = [sys.executable, str(Path(__file__).with_name("_several_recipes.py")), str(out), *map(str, SUPERVISED)]
-    result = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
+    with held_port() as port:  # module scope: no test's port is held yet
+        env = dict(os.environ, MASTER_PORT=str(port), WANDB_MODE="offline", WANDB_SILENT="true")
+        for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "PDIST_LAUNCHER_PID"):
+            env.pop(name, None)
+        cmd = [sys.executable, str(Path(__file__).with_name("_several_recipes.py")), str(out), *map(str, SUPERVISED)]
+        result = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
     return out, result
 
 
@@ -119,7 +120,7 @@ def test_rl_recipe_trains_through_pdist_and_logs_episode_returns(recipe, tmp_pat
     """`pdist fit --config <DQN recipe>` as a user runs it, cut to 6 updates after 64 transitions and one actor (gorila:
     one learner and one server process; two learners through the Trainer are tests/rl/test_gorila.py's); the offline
     W&B run holds the loss and the episode returns."""
-    env = dict(os.environ, MASTER_PORT=str(free_port()), WANDB_MODE="offline", WANDB_SILENT="true")
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")  # MASTER_PORT: the test's held port
     cmd = [str(PDIST), "fit", "--config", str(ROOT / "recipes" / f"{recipe}.yaml"), "--trainer.max_steps=6",
            "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={tmp_path}",
            f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.strategy.init_args.num_actors=1",
