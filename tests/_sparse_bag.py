@@ -15,7 +15,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from _helpers import rank_batches
+from _helpers import fit, rank_batches
 from lightning_pdist.models import SparseBagClassifier
 
 ROWS, DIM, N, B = 40, 4, 48, 4
@@ -73,3 +73,21 @@ def linear_sum(world: int, steps: int) -> torch.Tensor:
         for x, y in rank_batches(bag_data(), rank, world, B)[:steps]:
             total += linear_grad(x, y)
     return total
+
+
+def assert_only_used_rows_moved(table: torch.Tensor, table0: torch.Tensor) -> None:
+    """The rows some batch indexed moved; the rows no batch touches are bit-identical to the start."""
+    assert torch.equal(table[USED:], table0[USED:])
+    assert not torch.equal(table[:USED], table0[:USED])
+
+
+def linear_bag_lands_every_push(strategy, atol: float) -> None:
+    """4 steps of :class:`LinearBag` on 2 ranks under ``strategy``: the table is ``E0 − lr·Σg/2`` (every push landed,
+    in whatever order) and its never-indexed rows are bit-identical to the start."""
+    linear = LinearBag()
+    e0 = linear.table.weight.detach().clone()
+    fit(strategy, linear, max_steps=4)
+    expected = e0 - linear.lr * linear_sum(world=2, steps=4) / 2
+    torch.testing.assert_close(linear.table.weight.detach(), expected, atol=atol, rtol=0)
+    assert torch.equal(linear.table.weight.detach()[USED:], e0[USED:])
+    assert not torch.equal(expected, e0)
