@@ -166,7 +166,7 @@ class StageExecutor:
         """Post the receive of ``microbatch`` on ``stream`` ahead (:meth:`P2P.post`) if it is admitted and comes to
         this stage: activations from ``prev``, gradients from ``next`` (not under ``dni``, whose ``S`` takes them)."""
         peer = self.prev_rank if stream == FORWARD else None if self.synthetic is not None else self.next_rank
-        if peer is not None and microbatch < self.cursor.available:
+        if self.p2p.post_ahead and peer is not None and microbatch < self.cursor.available:
             self.p2p.post(peer, stream, microbatch)
 
     def run(self, draining: bool = False) -> list[Action]:
