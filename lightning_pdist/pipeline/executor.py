@@ -159,6 +159,15 @@ class StageExecutor:
     def admit(self, num_microbatches: int) -> None:
         """A new batch of ``num_microbatches`` micro-batches may enter."""
         self.cursor.admit(num_microbatches)
+        self._post(FORWARD, self.cursor.forwarded)
+        self._post(BACKWARD, self.cursor.backwarded)
+
+    def _post(self, stream: int, microbatch: int) -> None:
+        """Post the receive of ``microbatch`` on ``stream`` ahead (:meth:`P2P.post`) if it is admitted and comes to
+        this stage: activations from ``prev``, gradients from ``next`` (not under ``dni``, whose ``S`` takes them)."""
+        peer = self.prev_rank if stream == FORWARD else None if self.synthetic is not None else self.next_rank
+        if self.p2p.post_ahead and peer is not None and microbatch < self.cursor.available:
+            self.p2p.post(peer, stream, microbatch)
 
     def run(self, draining: bool = False) -> list[Action]:
         """Run every action the schedule allows now (``draining``: finish all pending backwards)."""
@@ -263,6 +272,7 @@ class StageExecutor:
         x: Tensor | None = None
         if not self.is_first:
             message = self.p2p.recv(self.prev_rank, FORWARD, j)
+            self._post(FORWARD, j + 1)
             x = message.tensor
             if x.is_floating_point():
                 x.requires_grad_()
@@ -338,6 +348,7 @@ class StageExecutor:
             self.boundary[j] = (record.output.detach(), labels)
         else:
             outputs, grad_outputs = record.output, self.p2p.recv(self.next_rank, BACKWARD, j).tensor
+            self._post(BACKWARD, j + 1)
             self.p2p.release(self.next_rank, FORWARD, j)  # next ran its backward j, hence its forward j
         if record.replay is not None:
             g_in, self._last_backward_weights = self._replay(record, grad_outputs)

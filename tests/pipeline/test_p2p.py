@@ -49,9 +49,16 @@ def _worker(rank, world_size, out):
         p2p.wait_all()
         results["bytes"] = meter.total_bytes
     else:
-        got = [p2p.recv(1, FORWARD, j) for j in range(3)]
+        # 0: a plain receive; 1 and 2: posted ahead (P2P.post), as the executor does once it knows a frame will come
+        got = [p2p.recv(1, FORWARD, 0)]
+        for j in (1, 2):
+            p2p.post(1, FORWARD, j)
+            p2p.post(1, FORWARD, j)  # posting twice is one receive
+            got.append(p2p.recv(1, FORWARD, j))
         results["forward"] = [(m.tensor.clone(), m.microbatch, m.version) for m in got]
+        p2p.post(1, BACKWARD, 5)  # a first message: what arrives in the posted frame is the announce of its shape
         results["backward"] = p2p.recv(1, BACKWARD, 5).tensor.clone()
+        results["posted_left"] = p2p.posted
         for name in HOSTILE:
             try:
                 p2p.recv(1, FORWARD, 0)
@@ -70,11 +77,13 @@ def exchange(tmp_path_factory):
 
 
 def test_messages_arrive_in_order_with_their_ids(exchange):
-    """Tensors, micro-batch ids and version ids arrive as sent, per stream; bf16 keeps its dtype."""
+    """Tensors, micro-batch ids and version ids arrive as sent, per stream, through a plain receive or one posted
+    ahead (an announce landing in a posted frame included); bf16 keeps its dtype."""
     received = exchange[0]
     for j, (tensor, microbatch, version) in enumerate(received["forward"]):
         assert torch.equal(tensor, torch.full((2, 3), float(j))) and (microbatch, version) == (j, 10 + j)
-    assert received["backward"].dtype == torch.bfloat16
+    assert received["backward"].dtype == torch.bfloat16 and torch.equal(received["backward"], torch.ones(4, dtype=torch.bfloat16))
+    assert received["posted_left"] == 0
 
 
 def test_sender_counts_frames_one_per_message_while_shapes_repeat(exchange):
