@@ -25,7 +25,7 @@ M = 4  # micro-batches per batch
 BATCHES = 5
 B = 8  # samples per batch
 SPLITS = {2: [(0, 4), (4, 7)], 3: [(0, 2), (2, 4), (4, 7)]}
-CASES = ("gpipe", "1f1b", "pipedream", "pipedream_vs", "pipedream_nostash", "2bw")
+CASES = ("gpipe", "1f1b", "pipedream", "pipedream_vs", "pipedream_nostash", "2bw", "1f1b_postahead", "pipedream_postahead")
 
 
 def make_net():
@@ -59,7 +59,7 @@ def run_case(rank, K, case):
         return nn.functional.mse_loss(forward(current["x"].tensor_split(M)[j % M]), current["y"].tensor_split(M)[j % M])
 
     executor = StageExecutor(
-        stage, rank, K, schedule, P2P(None, meter=meter),
+        stage, rank, K, schedule, P2P(None, meter=meter, post_ahead=case.endswith("_postahead")),
         prev_rank=rank - 1 if rank > 0 else None, next_rank=rank + 1 if rank < K - 1 else None,
         input_fn=input_fn, loss_fn=loss_fn, update_fn=optimizer.step,
         weight_stashing=case != "pipedream_nostash", vertical_sync=case == "pipedream_vs",
@@ -78,6 +78,7 @@ def run_case(rank, K, case):
         "drained": executor.drained,
         "max_pending": max_pending,
         "pending_after_drain": executor.p2p.pending,
+        "posted_after_drain": executor.p2p.posted,
     }
 
 
@@ -131,7 +132,7 @@ def assert_stages(results, case, expected):
 # --- tests ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("case", ["gpipe", "1f1b", "1f1b_postahead"])
 def test_flushed_schedules_equal_gradient_accumulation(world, case):
     """GPipe and 1F1B on K gloo ranks equal one-process SGD with gradients accumulated over the micro-batches."""
     K, results = world
@@ -278,3 +279,15 @@ def test_forward_context_wraps_forwards_and_not_backwards():
     executor.admit(2)
     executor.run()
     assert seen == {"forwards": 2, "backward_autocast": [False, False]}
+
+
+def test_receives_posted_ahead_change_nothing_but_when_bytes_arrive(world):
+    """``P2P(post_ahead=True)``: 1F1B still equals gradient accumulation (above), PipeDream with stashing still equals
+    its reference, the bytes are the same, and no posted receive is left after a drain."""
+    K, results = world
+    assert_stages(results, "pipedream_postahead", reference_pipedream(K))
+    for s in range(K):
+        for case in ("1f1b", "pipedream"):
+            assert results[s][f"{case}_postahead"]["bytes"] == results[s][case]["bytes"]
+            assert results[s][f"{case}_postahead"]["posted_after_drain"] == 0
+            assert results[s][f"{case}_postahead"]["pending_after_drain"] == 0
