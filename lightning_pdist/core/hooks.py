@@ -22,6 +22,7 @@ No ``from __future__ import annotations`` here: DDP checks the hook's annotation
 
 
 import atexit
+import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ def settle_comm_callbacks(timeout: float = 10.0) -> bool:
 
 
 atexit.register(settle_comm_callbacks, 5.0)  # registered at import, so it runs after the program's own exit handlers
+os.register_at_fork(after_in_child=_HANDED.clear)  # a forked child has none of its parent's gloo threads to wait for
 
 
 @dataclass
