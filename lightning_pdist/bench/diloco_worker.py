@@ -15,7 +15,8 @@ text). Strategies:
   ``load_global_model()`` at the end);
 * ``torchft_diloco``: torchft's own ``torchft.local_sgd.DiLoCo`` on a plain torch loop, each rank one torchft
   replica group: its own ``TCPStore`` (``is_master=True``), ``ProcessGroupGloo`` and ``Manager`` (synchronous
-  quorum); rank 0 also serves the lighthouse on ``MASTER_PORT + 1``.
+  quorum); rank 0 also serves the lighthouse on ``MASTER_PORT`` (the port the launcher picked free for this spec;
+  nothing else in a torchft run binds it, while ``MASTER_PORT + 1`` was never checked and was once taken).
 
 Writes ``DIR/rank<r>.json``: ``{"rank", "strategy", "train_steps", "loop_s", "step_s", "loop_cpu_s",
 "val_loss", "val_acc", "train_loss_last", "comm_bytes", "step_bytes", "fragment_numels", "model_params",
@@ -169,7 +170,7 @@ def train_torchft(spec: dict[str, Any], data: Data, clock: Any) -> tuple[Any, di
     from torchft.process_group import ProcessGroupGloo
 
     rank, host = int(os.environ["RANK"]), own_address()
-    port = int(os.environ["MASTER_PORT"]) + 1
+    port = int(os.environ["MASTER_PORT"])  # no torch.distributed group here: the lighthouse takes the rendezvous port
     lighthouse = None
     if rank == 0:
         from torchft._torchft import LighthouseServer
