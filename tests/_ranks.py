@@ -127,6 +127,10 @@ def _entry(rank: int, world_size: int, init: str | None, errors: Path, fn: Calla
     try:
         if init is not None:
             dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
+            # Every rank through one collective before fn: a rank whose fn returns at once (os._exit below) closed its
+            # sockets while another was still connecting gloo's mesh ("connectFullMesh failed ... Connection closed by
+            # peer": tests/test_ranks.py's hung-rank test, fresh-clone run O).
+            dist.barrier()
         fn(rank, world_size, *args)
         # No destroy_process_group(): freeing the group here can deadlock in torch (~ProcessGroupGloo joins the
         # group's work thread holding the GIL while that thread waits for the GIL to free the last collective's
