@@ -347,6 +347,7 @@ class ShardServer:
             raise RequestRefused(f"PUSHPULL_CHUNK: this server runs mode={self.config['mode']!r} without chunks; "
                                  "chunked pushes need an INIT with chunks (chunk_bytes=)")  # fmt: skip
         worker = self._worker_of(conn, Kind.PUSHPULL_CHUNK, meta)
+        _pace_replies(conn)
         steps = self.chunked
         j = _field(meta, "chunk", "PUSHPULL_CHUNK", f"an int in [0, {steps.count})", lambda v: _is_int(v) and 0 <= v < steps.count)
         patience = _field(meta, "patience", "PUSHPULL_CHUNK", f"null or a number of seconds in (0, {MAX_PATIENCE:g}]",
@@ -777,3 +778,24 @@ class ShardServer:
             self.elastic.load_state_dict(state["elastic"])
         if self.sandblaster is not None and state.get("sandblaster") is not None:
             self.sandblaster.load_state_dict(state["sandblaster"])
+
+
+#: Send buffer of a connection that carries chunks (bytes; Linux doubles it), as the workers' chunk connections.
+CHUNK_REPLY_BUFFER = 1 << 14
+
+
+def _pace_replies(conn: Connection) -> None:
+    """A chunk connection's replies enter the link at its pace: a small send buffer, not the autotuned megabytes.
+
+    A chunk closes for every worker at once, so its ``W`` replies start together; with autotuned buffers each socket
+    hands the server's own link shaper as much as its congestion window allows (BBR starts at 2.89 times its rate
+    estimate), the shaper's queue overflows and replies are dropped before they leave the host (measured: every
+    shaper drop of the chunked benchmark at the servers' egress, none elsewhere). With this buffer the ``W`` sockets
+    hold at most ``W · 2 · CHUNK_REPLY_BUFFER`` bytes unsent or unacknowledged.
+    """
+    if not conn.paced:
+        try:
+            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CHUNK_REPLY_BUFFER)
+        except OSError:
+            pass
+        conn.paced = True

@@ -18,7 +18,7 @@ _OK, _REASON = EmulatedNetwork.available()
     [
         ({"workers": (0, 2)}, r"--workers=\(0, 2\)\): each worker count must be an int in \[1, 16\]"),
         ({"workers": (2, 2)}, r"--workers=\(2, 2\)\): give at least one value, none repeated"),
-        ({"shardings": ("rows",)}, r"--shardings=\('rows',\)\): each value must be one of \('layer', 'memory', 'chunked'\)"),
+        ({"shardings": ("rows",)}, r"--shardings=\('rows',\)\): each value must be one of \('layer', 'memory', 'chunked', 'paced'\)"),
         ({"chunk_bytes": 100}, r"--chunk-bytes=100\): must be a multiple of 8 bytes, at least 8"),
         ({"rate": "fast"}, r"--rate='fast'\): must look like '100mbit'"),
         ({"width": 1.5}, r"--width=1.5\): must be in \(0, 1\]"),
