@@ -85,7 +85,7 @@ class SuiteConfig(SuiteRules):
     """sharding (Part A), straggler (Part B) or both"""
     workers: tuple[int, ...] = (1, 2, 4, 8)
     """worker counts"""
-    shardings: tuple[str, ...] = ROW_SHARDINGS
+    shardings: tuple[str, ...] = ("layer", "memory", "chunked")
     """any of layer, memory, chunked (the memory plan pushed and pulled in chunk_bytes pieces, BytePS-style), paced
     (chunked, each worker at most chunks_in_flight chunks per server ahead of their replies)"""
     workers_per_server: int = 2
