@@ -788,10 +788,12 @@ def _pace_replies(conn: Connection) -> None:
     """A chunk connection's replies enter the link at its pace: a small send buffer, not the autotuned megabytes.
 
     A chunk closes for every worker at once, so its ``W`` replies start together; with autotuned buffers each socket
-    hands the server's own link shaper as much as its congestion window allows (BBR starts at 2.89 times its rate
-    estimate), the shaper's queue overflows and replies are dropped before they leave the host (measured: every
-    shaper drop of the chunked benchmark at the servers' egress, none elsewhere). With this buffer the ``W`` sockets
-    hold at most ``W · 2 · CHUNK_REPLY_BUFFER`` bytes unsent or unacknowledged.
+    hands the server host's own queue (here the link shaper's) as much as its congestion window allows (BBR, this
+    machine's default, starts at 2.89 times its rate estimate), the queue overflows and replies are dropped before
+    they leave the host: on the benchmark's emulated links every shaper drop of a chunked step was at a server's own
+    egress, and the retransmissions left the link idle (docs/benchmarks.md, "Pacing the chunked steps"). With this
+    buffer each socket holds about ``2 · CHUNK_REPLY_BUFFER`` bytes unsent or unacknowledged (plus one segment batch),
+    the loop refills it as the link drains it. Values are untouched: this changes when bytes leave, not which.
     """
     if not conn.paced:
         try:
