@@ -33,7 +33,8 @@ def _load(name: str) -> dict:
 
 
 #: Results files of a suite beyond its own ``<suite>.json`` that docs/benchmarks.md shows: (suite, file stem).
-EXTRA = [("ps_sharding", "ps_sharding_spread"), ("pipeline", "pipeline_speed")]
+EXTRA = [("ps_sharding", "ps_sharding_spread"), ("ps_sharding", "ps_sharding_paced_4"), ("ps_sharding", "ps_sharding_paced_8"),
+         ("pipeline", "pipeline_speed")]
 
 
 @pytest.mark.parametrize("suite, name", [(s, s) for s in SUITES] + EXTRA)
