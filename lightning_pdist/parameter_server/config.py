@@ -15,11 +15,10 @@ from lightning_pdist.core.momentum import IMPLICIT_MOMENTUM
 
 __all__ = ["DEFAULT_CHUNKS_IN_FLIGHT", "ParameterServerConfig"]
 
-#: ``chunks_in_flight``'s default: no cap. Why: capping did not speed up the benchmark it was made for (docs/benchmarks.md,
-#: "Pacing the chunked steps": 4 workers about as fast with or without, 8 workers slower with 4 in flight), because the
-#: workers' pushes already keep pace (each chunk connection's small send buffer, ``core/ps_client.py``); what did help is
-#: the servers' small reply buffers (``server._pace_replies``), which need no setting. A cap stays available for links
-#: where workers do run ahead of each other.
+#: ``chunks_in_flight``'s default: no cap. Why: capping gave no consistent gain on the benchmark it was made for
+#: (docs/benchmarks.md, "Pacing the chunked steps"): 4 workers ran 4% faster with 4 in flight, 8 workers no faster
+#: (the three runs' ranges overlap), because the workers' pushes already keep pace (each chunk connection's small send
+#: buffer, ``core/ps_client.py``). A cap stays available for links where workers do run ahead of each other.
 DEFAULT_CHUNKS_IN_FLIGHT = None
 
 
