@@ -794,6 +794,8 @@ def _pace_replies(conn: Connection) -> None:
     egress, and the retransmissions left the link idle (docs/benchmarks.md, "Pacing the chunked steps"). With this
     buffer each socket holds about ``2 · CHUNK_REPLY_BUFFER`` bytes unsent or unacknowledged (plus one segment batch),
     the loop refills it as the link drains it. Values are untouched: this changes when bytes leave, not which.
+    Measured trade-off (docs/benchmarks.md): faster at 4 workers, slower at 8 on 2 shared cores (more refills of
+    more sockets by single-threaded servers); to be made conditional before it is kept.
     """
     if not conn.paced:
         try:
