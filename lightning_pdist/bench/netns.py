@@ -388,11 +388,18 @@ class EmulatedNetwork:
                                                                "/proc/net/snmp"]).splitlines() if line.startswith("Tcp:")]  # fmt: skip
         return int(values[header.index("RetransSegs")])
 
-    def shaper_drops(self, i: int) -> int:
-        """Packets the two shapers of host ``i``'s link dropped (its egress and the bridge's side toward it)."""
+    def shaper_drops(self, i: int, side: str | None = None) -> int:
+        """Packets the two shapers of host ``i``'s link dropped (its egress and the bridge's side toward it).
+
+        ``side="egress"``: only the host's own shaper (what it sends); ``"ingress"``: only the bridge's shaper toward
+        the host (what several senders converging on it overflowed: incast).
+        """
         self._check_open("shaper_drops", i)
+        if side not in (None, "egress", "ingress"):
+            raise ValueError(f"EmulatedNetwork.shaper_drops(side={side!r}): side must be None, 'egress' or 'ingress'")
+        ends = ((self.namespace(i), self.ifname(i)), (self.switch_namespace, f"vs{i}"))
         drops = 0
-        for ns, dev in ((self.namespace(i), self.ifname(i)), (self.switch_namespace, f"vs{i}")):
+        for ns, dev in ends if side is None else ends[side == "ingress" :][:1]:
             drops += sum(int(q.get("drops", 0)) for q in json.loads(_run(["tc", "-n", ns, "-s", "-j", "qdisc", "show", "dev", dev])))
         return drops
 

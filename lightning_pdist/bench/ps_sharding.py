@@ -50,6 +50,7 @@ from typing import Any, ClassVar
 
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import Launcher, emulated_network
+from lightning_pdist.bench.linkload import LinkSampler, link_activity
 from lightning_pdist.bench.netns import parse_rate
 from lightning_pdist.bench.report import (documented_run, finish_suite, markdown_table, new_document, pyplot, run_lines,
                                           save_figure)  # fmt: skip
@@ -57,13 +58,19 @@ from lightning_pdist.bench.report import (documented_run, finish_suite, markdown
 SUITE = "ps_sharding"
 PARTS = ("sharding", "straggler")
 SHARDINGS = ("layer", "memory")  # the server plans
-ROW_SHARDINGS = (*SHARDINGS, "chunked")  # Part A's rows: "chunked" is the memory plan with chunk_bytes (BytePS steps)
+# Part A's rows: "chunked" is the memory plan with chunk_bytes (BytePS steps), each worker pushing its chunks as fast as
+# its link takes them (chunks_in_flight=None, the strategy's default); "paced" the same with chunks_in_flight=m
+ROW_SHARDINGS = (*SHARDINGS, "chunked", "paced")
+CHUNKED = ("chunked", "paced")
+DEFAULT_IN_FLIGHT = None  # ParameterServerStrategy's DEFAULT_CHUNKS_IN_FLIGHT (the suite's process imports no torch)
+PACED_IN_FLIGHT = 4
 ROW_KEYS = ("workers", "servers", "sharding", "mode", "samples_per_s", "speedup_vs_1_worker",
             "max_server_bytes_per_step", "mean_server_bytes_per_step", "network")  # fmt: skip
 PAPER_RATIOS = {4: 1.20, 8: 1.66}  # paper 000 Fig. 2: memory-based over layer-wise sharding, VGG-16
 QUICK = {"width": 0.0625, "steps": 6, "straggler_steps": 8, "slow_delay_s": 1.0}
 FULL = {"width": 0.125, "steps": 12, "straggler_steps": 16, "slow_delay_s": 3.0}  # 4x the bytes: slower steps
 SERVER_PORT = 29400
+LINK_SAMPLE_S, LINK_BIN_S = 0.005, 0.02  # the server links' counters every 5 ms, judged in 20 ms bins (linkload.py)
 
 
 @dataclass(frozen=True)
@@ -78,8 +85,9 @@ class SuiteConfig(SuiteRules):
     """sharding (Part A), straggler (Part B) or both"""
     workers: tuple[int, ...] = (1, 2, 4, 8)
     """worker counts"""
-    shardings: tuple[str, ...] = ROW_SHARDINGS
-    """any of layer, memory, chunked (the memory plan pushed and pulled in chunk_bytes pieces, BytePS-style)"""
+    shardings: tuple[str, ...] = ("layer", "memory", "chunked")
+    """any of layer, memory, chunked (the memory plan pushed and pulled in chunk_bytes pieces, BytePS-style), paced
+    (chunked, each worker at most chunks_in_flight chunks per server ahead of their replies)"""
     workers_per_server: int = 2
     """servers = ceil(workers / this)"""
     rate: str = "100mbit"
@@ -104,6 +112,8 @@ class SuiteConfig(SuiteRules):
     chunk_bytes: int = 131072
     """the workers' ParameterServerStrategy(chunk_bytes=...) in Part A's chunked runs, raised where a run's servers
     would hold more than the strategy's 64 chunks each (the row records the value used)"""
+    chunks_in_flight: int = PACED_IN_FLIGHT
+    """the workers' ParameterServerStrategy(chunks_in_flight=...) in Part A's paced runs"""
     timeout: float = 600.0
     """seconds per run"""
     quick: bool = True
@@ -128,6 +138,7 @@ class SuiteConfig(SuiteRules):
         self.positive("slow_delay_s", "timeout", unit=" seconds")
         if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 8 or self.chunk_bytes % 8:
             raise self.bad("chunk_bytes", self.chunk_bytes, "must be a multiple of 8 bytes, at least 8")
+        self.ints("chunks_in_flight")
 
     def servers_for(self, workers: int) -> int:
         return math.ceil(workers / self.workers_per_server)
@@ -140,11 +151,13 @@ def worker_spec(config: SuiteConfig, workers: int, sharding: str, mode: str = "s
 
     servers = config.servers_for(workers)
     return check_spec({
-        "workers": workers, "servers": servers, "sharding": "memory" if sharding == "chunked" else sharding, "mode": mode,
+        "workers": workers, "servers": servers, "sharding": "memory" if sharding in CHUNKED else sharding, "mode": mode,
         "width": float(config.width), "batch_size": config.batch_size, "warmup_steps": config.warmup_steps,
         "steps": steps or config.steps, "server_port": SERVER_PORT, "slow_worker": slow_worker,
         "slow_delay_s": config.slow_delay_s if slow_worker is not None else 0.0, "seed": 0, "subnet": subnet,
-        "chunk_bytes": run_chunk_bytes(config, servers) if sharding == "chunked" else None,
+        "chunk_bytes": run_chunk_bytes(config, servers) if sharding in CHUNKED else None,
+        # without chunks the strategy takes only its default; "chunked" rows push unpaced (None)
+        "chunks_in_flight": {"chunked": None, "paced": config.chunks_in_flight}.get(sharding, DEFAULT_IN_FLIGHT),
     })  # fmt: skip
 
 
@@ -193,21 +206,29 @@ class Runner:
         """Run ``spec``; return workers' and servers' results, wall time and the servers' kernel bytes."""
         servers, workers = spec["servers"], spec["workers"]
         hosts = ",".join(self.net.host_ip(i) for i in range(servers + workers))
-        lossy = lambda: [(self.net.tcp_retransmits(i), self.net.shaper_drops(i)) for i in range(servers + workers)]  # noqa: E731
+        lossy = lambda: [(self.net.tcp_retransmits(i), self.net.shaper_drops(i), self.net.shaper_drops(i, "ingress"))  # noqa: E731
+                         for i in range(servers + workers)]  # fmt: skip
         before = lossy()
-        got = self.launcher.run("lightning_pdist.bench.ps_worker", spec, servers + workers, self.net,
-                                files=[("worker", workers), ("server", servers)], extra_argv=["--hosts", hosts],
-                                kernel_hosts=servers)  # fmt: skip
+        with LinkSampler(self.net, range(servers), LINK_SAMPLE_S) as links:
+            got = self.launcher.run("lightning_pdist.bench.ps_worker", spec, servers + workers, self.net,
+                                    files=[("worker", workers), ("server", servers)], extra_argv=["--hosts", hosts],
+                                    kernel_hosts=servers)  # fmt: skip
         after = lossy()
-        return {"workers": got.results[:workers], "servers": got.results[workers:], "wall_s": got.wall_s,
+        ws = got.results[:workers]
+        window = (max(w["t0"] for w in ws), min(w["t1"] for w in ws))
+        return {"workers": ws, "servers": got.results[workers:], "wall_s": got.wall_s,
+                "links": link_activity(links.samples, *window, parse_rate(self.config.rate), LINK_BIN_S),
                 "kernel_server_bytes": [rx + tx for rx, tx in got.kernel],
                 # every host's TCP retransmissions and shaper drops over the whole launch (warm-up included)
                 "tcp_retransmits": sum(a[0] - b[0] for a, b in zip(after, before)),
-                "shaper_drops": sum(a[1] - b[1] for a, b in zip(after, before))}  # fmt: skip
+                "shaper_drops": sum(a[1] - b[1] for a, b in zip(after, before)),
+                # of which at the bridge's shapers toward the servers (pushes converging: incast) and the workers
+                "drops_into_servers": sum(a[2] - b[2] for a, b in zip(after[:servers], before[:servers])),
+                "drops_into_workers": sum(a[2] - b[2] for a, b in zip(after[servers:], before[servers:]))}  # fmt: skip
 
 
 def build_row(spec: dict[str, Any], result: dict[str, Any], config: SuiteConfig, network: str) -> dict[str, Any]:
-    """One Part A row from a sync run's results; a chunked run's row says ``sharding: "chunked"``."""
+    """One Part A row from a sync run's results; a chunked run's row says ``sharding: "chunked"`` or ``"paced"``."""
     ws, steps, batch = spec["workers"], spec["steps"], spec["batch_size"]
     per_worker = result["workers"]
     samples_per_s = sum(w["steps_per_s"] for w in per_worker) * batch
@@ -218,13 +239,15 @@ def build_row(spec: dict[str, Any], result: dict[str, Any], config: SuiteConfig,
     rate_bits = parse_rate(config.rate)
     served = sum(s["bytes_in"] + s["bytes_out"] for s in result["servers"])
     step_s = ws * batch / samples_per_s
+    per_step = lambda n: None if n is None else round(n / (spec["warmup_steps"] + steps), 1)  # noqa: E731
     compute_s = ws * max(w["compute_ms_per_step"] for w in per_worker) / 1000 / 2  # all workers' compute on 2 cores
     return {
         "workers": ws,
         "servers": spec["servers"],
-        "sharding": "chunked" if spec["chunk_bytes"] else spec["sharding"],
+        "sharding": ("paced" if spec["chunks_in_flight"] else "chunked") if spec["chunk_bytes"] else spec["sharding"],
         "mode": spec["mode"],
         "chunk_bytes": spec["chunk_bytes"],
+        "chunks_in_flight": spec["chunks_in_flight"] if spec["chunk_bytes"] else None,
         "samples_per_s": round(samples_per_s, 2),
         "speedup_vs_1_worker": None,
         "max_server_bytes_per_step": round(max(loads)),
@@ -244,8 +267,21 @@ def build_row(spec: dict[str, Any], result: dict[str, Any], config: SuiteConfig,
         "kernel_server_ratio": round(sum(result["kernel_server_bytes"]) / served, 4) if served else None,
         "tcp_retransmits_per_step": round(result["tcp_retransmits"] / (spec["warmup_steps"] + steps), 1),
         "shaper_drops_per_step": round(result["shaper_drops"] / (spec["warmup_steps"] + steps), 1),
+        "drops_into_servers_per_step": per_step(result.get("drops_into_servers")),
+        "drops_into_workers_per_step": per_step(result.get("drops_into_workers")),
         "process_wall_s": round(result["wall_s"], 1),
+        **server_links(result.get("links") or []),
     }
+
+
+def server_links(links: list[dict[str, dict[str, float]]]) -> dict[str, float | None]:
+    """The servers' links in the timed steps, mean over servers: ``in`` (pushes arriving), ``out`` (pulls leaving)."""
+    out: dict[str, float | None] = {}
+    for way, name in (("down", "in"), ("up", "out")):
+        for key in ("utilization", "idle_share"):
+            values = [h[way][key] for h in links if h[way][key] is not None]
+            out[f"server_{name}_{key}"] = round(sum(values) / len(values), 3) if values else None
+    return out
 
 
 def add_speedups(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -262,8 +298,9 @@ def add_speedups(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 "bound": round(by["memory"]["bound_samples_per_s"] / by["layer"]["bound_samples_per_s"], 3),
                 "paper": PAPER_RATIOS.get(ws),
             }
-        if "chunked" in by and "memory" in by:
-            ratios.setdefault(str(ws), {})["chunked_vs_memory"] = round(by["chunked"]["samples_per_s"] / by["memory"]["samples_per_s"], 3)
+        for kind in CHUNKED:
+            if kind in by and "memory" in by:
+                ratios.setdefault(str(ws), {})[f"{kind}_vs_memory"] = round(by[kind]["samples_per_s"] / by["memory"]["samples_per_s"], 3)
     return ratios
 
 
@@ -367,14 +404,18 @@ def spread(runs: list[float] | None) -> str:
 
 ROW_COLUMNS = (
     ("workers", "workers", None), ("servers", "servers", None), ("sharding", "sharding", None),
-    ("chunk bytes", "chunk_bytes", None), ("samples/s", "samples_per_s", ".1f"),
+    ("chunk bytes", "chunk_bytes", None), ("chunks in flight", "chunks_in_flight", None),
+    ("samples/s", "samples_per_s", ".1f"),
     ("runs (min–max)", "samples_per_s_runs", spread), ("speedup vs 1", "speedup_vs_1_worker", ".2f"),
     ("bound samples/s", "bound_samples_per_s", ".1f"), ("of bound", "of_bound", ".0%"), ("busiest server MB/step", "max_server_bytes_per_step", lambda v: f"{v / 1e6:.2f}"),
     ("mean server MB/step", "mean_server_bytes_per_step", lambda v: f"{v / 1e6:.2f}"),
     ("plan max share", "plan_max_share", ".3f"), ("compute share", "compute_share", ".2f"),
     ("wait share", "wait_share", ".2f"), ("CPU busy", "machine_cpu_busy", ".0%"),
     ("workers' CPU", "workers_cpu_share", ".0%"), ("retransmits/step", "tcp_retransmits_per_step", ".1f"),
-    ("drops/step", "shaper_drops_per_step", ".1f"), ("kernel/served", "kernel_server_ratio", ".3f"),
+    ("drops/step", "shaper_drops_per_step", ".1f"), ("drops into servers/step", "drops_into_servers_per_step", ".1f"),
+    ("server in use", "server_in_utilization", ".0%"),
+    ("server in idle", "server_in_idle_share", ".0%"), ("server out use", "server_out_utilization", ".0%"),
+    ("server out idle", "server_out_idle_share", ".0%"), ("kernel/served", "kernel_server_ratio", ".3f"),
 )  # fmt: skip
 STRAGGLER_COLUMNS = (
     ("mode", "mode", None), ("others' steps/s", "others_steps_per_s", ".3f"),
@@ -397,8 +438,9 @@ def ratio_lines(ratios: dict[str, Any]) -> list[str]:
         if "measured" in r:
             said.append(f"memory / layer = {r['measured']:.2f} measured, {r['bound']:.2f} by the communication bounds"
                         + (f", {r['paper']:.2f} in the paper" if r["paper"] else ""))  # fmt: skip
-        if "chunked_vs_memory" in r:
-            said.append(f"chunked / memory = {r['chunked_vs_memory']:.2f} measured")
+        for kind in CHUNKED:
+            if f"{kind}_vs_memory" in r:
+                said.append(f"{kind} / memory = {r[f'{kind}_vs_memory']:.2f} measured")
         lines.append(f"- {ws} workers: " + "; ".join(said))
     return lines
 
@@ -418,7 +460,10 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
             "### Part A: paper 000 Fig. 2, layer-wise vs memory-balanced sharding (sync)", "",
             *(["`chunked`: the memory plan cut into `chunk_bytes` partitions, each pushed, closed and pulled on its own "
                "(`ParameterServerStrategy(chunk_bytes=...)`, BytePS-style), so pushes in and pulls out overlap.", ""]
-              if any(r["sharding"] == "chunked" for r in doc["rows"]) else []),
+              if any(r["sharding"] in CHUNKED for r in doc["rows"]) else []),
+            *(["`paced`: the same chunks, each worker pushing a server's chunk `j` only once chunk `j − m` came back "
+               "(`chunks_in_flight=m`, the row's chunks in flight), so no worker runs ahead of the others.", ""]
+              if any(r["sharding"] == "paced" for r in doc["rows"]) else []),
             f"`vgg16_scaled(width={cfg['width']})` = {first.get('params', 0):,} parameters, batch {cfg['batch_size']} of "
             f"synthetic 32x32 images per worker, plain SGD; one server per {cfg['workers_per_server']} workers; "
             f"{cfg['steps']} timed steps after {cfg['warmup_steps']}. Server bytes per step: in + out, from the servers' own "
@@ -446,7 +491,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
     plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    colors = {"layer": "tab:red", "memory": "tab:blue", "chunked": "tab:green"}
+    colors = {"layer": "tab:red", "memory": "tab:blue", "chunked": "tab:green", "paced": "tab:purple"}
     for sharding in ROW_SHARDINGS:
         rows = sorted((r for r in doc["rows"] if r["sharding"] == sharding), key=lambda r: r["workers"])
         if not rows:

@@ -56,6 +56,7 @@ class Spec(WorkerSpec):
     seed: int
     subnet: str
     chunk_bytes: int | None = None
+    chunks_in_flight: int | None = None  # the strategy's default (DEFAULT_CHUNKS_IN_FLIGHT; not imported: no torch here)
 
     def __post_init__(self) -> None:
         self.one_of("mode", MODES)
@@ -67,6 +68,8 @@ class Spec(WorkerSpec):
             raise self.bad("width", "width must be a float in (0, 1]")
         if self.slow_worker is not None and not (isinstance(self.slow_worker, int) and 0 <= self.slow_worker < self.workers):
             raise self.bad("slow_worker", f"slow_worker must be None or in [0, {self.workers})")
+        if self.chunks_in_flight is not None and (not isinstance(self.chunks_in_flight, int) or self.chunks_in_flight < 1):
+            raise self.bad("chunks_in_flight", "chunks_in_flight must be None or an int >= 1")
         if not isinstance(self.slow_delay_s, (int, float)) or self.slow_delay_s < 0:
             raise self.bad("slow_delay_s", "slow_delay_s must be >= 0")
 
@@ -147,7 +150,7 @@ def run_worker(spec: dict[str, Any], worker: int, hosts: list[str], out_dir: Pat
     strategy = ParameterServerStrategy(
         sharding=spec["sharding"], mode=spec["mode"], allowed_networks=spec["subnet"],
         server_addresses=[f"{hosts[s]}:{spec['server_port']}" for s in range(servers)], server_timeout=120.0,
-        chunk_bytes=spec.get("chunk_bytes"),
+        chunk_bytes=spec.get("chunk_bytes"), chunks_in_flight=spec["chunks_in_flight"],
     )  # fmt: skip
     trainer = Trainer(
         accelerator="cpu", devices=1, num_nodes=workers, strategy=strategy, max_steps=total, logger=False,
@@ -162,6 +165,8 @@ def run_worker(spec: dict[str, Any], worker: int, hosts: list[str], out_dir: Pat
         "worker": worker,
         "steps": spec["steps"],
         "loop_s": loop_s,
+        "t0": timer.t0,  # perf_counter (CLOCK_MONOTONIC, one clock for every process here): the timed window
+        "t1": timer.t1,
         "steps_per_s": spec["steps"] / loop_s,
         "compute_ms_per_step": compute_ms,
         "wait_s": timer.wait,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -231,20 +232,46 @@ class ParameterServerClient:
         if self._chunk_pool is None:
             self._chunk_pool = ThreadPoolExecutor(max_workers=2 * len(counts), thread_name_prefix="pdist-ps-chunks")
 
-    def pushpull_chunks(self, metas: list[dict], payloads: list[list[Any]]) -> list[list[tuple[dict, bytearray]]]:
+    def pushpull_chunks(self, metas: list[dict], payloads: list[list[Any]],
+                        in_flight: int | None = None) -> list[list[tuple[dict, bytearray]]]:  # fmt: skip
         """Server ``s``'s chunk ``j``: ``metas[s]`` with ``"chunk": j`` and ``payloads[s][j]``; the replies, per server.
 
         Per server one thread sends the chunks in order while another reads their replies in order, so the pulls of
         early chunks come back while later chunks are still being pushed (:meth:`open_chunks` first).
+
+        ``in_flight = m`` paces the pushes: chunk ``j`` of a server is sent only once the reply to chunk ``j - m``
+        came back, so at most ``m`` of this worker's chunks per server are pushed and not yet answered. A server
+        answers chunk ``j`` once every worker pushed it, so no worker runs more than ``m`` chunks ahead of the
+        slowest: the workers push the same chunks at the same time, each chunk closes as its last push arrives
+        (pulls follow pushes evenly instead of in a burst at the step's end), and a server's link holds at most
+        ``W·m`` chunks of pushes. ``None``: no cap (each worker pushes as fast as its link takes the chunks).
         """
         start = time.perf_counter()
+        slots = [threading.Semaphore(in_flight) if in_flight else None for _ in range(self.num_servers)]
+        failed = threading.Event()
 
         def send(server: int) -> None:
             for j, (connection, payload) in enumerate(zip(self.chunk_connections[server], payloads[server])):
+                if slots[server] is not None:
+                    slots[server].acquire()
+                    if failed.is_set():
+                        return
                 connection.send(Kind.PUSHPULL_CHUNK, {**metas[server], "chunk": j, "patience": self._timeout}, payload)
 
         def receive(server: int) -> list[tuple[dict, bytearray]]:
-            return [c.receive(Kind.PUSHPULL_CHUNK) for c in self.chunk_connections[server][: len(payloads[server])]]
+            replies = []
+            try:
+                for connection in self.chunk_connections[server][: len(payloads[server])]:
+                    replies.append(connection.receive(Kind.PUSHPULL_CHUNK))
+                    if slots[server] is not None:
+                        slots[server].release()
+            except BaseException:
+                failed.set()  # a sender waiting for this reply's slot stops instead of waiting forever
+                for slot in slots:
+                    if slot is not None:
+                        slot.release(max(map(len, payloads)) + 1)
+                raise
+            return replies
 
         try:
             senders = [self._chunk_pool.submit(send, s) for s in range(self.num_servers)]

@@ -101,6 +101,7 @@ class Connection:
     worker: int | None = None  # set by the handler (HELLO); the loop only names it in logs
     nonce: bytes | None = None  # the challenge sent; None once authenticated (or on a server without a secret)
     known: bool = False  # completed a request: no handshake deadline, not evicted at the connection limit
+    paced: bool = False  # the handler gave the socket a small send buffer (chunk connections: server._pace_replies)
     inbox: deque = field(default_factory=deque)  # complete requests not yet handled (at most one)
     out: deque = field(default_factory=deque)  # memoryviews of reply bytes not yet sent
     pending: bool = False  # the handler holds the reply back (a waiting PULL/PUSHPULL)

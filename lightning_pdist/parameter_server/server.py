@@ -347,6 +347,7 @@ class ShardServer:
             raise RequestRefused(f"PUSHPULL_CHUNK: this server runs mode={self.config['mode']!r} without chunks; "
                                  "chunked pushes need an INIT with chunks (chunk_bytes=)")  # fmt: skip
         worker = self._worker_of(conn, Kind.PUSHPULL_CHUNK, meta)
+        _pace_replies(conn)
         steps = self.chunked
         j = _field(meta, "chunk", "PUSHPULL_CHUNK", f"an int in [0, {steps.count})", lambda v: _is_int(v) and 0 <= v < steps.count)
         patience = _field(meta, "patience", "PUSHPULL_CHUNK", f"null or a number of seconds in (0, {MAX_PATIENCE:g}]",
@@ -777,3 +778,28 @@ class ShardServer:
             self.elastic.load_state_dict(state["elastic"])
         if self.sandblaster is not None and state.get("sandblaster") is not None:
             self.sandblaster.load_state_dict(state["sandblaster"])
+
+
+#: Send buffer of a connection that carries chunks (bytes; Linux doubles it), as the workers' chunk connections.
+CHUNK_REPLY_BUFFER = 1 << 14
+
+
+def _pace_replies(conn: Connection) -> None:
+    """A chunk connection's replies enter the link at its pace: a small send buffer, not the autotuned megabytes.
+
+    A chunk closes for every worker at once, so its ``W`` replies start together; with autotuned buffers each socket
+    hands the server host's own queue (here the link shaper's) as much as its congestion window allows (BBR, this
+    machine's default, starts at 2.89 times its rate estimate), the queue overflows and replies are dropped before
+    they leave the host: on the benchmark's emulated links every shaper drop of a chunked step was at a server's own
+    egress, and the retransmissions left the link idle (docs/benchmarks.md, "Pacing the chunked steps"). With this
+    buffer each socket holds about ``2 · CHUNK_REPLY_BUFFER`` bytes unsent or unacknowledged (plus one segment batch),
+    the loop refills it as the link drains it. Values are untouched: this changes when bytes leave, not which.
+    Measured trade-off (docs/benchmarks.md): faster at 4 workers, slower at 8 on 2 shared cores (more refills of
+    more sockets by single-threaded servers); to be made conditional before it is kept.
+    """
+    if not conn.paced:
+        try:
+            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CHUNK_REPLY_BUFFER)
+        except OSError:
+            pass
+        conn.paced = True

@@ -71,7 +71,7 @@ from lightning_pdist.core.strategy import PdistStrategy
 from lightning_pdist.core.config import refuse_owned_ddp_args
 from lightning_pdist.core.guard import SkipStep, global_step
 from lightning_pdist.core.momentum import compensate_optimizers
-from lightning_pdist.parameter_server.config import ParameterServerConfig
+from lightning_pdist.parameter_server.config import DEFAULT_CHUNKS_IN_FLIGHT, ParameterServerConfig
 from lightning_pdist.core.run_logging import log_histogram
 
 __all__ = ["ParameterServerConfig", "ParameterServerStrategy"]
@@ -131,6 +131,11 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
             on the servers' links (BytePS; :mod:`~.chunks`). Results are those of ``partition_bytes=c`` unchunked.
             ``mode="sync"``, ``backup_workers=0``, ``sharding="memory"``, no ``compression``; a multiple of 8 bytes;
             at most 64 chunks per server (each is one more connection per worker).
+        chunks_in_flight: with ``chunk_bytes``, how many of a worker's chunks per server may be pushed and not yet
+            answered: chunk ``j`` goes out once chunk ``j − m`` came back, so the workers push the same chunks at the
+            same time and each chunk's pull follows its pushes (:meth:`~lightning_pdist.core.ps_client.
+            ParameterServerClient.pushpull_chunks`). ``None`` (default): no cap (:data:`~.config.DEFAULT_CHUNKS_IN_FLIGHT`
+            says why). Pacing moves bytes, never values: results are those of any other setting.
         nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what the workers do when a gradient
             holds NaN/Inf before its push (the method card's "Non-finite values").
         compression: a compressor from :mod:`lightning_pdist.compression` (``TopK(0.01)``, ``DGC()``, ``QSGD()``,
@@ -170,6 +175,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
         easgd_alpha: float | None = None,
         implicit_momentum: str | None = None,
         chunk_bytes: int | None = None,
+        chunks_in_flight: int | None = DEFAULT_CHUNKS_IN_FLIGHT,
         nonfinite: str = "raise",
         compression: Compressor | None = None,
         **kwargs: Any,
@@ -192,7 +198,8 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
             partition_bytes=partition_bytes, server_host=server_host, server_port=server_port,
             server_addresses=_addresses(server_addresses, owner), server_secret_file=server_secret_file,
             allowed_networks=allowed_networks, server_timeout=server_timeout, easgd_period=easgd_period,
-            easgd_alpha=easgd_alpha, implicit_momentum=implicit_momentum, chunk_bytes=chunk_bytes, owner=owner,
+            easgd_alpha=easgd_alpha, implicit_momentum=implicit_momentum, chunk_bytes=chunk_bytes,
+            chunks_in_flight=chunks_in_flight, owner=owner,
         )  # fmt: skip
         super().__init__(nonfinite=nonfinite, compression=compression, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
                          model_averaging_period=None, **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
@@ -204,7 +211,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
         self.staleness, self.backup_workers, self.delay_compensation = staleness, backup_workers, delay_compensation
         self.push_every, self.pull_every = push_every, pull_every
         self.easgd_period, self.easgd_alpha, self.implicit_momentum = easgd_period, easgd_alpha, implicit_momentum
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes, self.chunks_in_flight = chunk_bytes, chunks_in_flight
         self.momentum_from: list[float] = []  # implicit_momentum="compensate": each param group's momentum before
         self.servers: list[ServerProcess] = []  # the servers this process started (a node's local rank 0)
         self.server_addresses: list[str] = []
@@ -499,7 +506,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
             for s, (compact, present) in enumerate(packed):
                 bounds = self.layout.chunk_bounds(s, k, present)
                 parts.append([compact[a:b] for a, b in zip(bounds, bounds[1:])])
-            replies = self.client.pushpull_chunks(metas, parts)
+            replies = self.client.pushpull_chunks(metas, parts, in_flight=self.config.chunks_in_flight)
             shards = [torch.cat([bytes_to_tensor(p, m["dtype"]) for m, p in chunks]) for chunks in replies]
             # Every chunk's reply carries the step's version; the step's byte counters are in the replies answered
             # after its last chunk closed (chunks on separate connections may close out of order): the largest.

@@ -18,7 +18,7 @@ _OK, _REASON = EmulatedNetwork.available()
     [
         ({"workers": (0, 2)}, r"--workers=\(0, 2\)\): each worker count must be an int in \[1, 16\]"),
         ({"workers": (2, 2)}, r"--workers=\(2, 2\)\): give at least one value, none repeated"),
-        ({"shardings": ("rows",)}, r"--shardings=\('rows',\)\): each value must be one of \('layer', 'memory', 'chunked'\)"),
+        ({"shardings": ("rows",)}, r"--shardings=\('rows',\)\): each value must be one of \('layer', 'memory', 'chunked', 'paced'\)"),
         ({"chunk_bytes": 100}, r"--chunk-bytes=100\): must be a multiple of 8 bytes, at least 8"),
         ({"rate": "fast"}, r"--rate='fast'\): must look like '100mbit'"),
         ({"width": 1.5}, r"--width=1.5\): must be in \(0, 1\]"),
@@ -163,8 +163,33 @@ def test_real_run_on_emulated_links_writes_rows_plot_and_docs(tmp_path, capsys):
         # (one timed step: /proc/stat's 10 ms ticks are too coarse to order the two shares here)
         assert 0 < row["workers_cpu_share"] <= 1 and 0 < row["machine_cpu_busy"] <= 1
         assert row["tcp_retransmits_per_step"] >= 0 and row["shaper_drops_per_step"] >= 0
+        assert 0 <= row["drops_into_servers_per_step"] <= row["shaper_drops_per_step"]
+        for key in ("server_in_utilization", "server_in_idle_share", "server_out_utilization", "server_out_idle_share"):
+            assert row[key] is None or 0 <= row[key] <= 1.3, (key, row[key])  # None: the window held < 2 samples
         assert row["samples_per_s_runs"] == [row["samples_per_s"]]  # one run of the plan
     assert doc["ratios"]["2"]["bound"] == 1.0 and doc["ratios"]["2"]["chunked_vs_memory"] > 0
     section = (out / "docs_section.md").read_text()
     assert "layer-wise vs memory-balanced" in section and "emulated" in section and "chunk_bytes" in section
     assert "samples/s" in capsys.readouterr().out
+
+
+def test_link_activity_splits_a_window_into_idle_full_and_partial_bins():
+    """link_activity: a host that sends at line rate for 0.1 s, idles 0.1 s and sends at half rate 0.1 s uses the link
+    50% of the window, idle a third of the bins and full a third; the received direction, never used, is idle."""
+    from lightning_pdist.bench.linkload import link_activity
+
+    rate_bits = 8_000_000  # 1 MB/s
+    samples, sent = [], 0.0
+    for i in range(301):  # every ms for 0.3 s
+        t = i / 1000
+        samples.append((10 + t, [(int(sent), 0)]))
+        sent += 1000 if t < 0.1 else 0 if t < 0.2 else 500
+    (host,) = link_activity(samples, 10.0, 10.3, rate_bits, bin_s=0.01)
+    assert host["up"]["utilization"] == pytest.approx(0.5, abs=0.01)
+    assert host["up"]["idle_share"] == pytest.approx(1 / 3, abs=0.04)
+    assert host["up"]["full_share"] == pytest.approx(1 / 3, abs=0.04)
+    assert host["down"] == {"utilization": 0.0, "idle_share": 1.0, "full_share": 0.0}
+    assert link_activity(samples, 11.0, 12.0, rate_bits) == []  # no samples in the window
+    assert ps_sharding.server_links([host])["server_out_utilization"] == pytest.approx(0.5, abs=0.01)
+    assert ps_sharding.server_links([]) == dict.fromkeys(("server_in_utilization", "server_in_idle_share",
+                                                         "server_out_utilization", "server_out_idle_share"))  # fmt: skip

@@ -1,5 +1,6 @@
 """Chunked sync steps (chunk_bytes, chunks.py): the rule in one process, then a real server answering chunk by chunk."""
 
+import socket
 import threading
 
 import pytest
@@ -119,6 +120,50 @@ def test_two_workers_chunked_equal_the_unchunked_step(server):
         torch.testing.assert_close(torch.cat([torch.frombuffer(p, dtype=torch.float32) for _, p in chunks]), expected)
     for w in workers:
         w.close()
+    admin.close()
+
+
+@pytest.mark.parametrize("in_flight", [1, None])
+def test_a_paced_worker_pushes_a_chunk_only_once_the_one_before_was_answered(server, in_flight):
+    """Worker 0 pushes its 3 chunks with in_flight=1 (None: no cap); worker 1 pushes chunk 1 first. Paced, worker 0
+    holds chunk 1 back until chunk 0 closes, so worker 1's chunk 1 stays unanswered; unpaced, it is answered at once.
+    Either way both workers end with x - lr·mean(g) on every chunk."""
+    admin = init(server.address)
+    paced = ParameterServerClient([server.address], 0, timeout=10)
+    paced.hello()
+    paced.open_chunks([3])
+    grads = [torch.randn(15), torch.randn(15)]
+    bounds = chunk_bounds([(0, 5, 0), (8, 12, 1), (12, 18, 2)], [True] * 3, 3)
+    parts = [[g[a:b] for a, b in zip(bounds, bounds[1:])] for g in grads]
+    result = []
+    thread = threading.Thread(target=lambda: result.append(paced.pushpull_chunks(
+        [{"worker": 0, "version": 0, "hparams": [{"lr": 0.5}]}], [parts[0]], in_flight=in_flight)))  # fmt: skip
+    thread.start()
+    other = []
+    for j in range(3):
+        conn = ServerConnection(0, server.address, timeout=10)
+        conn.request(Kind.HELLO, {"worker": 1})
+        other.append(conn)
+    other[1].send(Kind.PUSHPULL_CHUNK, chunk_meta(1, 1), parts[1][1])
+    other[1].sock.settimeout(1.0)
+    try:
+        early = other[1].sock.recv(1, socket.MSG_PEEK)  # a reply's first byte, if chunk 1 closed
+    except TimeoutError:
+        early = b""
+    assert bool(early) == (in_flight is None)
+    other[1].sock.settimeout(10)
+    other[0].send(Kind.PUSHPULL_CHUNK, chunk_meta(1, 0), parts[1][0])
+    other[2].send(Kind.PUSHPULL_CHUNK, chunk_meta(1, 2), parts[1][2])
+    mine = torch.cat([torch.frombuffer(c.receive(Kind.PUSHPULL_CHUNK)[1], dtype=torch.float32) for c in other])
+    thread.join(timeout=20)
+    mean = (grads[0] + grads[1]) / 2
+    expected = torch.arange(18.0) - 0.5 * torch.cat([mean[:5], torch.zeros(3), mean[5:]])
+    ((chunks,),) = result
+    torch.testing.assert_close(torch.cat([torch.frombuffer(p, dtype=torch.float32) for _, p in chunks]), expected)
+    torch.testing.assert_close(mine, expected)
+    for conn in other:
+        conn.close()
+    paced.close()
     admin.close()
 
 

@@ -30,8 +30,9 @@ class AdamRegression(TinyRegression):
 
 def test_sync_equals_ddp_with_sgd_on_two_workers():
     """Sync PS with SGD + momentum (2 workers, different data, 2 servers, memory sharding) ends where DDP ends; with
-    chunk_bytes=32 (4 chunks per server, each pushed and pulled on its own) it ends bit for bit where the same
-    32-byte partitions end unchunked."""
+    chunk_bytes=32 (4 chunks per server, each pushed and pulled on its own) and chunks_in_flight=1 (each chunk
+    pushed only once the previous one was answered) it ends bit for bit where the same 32-byte partitions end
+    unchunked (the resume test below runs the default, no cap)."""
     model = lambda: TinyRegression(momentum=0.9)  # noqa: E731
     ddp, ps_model, parted, chunked = model(), model(), model(), model()
     fit(DDPStrategy(start_method="fork"), ddp, max_steps=10)
@@ -39,7 +40,7 @@ def test_sync_equals_ddp_with_sgd_on_two_workers():
     torch.testing.assert_close(flat(ps_model), flat(ddp), atol=1e-6, rtol=0)
     assert not torch.allclose(flat(ps_model), flat(make_net()))
     fit(ps(num_servers=2, partition_bytes=32), parted, max_steps=10)
-    fit(ps(num_servers=2, chunk_bytes=32), chunked, max_steps=10)
+    fit(ps(num_servers=2, chunk_bytes=32, chunks_in_flight=1), chunked, max_steps=10)
     assert torch.equal(flat(chunked), flat(parted))
     torch.testing.assert_close(flat(chunked), flat(ddp), atol=1e-6, rtol=0)
 
@@ -231,6 +232,8 @@ def test_a_worker_crash_ends_the_run_without_hanging():
         ({"chunk_bytes": 4096, "backup_workers": 1}, r"chunk_bytes=4096\): .*\(mode='sync', backup_workers=1\)"),
         ({"chunk_bytes": 4096, "sharding": "layer"}, r"chunk_bytes=4096\): .*sharding must be 'memory', not 'layer'"),
         ({"chunk_bytes": 4096, "partition_bytes": 8192}, r"chunk_bytes=4096\): each chunk is one partition: partition_bytes=8192"),
+        ({"chunk_bytes": 4096, "chunks_in_flight": 0}, r"chunks_in_flight=0\): chunks_in_flight must be >= 1 \(1: each chunk waits"),
+        ({"chunks_in_flight": 2}, r"chunks_in_flight=2\): chunks_in_flight paces chunked steps; it needs chunk_bytes"),
         ({"allowed_networks": "everyone"}, r"^ParameterServerStrategy\(allowed_networks='everyone'\): 'everyone' is not an address range \(.*\)$"),
     ],
 )
@@ -248,6 +251,10 @@ def test_bad_argument_types():
         ParameterServerStrategy(mode="ssp", staleness="2")
     with pytest.raises(TypeError, match=r"chunk_bytes=4096.0\): chunk_bytes must be an int"):
         ParameterServerStrategy(chunk_bytes=4096.0)
+    with pytest.raises(TypeError, match=r"chunks_in_flight=2.0\): chunks_in_flight must be an int"):
+        ParameterServerStrategy(chunk_bytes=4096, chunks_in_flight=2.0)
+    with pytest.raises(TypeError, match=r"chunks_in_flight=True\): chunks_in_flight must be an int"):
+        ParameterServerStrategy(chunk_bytes=4096, chunks_in_flight=True)
     from lightning_pdist.compression import TopK
 
     with pytest.raises(ValueError, match=r"chunk_bytes=4096, compression=.*chunked steps push plain gradients"):
