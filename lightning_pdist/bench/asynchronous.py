@@ -125,8 +125,7 @@ class SuiteConfig(SuiteRules):
                 or self.shared_samples % unit:  # fmt: skip
             raise self.bad("shared_samples", self.shared_samples, f"must be a multiple of 2 * batch_size = {unit}, "
                                                                   f"at least {2 * unit}")  # fmt: skip
-        if self.keep_from is not None and not Path(self.keep_from).is_file():
-            raise self.bad("keep_from", self.keep_from, "must be an existing asynchronous.json")
+        self.earlier()
 
 
 def worker_spec(config: SuiteConfig, model: str, method: str, world_size: int, steps: int, stragglers: list,
@@ -331,28 +330,17 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
 # -- output ----------------------------------------------------------------------------------------
 
 NETWORK_COLUMNS = (
-    ("model", "model", None),
-    ("method", "method", None),
-    ("straggler", "straggler", lambda s: f"rank {s}"),
-    ("ms/step (rank 0)", "ms_per_step", ".1f"),
-    ("samples/s", "samples_per_s", ".0f"),
-    ("val_acc", "val_acc", ".4f"),
-    ("target (DDP's)", "target", ".4f"),
-    ("s to target", "time_to_target_s", ".2f"),
-    ("× sooner than DDP", "tta_speedup", ".2f"),
-    ("other load", "other_load_cores", ".2f"),
-)
+    ("model", "model", None), ("method", "method", None), ("straggler", "straggler", lambda s: f"rank {s}"),
+    ("ms/step (rank 0)", "ms_per_step", ".1f"), ("samples/s", "samples_per_s", ".0f"), ("val_acc", "val_acc", ".4f"),
+    ("target (DDP's)", "target", ".4f"), ("s to target", "time_to_target_s", ".2f"),
+    ("× sooner than DDP", "tta_speedup", ".2f"), ("other load", "other_load_cores", ".2f"),
+)  # fmt: skip
 SHARED_COLUMNS = (
-    ("model", "model", None),
-    ("run", "method", None),
-    ("processes", "world_size", None),
-    ("steps each", "steps", None),
-    ("samples/s", "samples_per_s", ".0f"),
-    ("× one process", "vs_single", ".2f"),
-    ("val_acc", "val_acc", ".4f"),
-    ("vs one process", "acc_vs_single", "+.4f"),
+    ("model", "model", None), ("run", "method", None), ("processes", "world_size", None),
+    ("steps each", "steps", None), ("samples/s", "samples_per_s", ".0f"), ("× one process", "vs_single", ".2f"),
+    ("val_acc", "val_acc", ".4f"), ("vs one process", "acc_vs_single", "+.4f"),
     ("other load", "other_load_cores", ".2f"),
-)
+)  # fmt: skip
 
 
 def docs_section(doc: dict[str, Any], json_path: str) -> str:
@@ -415,7 +403,6 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
     from lightning_pdist.bench.report import pyplot, save_figure
 
     plt = pyplot()
-
     ok = [r for r in doc["rows"] if not r["error"]]
     fig, (ax_acc, ax_rate) = plt.subplots(1, 2, figsize=(13, 5))
     colors = {m: f"C{i}" for i, m in enumerate(dict.fromkeys(r["method"] for r in ok))}
@@ -435,9 +422,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
     ax_rate.invert_yaxis()
     ax_rate.set_xlabel("training samples per second (this machine)")
     ax_rate.grid(True, axis="x", alpha=0.3)
-    fig.suptitle(f"asynchronous suite, {doc['created']}", fontsize=9)
-    fig.tight_layout()
-    return save_figure(fig, path, dpi=110)
+    return save_figure(fig, path, title=f"asynchronous suite, {doc['created']}")
 
 
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="asynchronous.json, asynchronous.png and docs_section.md",

@@ -63,8 +63,8 @@ from lightning_pdist.bench.compression_worker import (BMUF_PERIOD, DGC_RATIO, DG
 from lightning_pdist.bench.compression_keep import check_keep, keep_launches, kept_lines
 from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.netns import LOOPBACK, parse_rate
-from lightning_pdist.bench.report import (check_rows, documented_run, host_info, markdown_table, network_lines, run_lines,
-                                          utc_now, write_json)  # fmt: skip
+from lightning_pdist.bench.report import (check_rows, documented_run, goal_lines, host_info, markdown_table, network_lines,
+                                          run_lines, save_figure, subplots, utc_now, write_json)  # fmt: skip
 
 SUITE = "compression"
 NETWORKS = ("loopback", "emulated")
@@ -181,8 +181,7 @@ class SuiteConfig(SuiteRules):
         self.distinct("long_methods", tuple(METHODS))
         if "ddp" not in self.long_methods or not {"dgc", "dgc_warmup"} & set(self.long_methods):
             raise self.bad("long_methods", self.long_methods, "must include ddp and dgc or dgc_warmup (the goal compares them)")
-        if self.keep_from is not None and not Path(self.keep_from).is_file():
-            raise self.bad("keep_from", self.keep_from, "must be an existing compression.json")
+        self.earlier()
         self.positive("timeout", unit=" seconds")
         if not self.budget >= 0:
             raise self.bad("budget", self.budget, "must be >= 0 seconds (0: no limit)")
@@ -280,8 +279,7 @@ def build_rows(ranks: Sequence[dict[str, Any]], network: str, detail: str) -> li
     Raises:
         ValueError: the ranks are not 0..N-1 in order, or their fits differ in methods.
     """
-    ws = ranks[0]["world_size"]
-    spec = ranks[0].get("spec", {})
+    ws, spec = ranks[0]["world_size"], ranks[0].get("spec", {})
     model, warmup = spec.get("model", "cnn"), spec.get("dgc_warmup_steps", 0)
     if [r["rank"] for r in ranks] != list(range(ws)):
         raise ValueError(f"build_rows(ranks=[{len(ranks)} results]): need one result per rank 0..{ws - 1}, in order")
@@ -291,8 +289,7 @@ def build_rows(ranks: Sequence[dict[str, Any]], network: str, detail: str) -> li
     rows = []
     for i, method in enumerate(methods):
         fits = [r["fits"][i] for r in ranks]
-        steps = fits[0]["train_steps"]
-        shapes = fits[0]["shapes"]
+        steps, shapes = fits[0]["train_steps"], fits[0]["shapes"]
         modeled = [model_bytes(method, shapes, ws, s, warmup) for s in range(1, steps + 1)]
         logged = sum(f["loop_comm_bytes"] for f in fits) / ws / steps
         peer = method in PEERS
@@ -468,8 +465,7 @@ def long_checkpoints(row: dict[str, Any], ddp: dict[str, Any], main_steps: int) 
         if round(g, 6) < -GAP:
             break
         within = s
-    return {"acc_at": [[s, at[s][0], at[s][1]] for s in [*marks, steps] if s in at],
-            "within_from_step": within}
+    return {"acc_at": [[s, at[s][0], at[s][1]] for s in [*marks, steps] if s in at], "within_from_step": within}
 
 
 # -- running ------------------------------------------------------------------------------------
@@ -578,34 +574,19 @@ def onebit_adam_status() -> str:
 # -- output -------------------------------------------------------------------------------------
 
 TABLE_COLUMNS = (
-    ("network", "network", None),
-    ("ranks", "world_size", None),
-    ("method", "method", None),
-    ("B/step", "bytes_per_step", ",.0f"),
-    ("model B/step", "model_bytes_per_step", ",.0f"),
-    ("model", "model_exact", lambda e: "exact" if e else "uncoded"),
-    ("× smaller than DDP", "compression", ".1f"),
-    ("kernel B/step", "kernel_bytes_per_step", ",.0f"),
-    ("kernel/B", "kernel_ratio", ".3f"),
-    ("ms/step", "ms_per_step", ".1f"),
-    ("val_acc", "val_acc", ".4f"),
-    ("vs DDP", "acc_vs_ddp", "+.4f"),
-    ("val_loss", "val_loss", ".4f"),
-    ("loss vs DDP", "loss_vs_ddp", "+.4f"),
-    ("s to DDP's final", "time_to_ddp_acc_s", ".2f"),
-    ("× sooner", "tta_speedup", ".2f"),
+    ("network", "network", None), ("ranks", "world_size", None), ("method", "method", None),
+    ("B/step", "bytes_per_step", ",.0f"), ("model B/step", "model_bytes_per_step", ",.0f"),
+    ("model", "model_exact", lambda e: "exact" if e else "uncoded"), ("× smaller than DDP", "compression", ".1f"),
+    ("kernel B/step", "kernel_bytes_per_step", ",.0f"), ("kernel/B", "kernel_ratio", ".3f"),
+    ("ms/step", "ms_per_step", ".1f"), ("val_acc", "val_acc", ".4f"), ("vs DDP", "acc_vs_ddp", "+.4f"),
+    ("val_loss", "val_loss", ".4f"), ("loss vs DDP", "loss_vs_ddp", "+.4f"),
+    ("s to DDP's final", "time_to_ddp_acc_s", ".2f"), ("× sooner", "tta_speedup", ".2f"),
     ("other load", "other_load_cores", ".2f"),
-)
+)  # fmt: skip
 
 
 def results_table(rows: Sequence[dict[str, Any]]) -> str:
     return markdown_table(rows, TABLE_COLUMNS)
-
-
-def goal_lines(doc: dict[str, Any]) -> list[str]:
-    """The goals as markdown bullets: met / not met / not measured, with the measured figures."""
-    verdict = {True: "met", False: "**not met**", None: "not measured"}
-    return [f"- {g['goal']}: {verdict[g['met']]}. {g['measured']}." for g in doc.get("goals", [])]
 
 
 def model_line(doc: dict[str, Any], model: str) -> str:
@@ -643,24 +624,18 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         lines += ["", model_line(doc, model), "", results_table([r for r in doc["rows"] if r.get("model", "cnn") == model])]
     if doc.get("long", {}).get("rows"):
         lines += ["", *long_section(doc["long"])]
-    lines += ["", "Goals (issue 20):", "", *goal_lines(doc)]
+    lines += ["", "Goals (issue 20):", "", *goal_lines(doc.get("goals", []))]
     if doc.get("not_run"):
         lines += ["", "Not in this run:", "", *[f"- {n}" for n in doc["not_run"]]]
     return "\n".join(lines)
 
 
 LONG_COLUMNS = (
-    ("method", "method", None),
-    ("steps", "train_steps", None),
-    ("B/step", "bytes_per_step", ",.0f"),
-    ("× smaller than DDP", "compression", ".1f"),
-    ("val_acc", "val_acc", ".4f"),
-    ("vs DDP", "acc_vs_ddp", "+.4f"),
-    ("val_loss", "val_loss", ".4f"),
-    ("within 0.5 points of DDP from step", "within_from_step", None),
-    ("ms/step", "ms_per_step", ".1f"),
-    ("other load", "other_load_cores", ".2f"),
-)
+    ("method", "method", None), ("steps", "train_steps", None), ("B/step", "bytes_per_step", ",.0f"),
+    ("× smaller than DDP", "compression", ".1f"), ("val_acc", "val_acc", ".4f"), ("vs DDP", "acc_vs_ddp", "+.4f"),
+    ("val_loss", "val_loss", ".4f"), ("within 0.5 points of DDP from step", "within_from_step", None),
+    ("ms/step", "ms_per_step", ".1f"), ("other load", "other_load_cores", ".2f"),
+)  # fmt: skip
 
 
 def long_section(long: dict[str, Any]) -> list[str]:
@@ -690,17 +665,13 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Per model (one row of panels each): its target (CNN: val_acc, LM: val_loss) against training time on the
     slowest network (left); ms per step per method and network (right); at the smallest world size. With a long part,
     a last row: its val_acc against the step (left), and each method's points against DDP's at the same step (right)."""
-    from lightning_pdist.bench.report import pyplot, save_figure
-
-    plt = pyplot()
-
     rows = doc["rows"]
     long = (doc.get("long") or {}).get("rows") or []
     models = list(dict.fromkeys(r.get("model", "cnn") for r in rows)) or ([] if long else ["cnn"])
     nets = list(dict.fromkeys(r["network"] for r in rows))
     slowest = min((n for n in nets if n != "loopback"), key=parse_rate, default=nets[0] if nets else None)
     small = min((r["world_size"] for r in rows), default=2)
-    fig, axes = plt.subplots(len(models) + bool(long), 2, figsize=(14, 5.5 * (len(models) + bool(long))), squeeze=False)
+    fig, axes = subplots(len(models) + bool(long), 2, figsize=(14, 5.5 * (len(models) + bool(long))), squeeze=False)
     for (ax_acc, ax_time), model in zip(axes, models):
         mine = [r for r in rows if r.get("model", "cnn") == model and r["world_size"] == small]
         key, _ = TARGET[model]
@@ -742,9 +713,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
         for ax in (ax_acc, ax_gap):
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
-    fig.suptitle(f"compression suite, {doc['created']}", fontsize=9)
-    fig.tight_layout()
-    return save_figure(fig, path, dpi=110)
+    return save_figure(fig, path, title=f"compression suite, {doc['created']}")
 
 
 # -- command line -------------------------------------------------------------------------------

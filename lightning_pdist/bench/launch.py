@@ -66,16 +66,6 @@ class Launcher:
         self.env = worker_env()
         self.count = 0
 
-    @classmethod
-    @contextmanager
-    def temporary(cls, suite: str, timeout: float, **kwargs: Any) -> Iterator[Launcher]:
-        """A launcher whose scratch folder (under the system's temporary folder) is removed when the block ends."""
-        scratch = Path(tempfile.mkdtemp(prefix=f"pdist-bench-{suite}-"))
-        try:
-            yield cls(suite, scratch, timeout, **kwargs)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-
     def run(
         self,
         module: str,
@@ -182,11 +172,11 @@ class SuiteRun:
     """
 
     def __init__(self, suite: str, config: Any, out: Path, command: str, log: Callable[[str], None] = print,
-                 port: int = 29500) -> None:  # fmt: skip
+                 port: int = 29500, timeout: float | None = None) -> None:  # fmt: skip
         self.suite, self.log, self.started = suite, log, time.perf_counter()
         self.out, self.doc = output_dir(suite, out), new_document(suite, command, asdict(config))
         self.scratch = Path(tempfile.mkdtemp(prefix=f"pdist-bench-{suite}-"))
-        self.launcher = Launcher(suite, self.scratch, config.timeout, port=port)
+        self.launcher = Launcher(suite, self.scratch, config.timeout if timeout is None else timeout, port=port)
         self.stack = ExitStack()
         self.stack.callback(shutil.rmtree, self.scratch, ignore_errors=True)
 

@@ -334,7 +334,6 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Accuracy against time with the straggler; training loss against steps; ms per step of the Parallax rows."""
     plt = pyplot()
-
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     for row in doc["rows"]:
         if row["part"] == "easgd" and row["evals"]:
@@ -351,9 +350,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
         ax.grid(True, alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)
-    fig.suptitle(f"parameter_server suite, {doc['created']}", fontsize=9)
-    fig.tight_layout()
-    return save_figure(fig, path, dpi=110)
+    return save_figure(fig, path, title=f"parameter_server suite, {doc['created']}")
 
 
 # -- command line -------------------------------------------------------------------------------

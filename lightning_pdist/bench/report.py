@@ -138,15 +138,38 @@ def pyplot() -> Any:
     return plt
 
 
-def save_figure(fig: Any, path: str | Path, dpi: int) -> Path:
-    """Write a matplotlib figure to ``path`` (creating its folder) and close it; return the path."""
+def subplots(*args: Any, **kwargs: Any) -> Any:
+    """``(fig, axes)`` of ``plt.subplots(*args, **kwargs)`` on the Agg backend."""
+    return pyplot().subplots(*args, **kwargs)
+
+
+def save_figure(fig: Any, path: str | Path, dpi: int = 110, title: str | None = None) -> Path:
+    """Title ``fig`` (``suptitle``, font size 9, when given), lay it out tight, write it to ``path`` (creating its
+    folder) and close it; return the path."""
+    if title is not None:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
+    pyplot().close(fig)
     return path
+
+
+def kept_lines(doc: Mapping[str, Any]) -> list[str]:
+    """One line per earlier command whose rows a ``--keep-from`` run kept (``doc["kept"]``, :func:`kept_provenance`)."""
+    return [f"Rows {', '.join(e['rows'])} kept from an earlier command: `{e['command']}` (run {e['created']}, "
+            f"{e['suite_wall_s']} s, 1-min load average {e['loadavg_1m_at_start']} at its start).  "
+            for e in doc.get("kept", [])]  # fmt: skip
+
+
+def earlier_run(suite: str, path: str | Path, where: str | None = None) -> dict[str, Any]:
+    """The document of an earlier run of ``suite`` (``--keep-from``); ``ValueError`` naming ``where`` (default
+    ``suite(--keep-from='path')``) if it holds another suite's."""
+    old = json.loads(Path(path).read_text())
+    if old.get("suite") != suite:
+        raise ValueError(f"{where or f'{suite}(--keep-from={str(path)!r})'}: holds suite {old.get('suite')!r}, not {suite!r}")
+    return old
 
 
 def check_spec_keys(spec: dict[str, Any], keys: Sequence[str], who: str) -> None:

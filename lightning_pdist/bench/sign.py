@@ -311,7 +311,6 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Write the suite's figure: Part A's curves (one row of panels per dataset), Part B's times and bytes."""
     plt = pyplot()
-
     from lightning_pdist.bench.sign_comm import network_key
     from lightning_pdist.bench.sign_repro import plot_repro
 
@@ -342,9 +341,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
         ax_b.set_yscale("log")
         ax_t.set_yscale("log")
         ax_t.legend(fontsize=7)
-    fig.suptitle(f"sign suite, {doc['created']}", fontsize=9)
-    fig.tight_layout()
-    return save_figure(fig, path, dpi=100)
+    return save_figure(fig, path, dpi=100, title=f"sign suite, {doc['created']}")
 
 
 # -- command line -------------------------------------------------------------------------------
