@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lightning_pdist.bench.launch import WorkerSpec, worker_main
+from lightning_pdist.bench.launch import WorkerSpec, bench_trainer, worker_main
 from lightning_pdist.bench.worker import evaluate
 
 #: method -> what it runs.
@@ -164,7 +164,7 @@ def build_strategy(method: str, model: str = "cnn") -> Any:
 
 
 def fit_lightning(spec: dict[str, Any], clock: Clock, module: Any, data: Any) -> str | None:
-    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch import Callback
 
     class Probe(Callback):
         def on_train_batch_start(self, *_: Any) -> None:
@@ -185,10 +185,8 @@ def fit_lightning(spec: dict[str, Any], clock: Clock, module: Any, data: Any) ->
     if spec["method"] == "single":
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE"):
             os.environ.pop(key, None)
-    trainer = Trainer(accelerator="cpu", devices=ws if one_node else 1, num_nodes=1 if one_node else ws,
-                      strategy=build_strategy(spec["method"], spec["model"]), max_steps=spec["steps"], limit_val_batches=0,
-                      num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, callbacks=[Probe()])  # fmt: skip
+    trainer = bench_trainer(devices=ws if one_node else 1, num_nodes=1 if one_node else ws, max_steps=spec["steps"],
+                            strategy=build_strategy(spec["method"], spec["model"]), callbacks=[Probe()])  # fmt: skip
     trainer.fit(module, datamodule=data)
     return None
 

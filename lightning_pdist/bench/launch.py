@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, LaunchError, Loopback, launch_ranks, measure_link_rate
 from lightning_pdist.bench.report import check_spec_keys, finish_suite, new_document, output_dir
 
-__all__ = ["Launched", "Launcher", "SuiteRun", "WorkerSpec", "busy_cpu_s", "emulated_network", "free_port", "free_ports", "own_cpu_s", "read_results",
+__all__ = ["Launched", "Launcher", "SuiteRun", "WorkerSpec", "bench_trainer", "busy_cpu_s", "emulated_network", "free_port", "free_ports", "own_cpu_s", "read_results",
            "worker_env", "worker_main"]  # fmt: skip
 
 LINK_PROBE_BYTES = 4 << 20
@@ -295,6 +295,15 @@ def worker_main(module: str, doc: str | None, check: Callable[[dict[str, Any]], 
         sys.stderr.flush()  # without an active exception": seen once on a tensor_parallel rank after its group closed)
         os._exit(0)
     return 0
+
+
+def bench_trainer(**kwargs: Any) -> Any:
+    """A Lightning ``Trainer`` on the CPU with nothing of Lightning's own around the training loop: no validation, no
+    sanity check, no logger, checkpoints, progress bar or model summary; ``kwargs`` add to or override these."""
+    from lightning.pytorch import Trainer
+
+    return Trainer(**{"accelerator": "cpu", "limit_val_batches": 0, "num_sanity_val_steps": 0, "logger": False,
+                      "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False, **kwargs})
 
 
 def _close_group() -> None:

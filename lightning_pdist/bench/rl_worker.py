@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lightning_pdist.bench.launch import WorkerSpec, worker_main
+from lightning_pdist.bench.launch import WorkerSpec, bench_trainer, worker_main
 
 #: method -> what it runs.
 METHODS: dict[str, str] = {
@@ -284,15 +284,12 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE"):
             os.environ.pop(key, None)
     from lightning.fabric.utilities.seed import seed_everything
-    from lightning.pytorch import Trainer
 
     seed_everything(spec["seed"], verbose=False)
     out_dir.mkdir(parents=True, exist_ok=True)
     module, strategy = build(spec)
     watch = watch_class()(spec, rank, out_dir)
-    trainer = Trainer(accelerator="cpu", devices=learners, num_nodes=1, strategy=strategy, max_epochs=-1, max_steps=-1,
-                      limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=[watch])  # fmt: skip
+    trainer = bench_trainer(devices=learners, num_nodes=1, strategy=strategy, max_epochs=-1, max_steps=-1, callbacks=[watch])
     setup_t = time.perf_counter()
     trainer.fit(module)
     updates, steps, returns = watch.final

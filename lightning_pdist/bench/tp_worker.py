@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lightning_pdist.bench.launch import WorkerSpec, worker_main
+from lightning_pdist.bench.launch import WorkerSpec, bench_trainer, worker_main
 
 CONFIGS = ("dp", "tp", "tp_sp", "dp_tp", "hybrid")
 MODELS = ("bert", "albert", "vgg", "transformer")
@@ -198,10 +198,8 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     seed_everything(spec["seed"], verbose=False)  # the same seed everywhere: a TP group draws the same dropout masks
     module, data = build_module_and_data(spec)
     params_full = sum(p.numel() for p in module.parameters())
-    trainer = Trainer(accelerator="cpu", devices=1, num_nodes=spec["world_size"], strategy=build_strategy(spec),
-                      max_steps=warmup + steps, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      use_distributed_sampler=True, callbacks=[Window()])  # fmt: skip
+    trainer = bench_trainer(devices=1, num_nodes=spec["world_size"], strategy=build_strategy(spec), max_steps=warmup + steps,
+                            use_distributed_sampler=True, callbacks=[Window()])  # fmt: skip
     t0 = time.perf_counter()
     if isinstance(data, torch.utils.data.DataLoader):
         trainer.fit(module, data)
