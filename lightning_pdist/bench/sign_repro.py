@@ -205,12 +205,9 @@ def train_run(
         round(float(w), 4) for w in sim.last_weights.reshape(num_workers, -1).mean(1)
     ]
     return {
-        "curve": curve,
-        "wall_s": time.perf_counter() - t0,
-        "params": sum(p.numel() for p in model.parameters()),
-        "final_weights": weights,
-        "model": model,
-    }
+        "curve": curve, "wall_s": time.perf_counter() - t0, "params": sum(p.numel() for p in model.parameters()),
+        "final_weights": weights, "model": model,
+    }  # fmt: skip
 
 
 def reliability_diagnosis(
