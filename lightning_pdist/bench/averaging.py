@@ -68,11 +68,7 @@ MAX_WORLD_SIZE = 16
 
 @dataclass(frozen=True)
 class SuiteConfig(SuiteRules):
-    """Everything that decides what the suite runs; validated on construction.
-
-    Raises:
-        ValueError: a value breaks its rule; the message names the option, the value and the rule.
-    """
+    """Everything that decides what the suite runs; validated on construction (``ValueError`` names the option)."""
 
     networks: tuple[str, ...] = NETWORKS
     """loopback (127.0.0.1), emulated (netns + tbf links, needs root) or both"""

@@ -91,11 +91,7 @@ def lm_params(width: int, layers: int, context: int) -> int:
 
 @dataclass(frozen=True)
 class SuiteConfig(SuiteRules):
-    """Everything that decides what the suite runs; validated on construction.
-
-    Raises:
-        ValueError: a value breaks its rule; the message names the option, the value and the rule.
-    """
+    """Everything that decides what the suite runs; validated on construction (``ValueError`` names the option)."""
 
     networks: tuple[str, ...] = NETWORKS
     """loopback (127.0.0.1), emulated (netns + tbf links at each of --rates, needs root) or both"""

@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.netns import LOOPBACK, parse_rate
-from lightning_pdist.bench.report import documented_run, markdown_table, network_lines, pyplot, run_lines, save_figure
+from lightning_pdist.bench.report import documented_run, markdown_table, network_lines, run_lines, save_figure, subplots
 
 SUITE = "parameter_server"
 PARTS = ("easgd", "sandblaster", "parallax")
@@ -49,11 +49,7 @@ EQUAL_ACC = 0.01  # accuracy within 1 point of DDP's counts as equal
 
 @dataclass(frozen=True)
 class SuiteConfig(SuiteRules):
-    """Everything that decides what the suite runs; validated on construction.
-
-    Raises:
-        ValueError: a value breaks its rule; the message names the option, the value and the rule.
-    """
+    """Everything that decides what the suite runs; validated on construction (``ValueError`` names the option)."""
 
     parts: tuple[str, ...] = PARTS
     """easgd, sandblaster, parallax (one or more)"""
@@ -332,8 +328,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
 
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Accuracy against time with the straggler; training loss against steps; ms per step of the Parallax rows."""
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, axes = subplots(1, 3, figsize=(16, 4.6))
     for row in doc["rows"]:
         if row["part"] == "easgd" and row["evals"]:
             axes[0].plot([e[1] for e in row["evals"]], [e[2] for e in row["evals"]], marker=".", label=row["method"])

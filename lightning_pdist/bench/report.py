@@ -272,6 +272,29 @@ def kept_provenance(old: Mapping[str, Any], previous: Sequence[Mapping[str, Any]
     return [e for e in entries if e["rows"]]
 
 
+def keep_earlier_rows(doc: dict[str, Any], old: Mapping[str, Any], suite: str, keep_from: str,
+                      name: Callable[[Mapping[str, Any]], str],
+                      settings: Callable[[list[dict[str, Any]]], Sequence[str]], order: Callable[[dict[str, Any]], Any],
+                      advice: str = "", prepare: Callable[[dict[str, Any]], dict[str, Any]] = dict) -> None:  # fmt: skip
+    """``--keep-from``: add to ``doc`` (in place) the rows of ``old`` (an earlier run of ``doc``'s suite) whose
+    ``name`` this run did not make again (each through ``prepare``), all rows sorted by ``order``, and ``doc["kept"]``
+    (:func:`kept_provenance`, with the earlier run's wall time).
+
+    Raises:
+        ValueError: naming ``suite(--keep-from=...)``: ``old`` is another suite's, or ran with other
+            ``settings(kept rows)`` (:func:`refuse_other_settings`, ``advice`` appended).
+    """
+    where = f"{suite}(--keep-from={keep_from!r})"
+    if old.get("suite") != suite:
+        raise ValueError(f"{where}: holds suite {old.get('suite')!r}, not {suite!r}")
+    made = {name(r) for r in doc["rows"]}
+    kept = [prepare(r) for r in old["rows"] if name(r) not in made]
+    refuse_other_settings(where, old["config"], doc["config"], settings(kept), "rows", advice)
+    doc["rows"] = sorted(doc["rows"] + kept, key=order)
+    names = list(dict.fromkeys(name(r) for r in kept))
+    doc["kept"] = kept_provenance(old, old.get("kept", []), names, suite_wall_s=old.get("suite_wall_s"))
+
+
 def finish_suite(doc: dict[str, Any], out: Path, suite: str, started: float, plot: Callable[[dict, Path], Any]) -> dict[str, Any]:
     """Stamp the suite's wall time (since ``started``, a ``time.perf_counter()``), write its JSON and plot."""
     import time

@@ -29,8 +29,8 @@ from typing import Any, ClassVar
 
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import SuiteRun
-from lightning_pdist.bench.report import (check_rows, documented_run, goal_lines, kept_lines, kept_provenance, markdown_table,
-                                          refuse_other_settings, run_lines, save_figure, subplots)  # fmt: skip
+from lightning_pdist.bench.report import (check_rows, documented_run, goal_lines, keep_earlier_rows, kept_lines, markdown_table,
+                                          run_lines, save_figure, subplots)  # fmt: skip
 
 SUITE = "rl"
 WORKER = "lightning_pdist.bench.rl_worker"
@@ -225,15 +225,9 @@ def keep_rows(doc: dict[str, Any], old: dict[str, Any], config: SuiteConfig) -> 
     Raises:
         ValueError: ``old`` is another suite's, or ran with other :data:`KEEP_SETTINGS`.
     """
-    where = f"{SUITE}(--keep-from={config.keep_from!r})"
-    if old.get("suite") != SUITE:
-        raise ValueError(f"{where}: holds suite {old.get('suite')!r}, not {SUITE!r}")
-    refuse_other_settings(where, old["config"], doc["config"], KEEP_SETTINGS, "rows")
-    made = {r["row"] for r in doc["rows"]}
-    kept = [r for r in old["rows"] if r["row"] not in made]
     order = {name: i for i, name in enumerate(ROWS)}
-    doc["rows"] = sorted(doc["rows"] + kept, key=lambda r: order.get(r["row"], len(ROWS)))
-    doc["kept"] = kept_provenance(old, old.get("kept", []), [r["row"] for r in kept], suite_wall_s=old.get("suite_wall_s"))
+    keep_earlier_rows(doc, old, SUITE, config.keep_from, lambda r: r["row"], lambda _: KEEP_SETTINGS,
+                      lambda r: order.get(r["row"], len(ROWS)))
 
 
 def run_suite(config: SuiteConfig, out: str | Path, command: str, log=print) -> dict[str, Any]:  # noqa: ANN001

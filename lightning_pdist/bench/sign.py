@@ -55,11 +55,7 @@ FULL = {"seeds": (0, 1, 2, 3, 4), "rounds": 500, "eval_every": 25, "world_sizes"
 
 @dataclass(frozen=True)
 class SuiteConfig(SuiteRules):
-    """Everything that decides what the suite runs; validated on construction.
-
-    Raises:
-        ValueError: a value breaks its rule; the message names the option, the value and the rule.
-    """
+    """Everything that decides what the suite runs; validated on construction (``ValueError`` names the option)."""
 
     parts: tuple[str, ...] = PARTS
     """repro (Part A), comm (Part B) or both"""
