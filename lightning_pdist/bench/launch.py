@@ -6,7 +6,8 @@
 with the CPU other work used meanwhile (the machine has 2 shared cores), the kernel's byte counters read around
 it on emulated links, and a failure turned into a row's reason where the suite asks for it.
 :func:`emulated_network` builds one emulated network for a suite and records it (or why it was skipped) in the
-document; :func:`worker_main` is every worker module's command line.
+document; :func:`worker_main` is every worker module's command line and :func:`bench_trainer` the Trainer its ranks fit
+with.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.netns import LOOPBACK, parse_rate
-from lightning_pdist.bench.report import documented_run, markdown_table, network_lines, run_lines, save_figure, subplots
+from lightning_pdist.bench.report import (documented_run, earlier_run, markdown_table, network_lines, run_lines,
+                                          save_figure, subplots)  # fmt: skip
 
 SUITE = "parameter_server"
 PARTS = ("easgd", "sandblaster", "parallax")
@@ -263,11 +264,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
 
 def keep(doc: dict[str, Any], config: SuiteConfig) -> None:
     """Add the rows (and networks) of the parts not run from ``config.keep_from`` (in place), recording that run."""
-    import json
-
-    old = json.loads(Path(config.keep_from).read_text())
-    if old.get("suite") != SUITE:
-        raise ValueError(f"{SUITE}(--keep-from={config.keep_from!r}): holds suite {old.get('suite')!r}, not {SUITE!r}")
+    old = earlier_run(SUITE, config.keep_from)
     kept = [r for r in old["rows"] if r["part"] not in config.parts]
     doc["kept"] = {"parts": sorted({r["part"] for r in kept}, key=PARTS.index), "created": old["created"],
                    "command": old["command"], "loadavg_1m_at_start": old["host"]["loadavg_1m_at_start"]}  # fmt: skip
