@@ -266,7 +266,9 @@ def verdict_lines(summary: Sequence[dict[str, Any]]) -> list[str]:
 def docs_section(doc: dict[str, Any], json_path: str) -> str:
     """The figures of a suite document as markdown for docs/benchmarks.md; everything is read from ``doc``."""
     cfg = doc["config"]
-    lines = [*run_lines(doc, json_path)]
+    lines = [
+        *run_lines(doc, json_path),
+    ]
     repro = doc.get("repro")
     if repro:
         sets = "; ".join(f"{k}: " + (f"skipped ({v['skipped']})" if "skipped" in v else
