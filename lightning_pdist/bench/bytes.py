@@ -88,8 +88,10 @@ CASES: tuple[tuple[str, dict[str, Any], str, int], ...] = (
 )
 #: The registered compressors whose payload is Zstandard-coded (data-dependent length): bounded, not exact.
 CODED_CASES: tuple[tuple[str, dict[str, Any], str, int], ...] = (
-    ("topk", {}, "cnn", 3), ("dgc", {}, "cnn", 3), ("qsgd", {}, "cnn", 3),
-)  # fmt: skip
+    ("topk", {}, "cnn", 3),
+    ("dgc", {}, "cnn", 3),
+    ("qsgd", {}, "cnn", 3),
+)
 
 
 @functools.lru_cache(maxsize=None)

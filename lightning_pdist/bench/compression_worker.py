@@ -38,16 +38,19 @@ from lightning_pdist.bench.worker import param_digest, read_tx
 #: method -> what it runs (the suites' rows). ``local_only`` communicates nothing in the loop (one-shot averaging at
 #: the end of fit): its kernel bytes are Lightning's own per-step traffic, the baseline of the kernel check.
 METHODS: dict[str, str] = {
-    "ddp": "PdistStrategy() (fp32 all-reduce)", "fp16_hook": "torch's fp16_compress_hook",
+    "ddp": "PdistStrategy() (fp32 all-reduce)",
+    "fp16_hook": "torch's fp16_compress_hook",
     "powersgd_hook": "torch's powerSGD_hook (rank 1, start_powerSGD_iter=2)",
     "topk": "PdistStrategy(compression=TopK(0.01))",
     "dgc": "PdistStrategy(compression=DGC(0.001)), optimizer momentum 0",
     "dgc_warmup": "PdistStrategy(compression=DGC(0.001, warmup_steps=W)), optimizer momentum 0",
-    "qsgd": "PdistStrategy(compression=QSGD(16))", "terngrad": "PdistStrategy(compression=TernGrad())",
-    "sign": "PdistStrategy(compression=Sign(error_feedback=False))", "ef_sign": "PdistStrategy(compression=Sign())",
+    "qsgd": "PdistStrategy(compression=QSGD(16))",
+    "terngrad": "PdistStrategy(compression=TernGrad())",
+    "sign": "PdistStrategy(compression=Sign(error_feedback=False))",
+    "ef_sign": "PdistStrategy(compression=Sign())",
     "bmuf_topk": "BMUFStrategy(period=8, compression=TopK(0.01))",
     "local_only": "SimuParallelSGDStrategy(nonfinite='propagate') (no communication in the loop)",
-}  # fmt: skip
+}
 PEERS = ("fp16_hook", "powersgd_hook")
 MODELS = ("cnn", "lm")
 #: Optimizer momentum per method where it differs from the spec's: DGC's momentum correction replaces it.
@@ -227,13 +230,20 @@ def fit_one(spec: dict[str, Any], method: str, task: Task) -> dict[str, Any]:
     val_acc, val_loss = task.evaluate(module)
     tx = probe.tx
     return {
-        "method": method, "train_steps": trainer.global_step, "loop_comm_bytes": probe.comm,
-        "comm_by_kind": probe.by_kind, "train_s": round(probe.train_s, 4), "step_ms": probe.step_ms,
-        "evals": probe.evals, "val_acc": val_acc, "val_loss": finite(val_loss),
+        "method": method,
+        "train_steps": trainer.global_step,
+        "loop_comm_bytes": probe.comm,
+        "comm_by_kind": probe.by_kind,
+        "train_s": round(probe.train_s, 4),
+        "step_ms": probe.step_ms,
+        "evals": probe.evals,
+        "val_acc": val_acc,
+        "val_loss": finite(val_loss),
         "tx": {k: v[0] for k, v in tx.items()} if all(tx.values()) else None,
         "tx_packets": {k: v[1] for k, v in tx.items()} if all(tx.values()) else None,
-        "param_digest": param_digest(module), "shapes": [list(p.shape) for p in module.parameters()],
-    }  # fmt: skip
+        "param_digest": param_digest(module),
+        "shapes": [list(p.shape) for p in module.parameters()],
+    }
 
 
 def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:

@@ -50,8 +50,10 @@ def host_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "cpus": os.cpu_count(),
         "loadavg_1m_at_start": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-        "python": platform.python_version(), "platform": platform.platform(), "cpu": cpu_model(),
-    }  # fmt: skip
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+    }
     for name in ("torch", "lightning"):
         module = sys.modules.get(name)
         if module is None:
@@ -66,9 +68,14 @@ def host_info() -> dict[str, Any]:
 def new_document(suite: str, command: str, config: Mapping[str, Any]) -> dict[str, Any]:
     """The skeleton every suite's JSON shares; the suite fills ``networks`` and ``rows``."""
     return {
-        "suite": suite, "created": utc_now(), "command": command, "host": host_info(), "config": dict(config),
-        "networks": {}, "rows": [],
-    }  # fmt: skip
+        "suite": suite,
+        "created": utc_now(),
+        "command": command,
+        "host": host_info(),
+        "config": dict(config),
+        "networks": {},
+        "rows": [],
+    }
 
 
 def check_rows(rows: Iterable[Mapping[str, Any]], required: Sequence[str], owner: str) -> None:

@@ -41,7 +41,7 @@ METHODS: dict[str, str] = {
     "dqn": "single-process double DQN: the same module acting in its own data loader (Lightning's default strategy)",
     "apex": "ApeXStrategy(num_actors=N): N forked actors, central prioritized replay, one learner",
     "gorila": "GorilaStrategy(num_actors=N) on L learner ranks, Downpour to 2 parameter-server processes",
-}  # fmt: skip
+}
 EVAL_SEED = 10_000
 SEND_EVERY = 16  # environment steps per actor message (Ape-X, Gorila) and per replay insertion (dqn)
 

@@ -83,12 +83,13 @@ def main(argv=None) -> dict:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fork = dict(start_method="fork")
     runs = {
-        "ddp lr=0.1": ("ddp_fork", 0.1), "signsgd_mv lr=0.1 (unchanged module)": (SignSGDStrategy(**fork), 0.1),
+        "ddp lr=0.1": ("ddp_fork", 0.1),
+        "signsgd_mv lr=0.1 (unchanged module)": (SignSGDStrategy(**fork), 0.1),
         f"signsgd_mv lr={SUGGESTED_SIGN_STEP:g} (the warning's suggestion)": (SignSGDStrategy(**fork), SUGGESTED_SIGN_STEP),
         "signsgd_mv scale='l1' lr=0.1": (SignSGDStrategy(scale="l1", **fork), 0.1),
         f"it_signsgd lr={SUGGESTED_SIGN_STEP:g}": (SignSGDStrategy("llr", **fork), SUGGESTED_SIGN_STEP),
         "it_signsgd scale='l1' lr=0.1": (SignSGDStrategy("llr", scale="l1", **fork), 0.1),
-    }  # fmt: skip
+    }
     results = {"args": {k: str(v) for k, v in vars(args).items()}, "final_loss": {}}
     for i, (name, (strategy, lr)) in enumerate(runs.items()):
         results["final_loss"][name] = loss = run(f"run{i}", strategy, lr, args, args.out)

@@ -205,9 +205,12 @@ def train_run(
         round(float(w), 4) for w in sim.last_weights.reshape(num_workers, -1).mean(1)
     ]
     return {
-        "curve": curve, "wall_s": time.perf_counter() - t0, "params": sum(p.numel() for p in model.parameters()),
-        "final_weights": weights, "model": model,
-    }  # fmt: skip
+        "curve": curve,
+        "wall_s": time.perf_counter() - t0,
+        "params": sum(p.numel() for p in model.parameters()),
+        "final_weights": weights,
+        "model": model,
+    }
 
 
 def reliability_diagnosis(

@@ -84,8 +84,9 @@ def powersgd_bytes(shapes: list, world_size: int, rank: int, min_compression_rat
             uncompressed += n * m
     return {
         "powersgd_uncompressed": all_reduce_bytes(4 * uncompressed, world_size),
-        "powersgd_p": all_reduce_bytes(4 * ps, world_size), "powersgd_q": all_reduce_bytes(4 * qs, world_size),
-    }  # fmt: skip
+        "powersgd_p": all_reduce_bytes(4 * ps, world_size),
+        "powersgd_q": all_reduce_bytes(4 * qs, world_size),
+    }
 
 
 def metered_hook(hook, kind: str, meter):
@@ -210,13 +211,21 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     finally:
         dist.destroy_process_group()
     result = {
-        "rank": rank, "world_size": world_size, "hook": spec["hook"], "params": params, "steps": spec["steps"],
-        "ms_per_step": 1000 * loop_s / spec["steps"], "loop_s": loop_s, "loop_cpu_s": cpu_s,
-        "compute_ms_per_step": compute_ms, "logged_bytes": meter.total_bytes - logged0,
-        "logged_by_kind": {k: v - by_kind0.get(k, 0) for k, v in meter.by_kind.items()}, "bytes_source": source,
+        "rank": rank,
+        "world_size": world_size,
+        "hook": spec["hook"],
+        "params": params,
+        "steps": spec["steps"],
+        "ms_per_step": 1000 * loop_s / spec["steps"],
+        "loop_s": loop_s,
+        "loop_cpu_s": cpu_s,
+        "compute_ms_per_step": compute_ms,
+        "logged_bytes": meter.total_bytes - logged0,
+        "logged_by_kind": {k: v - by_kind0.get(k, 0) for k, v in meter.by_kind.items()},
+        "bytes_source": source,
         "tx_bytes": None if tx0 is None or tx1 is None else tx1[0] - tx0[0],
         "tx_packets": None if tx0 is None or tx1 is None else tx1[1] - tx0[1],
-    }  # fmt: skip
+    }
     return result
 
 
