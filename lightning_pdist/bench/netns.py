@@ -52,8 +52,17 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-__all__ = ["EmulatedNetwork", "LOOPBACK", "LaunchError", "Loopback", "default_burst_bytes", "launch_ranks",
-           "measure_link_rate", "parse_burst", "parse_rate"]  # fmt: skip
+__all__ = [
+    "EmulatedNetwork",
+    "LOOPBACK",
+    "LaunchError",
+    "Loopback",
+    "default_burst_bytes",
+    "launch_ranks",
+    "measure_link_rate",
+    "parse_burst",
+    "parse_rate",
+]
 
 # tbf queue limit, expressed as the longest time a packet may wait (tc's `latency`); the value
 # verified in machine-and-network.md §3.
@@ -86,8 +95,10 @@ def parse_rate(rate: str) -> int:
     match = _RATE_RE.match(rate.strip().lower())
     bits = int(float(match.group(1)) * _RATE_UNITS[match.group(2)]) if match else 0
     if bits <= 0:
-        raise ValueError(f"EmulatedNetwork(rate={rate!r}): rate must look like '100mbit' or '1gbit' "
-                         "(a positive number and one of bit, kbit, mbit, gbit, tbit)")
+        raise ValueError(
+            f"EmulatedNetwork(rate={rate!r}): rate must look like '100mbit' or '1gbit' "
+            "(a positive number and one of bit, kbit, mbit, gbit, tbit)"
+        )
     return bits
 
 
@@ -108,8 +119,10 @@ def parse_burst(burst: str) -> int:
         )
     nbytes = int(match.group(1)) * _BURST_UNITS[match.group(2) or ""]
     if nbytes < MIN_BURST_BYTES:
-        raise ValueError(f"EmulatedNetwork(burst={burst!r}): burst must be at least {MIN_BURST_BYTES} bytes "
-                         "(one full frame), e.g. '64kb'")
+        raise ValueError(
+            f"EmulatedNetwork(burst={burst!r}): burst must be at least {MIN_BURST_BYTES} bytes "
+            "(one full frame), e.g. '64kb'"
+        )
     return nbytes
 
 
@@ -203,8 +216,10 @@ class EmulatedNetwork:
             subnet = f"10.78.{(os.getpid() + seq) % 256}.0/24"
         self.subnet = self._check_subnet(subnet, num_hosts)
         if prefix is not None and (not isinstance(prefix, str) or not _PREFIX_RE.match(prefix)):
-            raise ValueError(f"EmulatedNetwork(prefix={prefix!r}): prefix must be 1-40 characters of letters, digits, "
-                             "'_', '.' or '-', starting with a letter or digit")
+            raise ValueError(
+                f"EmulatedNetwork(prefix={prefix!r}): prefix must be 1-40 characters of letters, digits, "
+                "'_', '.' or '-', starting with a letter or digit"
+            )
         self._closed = False
         self._namespaces: list[str] = []  # created so far, switch first
         existing = _existing_namespaces()
@@ -301,8 +316,10 @@ class EmulatedNetwork:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return (f"EmulatedNetwork(num_hosts={self.num_hosts}, rate={self.rate!r}, burst={self.burst_bytes}, "
-                f"subnet='{self.subnet}', prefix={self.prefix!r}) [{state}]")
+        return (
+            f"EmulatedNetwork(num_hosts={self.num_hosts}, rate={self.rate!r}, burst={self.burst_bytes}, "
+            f"subnet='{self.subnet}', prefix={self.prefix!r}) [{state}]"
+        )
 
     @property
     def closed(self) -> bool:
@@ -559,8 +576,10 @@ def launch_ranks(
         raise ValueError(f"launch_ranks(timeout={timeout!r}): timeout must be > 0 seconds")
     env = dict(env or {})
     if clash := sorted(set(env) & set(_RESERVED_ENV)):
-        raise ValueError(f"launch_ranks(env={{{', '.join(f'{k!r}: ...' for k in clash)}}}): env may not set "
-                         f"{', '.join(clash)}; launch_ranks sets them per rank")
+        raise ValueError(
+            f"launch_ranks(env={{{', '.join(f'{k!r}: ...' for k in clash)}}}): env may not set "
+            f"{', '.join(clash)}; launch_ranks sets them per rank"
+        )
     if bad := [k for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)]:
         raise TypeError(f"launch_ranks(env=...): keys and values must be str; bad entries for {bad!r}")
 
