@@ -322,17 +322,28 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
 # -- output ----------------------------------------------------------------------------------------
 
 NETWORK_COLUMNS = (
-    ("model", "model", None), ("method", "method", None), ("straggler", "straggler", lambda s: f"rank {s}"),
-    ("ms/step (rank 0)", "ms_per_step", ".1f"), ("samples/s", "samples_per_s", ".0f"), ("val_acc", "val_acc", ".4f"),
-    ("target (DDP's)", "target", ".4f"), ("s to target", "time_to_target_s", ".2f"),
-    ("× sooner than DDP", "tta_speedup", ".2f"), ("other load", "other_load_cores", ".2f"),
-)  # fmt: skip
-SHARED_COLUMNS = (
-    ("model", "model", None), ("run", "method", None), ("processes", "world_size", None),
-    ("steps each", "steps", None), ("samples/s", "samples_per_s", ".0f"), ("× one process", "vs_single", ".2f"),
-    ("val_acc", "val_acc", ".4f"), ("vs one process", "acc_vs_single", "+.4f"),
+    ("model", "model", None),
+    ("method", "method", None),
+    ("straggler", "straggler", lambda s: f"rank {s}"),
+    ("ms/step (rank 0)", "ms_per_step", ".1f"),
+    ("samples/s", "samples_per_s", ".0f"),
+    ("val_acc", "val_acc", ".4f"),
+    ("target (DDP's)", "target", ".4f"),
+    ("s to target", "time_to_target_s", ".2f"),
+    ("× sooner than DDP", "tta_speedup", ".2f"),
     ("other load", "other_load_cores", ".2f"),
-)  # fmt: skip
+)
+SHARED_COLUMNS = (
+    ("model", "model", None),
+    ("run", "method", None),
+    ("processes", "world_size", None),
+    ("steps each", "steps", None),
+    ("samples/s", "samples_per_s", ".0f"),
+    ("× one process", "vs_single", ".2f"),
+    ("val_acc", "val_acc", ".4f"),
+    ("vs one process", "acc_vs_single", "+.4f"),
+    ("other load", "other_load_cores", ".2f"),
+)
 
 
 def docs_section(doc: dict[str, Any], json_path: str) -> str:

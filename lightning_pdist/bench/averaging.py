@@ -60,9 +60,16 @@ OVERHEAD_CHOICES = ("yes", "no", "only")  # the pdist_ddp-vs-ddp row: with the r
 # Defaults in one place. Quick: one world size, one period, five runs per network.
 QUICK = {"world_sizes": (2,), "periods": (8,)}
 FULL = {"world_sizes": (2, 4), "periods": (2, 8, 32)}
-# samples: 96 steps at 2 x 32, about 4.3 epochs of the 1438 training digits
-DEFAULTS = {"rate": "100mbit", "samples": 6144, "batch_size": 32, "lr": 0.05, "momentum": 0.9, "width": 64, "seed": 0,
-            "timeout": 600.0}  # fmt: skip
+DEFAULTS = {
+    "rate": "100mbit",
+    "samples": 6144,  # 96 steps at 2 x 32: about 4.3 epochs of the 1438 training digits
+    "batch_size": 32,
+    "lr": 0.05,
+    "momentum": 0.9,
+    "width": 64,
+    "seed": 0,
+    "timeout": 600.0,
+}
 MAX_WORLD_SIZE = 16
 
 
@@ -148,8 +155,15 @@ def plan_runs(config: SuiteConfig) -> list[dict[str, Any]]:
     """The worker specs to run, per world size: DDP, each periodic strategy at each period, one-shot."""
     specs = []
     for ws in config.world_sizes:
-        common = {"world_size": ws, "steps": config.steps(ws), "batch_size": config.batch_size, "lr": config.lr,
-                  "momentum": config.momentum, "width": config.width, "seed": config.seed}  # fmt: skip
+        common = {
+            "world_size": ws,
+            "steps": config.steps(ws),
+            "batch_size": config.batch_size,
+            "lr": config.lr,
+            "momentum": config.momentum,
+            "width": config.width,
+            "seed": config.seed,
+        }
         for name in config.strategies:
             if name in PERIODIC:
                 specs += [{"strategy": name, "period": p, **common} for p in config.periods]
@@ -158,11 +172,19 @@ def plan_runs(config: SuiteConfig) -> list[dict[str, Any]]:
     return specs
 
 
+
 # -- rows ---------------------------------------------------------------------------------------
 
 
-def build_row(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], network: str, network_detail: str, timing: Launched,
-              rate: str | None = None, kernel_tx: Sequence[int] | None = None) -> dict[str, Any]:  # fmt: skip
+def build_row(
+    spec: dict[str, Any],
+    ranks: Sequence[dict[str, Any]],
+    network: str,
+    network_detail: str,
+    timing: Launched,
+    rate: str | None = None,
+    kernel_tx: Sequence[int] | None = None,
+) -> dict[str, Any]:
     """One JSON row from a run's spec and its per-rank worker results (and kernel counters, if emulated).
 
     Raises:
@@ -181,20 +203,38 @@ def build_row(spec: dict[str, Any], ranks: Sequence[dict[str, Any]], network: st
     wall = max(r["loop_s"] for r in ranks)
     params = ranks[0]["model_params"]
     row: dict[str, Any] = {
-        "strategy": spec["strategy"], "world_size": ws, "period": spec["period"], "val_acc": round(ranks[0]["val_acc"], 4),
-        "val_samples": ranks[0]["val_samples"], "comm_bytes_per_rank": round(sum(comm) / ws), "wall_s": round(wall, 3),
-        "network": network, "network_detail": network_detail, "rate": rate, "train_steps": steps,
-        "samples": steps * spec["batch_size"] * ws, "batch_size_per_rank": spec["batch_size"], "seed": spec["seed"],
-        "model": f"SmallCNN(width={spec['width']})", "model_params": params, "model_bytes": 4 * params,
-        "comm_bytes_by_rank": comm, "comm_by_kind": ranks[0]["comm_by_kind"],
+        "strategy": spec["strategy"],
+        "world_size": ws,
+        "period": spec["period"],
+        "val_acc": round(ranks[0]["val_acc"], 4),
+        "val_samples": ranks[0]["val_samples"],
+        "comm_bytes_per_rank": round(sum(comm) / ws),
+        "wall_s": round(wall, 3),
+        "network": network,
+        "network_detail": network_detail,
+        "rate": rate,
+        "train_steps": steps,
+        "samples": steps * spec["batch_size"] * ws,
+        "batch_size_per_rank": spec["batch_size"],
+        "seed": spec["seed"],
+        "model": f"SmallCNN(width={spec['width']})",
+        "model_params": params,
+        "model_bytes": 4 * params,
+        "comm_bytes_by_rank": comm,
+        "comm_by_kind": ranks[0]["comm_by_kind"],
         "logged_comm_bytes_total_by_rank": [r["logged_comm_bytes_total"] for r in ranks],
         "step_ms": round(1000 * wall / steps, 2) if steps else None,
-        "loop_cpu_s": round(sum(r["loop_cpu_s"] for r in ranks) / ws, 3), "fit_s": round(max(r["fit_s"] for r in ranks), 3),
-        "process_wall_s": round(timing.wall_s, 3), "ranks_cpu_s": round(timing.ours_cpu_s, 2),
+        "loop_cpu_s": round(sum(r["loop_cpu_s"] for r in ranks) / ws, 3),
+        "fit_s": round(max(r["fit_s"] for r in ranks), 3),
+        "process_wall_s": round(timing.wall_s, 3),
+        "ranks_cpu_s": round(timing.ours_cpu_s, 2),
         "other_cpu_s": None if timing.other_cpu_s is None else round(timing.other_cpu_s, 2),
-        "other_load_cores": timing.other_load_cores, "replicas_agree": len({r["param_digest"] for r in ranks}) == 1,
-        "kernel_tx_bytes_per_rank": None, "kernel_tx_phases_by_rank": None, "kernel_tx_ratio": None,
-    }  # fmt: skip
+        "other_load_cores": timing.other_load_cores,
+        "replicas_agree": len({r["param_digest"] for r in ranks}) == 1,
+        "kernel_tx_bytes_per_rank": None,
+        "kernel_tx_phases_by_rank": None,
+        "kernel_tx_ratio": None,
+    }
     if kernel_tx is not None:
         row["kernel_tx_bytes_per_rank"] = [int(t) for t in kernel_tx]
         row["kernel_tx_phases_by_rank"] = [_phases(r, int(t)) for r, t in zip(ranks, kernel_tx)]
@@ -207,10 +247,16 @@ def _phases(rank: dict[str, Any], total: int) -> dict[str, int | None] | None:
     tx, packets = rank.get("tx"), rank.get("tx_packets")
     if not tx or not packets:
         return None
-    setup, loop = tx["train_start"] - tx["start"], tx["train_end"] - tx["train_start"]
-    return {"setup": setup, "loop": loop, "wind_down": total - setup - loop,
-            "loop_packets": packets["train_end"] - packets["train_start"], "loop_logged": int(rank["loop_comm_bytes"]),
-            "logged": int(rank["comm_bytes"])}  # fmt: skip
+    setup = tx["train_start"] - tx["start"]
+    loop = tx["train_end"] - tx["train_start"]
+    return {
+        "setup": setup,
+        "loop": loop,
+        "wind_down": total - setup - loop,
+        "loop_packets": packets["train_end"] - packets["train_start"],
+        "loop_logged": int(rank["loop_comm_bytes"]),
+        "logged": int(rank["comm_bytes"]),
+    }
 
 
 def comm_check(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -232,9 +278,12 @@ def comm_check(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     baselines = {}
     for row in rows:
         if row["strategy"] == "simuparallel_sgd" and row["kernel_tx_phases_by_rank"]:
-            phases, steps = row["kernel_tx_phases_by_rank"], row["train_steps"]
-            baselines[row["world_size"]] = (sum(p["loop"] for p in phases) / len(phases) / steps,
-                                             sum(p["loop_packets"] for p in phases) / len(phases) / steps)  # fmt: skip
+            phases = row["kernel_tx_phases_by_rank"]
+            steps = row["train_steps"]
+            baselines[row["world_size"]] = (
+                sum(p["loop"] for p in phases) / len(phases) / steps,
+                sum(p["loop_packets"] for p in phases) / len(phases) / steps,
+            )
     checks = []
     for row in rows:
         phases = row.get("kernel_tx_phases_by_rank")
@@ -248,17 +297,28 @@ def comm_check(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         net = net_packets = None
         if base is not None:
             net, net_packets = loop - base[0] * steps, packets - base[1] * steps
-        checks.append({
-            "strategy": row["strategy"], "period": row["period"], "world_size": ws, "network_detail": row["network_detail"],
-            "logged_bytes_per_rank": round(logged), "kernel_tx_bytes_per_rank": round(kernel),
-            "ratio": round(kernel / logged, 4) if logged else None, "setup_tx_bytes_by_rank": [p["setup"] for p in phases],
-            "wind_down_tx_bytes_per_rank": round(mean("wind_down")), "loop_tx_bytes_per_rank": round(loop),
-            "loop_logged_bytes_per_rank": round(loop_logged), "loop_tx_packets_per_rank": round(packets),
-            "lightning_loop_bytes_per_step": round(base[0], 1) if base else None,
-            "loop_net_ratio": round(net / loop_logged, 4) if net is not None and loop_logged else None,
-            "loop_overhead_bytes_per_packet": (round((net - loop_logged) / net_packets, 1)
-                                               if net is not None and loop_logged and net_packets > 0 else None),
-        })  # fmt: skip
+        checks.append(
+            {
+                "strategy": row["strategy"],
+                "period": row["period"],
+                "world_size": ws,
+                "network_detail": row["network_detail"],
+                "logged_bytes_per_rank": round(logged),
+                "kernel_tx_bytes_per_rank": round(kernel),
+                "ratio": round(kernel / logged, 4) if logged else None,
+                "setup_tx_bytes_by_rank": [p["setup"] for p in phases],
+                "wind_down_tx_bytes_per_rank": round(mean("wind_down")),
+                "loop_tx_bytes_per_rank": round(loop),
+                "loop_logged_bytes_per_rank": round(loop_logged),
+                "loop_tx_packets_per_rank": round(packets),
+                "lightning_loop_bytes_per_step": round(base[0], 1) if base else None,
+                "loop_net_ratio": round(net / loop_logged, 4) if net is not None and loop_logged else None,
+                "loop_overhead_bytes_per_packet": (
+                    round((net - loop_logged) / net_packets, 1) if net is not None and loop_logged and net_packets > 0
+                    else None
+                ),
+            }
+        )
     return checks
 
 
@@ -272,9 +332,11 @@ def _describe(row: dict[str, Any]) -> str:
         tx = row["kernel_tx_bytes_per_rank"]
         kernel = f", kernel tx {sum(tx) / len(tx) / 1e6:.2f} MB/rank"
     load = "" if row["other_load_cores"] is None else f", other load {row['other_load_cores']:.2f} cores"
-    return (f"{row['network']} {row['strategy']}{period} world_size={row['world_size']}: val_acc {row['val_acc']:.4f}, "
-            f"{row['comm_bytes_per_rank'] / 1e6:.2f} MB/rank logged{kernel}, loop {row['wall_s']:.2f} s "
-            f"(cpu {row['loop_cpu_s']:.2f} s/rank; whole run {row['process_wall_s']:.1f} s{load})")
+    return (
+        f"{row['network']} {row['strategy']}{period} world_size={row['world_size']}: val_acc {row['val_acc']:.4f}, "
+        f"{row['comm_bytes_per_rank'] / 1e6:.2f} MB/rank logged{kernel}, loop {row['wall_s']:.2f} s "
+        f"(cpu {row['loop_cpu_s']:.2f} s/rank; whole run {row['process_wall_s']:.1f} s{load})"
+    )
 
 
 def launch(run: SuiteRun, network: str, net: Any, spec: dict[str, Any], rate: str) -> dict[str, Any]:
@@ -306,6 +368,7 @@ def run_overhead(config: SuiteConfig, out_dir: Path, log: Callable[[str], None] 
         spec["steps"] = {k: steps for k in spec["steps"]}
     if warmup_steps is not None:
         spec["warmup_steps"] = warmup_steps
+
     got = Launcher(SUITE, out_dir, config.timeout).run("lightning_pdist.bench.overhead", spec, spec["world_size"],
                                                      files=[("overhead", spec["world_size"])])  # fmt: skip
     rows = overhead_bench.overhead_rows(got.results)
@@ -376,31 +439,47 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
 # -- output -------------------------------------------------------------------------------------
 
 TABLE_COLUMNS = (
-    ("network", "network", None), ("strategy", "strategy", None), ("ranks", "world_size", None), ("period", "period", None),
-    ("val_acc", "val_acc", ".4f"), ("comm MB/rank", "comm_bytes_per_rank", lambda b: f"{b / 1e6:.2f}"),
-    ("loop s", "wall_s", ".2f"), ("ms/step", "step_ms", ".1f"), ("loop cpu s/rank", "loop_cpu_s", ".2f"),
-    ("run s", "process_wall_s", ".1f"), ("other load", "other_load_cores", ".2f"),
+    ("network", "network", None),
+    ("strategy", "strategy", None),
+    ("ranks", "world_size", None),
+    ("period", "period", None),
+    ("val_acc", "val_acc", ".4f"),
+    ("comm MB/rank", "comm_bytes_per_rank", lambda b: f"{b / 1e6:.2f}"),
+    ("loop s", "wall_s", ".2f"),
+    ("ms/step", "step_ms", ".1f"),
+    ("loop cpu s/rank", "loop_cpu_s", ".2f"),
+    ("run s", "process_wall_s", ".1f"),
+    ("other load", "other_load_cores", ".2f"),
     ("kernel tx MB/rank", "kernel_tx_bytes_per_rank", lambda t: f"{sum(t) / len(t) / 1e6:.2f}"),
     ("tx/logged", "kernel_tx_ratio", ".3f"),
-)  # fmt: skip
+)
 CHECK_COLUMNS = (
-    ("strategy", "strategy", None), ("ranks", "world_size", None), ("period", "period", None),
+    ("strategy", "strategy", None),
+    ("ranks", "world_size", None),
+    ("period", "period", None),
     ("logged MB/rank", "logged_bytes_per_rank", lambda b: f"{b / 1e6:.3f}"),
-    ("kernel tx MB/rank", "kernel_tx_bytes_per_rank", lambda b: f"{b / 1e6:.3f}"), ("ratio", "ratio", ".3f"),
+    ("kernel tx MB/rank", "kernel_tx_bytes_per_rank", lambda b: f"{b / 1e6:.3f}"),
+    ("ratio", "ratio", ".3f"),
     ("set-up kB (rank 0, 1..)", "setup_tx_bytes_by_rank", lambda xs: " / ".join(f"{x / 1e3:.0f}" for x in xs)),
     ("loop kB", "loop_tx_bytes_per_rank", lambda b: f"{b / 1e3:.0f}"),
     ("wind-down kB", "wind_down_tx_bytes_per_rank", lambda b: f"{b / 1e3:.0f}"),
-    ("Lightning B/step", "lightning_loop_bytes_per_step", ".0f"), ("loop net ratio", "loop_net_ratio", ".3f"),
+    ("Lightning B/step", "lightning_loop_bytes_per_step", ".0f"),
+    ("loop net ratio", "loop_net_ratio", ".3f"),
     ("overhead B/packet", "loop_overhead_bytes_per_packet", ".1f"),
-)  # fmt: skip
+)
+
+
 OVERHEAD_COLUMNS = (
-    ("model", "width", lambda w: f"SmallCNN(width={w})"), ("params", "model_params", ",d"),
-    ("ddp ms/step", "ddp_ms_per_step", ".3f"), ("pdist_ddp ms/step", "pdist_ddp_ms_per_step", ".3f"),
+    ("model", "width", lambda w: f"SmallCNN(width={w})"),
+    ("params", "model_params", ",d"),
+    ("ddp ms/step", "ddp_ms_per_step", ".3f"),
+    ("pdist_ddp ms/step", "pdist_ddp_ms_per_step", ".3f"),
     ("pdist_ddp / ddp (median of repeats)", "ratio", ".3f"),
     ("ratios by repeat (min–max)", "ratio_by_repeat", lambda rs: f"{min(rs):.3f}–{max(rs):.3f}"),
-    ("same, 20th percentiles", "ratio_p20", ".3f"), ("same, CPU time", "ratio_cpu", ".3f"),
+    ("same, 20th percentiles", "ratio_p20", ".3f"),
+    ("same, CPU time", "ratio_cpu", ".3f"),
     ("control: ddp / ddp", "control_ratio", ".3f"),
-)  # fmt: skip
+)
 
 
 def overhead_lines(over: dict[str, Any]) -> list[str]:
@@ -443,9 +522,12 @@ def summary_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
         ref = ddp.get((row["network"], row["world_size"]))
         if ref is None or row is ref or not row["comm_bytes_per_rank"]:
             continue
-        lines.append(f"- {row['network']}, {run_label(row)}: {ref['comm_bytes_per_rank'] / row['comm_bytes_per_rank']:.1f}x "
-                     f"fewer bytes than DDP, training loop {row['wall_s'] / ref['wall_s']:.2f}x DDP's time, "
-                     f"val_acc {row['val_acc'] - ref['val_acc']:+.4f} against DDP's" + _load_note(row, ref))
+        lines.append(
+            f"- {row['network']}, {run_label(row)}: {ref['comm_bytes_per_rank'] / row['comm_bytes_per_rank']:.1f}x "
+            f"fewer bytes than DDP, training loop {row['wall_s'] / ref['wall_s']:.2f}x DDP's time, "
+            f"val_acc {row['val_acc'] - ref['val_acc']:+.4f} against DDP's"
+            + _load_note(row, ref)
+        )
     return lines
 
 
@@ -469,8 +551,14 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         f"Model {first.get('model')} ({first.get('model_params'):,} parameters), {first.get('samples'):,} training "
         f"samples per run ({first.get('batch_size_per_rank')} per rank per step), seed {first.get('seed')}; "
         f"val_acc on {first.get('val_samples')} held-out digits.  " if first else "",
-        f"Output: `{json_path}`", "", "Networks:", "", nets, "", results_table(doc["rows"]),
-    ]  # fmt: skip
+        f"Output: `{json_path}`",
+        "",
+        "Networks:",
+        "",
+        nets,
+        "",
+        results_table(doc["rows"]),
+    ]
     if doc.get("overhead"):
         lines += ["", *overhead_lines(doc["overhead"])]
     if doc.get("comm_check"):
@@ -479,8 +567,16 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
     if summary := summary_lines(doc["rows"]):
         lines += ["", "Against DDP (same network and ranks; computed from the rows):", "", *summary]
     quoted = [{k: row.get(k) for k in QUOTED_KEYS} for row in doc["rows"]]
-    lines += ["", "<details><summary>rows as written to the JSON (selected keys)</summary>", "", "```json",
-              "\n".join(json.dumps(q) for q in quoted), "```", "", "</details>"]  # fmt: skip
+    lines += [
+        "",
+        "<details><summary>rows as written to the JSON (selected keys)</summary>",
+        "",
+        "```json",
+        "\n".join(json.dumps(q) for q in quoted),
+        "```",
+        "",
+        "</details>",
+    ]
     return "\n".join(lines)
 
 
@@ -490,8 +586,10 @@ def _plot_title(doc: dict[str, Any]) -> str:
 
 
 _MARKERS = {"pdist_ddp": "s", "local_sgd": "o", "bmuf": "^", "easgd": "D", "simuparallel_sgd": "*"}
-_STRATEGY_COLORS = {"pdist_ddp": "tab:gray", "local_sgd": "tab:blue", "bmuf": "tab:green", "easgd": "tab:orange",
-                    "simuparallel_sgd": "tab:purple"}  # fmt: skip
+_STRATEGY_COLORS = {
+    "pdist_ddp": "tab:gray", "local_sgd": "tab:blue", "bmuf": "tab:green", "easgd": "tab:orange",
+    "simuparallel_sgd": "tab:purple",
+}  # fmt: skip
 _NETWORK_COLORS = {"loopback": "tab:blue", "emulated": "tab:red"}
 
 
@@ -524,9 +622,16 @@ def plot(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "averagi
         x, y = max(row["comm_bytes_per_rank"], 1) / 1e6, row["val_acc"]
         color = _STRATEGY_COLORS.get(row["strategy"], "black")
         loopback = row["network"] == "loopback"
-        ax_acc.scatter(x, y, marker=_MARKERS.get(row["strategy"], "x"), s=70 if loopback else 260,
-                       facecolors=color if loopback else "none", edgecolors=color, linewidths=1.0 if loopback else 1.5,
-                       label=row["strategy"] if row["strategy"] not in seen else None, zorder=3 if loopback else 2)  # fmt: skip
+        ax_acc.scatter(
+            x, y,
+            marker=_MARKERS.get(row["strategy"], "x"),
+            s=70 if loopback else 260,
+            facecolors=color if loopback else "none",
+            edgecolors=color,
+            linewidths=1.0 if loopback else 1.5,
+            label=row["strategy"] if row["strategy"] not in seen else None,
+            zorder=3 if loopback else 2,
+        )  # fmt: skip
         seen.add(row["strategy"])
         names = points.setdefault((x, y), [])
         if run_label(row) not in names:
@@ -577,7 +682,8 @@ def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
         print("kernel tx_bytes vs logged bytes (emulated links):")
         print(check_table(doc["comm_check"]))
     written = [Path(out) / result_name(config)] + ([Path(out) / f"{SUITE}.png"] if doc["rows"] else [])
-    print(f"\nwrote {' and '.join(str(w) for w in written)} in {doc['suite_wall_s']} s")
+    print(f"\nwrote {' and '.join(str(w) for w in written)}", end="")
+    print(f" in {doc['suite_wall_s']} s")
     if not doc["rows"] and not doc.get("overhead"):
         print("averaging: no run was possible on the requested network(s)", file=sys.stderr)
         return 1

@@ -275,7 +275,8 @@ def build_rows(ranks: Sequence[dict[str, Any]], network: str, detail: str) -> li
     Raises:
         ValueError: the ranks are not 0..N-1 in order, or their fits differ in methods.
     """
-    ws, spec = ranks[0]["world_size"], ranks[0].get("spec", {})
+    ws = ranks[0]["world_size"]
+    spec = ranks[0].get("spec", {})
     model, warmup = spec.get("model", "cnn"), spec.get("dgc_warmup_steps", 0)
     if [r["rank"] for r in ranks] != list(range(ws)):
         raise ValueError(f"build_rows(ranks=[{len(ranks)} results]): need one result per rank 0..{ws - 1}, in order")
@@ -285,7 +286,8 @@ def build_rows(ranks: Sequence[dict[str, Any]], network: str, detail: str) -> li
     rows = []
     for i, method in enumerate(methods):
         fits = [r["fits"][i] for r in ranks]
-        steps, shapes = fits[0]["train_steps"], fits[0]["shapes"]
+        steps = fits[0]["train_steps"]
+        shapes = fits[0]["shapes"]
         modeled = [model_bytes(method, shapes, ws, s, warmup) for s in range(1, steps + 1)]
         logged = sum(f["loop_comm_bytes"] for f in fits) / ws / steps
         peer = method in PEERS
@@ -461,7 +463,8 @@ def long_checkpoints(row: dict[str, Any], ddp: dict[str, Any], main_steps: int) 
         if round(g, 6) < -GAP:
             break
         within = s
-    return {"acc_at": [[s, at[s][0], at[s][1]] for s in [*marks, steps] if s in at], "within_from_step": within}
+    return {"acc_at": [[s, at[s][0], at[s][1]] for s in [*marks, steps] if s in at],
+            "within_from_step": within}
 
 
 # -- running ------------------------------------------------------------------------------------
@@ -570,15 +573,24 @@ def onebit_adam_status() -> str:
 # -- output -------------------------------------------------------------------------------------
 
 TABLE_COLUMNS = (
-    ("network", "network", None), ("ranks", "world_size", None), ("method", "method", None),
-    ("B/step", "bytes_per_step", ",.0f"), ("model B/step", "model_bytes_per_step", ",.0f"),
-    ("model", "model_exact", lambda e: "exact" if e else "uncoded"), ("× smaller than DDP", "compression", ".1f"),
-    ("kernel B/step", "kernel_bytes_per_step", ",.0f"), ("kernel/B", "kernel_ratio", ".3f"),
-    ("ms/step", "ms_per_step", ".1f"), ("val_acc", "val_acc", ".4f"), ("vs DDP", "acc_vs_ddp", "+.4f"),
-    ("val_loss", "val_loss", ".4f"), ("loss vs DDP", "loss_vs_ddp", "+.4f"),
-    ("s to DDP's final", "time_to_ddp_acc_s", ".2f"), ("× sooner", "tta_speedup", ".2f"),
+    ("network", "network", None),
+    ("ranks", "world_size", None),
+    ("method", "method", None),
+    ("B/step", "bytes_per_step", ",.0f"),
+    ("model B/step", "model_bytes_per_step", ",.0f"),
+    ("model", "model_exact", lambda e: "exact" if e else "uncoded"),
+    ("× smaller than DDP", "compression", ".1f"),
+    ("kernel B/step", "kernel_bytes_per_step", ",.0f"),
+    ("kernel/B", "kernel_ratio", ".3f"),
+    ("ms/step", "ms_per_step", ".1f"),
+    ("val_acc", "val_acc", ".4f"),
+    ("vs DDP", "acc_vs_ddp", "+.4f"),
+    ("val_loss", "val_loss", ".4f"),
+    ("loss vs DDP", "loss_vs_ddp", "+.4f"),
+    ("s to DDP's final", "time_to_ddp_acc_s", ".2f"),
+    ("× sooner", "tta_speedup", ".2f"),
     ("other load", "other_load_cores", ".2f"),
-)  # fmt: skip
+)
 
 
 def results_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -627,11 +639,17 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
 
 
 LONG_COLUMNS = (
-    ("method", "method", None), ("steps", "train_steps", None), ("B/step", "bytes_per_step", ",.0f"),
-    ("× smaller than DDP", "compression", ".1f"), ("val_acc", "val_acc", ".4f"), ("vs DDP", "acc_vs_ddp", "+.4f"),
-    ("val_loss", "val_loss", ".4f"), ("within 0.5 points of DDP from step", "within_from_step", None),
-    ("ms/step", "ms_per_step", ".1f"), ("other load", "other_load_cores", ".2f"),
-)  # fmt: skip
+    ("method", "method", None),
+    ("steps", "train_steps", None),
+    ("B/step", "bytes_per_step", ",.0f"),
+    ("× smaller than DDP", "compression", ".1f"),
+    ("val_acc", "val_acc", ".4f"),
+    ("vs DDP", "acc_vs_ddp", "+.4f"),
+    ("val_loss", "val_loss", ".4f"),
+    ("within 0.5 points of DDP from step", "within_from_step", None),
+    ("ms/step", "ms_per_step", ".1f"),
+    ("other load", "other_load_cores", ".2f"),
+)
 
 
 def long_section(long: dict[str, Any]) -> list[str]:

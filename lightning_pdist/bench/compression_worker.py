@@ -248,10 +248,6 @@ def fit_one(spec: dict[str, Any], method: str, task: Task) -> dict[str, Any]:
 
 def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """Every method's fit in turn on this rank; the rank's result."""
-    import torch
-
-    check_spec(spec)
-    torch.set_num_threads(1)  # one core per rank; the ranks share the machine
     env = dict(os.environ)  # Lightning's teardown drops the launcher's variables; each fit starts from them
     fits = []
     for method in spec["methods"]:

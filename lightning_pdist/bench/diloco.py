@@ -410,15 +410,27 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
 _kb = lambda b: "—" if b is None else f"{b / 1e3:.1f}"  # noqa: E731
 _mb = lambda b: "—" if b is None else f"{b / 1e6:.2f}"  # noqa: E731
 TABLE_COLUMNS = (
-    ("network", "network", None), ("ranks", "world_size", None), ("run", "label", None),
-    ("ms/step", "step_ms", ".1f"), ("steps/s", "steps_per_s", ".2f"), ("val loss", "val_loss", ".4f"),
-    ("val acc", "val_acc", ".4f"), ("model kB/step", "model_bytes_per_step", _kb),
-    ("logged kB/step", "logged_bytes_per_step", _kb), ("kernel kB/step", "kernel_bytes_per_step", _kb),
-    ("kernel/model", "kernel_over_model", ".3f"), ("peak model kB", "peak_model_bytes", _kb),
-    ("peak logged kB", "peak_logged_bytes", _kb), ("peak kernel kB/s", "peak_kernel_bytes_per_s", _kb),
-    ("reach step", "reach_step", None), ("reach s", "reach_s", ".1f"), ("MB to reach", "reach_model_bytes", _mb),
-    ("loop CPU s", "loop_cpu_s", ".2f"), ("other load", "other_load_cores", ".2f"), ("rounds", "rounds", None),
-)  # fmt: skip
+    ("network", "network", None),
+    ("ranks", "world_size", None),
+    ("run", "label", None),
+    ("ms/step", "step_ms", ".1f"),
+    ("steps/s", "steps_per_s", ".2f"),
+    ("val loss", "val_loss", ".4f"),
+    ("val acc", "val_acc", ".4f"),
+    ("model kB/step", "model_bytes_per_step", _kb),
+    ("logged kB/step", "logged_bytes_per_step", _kb),
+    ("kernel kB/step", "kernel_bytes_per_step", _kb),
+    ("kernel/model", "kernel_over_model", ".3f"),
+    ("peak model kB", "peak_model_bytes", _kb),
+    ("peak logged kB", "peak_logged_bytes", _kb),
+    ("peak kernel kB/s", "peak_kernel_bytes_per_s", _kb),
+    ("reach step", "reach_step", None),
+    ("reach s", "reach_s", ".1f"),
+    ("MB to reach", "reach_model_bytes", _mb),
+    ("loop CPU s", "loop_cpu_s", ".2f"),
+    ("other load", "other_load_cores", ".2f"),
+    ("rounds", "rounds", None),
+)
 GOAL_COLUMNS = (("network", "network", None), ("ranks", "world_size", None), ("goal", "goal", None), ("measured", "measured", None),
                 ("met", "met", lambda m: "—" if m is None else ("yes" if m else "no")))  # fmt: skip
 

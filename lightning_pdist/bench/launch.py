@@ -257,8 +257,8 @@ def worker_main(module: str, doc: str | None, check: Callable[[dict[str, Any]], 
     """The command line of a worker module: ``--spec JSON --out-dir DIR`` (and ``--hosts IP,IP,...``).
 
     ``check`` validates the spec (``ValueError`` names the bad key); ``run(spec, out_dir)`` (``run(spec, hosts,
-    out_dir)`` with ``hosts``) is one process of the launch, and what it returns (unless ``None``) is written to
-    ``DIR/<prefix><RANK>.json``. With ``--ports P0,P1,...`` (:meth:`Launcher.run_each`) ``--spec`` is a list of
+    out_dir)`` with ``hosts``) is one process of the launch, with one torch thread (the ranks share the machine's
+    cores), and what it returns (unless ``None``) is written to ``DIR/<prefix><RANK>.json``. With ``--ports P0,P1,...`` (:meth:`Launcher.run_each`) ``--spec`` is a list of
     specs, run in turn: spec ``i`` with ``MASTER_PORT=Pi`` and this process's environment as it started (a fit
     may drop variables), its result in ``DIR/<i>/``.
     """
@@ -278,6 +278,10 @@ def worker_main(module: str, doc: str | None, check: Callable[[dict[str, Any]], 
         parser.error(f"--spec {args.spec!r}: must be a JSON object")
     if ports is not None and not (isinstance(specs, list) and len(specs) == len(ports) and all(isinstance(s, dict) for s in specs)):
         parser.error(f"--spec {args.spec!r}: with --ports {args.ports!r} must be a list of JSON objects, one per port")
+    if argv is None:  # a launched rank (not a test calling this in its own process)
+        import torch
+
+        torch.set_num_threads(1)
     env = dict(os.environ)
     for i, spec in enumerate([specs] if ports is None else specs):
         out_dir = args.out_dir if ports is None else args.out_dir / str(i)

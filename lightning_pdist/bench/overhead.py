@@ -63,14 +63,12 @@ def _strategy(name: str) -> Any:
 
 def run_rank(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """One rank: every (repeat, width, strategy) fit in turn; write and return its step times."""
-    import torch
     from lightning.pytorch import Callback, seed_everything
 
     from lightning_pdist.data import DigitsDataModule
     from lightning_pdist.models.classifier import ClassifierModule
 
     check_spec_keys(spec, SPEC_KEYS, "overhead")
-    torch.set_num_threads(1)  # one core per rank, as in the suite's other runs
     env = dict(os.environ)  # Lightning's teardown drops the launcher's variables; each fit starts from them
 
     class Clock(Callback):

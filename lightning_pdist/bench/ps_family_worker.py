@@ -228,11 +228,8 @@ def sent(trainer: Any) -> int:
 
 def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """Train this rank as ``spec`` says; its result."""
-    import torch
     from lightning.pytorch import Callback, seed_everything
 
-    check_spec(spec)
-    torch.set_num_threads(1)
     rank, ifname = int(os.environ.get("RANK", "0")), os.environ.get("GLOO_SOCKET_IFNAME")
     seed_everything(spec["seed"], workers=True, verbose=False)
     module = build_module(spec)

@@ -163,12 +163,11 @@ def kept_lines(doc: Mapping[str, Any]) -> list[str]:
             for e in doc.get("kept", [])]  # fmt: skip
 
 
-def earlier_run(suite: str, path: str | Path, where: str | None = None) -> dict[str, Any]:
-    """The document of an earlier run of ``suite`` (``--keep-from``); ``ValueError`` naming ``where`` (default
-    ``suite(--keep-from='path')``) if it holds another suite's."""
+def earlier_run(suite: str, path: str) -> dict[str, Any]:
+    """The document of an earlier run of ``suite`` (``--keep-from``); ``ValueError`` if it holds another suite's."""
     old = json.loads(Path(path).read_text())
     if old.get("suite") != suite:
-        raise ValueError(f"{where or f'{suite}(--keep-from={str(path)!r})'}: holds suite {old.get('suite')!r}, not {suite!r}")
+        raise ValueError(f"{suite}(--keep-from={path!r}): holds suite {old.get('suite')!r}, not {suite!r}")
     return old
 
 

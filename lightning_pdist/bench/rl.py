@@ -29,8 +29,8 @@ from typing import Any, ClassVar
 
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import SuiteRun
-from lightning_pdist.bench.report import (check_rows, documented_run, goal_lines, keep_earlier_rows, kept_lines, markdown_table,
-                                          run_lines, save_figure, subplots)  # fmt: skip
+from lightning_pdist.bench.report import (check_rows, documented_run, goal_lines, keep_earlier_rows, kept_lines,
+                                          markdown_table, run_lines, save_figure, subplots)  # fmt: skip
 
 SUITE = "rl"
 WORKER = "lightning_pdist.bench.rl_worker"

@@ -272,11 +272,7 @@ def build(spec: dict[str, Any]) -> tuple[Any, Any]:
 
 def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """The learner process of one row: build, fit until solved or out of budget, report."""
-    import torch
-
-    check_spec(spec)
     started = time.perf_counter()
-    torch.set_num_threads(1)  # one core's thread per process; the processes share the machine
     rank, learners = int(os.environ.get("RANK", "0")), spec["learners"]
     if spec["method"] == "gorila":  # the launcher's ranks become local ranks of one node
         os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(learners))

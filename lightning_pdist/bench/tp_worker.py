@@ -172,8 +172,6 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     from lightning_pdist.bench.pipeline_worker import _close_group
     from lightning_pdist.bench.worker import read_tx
 
-    check_spec(spec)
-    torch.set_num_threads(1)  # one core per rank; the ranks already share the machine
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
     warmup, steps = spec["warmup_steps"], spec["steps"]
     edges: list[dict[str, Any]] = []
@@ -224,4 +222,4 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(worker_main("lightning_pdist.bench.tp_worker", __doc__, lambda spec: spec, run))
+    raise SystemExit(worker_main("lightning_pdist.bench.tp_worker", __doc__, check_spec, run))

@@ -87,12 +87,25 @@ def read_tx(ifname: str | None) -> tuple[int, int] | None:
 
 def build_strategy(spec: dict[str, Any]) -> Any:
     """The strategy object named by ``spec["strategy"]``, on gloo."""
-    from lightning_pdist import BMUFStrategy, EASGDStrategy, LocalSGDStrategy, PdistStrategy, SimuParallelSGDStrategy
+    from lightning_pdist import (
+        BMUFStrategy,
+        EASGDStrategy,
+        LocalSGDStrategy,
+        PdistStrategy,
+        SimuParallelSGDStrategy,
+    )
 
-    name, gloo = spec["strategy"], {"process_group_backend": "gloo"}
-    if name in PERIODIC:
-        return {"local_sgd": LocalSGDStrategy, "bmuf": BMUFStrategy, "easgd": EASGDStrategy}[name](period=spec["period"], **gloo)
-    return PdistStrategy(**gloo) if name == "pdist_ddp" else SimuParallelSGDStrategy(**gloo)
+    common = {"process_group_backend": "gloo"}
+    name, period = spec["strategy"], spec["period"]
+    if name == "pdist_ddp":
+        return PdistStrategy(**common)
+    if name == "local_sgd":
+        return LocalSGDStrategy(period=period, **common)
+    if name == "bmuf":
+        return BMUFStrategy(period=period, **common)
+    if name == "easgd":
+        return EASGDStrategy(period=period, **common)
+    return SimuParallelSGDStrategy(**common)
 
 
 def param_digest(module: Any) -> str:
@@ -119,14 +132,11 @@ def evaluate(module: Any, dataset: Any) -> tuple[float, int]:
 
 def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """Train one rank as ``spec`` says; write and return its result dict."""
-    import torch
     from lightning.pytorch import Callback, Trainer, seed_everything
 
     from lightning_pdist.data import DigitsDataModule
     from lightning_pdist.models.classifier import ClassifierModule
 
-    check_spec(spec)
-    torch.set_num_threads(1)  # one core per rank; the ranks already share the machine
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
     tx: dict[str, tuple[int, int] | None] = {"start": read_tx(ifname)}
 
@@ -149,30 +159,52 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 
     seed_everything(spec["seed"], workers=True, verbose=False)
     data = DigitsDataModule(batch_size=spec["batch_size"], seed=spec["seed"])
-    module = ClassifierModule(model="cnn", width=spec["width"], optimizer="sgd", lr=spec["lr"], momentum=spec["momentum"])
+    module = ClassifierModule(
+        model="cnn", width=spec["width"], optimizer="sgd", lr=spec["lr"], momentum=spec["momentum"]
+    )
     probe = Probe()
-    # pdist/* keys are logged on logged steps only; logging every step keeps "logged_comm_bytes_total" (read in
-    # on_train_end) the loop's total, and every strategy pays the same for it.
-    trainer = bench_trainer(devices=1, num_nodes=spec["world_size"], strategy=build_strategy(spec), max_steps=spec["steps"],
-                            callbacks=[probe], log_every_n_steps=1)  # fmt: skip
+    trainer = bench_trainer(
+        devices=1,
+        num_nodes=spec["world_size"],
+        strategy=build_strategy(spec),
+        max_steps=spec["steps"],
+        callbacks=[probe],
+        # pdist/* keys are logged on logged steps only; logging every step keeps "logged_comm_bytes_total" (read in
+        # on_train_end) the loop's total, and every strategy pays the same for it.
+        log_every_n_steps=1,
+    )
     fit_t0 = time.perf_counter()
     trainer.fit(module, datamodule=data)
     fit_s = time.perf_counter() - fit_t0
     tx["after_fit"] = read_tx(ifname)
     if trainer.world_size != spec["world_size"]:
-        raise RuntimeError(f"worker: the Trainer formed world_size={trainer.world_size}, the spec says {spec['world_size']}; "
-                           "launch one process per rank with RANK/WORLD_SIZE/LOCAL_RANK/NODE_RANK set")  # fmt: skip
+        raise RuntimeError(
+            f"worker: the Trainer formed world_size={trainer.world_size}, the spec says {spec['world_size']}; "
+            "launch one process per rank with RANK/WORLD_SIZE/LOCAL_RANK/NODE_RANK set"
+        )
     val_acc, val_samples = evaluate(module, data.val_set)
     meter = trainer.strategy.comm_meter
-    return {
-        "rank": trainer.global_rank, "world_size": trainer.world_size, "spec": spec, "train_steps": trainer.global_step,
-        "samples_seen": trainer.global_step * spec["batch_size"], "val_acc": val_acc, "val_samples": val_samples,
-        "comm_bytes": meter.total_bytes, "comm_by_kind": dict(meter.by_kind), "logged_comm_bytes_total": probe.logged,
-        "loop_comm_bytes": probe.loop_comm_bytes, "loop_s": probe.loop_s, "loop_cpu_s": probe.loop_cpu_s, "fit_s": fit_s,
-        "param_digest": param_digest(module), "model_params": sum(p.numel() for p in module.parameters()),
+    result = {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "spec": spec,
+        "train_steps": trainer.global_step,
+        "samples_seen": trainer.global_step * spec["batch_size"],
+        "val_acc": val_acc,
+        "val_samples": val_samples,
+        "comm_bytes": meter.total_bytes,
+        "comm_by_kind": dict(meter.by_kind),
+        "logged_comm_bytes_total": probe.logged,
+        "loop_comm_bytes": probe.loop_comm_bytes,
+        "loop_s": probe.loop_s,
+        "loop_cpu_s": probe.loop_cpu_s,
+        "fit_s": fit_s,
+        "param_digest": param_digest(module),
+        "model_params": sum(p.numel() for p in module.parameters()),
         "tx": {k: v[0] for k, v in tx.items()} if all(tx.values()) else None,
         "tx_packets": {k: v[1] for k, v in tx.items()} if all(tx.values()) else None,
-    }  # fmt: skip
+    }
+    return result
 
 
 if __name__ == "__main__":
