@@ -1,6 +1,7 @@
 """Tier 2: real parameter-server processes over real TCP sockets, driven by scripted client requests."""
 
 import os
+import select
 import signal
 import socket
 import threading
@@ -272,3 +273,38 @@ def test_refused_connections_are_retried_until_connect_timeout(master_port):
     conn.close()
     late.join()
     listeners[0].close()
+
+
+def test_a_sync_steps_replies_leave_one_worker_at_a_time_in_rotating_order(server):
+    """Sync, 3 workers, a 16 MB shard, reply_buffer_bytes=4096: step 0 closes at version 1, so worker 1 is answered
+    first, then 2, then 0; while worker 1 reads nothing, workers 2 and 0 get no byte (the next reply is queued only
+    once the previous one is all in its socket), and each reply holds x - lr·mean(g). INIT refuses a buffer out of range."""
+    bad = ServerConnection(0, server.address)
+    with pytest.raises(ServerError, match=r"INIT: reply_buffer_bytes=100: reply_buffer_bytes must be null or an int in \[4096, 67108864\]"):
+        bad.request(Kind.INIT, {"mode": "sync", "num_workers": 3, "dtype": "torch.float32", "segments": [[0, 4]],
+                                "optimizer": "SGD", "param_groups": [{"lr": 1.0}], "reply_buffer_bytes": 100},
+                    torch.zeros(4))  # fmt: skip
+    n = 4 << 20
+    admin = init(server.address, num_workers=3, values=torch.zeros(n), lr=1.0, reply_buffer_bytes=4096)
+    conns = []
+    for worker in range(3):
+        conn = ServerConnection(0, server.address, timeout=20)
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # the reply cannot hide in our buffer
+        conn.request(Kind.HELLO, {"worker": worker})
+        conns.append(conn)
+    for worker, conn in enumerate(conns):
+        conn.send(Kind.PUSHPULL, {"worker": worker, "version": 0, "hparams": [{"lr": 1.0}]}, torch.full((n,), float(worker)))
+    expected = torch.full((n,), -1.0)  # 0 - 1.0 * mean(0, 1, 2)
+
+    def silent(conn, seconds=0.5):
+        return not select.select([conn.sock], [], [], seconds)[0]
+
+    assert silent(conns[2]) and silent(conns[0])  # worker 1's turn, and it is not reading
+    for worker in (1, 2, 0):
+        meta, payload = conns[worker].receive(Kind.PUSHPULL)
+        assert meta["version"] == 1
+        assert torch.equal(torch.frombuffer(payload, dtype=torch.float32), expected)
+        if worker == 1:
+            assert silent(conns[0])  # worker 2's turn now: worker 0's reply waits for it to drain
+    for conn in (*conns, admin, bad):
+        conn.close()
