@@ -107,6 +107,7 @@ class Connection:
     pending: bool = False  # the handler holds the reply back (a waiting PULL/PUSHPULL)
     message_deadline: float | None = None
     reply_deadline: float | None = None
+    sent_at: float = 0.0  # when its socket last took reply bytes (or a reply was queued): monotonic
     closing: bool = False  # close once the replies are out (after a protocol error)
     drain_deadline: float | None = None  # closing: our side is shut, discard what the peer still sends
     events: int = 0
@@ -485,8 +486,9 @@ class ConnectionLoop:
         conn.out.append(memoryview(head))
         if body.nbytes:
             conn.out.append(body)
+        conn.sent_at = time.monotonic()
         if conn.reply_deadline is None:
-            conn.reply_deadline = time.monotonic() + self.limits.reply_timeout
+            conn.reply_deadline = conn.sent_at + self.limits.reply_timeout
         self._flush(conn)
         if conn.out and not conn.closed:  # what is left must not change with the shard: copy it
             conn.out = deque(v if v.readonly else memoryview(bytes(v)) for v in conn.out)
@@ -501,6 +503,8 @@ class ConnectionLoop:
             except OSError:
                 self._close(conn)
                 return
+            if sent:
+                conn.sent_at = time.monotonic()
             if sent < view.nbytes:
                 conn.out[0] = view[sent:]
                 break

@@ -15,8 +15,8 @@ the optimizers' class names and param-group hyperparameters, the mode); then it 
            (:class:`~lightning_pdist.parameter_server.elastic.ElasticCenter`); pushes are refused.
 
 ``delay_compensation = λ > 0`` (async/ssp) first turns ``g`` into ``g + λ·g⊙g⊙(w - w_bak(m))``
-(:class:`DelayCompensation`). ``sync`` without backup workers or chunks answers a closed step's pulls **one worker
-at a time**, rotating the first worker with the step (``version mod N``, so every server serves the same worker
+(:class:`DelayCompensation`). ``sync`` without backup workers or chunks, given ``reply_turns`` in ``INIT`` (the
+workers do not meet between a pull and their next push), answers a closed step's pulls **one worker at a time**, rotating the first worker with the step (``version mod N``, so every server serves the same worker
 first): the next reply is handed to its socket once the previous one is all in its own, so the first worker served
 computes and pushes its next gradient into the server while the others still pull (the overlap a sync server's
 link needs; answering all ``N`` at once made every worker finish pulling together, then push together).
@@ -78,6 +78,7 @@ DTYPES = ("torch.float32", "torch.float64", "torch.float16", "torch.bfloat16")
 MAX_WORKERS = 1 << 16  # per-worker bookkeeping is allocated from INIT's num_workers: bound it
 MAX_PATIENCE = 1e7  # seconds a waiting request may ask the server to wait before naming the workers it waits for
 MAX_HOST_CHARS = 255  # a HELLO's host name (DNS names are at most 253 characters)
+TURN_STALL = 2.0  # seconds a worker's socket may take no byte of its reply before the next worker's reply is queued
 REPLY_BUFFER_RANGE = (4096, 1 << 26)  # reply_buffer_bytes: Linux doubles it (floor 4,608); above 64 MiB paces nothing
 _MISSING = object()
 
@@ -255,6 +256,8 @@ class ShardServer:
 
     def next_deadline(self) -> float | None:
         deadlines = [p.since + p.patience for p in self.pending if p.patience is not None]
+        if self.sending is not None and self.sending.out:
+            deadlines.append(self.sending.sent_at + TURN_STALL)
         if self.sandblaster is not None and self.sandblaster.next_deadline() is not None:
             deadlines.append(self.sandblaster.next_deadline())
         return min(deadlines, default=None)
@@ -262,6 +265,12 @@ class ShardServer:
     def expire(self, now: float) -> None:
         if self.sandblaster is not None:
             self.sandblaster.expire(now)
+        if self.sending is not None and self.sending.out and now >= self.sending.sent_at + TURN_STALL:
+            # A worker that stops reading keeps its reply (dropped at reply_timeout), not the others' turns
+            self._log(f"{self.sending.name()} took no byte of its reply for {TURN_STALL:g} s; answering the next "
+                      "worker meanwhile", key="turn")  # fmt: skip
+            self.sending = None
+            self.serve_pending()
         for pending in list(self.pending):
             if pending.patience is not None and now >= pending.since + pending.patience and not pending.conn.closed:
                 if self.in_turn and pending.answer is None and self._ready(pending):
@@ -497,6 +506,7 @@ class ShardServer:
         low, high = REPLY_BUFFER_RANGE
         _field(meta, "reply_buffer_bytes", "INIT", f"null or an int in [{low}, {high}]",
                lambda v: v is None or (_is_int(v) and low <= v <= high), None)  # fmt: skip
+        turns = _field(meta, "reply_turns", "INIT", "true or false", lambda v: isinstance(v, bool), False)
         numel = sum(s[-1] for s in segments)
         itemsize = torch.empty(0, dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
         if len(payload) != numel * itemsize:
@@ -527,7 +537,7 @@ class ShardServer:
         dc = DelayCompensation.starting_from(shard.flat, num_workers, float(lam)) if lam > 0 else None
         self.shard, self.aggregator, self.clock, self.tracker, self.dc = shard, aggregator, clock, tracker, dc
         self.elastic, self.chunked = elastic, chunked
-        self.in_turn = mode == "sync" and not backup and chunked is None
+        self.in_turn = turns and mode == "sync" and not backup and chunked is None
         self.sending = None
         if sandblaster is not None:
             sandblaster.attach(shard.flat)
@@ -684,7 +694,8 @@ class ShardServer:
 
         The next reply is queued once the previous one is all in its socket (:meth:`replies_sent`), so the server's
         link carries one worker's parameters at a time (each socket's autotuned buffer still overlaps the next reply's
-        start with the previous one's tail). Values are untouched: a sync shard changes only when every worker,
+        start with the previous one's tail), or once that socket took no byte for ``TURN_STALL`` seconds (a worker
+        that stops reading delays the others by that much, not until ``reply_timeout`` drops it). Values are untouched: a sync shard changes only when every worker,
         including those still waiting their turn, has pushed again.
         """
         n = int(self.config["num_workers"])

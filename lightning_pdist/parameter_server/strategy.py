@@ -460,8 +460,18 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
             "delay_compensation": float(self.config.delay_compensation),
             **({"chunks": self.layout.chunks(server)} if self.config.chunk_bytes is not None else {}),
             **({"reply_buffer_bytes": self.config.reply_buffer_bytes} if self.config.reply_buffer_bytes is not None else {}),
+            "reply_turns": not self._workers_meet_every_step(),
         } for server in range(self.plan.num_servers)]  # fmt: skip
         return metas, [self.plan.gather(flat, server) for server in range(self.plan.num_servers)]
+
+    def _workers_meet_every_step(self) -> bool:
+        """Sync workers that agree before every push (the gradient check, or an fp16 overflow) meet between a step's
+        pull and the next push. Servers answer a step's pulls one worker at a time only where they do not: there the
+        first worker served pushes its next gradient while the others still pull; where they meet, nobody can, and
+        one reply at a time only delays the last one (docs/benchmarks.md, "Replies one worker at a time")."""
+        if not self.config.steps_together or self.world_size == 1:
+            return False
+        return isinstance(self.precision_plugin, ParameterServerMixedPrecision) or self.nonfinite_guard.consulted(self.precision_plugin)
 
     def _load_shards(self, shards: list[Tensor], metas: list[dict]) -> None:
         flat = self._flat_params()

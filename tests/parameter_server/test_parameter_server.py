@@ -33,15 +33,16 @@ def test_sync_equals_ddp_with_sgd_on_two_workers():
     chunk_bytes=32 (4 chunks per server, each pushed and pulled on its own) and chunks_in_flight=1 (each chunk
     pushed only once the previous one was answered) it ends bit for bit where the same 32-byte partitions end
     unchunked (the resume test below runs the default, no cap). The unchunked partitions run with
-    reply_buffer_bytes=4096 (the servers' send buffer per worker connection) and their replies one worker at a time,
-    the chunked run with the kernel's buffers: bytes move differently, the parameters are the same bit for bit."""
+    reply_buffer_bytes=4096 (the servers' send buffer per worker connection) and nonfinite="propagate" (no agreement
+    before each push, so the servers answer a step's pulls one worker at a time), the chunked run with the kernel's
+    buffers: bytes move differently, the parameters are the same bit for bit."""
     model = lambda: TinyRegression(momentum=0.9)  # noqa: E731
     ddp, ps_model, parted, chunked = model(), model(), model(), model()
     fit(DDPStrategy(start_method="fork"), ddp, max_steps=10)
     fit(ps(num_servers=2), ps_model, max_steps=10)
     torch.testing.assert_close(flat(ps_model), flat(ddp), atol=1e-6, rtol=0)
     assert not torch.allclose(flat(ps_model), flat(make_net()))
-    fit(ps(num_servers=2, partition_bytes=32, reply_buffer_bytes=4096), parted, max_steps=10)
+    fit(ps(num_servers=2, partition_bytes=32, reply_buffer_bytes=4096, nonfinite="propagate"), parted, max_steps=10)
     fit(ps(num_servers=2, chunk_bytes=32, chunks_in_flight=1), chunked, max_steps=10)
     assert torch.equal(flat(chunked), flat(parted))
     torch.testing.assert_close(flat(chunked), flat(ddp), atol=1e-6, rtol=0)
