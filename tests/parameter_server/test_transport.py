@@ -281,11 +281,15 @@ def test_a_sync_steps_replies_leave_one_worker_at_a_time_in_rotating_order(serve
     first, then 2, then 0; while worker 1 reads nothing, workers 2 and 0 get no byte (the next reply is queued only
     once the previous one is all in its socket), and each reply holds x - lr·mean(g). Step 1 closes at version 2:
     worker 2 first; it does not read, and after TURN_STALL seconds without progress worker 0, then 1, are answered
-    while worker 2's reply waits for it. INIT refuses a buffer out of range."""
+    while worker 2's reply waits for it. INIT refuses a buffer out of range and a reply_turns that is not a bool."""
     bad = ServerConnection(0, server.address)
     with pytest.raises(ServerError, match=r"INIT: reply_buffer_bytes=100: reply_buffer_bytes must be null or an int in \[4096, 67108864\]"):
         bad.request(Kind.INIT, {"mode": "sync", "num_workers": 3, "dtype": "torch.float32", "segments": [[0, 4]],
                                 "optimizer": "SGD", "param_groups": [{"lr": 1.0}], "reply_buffer_bytes": 100},
+                    torch.zeros(4))  # fmt: skip
+    with pytest.raises(ServerError, match=r"INIT: reply_turns='yes': reply_turns must be true or false"):
+        bad.request(Kind.INIT, {"mode": "sync", "num_workers": 3, "dtype": "torch.float32", "segments": [[0, 4]],
+                                "optimizer": "SGD", "param_groups": [{"lr": 1.0}], "reply_turns": "yes"},
                     torch.zeros(4))  # fmt: skip
     n = 4 << 20
     admin = init(server.address, num_workers=3, values=torch.zeros(n), lr=1.0, reply_buffer_bytes=4096,
