@@ -16,10 +16,11 @@ the optimizers' class names and param-group hyperparameters, the mode); then it 
 
 ``delay_compensation = λ > 0`` (async/ssp) first turns ``g`` into ``g + λ·g⊙g⊙(w - w_bak(m))``
 (:class:`DelayCompensation`). ``sync`` without backup workers or chunks, given ``reply_turns`` in ``INIT`` (the
-workers do not meet between a pull and their next push), answers a closed step's pulls **one worker at a time**, rotating the first worker with the step (``version mod N``, so every server serves the same worker
-first): the next reply is handed to its socket once the previous one is all in its own, so the first worker served
-computes and pushes its next gradient into the server while the others still pull (the overlap a sync server's
-link needs; answering all ``N`` at once made every worker finish pulling together, then push together).
+workers do not meet between a pull and their next push), answers a closed step's pulls **one worker at a time**,
+rotating the first worker with the step (``version mod N``, so every server serves the same worker first): the next
+reply is handed to its socket once the previous one is all in its own, so the first worker served computes and
+pushes its next gradient into the server while the others still pull (the overlap a sync server's link needs;
+answering all ``N`` at once made every worker finish pulling together, then push together).
 ``reply_buffer_bytes`` in ``INIT`` sets the send buffer of every worker connection (:func:`_set_reply_buffer`).
 Every request is checked field by field before it touches any state
 (:class:`RequestRefused` names the field, the value and the rule). The modes, the ``g / N`` scaling, missing
@@ -695,8 +696,8 @@ class ShardServer:
         The next reply is queued once the previous one is all in its socket (:meth:`replies_sent`), so the server's
         link carries one worker's parameters at a time (each socket's autotuned buffer still overlaps the next reply's
         start with the previous one's tail), or once that socket took no byte for ``TURN_STALL`` seconds (a worker
-        that stops reading delays the others by that much, not until ``reply_timeout`` drops it). Values are untouched: a sync shard changes only when every worker,
-        including those still waiting their turn, has pushed again.
+        that stops reading delays the others by that much, not until ``reply_timeout`` drops it). Values are
+        untouched: a sync shard changes only when every worker, those still waiting their turn included, pushed again.
         """
         n = int(self.config["num_workers"])
         first = self.version % n
