@@ -53,7 +53,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
                                             "ps_sharding_ab8_paced_replies.json", "ps_sharding_turns_turns_propagate.json",
                                             "ps_sharding_turns_main_propagate.json", "ps_sharding_final_4_raise.json",
                                             "ps_sharding_final_4_propagate.json",
-                                            "ps_sharding_final_8_propagate.json"),
+                                            "ps_sharding_final_8_propagate.json", "ps_sharding_final_8_raise.json"),
     "docs/algorithms/sandblaster.md": (),
     "docs/algorithms/pipeline.md": ("pipeline.json", "pipeline_run1.json", "pipeline_run2.json", "pipeline_speed.json"),
     "docs/algorithms/tensor_parallel.md": ("tensor_parallel.json",),

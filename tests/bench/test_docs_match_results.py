@@ -37,7 +37,7 @@ EXTRA = [("ps_sharding", "ps_sharding_spread"), ("ps_sharding", "ps_sharding_pac
          ("ps_sharding", "ps_sharding_ab8_old_replies"), ("ps_sharding", "ps_sharding_ab8_paced_replies"),
          *[("ps_sharding", f"ps_sharding_turns_{run}") for run in ("main_raise", "turns_raise", "main_propagate", "turns_propagate")],
          ("ps_sharding", "ps_sharding_final_4_raise"), ("ps_sharding", "ps_sharding_final_4_propagate"),
-         ("ps_sharding", "ps_sharding_final_8_propagate"),
+         ("ps_sharding", "ps_sharding_final_8_raise"), ("ps_sharding", "ps_sharding_final_8_propagate"),
          ("pipeline", "pipeline_speed")]
 
 
