@@ -40,8 +40,9 @@ from lightning_pdist.bench.asynchronous_worker import METHODS, MODELS, TEXT_REVI
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import (check_rows, documented_run, goal_lines, keep_earlier_rows, kept_lines,
-                                          markdown_table, network_lines, run_lines, save_figure, subplots)  # fmt: skip
+from lightning_pdist.bench.report import (check_rows, documented_run, failed_lines, goal_lines, keep_earlier_rows,
+                                          kept_lines, markdown_table, network_lines, not_run_lines, run_lines,
+                                          save_figure, subplots)  # fmt: skip
 
 SUITE = "asynchronous"
 WORKER = "lightning_pdist.bench.asynchronous_worker"
@@ -388,12 +389,8 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
                      f"{cfg['momentum']:g} by the 1 − 1/2 that two asynchronous processes add (implicit_momentum="
                      f"'compensate': {lowered}); one process and DDP keep {cfg['momentum']:g}." if compensated else ""), "",
                   markdown_table(shared, SHARED_COLUMNS)]  # fmt: skip
-    if errors := [r for r in rows if r["error"]]:
-        lines += ["", "Runs that failed:", "", *(f"- {r['model']} {r['part']} {r['method']} (straggler {r['straggler']}): "
-                                                  f"{r['error']}" for r in errors)]  # fmt: skip
-    lines += ["", "Goals (issue 22):", "", *goal_lines(doc["goals"])]
-    if doc.get("not_run"):
-        lines += ["", "Not in this run:", "", *[f"- {n}" for n in doc["not_run"]]]
+    lines += failed_lines(rows, lambda r: f"{r['model']} {r['part']} {r['method']} (straggler {r['straggler']})")
+    lines += ["", "Goals (issue 22):", "", *goal_lines(doc["goals"]), *not_run_lines(doc)]
     return "\n".join(lines)
 
 

@@ -63,8 +63,9 @@ from lightning_pdist.bench.compression_worker import (BMUF_PERIOD, DGC_RATIO, DG
 from lightning_pdist.bench.compression_keep import check_keep, keep_launches, kept_lines
 from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.netns import LOOPBACK, parse_rate
-from lightning_pdist.bench.report import (check_rows, documented_run, goal_lines, host_info, markdown_table, network_lines,
-                                          run_lines, save_figure, subplots, utc_now, write_json)  # fmt: skip
+from lightning_pdist.bench.report import (check_rows, documented_run, goal_lines, host_info, markdown_table,
+                                          network_lines, not_run_lines, run_lines, save_figure, subplots, utc_now,
+                                          write_json)  # fmt: skip
 
 SUITE = "compression"
 NETWORKS = ("loopback", "emulated")
@@ -632,9 +633,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         lines += ["", model_line(doc, model), "", results_table([r for r in doc["rows"] if r.get("model", "cnn") == model])]
     if doc.get("long", {}).get("rows"):
         lines += ["", *long_section(doc["long"])]
-    lines += ["", "Goals (issue 20):", "", *goal_lines(doc.get("goals", []))]
-    if doc.get("not_run"):
-        lines += ["", "Not in this run:", "", *[f"- {n}" for n in doc["not_run"]]]
+    lines += ["", "Goals (issue 20):", "", *goal_lines(doc.get("goals", [])), *not_run_lines(doc)]
     return "\n".join(lines)
 
 

@@ -48,7 +48,7 @@ from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.diloco_curves import SMOOTH, add_reach, curve_fields, plot
 from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import (check_rows, documented_run, markdown_table, network_lines,
+from lightning_pdist.bench.report import (check_rows, documented_run, failed_lines, markdown_table, network_lines,
                                           refuse_other_settings, run_lines)  # fmt: skip
 
 SUITE = "diloco"
@@ -471,8 +471,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
              "kept busy during the launch; \"rounds\": the runs of a row, the specs in turn (reversed every other round), its "
              "timings the medians of its rounds (– : one run).",
              "", "Networks:", "", *network_lines(doc, named=True), "", markdown_table(doc["rows"], TABLE_COLUMNS)]
-    if errors := [r for r in doc["rows"] if r.get("error")]:
-        lines += ["", "Runs that failed:", "", *(f"- {r['network']} {r['label']}: {r['error']}" for r in errors)]
+    lines += failed_lines(doc["rows"], lambda r: f"{r['network']} {r['label']}")
     if doc.get("goals"):
         lines += ["", "Issue 21's goals on these rows:", "", markdown_table(doc["goals"], GOAL_COLUMNS)]
     return "\n".join(lines)

@@ -34,8 +34,8 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.netns import LOOPBACK, parse_rate
-from lightning_pdist.bench.report import (documented_run, earlier_run, markdown_table, network_lines, run_lines,
-                                          save_figure, subplots)  # fmt: skip
+from lightning_pdist.bench.report import (documented_run, earlier_run, goal_lines, markdown_table, network_lines,
+                                          run_lines, save_figure, subplots)  # fmt: skip
 
 SUITE = "parameter_server"
 PARTS = ("easgd", "sandblaster", "parallax")
@@ -298,7 +298,6 @@ PART_TITLES = {"easgd": "Async EASGD vs Downpour vs sync EASGD, one straggler (d
 def docs_section(doc: dict[str, Any], json_path: str) -> str:
     """The suite's section of docs/benchmarks.md, everything read from ``doc``."""
     cfg = doc["config"]
-    verdict = {True: "met", False: "**not met**", None: "not measured"}
     lines = [*run_lines(doc, json_path)]
     if doc.get("kept"):
         k = doc["kept"]
@@ -319,8 +318,8 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         rows = [r for r in doc["rows"] if r["part"] == part]
         if rows:
             lines += ["", f"### {PART_TITLES[part]}", "", notes[part], "", markdown_table(rows, PART_COLUMNS[part])]
-    lines += ["", "Goal (issue 23):", "", *[f"- {g['goal']}: {verdict[g['met']]}. {g['measured']}." for g in doc["goals"]],
-              "", "Findings:", "", *[f"- {f}." for f in doc["findings"]]]  # fmt: skip
+    lines += ["", "Goal (issue 23):", "", *goal_lines(doc["goals"])]
+    lines += ["", "Findings:", "", *[f"- {f}." for f in doc["findings"]]]
     return "\n".join(lines)
 
 

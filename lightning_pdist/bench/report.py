@@ -256,6 +256,17 @@ def goal_lines(goals: Sequence[Mapping[str, Any]]) -> list[str]:
     return [f"- {g['goal']}: {verdict[g['met']]}. {g['measured']}." for g in goals]
 
 
+def failed_lines(rows: Iterable[Mapping[str, Any]], label: Callable[[Mapping[str, Any]], str]) -> list[str]:
+    """``Runs that failed:`` and a bullet ``label(row): error`` per row with an error; nothing when none failed."""
+    errors = [r for r in rows if r.get("error")]
+    return ["", "Runs that failed:", "", *(f"- {label(r)}: {r['error']}" for r in errors)] if errors else []
+
+
+def not_run_lines(doc: Mapping[str, Any]) -> list[str]:
+    """``Not in this run:`` and a bullet per entry of ``doc["not_run"]``; nothing when it is empty or absent."""
+    return ["", "Not in this run:", "", *(f"- {n}" for n in doc["not_run"])] if doc.get("not_run") else []
+
+
 def refuse_other_settings(where: str, old: Mapping[str, Any], now: Mapping[str, Any], keys: Sequence[str], what: str,
                           advice: str = "") -> None:
     """Raise ``ValueError`` naming each of ``keys`` whose value in ``old`` (an earlier run's config) differs from ``now``:

@@ -29,8 +29,8 @@ from typing import Any, ClassVar
 
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import SuiteRun
-from lightning_pdist.bench.report import (check_rows, documented_run, goal_lines, keep_earlier_rows, kept_lines,
-                                          markdown_table, run_lines, save_figure, subplots)  # fmt: skip
+from lightning_pdist.bench.report import (check_rows, documented_run, failed_lines, goal_lines, keep_earlier_rows,
+                                          kept_lines, markdown_table, run_lines, save_figure, subplots)  # fmt: skip
 
 SUITE = "rl"
 WORKER = "lightning_pdist.bench.rl_worker"
@@ -281,9 +281,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
              f"{doc['host']['cpus']} cores (\"other load\": cores other work kept busy during the row"
              + (f"; {min(load):.2f} to {max(load):.2f} in this run" if load else "") + ").", "",
              table(rows, cfg)]  # fmt: skip
-    if errors := [r for r in rows if r["error"]]:
-        lines += ["", "Runs that failed:", "", *(f"- {r['row']}: {r['error']}" for r in errors)]
-    lines += ["", "Goal (issue 26):", "", *goal_lines(doc["goals"])]
+    lines += [*failed_lines(rows, lambda r: r["row"]), "", "Goal (issue 26):", "", *goal_lines(doc["goals"])]
     return "\n".join(lines)
 
 
