@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lightning_pdist.bench.launch import WorkerSpec, bench_trainer, worker_main
+from lightning_pdist.bench.launch import WorkerSpec, as_one_node, bench_trainer, worker_main
 from lightning_pdist.bench.worker import evaluate
 
 #: method -> what it runs.
@@ -180,11 +180,8 @@ def fit_lightning(spec: dict[str, Any], clock: Clock, module: Any, data: Any) ->
             clock.end()
 
     ws, one_node = spec["world_size"], spec["method"] in ONE_NODE
-    if one_node:  # the launcher's ranks become local ranks of one node
-        os.environ.update(LOCAL_RANK=os.environ["RANK"], NODE_RANK="0", LOCAL_WORLD_SIZE=str(ws))
-    if spec["method"] == "single":
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE"):
-            os.environ.pop(key, None)
+    if one_node or spec["method"] == "single":  # local ranks of one node, or one process alone
+        as_one_node(ws if one_node else None)
     trainer = bench_trainer(devices=ws if one_node else 1, num_nodes=1 if one_node else ws, max_steps=spec["steps"],
                             strategy=build_strategy(spec["method"], spec["model"]), callbacks=[Probe()])  # fmt: skip
     trainer.fit(module, datamodule=data)

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, LaunchError, Loopback, launch_ranks, measure_link_rate
 from lightning_pdist.bench.report import check_spec_keys, finish_suite, new_document, output_dir
 
-__all__ = ["Launched", "Launcher", "SuiteRun", "WorkerSpec", "bench_trainer", "busy_cpu_s", "emulated_network", "free_port", "free_ports", "own_cpu_s", "read_results",
+__all__ = ["Launched", "Launcher", "SuiteRun", "WorkerSpec", "as_one_node", "bench_trainer", "busy_cpu_s", "emulated_network", "free_port", "free_ports", "own_cpu_s", "read_results",
            "worker_env", "worker_main"]  # fmt: skip
 
 LINK_PROBE_BYTES = 4 << 20
@@ -309,6 +309,16 @@ def bench_trainer(**kwargs: Any) -> Any:
 
     return Trainer(**{"accelerator": "cpu", "limit_val_batches": 0, "num_sanity_val_steps": 0, "logger": False,
                       "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False, **kwargs})
+
+
+def as_one_node(ranks: int | None) -> None:
+    """How Lightning sees the launched ranks (each launched as a node of its own): as ``ranks`` local ranks of one node
+    (``LOCAL_RANK`` = ``RANK``), or, with ``None``, as one process on its own (no rank variables at all)."""
+    if ranks is None:
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(key, None)
+    else:
+        os.environ.update(LOCAL_RANK=os.environ["RANK"], NODE_RANK="0", LOCAL_WORLD_SIZE=str(ranks))
 
 
 def _close_group() -> None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lightning_pdist.bench.launch import WorkerSpec, bench_trainer, worker_main
+from lightning_pdist.bench.launch import WorkerSpec, as_one_node, bench_trainer, worker_main
 
 #: method -> what it runs.
 METHODS: dict[str, str] = {
@@ -274,11 +274,7 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """The learner process of one row: build, fit until solved or out of budget, report."""
     started = time.perf_counter()
     rank, learners = int(os.environ.get("RANK", "0")), spec["learners"]
-    if spec["method"] == "gorila":  # the launcher's ranks become local ranks of one node
-        os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(learners))
-    else:
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE"):
-            os.environ.pop(key, None)
+    as_one_node(learners if spec["method"] == "gorila" else None)  # Gorila's learners: local ranks of one node
     from lightning.fabric.utilities.seed import seed_everything
 
     seed_everything(spec["seed"], verbose=False)
