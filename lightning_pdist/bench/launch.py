@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, LaunchError, Loopback, launch_ranks, measure_link_rate
 from lightning_pdist.bench.report import check_spec_keys, finish_suite, new_document, output_dir
 
-__all__ = ["Launched", "Launcher", "SuiteRun", "WorkerSpec", "as_one_node", "bench_trainer", "busy_cpu_s", "emulated_network", "free_port", "free_ports", "own_cpu_s", "read_results",
+__all__ = ["Launched", "Launcher", "SuiteRun", "WorkerSpec", "as_one_node", "bench_trainer", "busy_cpu_s", "close_group", "emulated_network", "free_port", "free_ports", "own_cpu_s", "read_results",
            "worker_env", "worker_main"]  # fmt: skip
 
 LINK_PROBE_BYTES = 4 << 20
@@ -291,7 +291,7 @@ def worker_main(module: str, doc: str | None, check: Callable[[dict[str, Any]], 
         spec = check(spec)
         result = run(spec, args.hosts.split(","), out_dir) if hosts else run(spec, out_dir)
         if ports is not None:
-            _close_group()
+            close_group()
         if result is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / f"{prefix}{env.get('RANK', '0')}.json").write_text(json.dumps(result))
@@ -321,9 +321,10 @@ def as_one_node(ranks: int | None) -> None:
         os.environ.update(LOCAL_RANK=os.environ["RANK"], NODE_RANK="0", LOCAL_WORLD_SIZE=str(ranks))
 
 
-def _close_group() -> None:
+def close_group() -> None:
     """Tear down a process group a run left up (Lightning's ``fit`` does), every rank done first: the next spec of
-    the launch starts its own, and gloo's threads left to interpreter shutdown can abort a finished process."""
+    the launch starts its own, and gloo's threads left to interpreter shutdown can abort a finished process
+    (SIGABRT, "terminate called without an active exception", after its work is done)."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.barrier()

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lightning_pdist.bench.launch import WorkerSpec, bench_trainer, worker_main
+from lightning_pdist.bench.launch import WorkerSpec, bench_trainer, close_group, worker_main
 
 CONFIGS = ("dp", "tp", "tp_sp", "dp_tp", "hybrid")
 MODELS = ("bert", "albert", "vgg", "transformer")
@@ -169,7 +169,6 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     import torch
     from lightning.pytorch import Callback, Trainer, seed_everything
 
-    from lightning_pdist.bench.pipeline_worker import _close_group
     from lightning_pdist.bench.worker import read_tx
 
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
@@ -205,7 +204,7 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         trainer.fit(module, datamodule=data)
     fit_s = time.perf_counter() - t0
     params_local = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in module.parameters())
-    _close_group()
+    close_group()
     if len(edges) != 2:
         raise RuntimeError(f"tp_worker: the run ended after {trainer.global_step} steps, before the timed window "
                            f"closed ({warmup} + {steps}); give the data more samples")  # fmt: skip
