@@ -71,7 +71,7 @@ NETWORKS = ("loopback", "emulated")
 SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw")
 ENGINES = ("ours_gpipe", "ours_1f1b", "ours_pipedream", "ours_2bw", "torch_gpipe", "torch_1f1b", "ddp", "deepspeed",
            "fairscale", "lightning", "ours_1f1b_ahead", "ours_1f1b_late")  # fmt: skip
-#: ours' receives posted ahead (P2P(post_ahead=True)) or when needed (False); the plain names follow post_ahead_rule
+#: ours' receives posted ahead (P2P(post_ahead=True)) or when needed (False, the default the plain names run)
 POST_AHEAD = {"ahead": True, "late": False}
 DEFAULT_ENGINES = tuple(e for e in ENGINES if e.rpartition("_")[2] not in POST_AHEAD)  # the A/B only when asked
 METHODS = ("ddp", "gpipe", "pipedream", "pipedream_nostash", "2bw", "spectrain", "ddg", "features_replay", "dni", "cdni")  # convergence runs
@@ -102,8 +102,8 @@ class SuiteConfig(SuiteRules):
     """stage counts of the throughput part"""
     engines: tuple[str, ...] = DEFAULT_ENGINES
     """throughput engines, any of ours_gpipe ours_1f1b ours_pipedream ours_2bw torch_gpipe torch_1f1b ddp deepspeed fairscale
-    lightning ours_1f1b_ahead ours_1f1b_late (the last two: ours 1F1B with receives posted ahead, or when needed; ours'
-    other rows follow the default, post_ahead_rule)"""
+    lightning ours_1f1b_ahead ours_1f1b_late (the last two: ours 1F1B with receives posted ahead, or when needed as in
+    ours' other rows, the default)"""
     width: int = QUICK["width"]
     """MLP width"""
     depth: int = 8

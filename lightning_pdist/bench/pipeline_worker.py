@@ -180,7 +180,7 @@ def run_ours(spec: dict[str, Any], case: dict[str, Any], rank: int) -> dict[str,
 
     from lightning_pdist.core.accounting import CommMeter
     from lightning_pdist.pipeline.executor import StageExecutor
-    from lightning_pdist.pipeline.p2p import P2P, post_ahead_rule
+    from lightning_pdist.pipeline.p2p import P2P
 
     K, m = spec["num_stages"], case["num_microbatches"]
     a, b = stage_bounds(spec["depth"], K, rank)
@@ -188,9 +188,7 @@ def run_ours(spec: dict[str, Any], case: dict[str, Any], rank: int) -> dict[str,
     data = batches(spec)
     optimizer = torch.optim.SGD(stage.parameters(), lr=spec["lr"])
     meter = CommMeter()
-    # as the strategy's default: the K ranks share this machine (loopback or emulated hosts alike)
-    ahead = case.get("post_ahead")
-    p2p = P2P(None, meter=meter, post_ahead=post_ahead_rule(K) if ahead is None else ahead)
+    p2p = P2P(None, meter=meter, post_ahead=bool(case.get("post_ahead")))  # the strategy's default: off
 
     def chunk(j: int, i: int) -> Any:
         return data[(j // m) % len(data)][i].tensor_split(m)[j % m]

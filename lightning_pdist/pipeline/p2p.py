@@ -32,12 +32,13 @@ threads, and the whole transfer, on the critical path. :meth:`P2P.post` posts th
 soon as the caller knows that frame will come, so it travels while the stage computes; :meth:`P2P.recv`
 then only waits for it. The executor posts a stream's next micro-batch when it takes the current one
 and when a batch is admitted, never past the micro-batches admitted (no receive is left posted at a
-drain). Whether it pays depends on the cores (:func:`post_ahead_rule`, the default of
-:class:`~lightning_pdist.pipeline.strategy.PipelineStrategy`): on when the ranks on this host outnumber its cores.
-Measured on a 2-core machine (8 x Linear(512), batch 64, m = 4, gloo, loopback, off and on alternating; the
-``ours_1f1b_ahead``/``ours_1f1b_late`` rows of docs/results/pipeline_post_ahead.json): with 4 processes it shortens
-the step (a neighbour's gloo thread no longer needs a core at the moment of the receive); with 2 it lengthens it
-(more CPU per step: the posted receive's bytes land while the stage computes, on a core the stage needs).
+drain). Off by default (``post_ahead=False``): measured on this 2-core machine (8 x Linear(512), batch 64, m = 4,
+gloo, loopback, quiet, off and on alternating in one launch: the ``ours (late)``/``ours (ahead)`` rows of
+docs/results/pipeline_post_ahead.json) it lengthened the 2-process step in every round (more CPU per step: the
+posted receive's bytes land while the stage computes, on a core the stage needs) and the 4-process step in most
+rounds; an earlier A/B under other load had found the 4-process step shorter (a neighbour's gloo thread no longer
+needs a core at the moment of the receive), so no rule on the ranks per core held up.
+``PipelineStrategy(post_ahead=True)`` turns it on.
 
 Streams use distinct tags, so activations and gradients between the same two stages never pair up
 wrongly; within a stream gloo and NCCL deliver in order. Sends are asynchronous (``isend``): a stage
@@ -51,11 +52,8 @@ across Lightning's per-step barrier). Bytes sent (frames, headers included) go t
 from __future__ import annotations
 
 import math
-import os
-import socket
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -63,8 +61,7 @@ from torch import Tensor
 
 from lightning_pdist.core.accounting import CommMeter
 
-__all__ = ["BACKWARD", "DTYPES", "EVAL", "FORWARD", "HEADER_BYTES", "HEADER_LEN", "Message", "P2P", "available_cores", "host_key",
-           "post_ahead_rule"]
+__all__ = ["BACKWARD", "DTYPES", "EVAL", "FORWARD", "HEADER_BYTES", "HEADER_LEN", "Message", "P2P"]
 
 MAGIC = 0x5044
 HEADER_LEN = 16
@@ -92,33 +89,6 @@ def _nbytes(meta: Meta | None) -> int:
     return 0 if meta is None else math.prod(meta[1]) * _ITEMSIZE[meta[0]]
 
 
-def available_cores() -> int:
-    """The cores this process may run on (its CPU affinity; the machine's count where that is unknown)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def host_key() -> str:
-    """What the ranks sharing this machine's cores have in common: the kernel's boot id (processes in other
-    containers or network namespaces of the same machine share it), else the host name."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return socket.gethostname()
-
-
-def post_ahead_rule(ranks_on_host: int, cores: int | None = None) -> bool:
-    """Post receives ahead (:meth:`P2P.post`) when this host runs more ranks than it has cores (``cores``: default
-    :func:`available_cores`): then a receive posted late waits for a neighbour's gloo thread to get a core, and posting
-    it early takes that wait off the critical path; with a core per rank the early receive only adds work beside the
-    stage's compute (the module docstring has the measurement)."""
-    if not isinstance(ranks_on_host, int) or isinstance(ranks_on_host, bool) or ranks_on_host < 1:
-        raise ValueError(f"post_ahead_rule(ranks_on_host={ranks_on_host!r}): ranks_on_host must be an int >= 1")
-    return ranks_on_host > (available_cores() if cores is None else cores)
-
-
 @dataclass
 class P2P:
     """Framed sends and receives between this rank and its pipeline neighbours.
@@ -136,7 +106,7 @@ class P2P:
     meter: CommMeter | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     wait_s: float = 0.0  # seconds spent blocked in recv (the stage's idle time, bubbles included)
-    post_ahead: bool = False  # the executor posts receives ahead (P2P.post); the strategy's default: post_ahead_rule
+    post_ahead: bool = False  # the executor posts receives ahead (P2P.post); off: measured slower (above)
     # (peer, stream, micro-batch) -> the send's handles, whose buffers stay alive until released
     _pending: dict[tuple[int, int, int], list[tuple[dist.Work, Tensor]]] = field(default_factory=dict)
     _sent: dict[tuple[int, int], Meta] = field(default_factory=dict)  # shape of the last frame per (peer, stream)

@@ -53,7 +53,7 @@ from lightning_pdist.pipeline.partition import Partition
 from lightning_pdist.core.accounting import all_reduce_bytes
 from lightning_pdist.core.collectives import all_reduce_mean_, all_reduce_sum_
 from lightning_pdist.pipeline.executor import StageExecutor
-from lightning_pdist.pipeline.p2p import P2P, host_key, post_ahead_rule
+from lightning_pdist.pipeline.p2p import P2P
 from lightning_pdist.pipeline.precision import PipelineMixedPrecision
 from lightning_pdist.pipeline.spectrain import check_momentum, predicted_weights
 from lightning_pdist.core.strategy import PdistStrategy, register_variants
@@ -157,9 +157,8 @@ class PipelineStrategy(PdistStrategy):
         synthetic_num_classes: ``C``, the one-hot width; ``None``: the module's ``hparams.num_classes`` (or its
             ``num_classes`` attribute), refused at setup when it has neither.
         post_ahead: post each activation's and gradient's receive as soon as the schedule knows it will come, so the
-            bytes travel while the stage computes (:mod:`lightning_pdist.pipeline.p2p`); ``None`` (default): on when
-            the ranks on this host (all of the world's, counted at setup by the host's boot id) outnumber its cores
-            (:func:`~lightning_pdist.pipeline.p2p.post_ahead_rule`, measured in docs/benchmarks.md).
+            bytes travel while the stage computes (:mod:`lightning_pdist.pipeline.p2p`); off by default: measured
+            slower on this project's 2-core machine with 2 and with 4 processes (docs/benchmarks.md).
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (``start_method``,
             ``process_group_backend``, ``timeout``). Nothing is wrapped in ``DistributedDataParallel``.
     """
@@ -185,7 +184,7 @@ class PipelineStrategy(PdistStrategy):
         synthetic_normalize: bool = True,
         synthetic_conditioning: str | None = None,
         synthetic_num_classes: int | None = None,
-        post_ahead: bool | None = None,
+        post_ahead: bool = False,
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
@@ -285,7 +284,6 @@ class PipelineStrategy(PdistStrategy):
         self.accelerator.setup(trainer)
         self.model_to_device()
         self._make_groups()
-        self._post_ahead = self._resolve_post_ahead()
         self._broadcast_module_from_rank_zero()
         self._use_pipeline_precision()
         self._defer_steps = (isinstance(self.precision_plugin, PipelineMixedPrecision)
@@ -382,14 +380,6 @@ class PipelineStrategy(PdistStrategy):
         dist.broadcast(flat, src=0)
         unflatten_into_(flat.cpu(), tensors)
 
-    def _resolve_post_ahead(self) -> bool:
-        """``post_ahead``, or its rule on the number of the world's ranks that share this host (one gather at setup)."""
-        if self.config.post_ahead is not None or self.world_size == 1:
-            return bool(self.config.post_ahead)
-        hosts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(hosts, host_key())
-        return post_ahead_rule(hosts.count(host_key()))
-
     def _rank_zeros_partition(self, mine: Partition) -> Partition:
         # balance="time" measures on every rank and timings differ: everyone uses rank 0's cut.
         if self.world_size == 1 or self.config.balance != "time":
@@ -406,7 +396,7 @@ class PipelineStrategy(PdistStrategy):
                                        config.synthetic_normalize, self._num_classes)
                      if config.spec.synthetic and s < K - 1 else None)  # fmt: skip
         p2p = P2P(self._pp_group, max_message_bytes=self.config.max_message_bytes, meter=self.comm_meter, device=self.root_device,
-                  post_ahead=self._post_ahead)  # fmt: skip
+                  post_ahead=self.config.post_ahead)  # fmt: skip
         return StageExecutor(
             self.split.stage_module, s, K, config.spec.name, p2p,
             prev_rank=self.stage_rank(s - 1) if s > 0 else None, next_rank=self.stage_rank(s + 1) if s < K - 1 else None,

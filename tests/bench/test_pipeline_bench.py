@@ -149,7 +149,7 @@ def test_rounds_pool_into_one_row_per_engine_with_each_rounds_ratio():
 
 def test_receives_posted_ahead_or_late_are_rows_of_their_own():
     """ours_1f1b_ahead / ours_1f1b_late force P2P(post_ahead=True/False); each pools into its own row, which keeps the
-    value the ranks used; the plain ours_1f1b row (post_ahead_rule) is the one the ratio to torch reads."""
+    value the ranks used; the plain ours_1f1b row (the default: late) is the one the ratio to torch reads."""
     cases = engine_cases(SuiteConfig(engines=("ours_1f1b_late", "ours_1f1b_ahead", "ours_1f1b", "torch_1f1b")))
     assert [(c["engine"], c.get("variant"), c.get("post_ahead")) for c in cases] == [
         ("ours", "late", False), ("ours", "ahead", True), ("ours", None, None), ("torch", None, None)]

@@ -114,16 +114,3 @@ def test_unsupported_dtype_and_rank_are_refused_before_sending():
     with pytest.raises(ValueError, match="tensor of 9 dims; at most 8"):
         p2p.send(torch.zeros([1] * 9), dst=1, stream=FORWARD, microbatch=0)
 
-
-def test_receives_are_posted_ahead_when_the_ranks_on_a_host_outnumber_its_cores():
-    """The default of PipelineStrategy(post_ahead=None): on for 4 ranks on 2 cores (measured faster), off for 2 on 2
-    (measured slower) and for 4 on 4; a rank count that is not an int >= 1 is refused, naming it."""
-    from lightning_pdist.pipeline.p2p import available_cores, host_key, post_ahead_rule
-
-    assert [post_ahead_rule(n, cores=2) for n in (1, 2, 3, 4)] == [False, False, True, True]
-    assert post_ahead_rule(4, cores=4) is False
-    assert post_ahead_rule(available_cores() + 1) is True and post_ahead_rule(1) is False
-    assert host_key() == host_key() and host_key()
-    for bad in (0, 2.0, True):
-        with pytest.raises(ValueError, match=rf"post_ahead_rule\(ranks_on_host={bad!r}\): ranks_on_host must be an int >= 1"):
-            post_ahead_rule(bad)
