@@ -33,12 +33,12 @@ soon as the caller knows that frame will come, so it travels while the stage com
 then only waits for it. The executor posts a stream's next micro-batch when it takes the current one
 and when a batch is admitted, never past the micro-batches admitted (no receive is left posted at a
 drain). Off by default (``post_ahead=False``): measured on this 2-core machine (8 x Linear(512), batch 64, m = 4,
-gloo, loopback, quiet, off and on alternating in one launch: the ``ours (late)``/``ours (ahead)`` rows of
-docs/results/pipeline_post_ahead.json) it lengthened the 2-process step in every round (more CPU per step: the
-posted receive's bytes land while the stage computes, on a core the stage needs) and the 4-process step in most
-rounds; an earlier A/B under other load had found the 4-process step shorter (a neighbour's gloo thread no longer
-needs a core at the moment of the receive), so no rule on the ranks per core held up.
-``PipelineStrategy(post_ahead=True)`` turns it on.
+gloo, loopback, quiet; off and on alternating in one launch, two runs of 5 and 7 rounds: the ``ours (late)`` /
+``ours (ahead)`` rows of docs/results/pipeline_post_ahead_run1.json and pipeline_post_ahead.json) it lengthened the
+2-process step in 11 of the 12 rounds (more CPU per step: the posted receive's bytes land while the stage computes, on
+a core the stage needs) and the 4-process step in 9 of 12. An earlier A/B under other load had found the 4-process
+step shorter (a neighbour's gloo thread no longer needs a core at the moment of the receive); on a quiet machine no
+rule on ranks per core holds up. ``PipelineStrategy(post_ahead=True)`` turns it on.
 
 Streams use distinct tags, so activations and gradients between the same two stages never pair up
 wrongly; within a stream gloo and NCCL deliver in order. Sends are asynchronous (``isend``): a stage

@@ -35,7 +35,7 @@ def _load(name: str) -> dict:
 #: Results files of a suite beyond its own ``<suite>.json`` that docs/benchmarks.md shows: (suite, file stem).
 EXTRA = [("ps_sharding", "ps_sharding_spread"), ("ps_sharding", "ps_sharding_paced_4"), ("ps_sharding", "ps_sharding_paced_8"),
          ("ps_sharding", "ps_sharding_ab8_old_replies"), ("ps_sharding", "ps_sharding_ab8_paced_replies"),
-         ("pipeline", "pipeline_speed")]
+         ("pipeline", "pipeline_speed"), ("pipeline", "pipeline_post_ahead"), ("pipeline", "pipeline_post_ahead_run1")]
 
 
 @pytest.mark.parametrize("suite, name", [(s, s) for s in SUITES] + EXTRA)
