@@ -114,6 +114,13 @@ class SuiteConfig(SuiteRules):
     would hold more than the strategy's 64 chunks each (the row records the value used)"""
     chunks_in_flight: int = PACED_IN_FLIGHT
     """the workers' ParameterServerStrategy(chunks_in_flight=...) in Part A's paced runs"""
+    reply_buffer_bytes: int = 0
+    """the workers' ParameterServerStrategy(reply_buffer_bytes=...) in Part A's runs: the servers' send buffer per
+    worker connection; 0: None, the kernel autotunes it (the strategy's default)"""
+    nonfinite: str = "raise"
+    """the workers' ParameterServerStrategy(nonfinite=...): raise (the default) and skip_step make sync workers agree
+    on every step's gradient check before pushing (a meeting of all workers between a step's pull and the next push);
+    propagate checks nothing"""
     timeout: float = 600.0
     """seconds per run"""
     quick: bool = True
@@ -139,6 +146,12 @@ class SuiteConfig(SuiteRules):
         if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 8 or self.chunk_bytes % 8:
             raise self.bad("chunk_bytes", self.chunk_bytes, "must be a multiple of 8 bytes, at least 8")
         self.ints("chunks_in_flight")
+        if self.nonfinite not in ("raise", "skip_step", "propagate"):
+            raise self.bad("nonfinite", self.nonfinite, "must be one of raise, skip_step, propagate")
+        if isinstance(self.reply_buffer_bytes, bool) or not isinstance(self.reply_buffer_bytes, int) or not (
+                self.reply_buffer_bytes == 0 or 4096 <= self.reply_buffer_bytes <= 1 << 26):
+            raise self.bad("reply_buffer_bytes", self.reply_buffer_bytes, "must be 0 (kernel autotuning) or an int in "
+                                                                          "[4096, 67108864]")  # fmt: skip
 
     def servers_for(self, workers: int) -> int:
         return math.ceil(workers / self.workers_per_server)
@@ -158,6 +171,8 @@ def worker_spec(config: SuiteConfig, workers: int, sharding: str, mode: str = "s
         "chunk_bytes": run_chunk_bytes(config, servers) if sharding in CHUNKED else None,
         # without chunks the strategy takes only its default; "chunked" rows push unpaced (None)
         "chunks_in_flight": {"chunked": None, "paced": config.chunks_in_flight}.get(sharding, DEFAULT_IN_FLIGHT),
+        "reply_buffer_bytes": config.reply_buffer_bytes if mode == "sync" and config.reply_buffer_bytes else None,
+        "nonfinite": config.nonfinite,
     })  # fmt: skip
 
 
@@ -248,6 +263,8 @@ def build_row(spec: dict[str, Any], result: dict[str, Any], config: SuiteConfig,
         "mode": spec["mode"],
         "chunk_bytes": spec["chunk_bytes"],
         "chunks_in_flight": spec["chunks_in_flight"] if spec["chunk_bytes"] else None,
+        "reply_buffer_bytes": spec.get("reply_buffer_bytes"),
+        "nonfinite": spec.get("nonfinite"),
         "samples_per_s": round(samples_per_s, 2),
         "speedup_vs_1_worker": None,
         "max_server_bytes_per_step": round(max(loads)),
@@ -405,6 +422,7 @@ def spread(runs: list[float] | None) -> str:
 ROW_COLUMNS = (
     ("workers", "workers", None), ("servers", "servers", None), ("sharding", "sharding", None),
     ("chunk bytes", "chunk_bytes", None), ("chunks in flight", "chunks_in_flight", None),
+    ("reply buffer bytes", "reply_buffer_bytes", None), ("nonfinite", "nonfinite", None),
     ("samples/s", "samples_per_s", ".1f"),
     ("runs (min–max)", "samples_per_s_runs", spread), ("speedup vs 1", "speedup_vs_1_worker", ".2f"),
     ("bound samples/s", "bound_samples_per_s", ".1f"), ("of bound", "of_bound", ".0%"), ("busiest server MB/step", "max_server_bytes_per_step", lambda v: f"{v / 1e6:.2f}"),

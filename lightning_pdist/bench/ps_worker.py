@@ -35,6 +35,7 @@ from lightning_pdist.bench.launch import WorkerSpec, worker_main
 
 MODES = ("sync", "async", "ssp")
 SHARDINGS = ("layer", "memory")
+NONFINITE = ("raise", "skip_step", "propagate")  # lightning_pdist.core.nonfinite.NONFINITE_POLICIES (no torch here)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class Spec(WorkerSpec):
     subnet: str
     chunk_bytes: int | None = None
     chunks_in_flight: int | None = None  # the strategy's default (DEFAULT_CHUNKS_IN_FLIGHT; not imported: no torch here)
+    reply_buffer_bytes: int | None = None  # the strategy's default (DEFAULT_REPLY_BUFFER_BYTES: kernel autotuning)
+    nonfinite: str = "raise"  # the strategy's default; "propagate": no per-step agreement among sync workers
 
     def __post_init__(self) -> None:
         self.one_of("mode", MODES)
@@ -70,6 +73,9 @@ class Spec(WorkerSpec):
             raise self.bad("slow_worker", f"slow_worker must be None or in [0, {self.workers})")
         if self.chunks_in_flight is not None and (not isinstance(self.chunks_in_flight, int) or self.chunks_in_flight < 1):
             raise self.bad("chunks_in_flight", "chunks_in_flight must be None or an int >= 1")
+        self.one_of("nonfinite", NONFINITE)
+        if self.reply_buffer_bytes is not None and (not isinstance(self.reply_buffer_bytes, int) or self.reply_buffer_bytes < 1):
+            raise self.bad("reply_buffer_bytes", "reply_buffer_bytes must be None or an int >= 1")
         if not isinstance(self.slow_delay_s, (int, float)) or self.slow_delay_s < 0:
             raise self.bad("slow_delay_s", "slow_delay_s must be >= 0")
 
@@ -151,6 +157,7 @@ def run_worker(spec: dict[str, Any], worker: int, hosts: list[str], out_dir: Pat
         sharding=spec["sharding"], mode=spec["mode"], allowed_networks=spec["subnet"],
         server_addresses=[f"{hosts[s]}:{spec['server_port']}" for s in range(servers)], server_timeout=120.0,
         chunk_bytes=spec.get("chunk_bytes"), chunks_in_flight=spec["chunks_in_flight"],
+        reply_buffer_bytes=spec.get("reply_buffer_bytes"), nonfinite=spec.get("nonfinite", "raise"),
     )  # fmt: skip
     trainer = Trainer(
         accelerator="cpu", devices=1, num_nodes=workers, strategy=strategy, max_steps=total, logger=False,

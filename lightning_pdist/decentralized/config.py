@@ -87,6 +87,10 @@ class DecentralizedConfig(ConfigErrors):
         """The topology for messages: its name, or ``'matrix'``."""
         return self.topology if isinstance(self.topology, str) else "matrix"
 
+    def checkpoint_fields(self, plan: RankPlan | None) -> dict[str, Any]:
+        """What a checkpoint records of the topology (read back by nothing: it says what the run mixed with)."""
+        return {"topology": self.name} | ({} if plan is None else {"mixing_matrix": plan.matrix.tolist()})
+
     def check_world(self, world_size: int) -> Tensor:
         """W for ``world_size`` ranks; ``ValueError`` naming the argument and the rule when it cannot be built."""
         topo = "topology" if not isinstance(self.topology, str) else f"topology={self.topology!r}"

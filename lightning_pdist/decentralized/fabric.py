@@ -158,9 +158,7 @@ class DecentralizedFabricStrategy(PdistFabricStrategy):
     @override
     def pdist_state_dict(self) -> dict:
         state = super().pdist_state_dict()
-        state.update(step=self.step, topology=self.config.name)
-        if self.plan is not None:
-            state["mixing_matrix"] = self.plan.matrix.tolist()
+        state.update(step=self.step, **self.config.checkpoint_fields(self.plan))
         return state
 
     @override

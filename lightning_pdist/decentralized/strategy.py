@@ -349,9 +349,7 @@ class DecentralizedStrategy(PdistStrategy):
     @override
     def pdist_state_dict(self) -> dict:
         state = super().pdist_state_dict()
-        state.update(step=self.step, mode=self.mode, topology=self.config.name)
-        if self.plan is not None:
-            state["mixing_matrix"] = self.plan.matrix.tolist()
+        state.update(step=self.step, mode=self.mode, **self.config.checkpoint_fields(self.plan))
         return state
 
     @override

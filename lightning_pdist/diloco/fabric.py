@@ -112,14 +112,13 @@ class DiLoCoFabricStrategy(ScheduleFields, PdistFabricStrategy):
     def pdist_state_dict(self) -> dict:
         state = super().pdist_state_dict()
         if self.module is not None:
-            state.update(step=self.step, rounds=self.rounds.state_dict())
+            state.update(self.rounds.checkpoint(self.step))
         return state
 
     @override
     def load_pdist_state_dict(self, state: dict) -> None:
         super().load_pdist_state_dict(state)
-        self.step = int(state.get("step", 0))
-        self.rounds.load_state_dict(state["rounds"])
+        self.step = self.rounds.restore(state)
 
     @override
     def rank_state(self, objects: dict[str, Any]) -> dict | None:

@@ -167,3 +167,12 @@ class Rounds:
             part.optimizer.load_state_dict(saved["outer_optimizer"])
             pending = saved["pending"]
             part.pending = None if pending is None else Exchange.done(*pending)
+
+    def checkpoint(self, step: int) -> dict:
+        """What both shells save of the algorithm: the step count (training steps taken) and :meth:`state_dict`."""
+        return {"step": step, "rounds": self.state_dict()}
+
+    def restore(self, state: dict) -> int:
+        """Load what :meth:`checkpoint` saved; returns the step count."""
+        self.load_state_dict(state["rounds"])
+        return int(state.get("step", 0))

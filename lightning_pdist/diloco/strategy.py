@@ -198,11 +198,10 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
             self._ft_round(contribute=False)  # the join: after the checkpoint, so a heal is not overwritten by it
 
     def _ft_state(self) -> dict:
-        return {"step": self.step, "rounds": self.rounds.state_dict()}
+        return self.rounds.checkpoint(self.step)
 
     def _ft_load(self, state: dict) -> None:
-        self.step = int(state["step"])
-        self.rounds.load_state_dict(state["rounds"])
+        self.step = self.rounds.restore(state)
 
     def _ft_round(self, contribute: bool) -> None:
         """One round end on torchft: the mean over the replicas present, the outer step, every replica loads it."""
@@ -304,7 +303,7 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
     def pdist_state_dict(self) -> dict:
         self._close_training_step()
         state = super().pdist_state_dict()
-        state.update(step=self.step, rounds=self.rounds.state_dict())
+        state.update(self.rounds.checkpoint(self.step))
         if self._ft is not None:
             state["torchft"] = self._ft.manager.state_dict()  # its step: whether a resumed replica is behind
         return state
@@ -312,8 +311,7 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
     @override
     def load_pdist_state_dict(self, state: dict) -> None:
         super().load_pdist_state_dict(state)
-        self.step = int(state.get("step", 0))
-        self.rounds.load_state_dict(state["rounds"])
+        self.step = self.rounds.restore(state)
         if self._ft is not None and "torchft" in state:
             self._ft.manager.load_state_dict(state["torchft"])
 

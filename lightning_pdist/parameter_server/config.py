@@ -8,18 +8,26 @@ from dataclasses import dataclass
 from lightning_pdist.parameter_server.sharding import SHARDINGS
 from lightning_pdist.core.ps_auth import read_secret_file
 from lightning_pdist.parameter_server.elastic import default_alpha
-from lightning_pdist.parameter_server.server import MAX_PATIENCE, MODES
+from lightning_pdist.parameter_server.server import MAX_PATIENCE, MODES, REPLY_BUFFER_RANGE
 from lightning_pdist.core.ps_wire import parse_networks
 from lightning_pdist.core.config import ConfigErrors, is_int
 from lightning_pdist.core.momentum import IMPLICIT_MOMENTUM
 
-__all__ = ["DEFAULT_CHUNKS_IN_FLIGHT", "ParameterServerConfig"]
+__all__ = ["DEFAULT_CHUNKS_IN_FLIGHT", "DEFAULT_REPLY_BUFFER_BYTES", "ParameterServerConfig"]
 
 #: ``chunks_in_flight``'s default: no cap. Why: capping gave no consistent gain on the benchmark it was made for
 #: (docs/benchmarks.md, "Pacing the chunked steps"): 4 workers ran 4% faster with 4 in flight, 8 workers no faster
 #: (the three runs' ranges overlap), because the workers' pushes already keep pace (each chunk connection's small send
 #: buffer, ``core/ps_client.py``). A cap stays available for links where workers do run ahead of each other.
 DEFAULT_CHUNKS_IN_FLIGHT = None
+
+#: ``reply_buffer_bytes``'s default: ``None``, the kernel autotunes each reply socket's send buffer. Why: the one
+#: measurement on one machine state (docs/benchmarks.md, "An A/B of the reply buffers at 8 workers") ran chunked
+#: steps at 8 workers with autotuned reply buffers at 117.4 samples/s and with 16 KiB ones at 100.0 (0.85x): with
+#: many workers per single-threaded server, refilling many small buffers costs the server time the link then waits
+#: for. At 4 workers 16 KiB buffers took the chunked steps' shaper drops from 135.2 to 13.6 per step (75% of the
+#: bound against 68-69%, runs 3.5 hours apart, not an A/B). A small buffer stays available for such links.
+DEFAULT_REPLY_BUFFER_BYTES = None
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,7 @@ class ParameterServerConfig(ConfigErrors):
     implicit_momentum: str | None = None
     chunk_bytes: int | None = None
     chunks_in_flight: int | None = DEFAULT_CHUNKS_IN_FLIGHT
+    reply_buffer_bytes: int | None = DEFAULT_REPLY_BUFFER_BYTES
     owner: str = "ParameterServerStrategy"
 
     def __post_init__(self) -> None:
@@ -125,6 +134,7 @@ class ParameterServerConfig(ConfigErrors):
         if self.partition_bytes is not None and (not is_int(self.partition_bytes) or self.partition_bytes < 1):
             self._fail("partition_bytes", "partition_bytes must be an int >= 1 (bytes per partition) or None")
         self._check_chunks()
+        self._check_reply_buffer()
         if self.server_addresses is not None:
             if not self.server_addresses:
                 self._fail("server_addresses", "server_addresses must list at least one 'host:port' (or be None)")
@@ -180,6 +190,22 @@ class ParameterServerConfig(ConfigErrors):
         if self.partition_bytes is not None and self.partition_bytes != chunk:
             self._fail("chunk_bytes", f"each chunk is one partition: partition_bytes={self.partition_bytes} must be "
                                       "None or equal to chunk_bytes")  # fmt: skip
+
+    def _check_reply_buffer(self) -> None:
+        """``reply_buffer_bytes``: each server's send buffer (``SO_SNDBUF``) on the connections it answers pulls on."""
+        value = self.reply_buffer_bytes
+        if value is None:
+            return
+        low, high = REPLY_BUFFER_RANGE
+        if not is_int(value):
+            self._fail("reply_buffer_bytes", "reply_buffer_bytes must be an int (bytes of a server's send buffer per "
+                                             "worker connection) or None (the kernel autotunes it)", TypeError)  # fmt: skip
+        if not low <= value <= high:
+            self._fail("reply_buffer_bytes", f"reply_buffer_bytes must be in [{low}, {high}] bytes (16384 paces "
+                                             "replies on 100 Mbit/s links) or None (the kernel autotunes it)")  # fmt: skip
+        if self.mode == "easgd":
+            self._fail("reply_buffer_bytes", "reply_buffer_bytes paces the servers' replies to gradient pushes and "
+                                             "pulls; mode='easgd' exchanges parameters (leave it None)")  # fmt: skip
 
     @property
     def plan_partition_bytes(self) -> int | None:

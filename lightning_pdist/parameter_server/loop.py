@@ -101,12 +101,13 @@ class Connection:
     worker: int | None = None  # set by the handler (HELLO); the loop only names it in logs
     nonce: bytes | None = None  # the challenge sent; None once authenticated (or on a server without a secret)
     known: bool = False  # completed a request: no handshake deadline, not evicted at the connection limit
-    paced: bool = False  # the handler gave the socket a small send buffer (chunk connections: server._pace_replies)
+    paced: bool = False  # the handler set the socket's send buffer (server._set_reply_buffer, reply_buffer_bytes)
     inbox: deque = field(default_factory=deque)  # complete requests not yet handled (at most one)
     out: deque = field(default_factory=deque)  # memoryviews of reply bytes not yet sent
     pending: bool = False  # the handler holds the reply back (a waiting PULL/PUSHPULL)
     message_deadline: float | None = None
     reply_deadline: float | None = None
+    sent_at: float = 0.0  # when its socket last took reply bytes (or a reply was queued): monotonic
     closing: bool = False  # close once the replies are out (after a protocol error)
     drain_deadline: float | None = None  # closing: our side is shut, discard what the peer still sends
     events: int = 0
@@ -147,6 +148,9 @@ class Handler(Protocol):
 
     def expire(self, now: float) -> None:
         """Answer the held-back requests whose own deadline passed."""
+
+    def replies_sent(self, conn: Connection) -> None:
+        """Every reply queued on ``conn`` is now in its socket (the handler may queue the next worker's)."""
 
     def finished_when_idle(self) -> bool:
         """Whether the loop ends once no connection is left (the workers came, and have all gone)."""
@@ -270,6 +274,8 @@ class ConnectionLoop:
             conn = self._revisit.pop()
             if not conn.closed:
                 self._guard(conn, self._process, conn)
+            if not conn.closed and not conn.out:
+                self._survive(self.handler.replies_sent, conn)
 
     def _next_timeout(self) -> float:
         now = time.monotonic()
@@ -480,8 +486,9 @@ class ConnectionLoop:
         conn.out.append(memoryview(head))
         if body.nbytes:
             conn.out.append(body)
+        conn.sent_at = time.monotonic()
         if conn.reply_deadline is None:
-            conn.reply_deadline = time.monotonic() + self.limits.reply_timeout
+            conn.reply_deadline = conn.sent_at + self.limits.reply_timeout
         self._flush(conn)
         if conn.out and not conn.closed:  # what is left must not change with the shard: copy it
             conn.out = deque(v if v.readonly else memoryview(bytes(v)) for v in conn.out)
@@ -496,6 +503,8 @@ class ConnectionLoop:
             except OSError:
                 self._close(conn)
                 return
+            if sent:
+                conn.sent_at = time.monotonic()
             if sent < view.nbytes:
                 conn.out[0] = view[sent:]
                 break

@@ -15,7 +15,14 @@ the optimizers' class names and param-group hyperparameters, the mode); then it 
            (:class:`~lightning_pdist.parameter_server.elastic.ElasticCenter`); pushes are refused.
 
 ``delay_compensation = λ > 0`` (async/ssp) first turns ``g`` into ``g + λ·g⊙g⊙(w - w_bak(m))``
-(:class:`DelayCompensation`). Every request is checked field by field before it touches any state
+(:class:`DelayCompensation`). ``sync`` without backup workers or chunks, given ``reply_turns`` in ``INIT`` (the
+workers do not meet between a pull and their next push), answers a closed step's pulls **one worker at a time**,
+rotating the first worker with the step (``version mod N``, so every server serves the same worker first): the next
+reply is handed to its socket once the previous one is all in its own, so the first worker served computes and
+pushes its next gradient into the server while the others still pull (the overlap a sync server's link needs;
+answering all ``N`` at once made every worker finish pulling together, then push together).
+``reply_buffer_bytes`` in ``INIT`` sets the send buffer of every worker connection (:func:`_set_reply_buffer`).
+Every request is checked field by field before it touches any state
 (:class:`RequestRefused` names the field, the value and the rule). The modes, the ``g / N`` scaling, missing
 gradients and the server's lifetime are described in ``docs/algorithms/parameter_server.md``.
 """
@@ -72,6 +79,8 @@ DTYPES = ("torch.float32", "torch.float64", "torch.float16", "torch.bfloat16")
 MAX_WORKERS = 1 << 16  # per-worker bookkeeping is allocated from INIT's num_workers: bound it
 MAX_PATIENCE = 1e7  # seconds a waiting request may ask the server to wait before naming the workers it waits for
 MAX_HOST_CHARS = 255  # a HELLO's host name (DNS names are at most 253 characters)
+TURN_STALL = 2.0  # seconds a worker's socket may take no byte of its reply before the next worker's reply is queued
+REPLY_BUFFER_RANGE = (4096, 1 << 26)  # reply_buffer_bytes: Linux doubles it (floor 4,608); above 64 MiB paces nothing
 _MISSING = object()
 
 
@@ -179,6 +188,10 @@ class ShardServer:
         self.chunked: ChunkedStep | None = None  # sync with chunk_bytes: each chunk's sums and step (chunks.py)
         self.peers: dict[int, str] = {}  # worker -> "pid P on host H, connected from A" (its last HELLO)
         self.last_heard: dict[int, float] = {}  # worker -> when its last push or pull arrived (monotonic)
+        self.in_turn = False  # sync, no backup workers, no chunks: whole-shard replies go out one worker at a time
+        self.sending: Connection | None = None  # in_turn: the connection whose reply is being handed to its socket
+        self._serving = False  # serve_pending is running (a reply that fails closes a connection, which calls it)
+        self._serve_again = False
 
     def serve(self) -> None:
         """Serve until ``SHUTDOWN``, every worker gone, the lifeline's EOF or ``idle_timeout`` (:class:`ConnectionLoop`)."""
@@ -203,6 +216,9 @@ class ShardServer:
     # ------------------------------------------------------------------ the loop's Handler protocol
     def closed(self, conn: Connection) -> None:
         self.pending = [p for p in self.pending if p.conn is not conn]
+        if conn is self.sending:  # its reply will never drain: the next worker's turn
+            self.sending = None
+            self.serve_pending()
         if self.sandblaster is not None:
             self.sandblaster.waiting = [w for w in self.sandblaster.waiting if w.conn is not conn]
         if conn.worker is not None:
@@ -241,6 +257,8 @@ class ShardServer:
 
     def next_deadline(self) -> float | None:
         deadlines = [p.since + p.patience for p in self.pending if p.patience is not None]
+        if self.sending is not None and self.sending.out:
+            deadlines.append(self.sending.sent_at + TURN_STALL)
         if self.sandblaster is not None and self.sandblaster.next_deadline() is not None:
             deadlines.append(self.sandblaster.next_deadline())
         return min(deadlines, default=None)
@@ -248,9 +266,22 @@ class ShardServer:
     def expire(self, now: float) -> None:
         if self.sandblaster is not None:
             self.sandblaster.expire(now)
+        if self.sending is not None and self.sending.out and now >= self.sending.sent_at + TURN_STALL:
+            # A worker that stops reading keeps its reply (dropped at reply_timeout), not the others' turns
+            self._log(f"{self.sending.name()} took no byte of its reply for {TURN_STALL:g} s; answering the next "
+                      "worker meanwhile", key="turn")  # fmt: skip
+            self.sending = None
+            self.serve_pending()
         for pending in list(self.pending):
             if pending.patience is not None and now >= pending.since + pending.patience and not pending.conn.closed:
+                if self.in_turn and pending.answer is None and self._ready(pending):
+                    continue  # answerable, waiting for its turn behind another worker's reply (not for a worker)
                 self._answer_stalled(pending, now)
+
+    def replies_sent(self, conn: Connection) -> None:
+        if conn is self.sending:  # its reply is all in its socket: the next worker's turn
+            self.sending = None
+            self.serve_pending()
 
     def finished_when_idle(self) -> bool:
         return bool(self.registered)
@@ -287,6 +318,7 @@ class ShardServer:
             if conn.worker is None:
                 conn.worker = worker
                 self.live[worker] = self.live.get(worker, 0) + 1
+                _set_reply_buffer(conn, self.config.get("reply_buffer_bytes"))
             self.registered.add(worker)
             who = [f"pid {pid}" if pid is not None else "", f"on host {host}" if host is not None else ""]
             self.peers[worker] = " ".join(w for w in who if w) + f"{', ' if pid or host else ''}connected from {conn.peer}"
@@ -347,7 +379,6 @@ class ShardServer:
             raise RequestRefused(f"PUSHPULL_CHUNK: this server runs mode={self.config['mode']!r} without chunks; "
                                  "chunked pushes need an INIT with chunks (chunk_bytes=)")  # fmt: skip
         worker = self._worker_of(conn, Kind.PUSHPULL_CHUNK, meta)
-        _pace_replies(conn)
         steps = self.chunked
         j = _field(meta, "chunk", "PUSHPULL_CHUNK", f"an int in [0, {steps.count})", lambda v: _is_int(v) and 0 <= v < steps.count)
         patience = _field(meta, "patience", "PUSHPULL_CHUNK", f"null or a number of seconds in (0, {MAX_PATIENCE:g}]",
@@ -473,6 +504,10 @@ class ShardServer:
         backup = _field(meta, "backup_workers", "INIT", "an int >= 0", lambda v: _is_int(v) and v >= 0, 0)
         staleness = _field(meta, "staleness", "INIT", "an int >= 0", lambda v: _is_int(v) and v >= 0, 0)
         lam = _field(meta, "delay_compensation", "INIT", "a finite number >= 0", lambda v: _is_finite_number(v) and v >= 0, 0.0)
+        low, high = REPLY_BUFFER_RANGE
+        _field(meta, "reply_buffer_bytes", "INIT", f"null or an int in [{low}, {high}]",
+               lambda v: v is None or (_is_int(v) and low <= v <= high), None)  # fmt: skip
+        turns = _field(meta, "reply_turns", "INIT", "true or false", lambda v: isinstance(v, bool), False)
         numel = sum(s[-1] for s in segments)
         itemsize = torch.empty(0, dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
         if len(payload) != numel * itemsize:
@@ -503,6 +538,8 @@ class ShardServer:
         dc = DelayCompensation.starting_from(shard.flat, num_workers, float(lam)) if lam > 0 else None
         self.shard, self.aggregator, self.clock, self.tracker, self.dc = shard, aggregator, clock, tracker, dc
         self.elastic, self.chunked = elastic, chunked
+        self.in_turn = turns and mode == "sync" and not backup and chunked is None
+        self.sending = None
         if sandblaster is not None:
             sandblaster.attach(shard.flat)
         self.sandblaster = sandblaster
@@ -617,9 +654,25 @@ class ShardServer:
         return pending.wait_version is None or self.version >= pending.wait_version
 
     def serve_pending(self) -> None:
+        if self._serving:  # called again from within (a failed reply closed a connection): one more pass after
+            self._serve_again = True
+            return
+        self._serving = True
+        try:
+            self._serve_again = True
+            while self._serve_again:
+                self._serve_again = False
+                self._serve_pending_once()
+        finally:
+            self._serving = False
+
+    def _serve_pending_once(self) -> None:
         if self.sandblaster is not None:  # a coordinator's close waiting for portions
             self.sandblaster.serve_pending()
+        in_turn = []
         for pending in list(self.pending):
+            if pending not in self.pending:
+                continue
             if pending.conn.closed:
                 self.pending.remove(pending)
                 continue
@@ -630,15 +683,42 @@ class ShardServer:
                 continue
             if not self._ready(pending):
                 continue
-            self.pending.remove(pending)
-            pending.conn.pending = False
-            if pending.record:
-                self.tracker.record_pull(pending.worker)
-                if self.dc is not None:
-                    self.dc.record_pull(pending.worker, self.shard.flat)
-            extra, payload = pending.answer() if pending.answer is not None else ({}, tensor_bytes(self.shard.flat))
-            meta = {**pending.ack, "version": self.version, "dtype": self.config["dtype"], **self._stats(), **extra}
-            self._reply(pending.conn, Kind.REPLY, meta, payload)
+            if self.in_turn and pending.answer is None:
+                in_turn.append(pending)
+                continue
+            self._answer(pending)
+        if in_turn:
+            self._answer_in_turn(in_turn)
+
+    def _answer_in_turn(self, ready: list[_Pending]) -> None:
+        """Hand whole-shard replies to their sockets one worker at a time, from worker ``version mod N`` on.
+
+        The next reply is queued once the previous one is all in its socket (:meth:`replies_sent`), so the server's
+        link carries one worker's parameters at a time (each socket's autotuned buffer still overlaps the next reply's
+        start with the previous one's tail), or once that socket took no byte for ``TURN_STALL`` seconds (a worker
+        that stops reading delays the others by that much, not until ``reply_timeout`` drops it). Values are
+        untouched: a sync shard changes only when every worker, those still waiting their turn included, pushed again.
+        """
+        n = int(self.config["num_workers"])
+        first = self.version % n
+        for pending in sorted(ready, key=lambda p: (p.worker - first) % n):
+            if self.sending is not None and not self.sending.closed and self.sending.out:
+                return
+            if pending not in self.pending or pending.conn.closed:
+                continue
+            self.sending = pending.conn
+            self._answer(pending)
+
+    def _answer(self, pending: _Pending) -> None:
+        self.pending.remove(pending)
+        pending.conn.pending = False
+        if pending.record:
+            self.tracker.record_pull(pending.worker)
+            if self.dc is not None:
+                self.dc.record_pull(pending.worker, self.shard.flat)
+        extra, payload = pending.answer() if pending.answer is not None else ({}, tensor_bytes(self.shard.flat))
+        meta = {**pending.ack, "version": self.version, "dtype": self.config["dtype"], **self._stats(), **extra}
+        self._reply(pending.conn, Kind.REPLY, meta, payload)
 
     def _answer_stalled(self, pending: _Pending, now: float) -> None:
         """A request waited its worker's whole ``patience`` for other workers: answer, naming them (we are alive)."""
@@ -780,26 +860,20 @@ class ShardServer:
             self.sandblaster.load_state_dict(state["sandblaster"])
 
 
-#: Send buffer of a connection that carries chunks (bytes; Linux doubles it), as the workers' chunk connections.
-CHUNK_REPLY_BUFFER = 1 << 14
+def _set_reply_buffer(conn: Connection, size: int | None) -> None:
+    """A worker connection's send buffer: ``size`` bytes (``INIT``'s ``reply_buffer_bytes``), or the kernel's autotuning.
 
-
-def _pace_replies(conn: Connection) -> None:
-    """A chunk connection's replies enter the link at its pace: a small send buffer, not the autotuned megabytes.
-
-    A chunk closes for every worker at once, so its ``W`` replies start together; with autotuned buffers each socket
-    hands the server host's own queue (here the link shaper's) as much as its congestion window allows (BBR, this
-    machine's default, starts at 2.89 times its rate estimate), the queue overflows and replies are dropped before
-    they leave the host: on the benchmark's emulated links every shaper drop of a chunked step was at a server's own
-    egress, and the retransmissions left the link idle (docs/benchmarks.md, "Pacing the chunked steps"). With this
-    buffer each socket holds about ``2 · CHUNK_REPLY_BUFFER`` bytes unsent or unacknowledged (plus one segment batch),
-    the loop refills it as the link drains it. Values are untouched: this changes when bytes leave, not which.
-    Measured trade-off (docs/benchmarks.md): faster at 4 workers, slower at 8 on 2 shared cores (more refills of
-    more sockets by single-threaded servers); to be made conditional before it is kept.
+    A sync step (or a chunk of one) closes for every worker at once, so its ``W`` replies start together; with
+    autotuned buffers each socket hands the server host's own queue (here the link shaper's) as much as its congestion
+    window allows (BBR, this machine's default, starts at 2.89 times its rate estimate), the queue can overflow and
+    replies are dropped before they leave the host. With ``size`` each socket holds about ``2 · size`` bytes unsent or
+    unacknowledged (Linux doubles it) and the loop refills it as the link drains it. Values are untouched: this changes
+    when bytes leave, not which. Measured (docs/benchmarks.md): 16 KiB was faster for chunked steps at 4 workers and
+    slower at 8 on 2 shared cores (more refills of more sockets by single-threaded servers), so the default is ``None``.
     """
-    if not conn.paced:
+    if size is not None and not conn.paced:
         try:
-            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CHUNK_REPLY_BUFFER)
+            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
         except OSError:
             pass
         conn.paced = True

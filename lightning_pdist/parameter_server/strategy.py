@@ -71,7 +71,7 @@ from lightning_pdist.core.strategy import PdistStrategy
 from lightning_pdist.core.config import refuse_owned_ddp_args
 from lightning_pdist.core.guard import SkipStep, global_step
 from lightning_pdist.core.momentum import compensate_optimizers
-from lightning_pdist.parameter_server.config import DEFAULT_CHUNKS_IN_FLIGHT, ParameterServerConfig
+from lightning_pdist.parameter_server.config import DEFAULT_CHUNKS_IN_FLIGHT, DEFAULT_REPLY_BUFFER_BYTES, ParameterServerConfig
 from lightning_pdist.core.run_logging import log_histogram
 
 __all__ = ["ParameterServerConfig", "ParameterServerStrategy"]
@@ -136,6 +136,12 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
             same time and each chunk's pull follows its pushes (:meth:`~lightning_pdist.core.ps_client.
             ParameterServerClient.pushpull_chunks`). ``None`` (default): no cap (:data:`~.config.DEFAULT_CHUNKS_IN_FLIGHT`
             says why). Pacing moves bytes, never values: results are those of any other setting.
+        reply_buffer_bytes: each server's send buffer (``SO_SNDBUF``, bytes; Linux doubles it) on the connections
+            it answers pushes and pulls on, so its replies enter the link at the link's pace instead of overflowing
+            the server host's own queue when a step's ``W`` replies leave together. ``None`` (default): the kernel
+            autotunes it (:data:`~.config.DEFAULT_REPLY_BUFFER_BYTES` says why, with the measurements). An int in
+            ``[4096, 2**26]``; 16384 suited chunked steps at 4 workers on emulated 100 Mbit/s links. Not with
+            ``mode="easgd"``. It moves bytes, never values: results are those of ``None``.
         nonfinite: ``"raise"`` (default), ``"skip_step"`` or ``"propagate"``: what the workers do when a gradient
             holds NaN/Inf before its push (the method card's "Non-finite values").
         compression: a compressor from :mod:`lightning_pdist.compression` (``TopK(0.01)``, ``DGC()``, ``QSGD()``,
@@ -176,6 +182,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
         implicit_momentum: str | None = None,
         chunk_bytes: int | None = None,
         chunks_in_flight: int | None = DEFAULT_CHUNKS_IN_FLIGHT,
+        reply_buffer_bytes: int | None = DEFAULT_REPLY_BUFFER_BYTES,
         nonfinite: str = "raise",
         compression: Compressor | None = None,
         **kwargs: Any,
@@ -199,7 +206,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
             server_addresses=_addresses(server_addresses, owner), server_secret_file=server_secret_file,
             allowed_networks=allowed_networks, server_timeout=server_timeout, easgd_period=easgd_period,
             easgd_alpha=easgd_alpha, implicit_momentum=implicit_momentum, chunk_bytes=chunk_bytes,
-            chunks_in_flight=chunks_in_flight, owner=owner,
+            chunks_in_flight=chunks_in_flight, reply_buffer_bytes=reply_buffer_bytes, owner=owner,
         )  # fmt: skip
         super().__init__(nonfinite=nonfinite, compression=compression, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
                          model_averaging_period=None, **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
@@ -212,6 +219,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
         self.push_every, self.pull_every = push_every, pull_every
         self.easgd_period, self.easgd_alpha, self.implicit_momentum = easgd_period, easgd_alpha, implicit_momentum
         self.chunk_bytes, self.chunks_in_flight = chunk_bytes, chunks_in_flight
+        self.reply_buffer_bytes = reply_buffer_bytes
         self.momentum_from: list[float] = []  # implicit_momentum="compensate": each param group's momentum before
         self.servers: list[ServerProcess] = []  # the servers this process started (a node's local rank 0)
         self.server_addresses: list[str] = []
@@ -451,8 +459,19 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
             "backup_workers": self.config.backup_workers, "staleness": self.config.staleness,
             "delay_compensation": float(self.config.delay_compensation),
             **({"chunks": self.layout.chunks(server)} if self.config.chunk_bytes is not None else {}),
+            **({"reply_buffer_bytes": self.config.reply_buffer_bytes} if self.config.reply_buffer_bytes is not None else {}),
+            "reply_turns": not self._workers_meet_every_step(),
         } for server in range(self.plan.num_servers)]  # fmt: skip
         return metas, [self.plan.gather(flat, server) for server in range(self.plan.num_servers)]
+
+    def _workers_meet_every_step(self) -> bool:
+        """Sync workers that agree before every push (the gradient check, or an fp16 overflow) meet between a step's
+        pull and the next push. Servers answer a step's pulls one worker at a time only where they do not: there the
+        first worker served pushes its next gradient while the others still pull; where they meet, nobody can, and
+        one reply at a time only delays the last one (docs/benchmarks.md, "Replies one worker at a time")."""
+        if not self.config.steps_together or self.world_size == 1:
+            return False
+        return isinstance(self.precision_plugin, ParameterServerMixedPrecision) or self.nonfinite_guard.consulted(self.precision_plugin)
 
     def _load_shards(self, shards: list[Tensor], metas: list[dict]) -> None:
         flat = self._flat_params()

@@ -5,7 +5,9 @@ Errors name the argument, the value and the rule: ``HogwildStrategy(lock='yes'):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_pdist.core.config import ConfigErrors, is_int
 
@@ -39,8 +41,10 @@ class HogwildConfig(ConfigErrors):
             self._fail("snapshot_every_epochs", "snapshot_every_epochs only applies with variance_reduction='svrg'; "
                                                 "leave it at 1 or set variance_reduction='svrg'")  # fmt: skip
 
-    def check_placement(self, num_nodes: int, device_type: str) -> None:
-        """Refuse what cannot share one memory: several nodes, an accelerator other than the CPU."""
+    def check_placement(self, num_nodes: int, devices: Sequence[Any] | None) -> None:
+        """Refuse what cannot share one memory: several nodes, an accelerator other than the CPU (``devices``: the
+        strategy's ``parallel_devices``, torch devices or their names; none yet means the CPU)."""
+        device_type = next((t for t in (str(d).split(":")[0] for d in devices or []) if t != "cpu"), "cpu")
         if num_nodes != 1:
             raise ValueError(f"{self.owner}(num_nodes={num_nodes}): Hogwild! shares the parameters through one "
                              "machine's memory, so every process must run on one node; use num_nodes=1 (or a "

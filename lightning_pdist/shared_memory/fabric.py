@@ -60,8 +60,7 @@ class HogwildFabricStrategy(PdistFabricStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        device_type = self.parallel_devices[0].type if self.parallel_devices else "cpu"
-        self.config.check_placement(self.num_nodes, device_type)
+        self.config.check_placement(self.num_nodes, self.parallel_devices)
         super()._configure_launcher()
 
     @override

@@ -79,9 +79,7 @@ class HogwildStrategy(ControlGroupCollectives, PdistStrategy):
         refuse_owned_ddp_args(owner, kwargs, "Hogwild! has no gradient communication")
         self.config = HogwildConfig(lock=lock, variance_reduction=variance_reduction, snapshot_every_epochs=snapshot_every_epochs,
                                     implicit_momentum=implicit_momentum, owner=owner)  # fmt: skip
-        devices = kwargs.get("parallel_devices") or []
-        if any(torch.device(d).type != "cpu" for d in devices):
-            self.config.check_placement(1, next(torch.device(d).type for d in devices if torch.device(d).type != "cpu"))
+        self.config.check_placement(1, kwargs.get("parallel_devices"))  # the nodes are checked when launching
         super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
                          model_averaging_period=None, **kwargs)  # fmt: skip
         self.lock, self.variance_reduction, self.snapshot_every_epochs = lock, variance_reduction, snapshot_every_epochs
@@ -97,9 +95,7 @@ class HogwildStrategy(ControlGroupCollectives, PdistStrategy):
     # ------------------------------------------------------------------ world
     @override
     def _configure_launcher(self) -> None:
-        # Runs when the Trainer is built, before any process starts.
-        device_type = self.parallel_devices[0].type if self.parallel_devices else "cpu"
-        self.config.check_placement(self.num_nodes, device_type)
+        self.config.check_placement(self.num_nodes, self.parallel_devices)  # the Trainer is built, no process started
         super()._configure_launcher()
 
     @override

@@ -35,6 +35,9 @@ def _load(name: str) -> dict:
 #: Results files of a suite beyond its own ``<suite>.json`` that docs/benchmarks.md shows: (suite, file stem).
 EXTRA = [("ps_sharding", "ps_sharding_spread"), ("ps_sharding", "ps_sharding_paced_4"), ("ps_sharding", "ps_sharding_paced_8"),
          ("ps_sharding", "ps_sharding_ab8_old_replies"), ("ps_sharding", "ps_sharding_ab8_paced_replies"),
+         *[("ps_sharding", f"ps_sharding_turns_{run}") for run in ("main_raise", "turns_raise", "main_propagate", "turns_propagate")],
+         ("ps_sharding", "ps_sharding_final_4_raise"), ("ps_sharding", "ps_sharding_final_4_propagate"),
+         ("ps_sharding", "ps_sharding_final_8_raise"), ("ps_sharding", "ps_sharding_final_8_propagate"),
          ("pipeline", "pipeline_speed"), ("pipeline", "pipeline_post_ahead"), ("pipeline", "pipeline_post_ahead_run1")]
 
 

@@ -25,6 +25,8 @@ _OK, _REASON = EmulatedNetwork.available()
         ({"steps": 0}, r"--steps=0\): must be an int >= 1"),
         ({"straggler_workers": 1}, r"--straggler-workers=1\): must be an int in \[2, 16\]"),
         ({"slow_delay_s": 0.0}, r"--slow-delay=0.0\): must be > 0 seconds"),
+        ({"reply_buffer_bytes": 100}, r"--reply-buffer-bytes=100\): must be 0 \(kernel autotuning\) or an int in \[4096, 67108864\]"),
+        ({"nonfinite": "ignore"}, r"--nonfinite='ignore'\): must be one of raise, skip_step, propagate"),
     ],
 )
 def test_config_rejects_bad_values_naming_option_value_and_rule(kwargs, match):
@@ -55,6 +57,11 @@ def test_worker_spec_is_checked():
         check_spec({**spec, "warmup_steps": 0})
     with pytest.raises(ValueError, match="unknown"):
         check_spec({**spec, "extra": 1})
+    assert spec["reply_buffer_bytes"] is None and spec["nonfinite"] == "raise"  # the strategy's defaults
+    tuned = ps_sharding.worker_spec(SuiteConfig(reply_buffer_bytes=16384, nonfinite="propagate"), 4, "memory")
+    assert tuned["reply_buffer_bytes"] == 16384 and tuned["nonfinite"] == "propagate"
+    with pytest.raises(ValueError, match=r"nonfinite='nan'\): nonfinite must be one of"):
+        check_spec({**spec, "nonfinite": "nan"})
 
 
 def test_chunked_runs_use_the_memory_plan_with_at_most_64_chunks_per_server():

@@ -32,14 +32,17 @@ def test_sync_equals_ddp_with_sgd_on_two_workers():
     """Sync PS with SGD + momentum (2 workers, different data, 2 servers, memory sharding) ends where DDP ends; with
     chunk_bytes=32 (4 chunks per server, each pushed and pulled on its own) and chunks_in_flight=1 (each chunk
     pushed only once the previous one was answered) it ends bit for bit where the same 32-byte partitions end
-    unchunked (the resume test below runs the default, no cap)."""
+    unchunked (the resume test below runs the default, no cap). The unchunked partitions run with
+    reply_buffer_bytes=4096 (the servers' send buffer per worker connection) and nonfinite="propagate" (no agreement
+    before each push, so the servers answer a step's pulls one worker at a time), the chunked run with the kernel's
+    buffers: bytes move differently, the parameters are the same bit for bit."""
     model = lambda: TinyRegression(momentum=0.9)  # noqa: E731
     ddp, ps_model, parted, chunked = model(), model(), model(), model()
     fit(DDPStrategy(start_method="fork"), ddp, max_steps=10)
     fit(ps(num_servers=2), ps_model, max_steps=10)
     torch.testing.assert_close(flat(ps_model), flat(ddp), atol=1e-6, rtol=0)
     assert not torch.allclose(flat(ps_model), flat(make_net()))
-    fit(ps(num_servers=2, partition_bytes=32), parted, max_steps=10)
+    fit(ps(num_servers=2, partition_bytes=32, reply_buffer_bytes=4096, nonfinite="propagate"), parted, max_steps=10)
     fit(ps(num_servers=2, chunk_bytes=32, chunks_in_flight=1), chunked, max_steps=10)
     assert torch.equal(flat(chunked), flat(parted))
     torch.testing.assert_close(flat(chunked), flat(ddp), atol=1e-6, rtol=0)
@@ -234,6 +237,9 @@ def test_a_worker_crash_ends_the_run_without_hanging():
         ({"chunk_bytes": 4096, "partition_bytes": 8192}, r"chunk_bytes=4096\): each chunk is one partition: partition_bytes=8192"),
         ({"chunk_bytes": 4096, "chunks_in_flight": 0}, r"chunks_in_flight=0\): chunks_in_flight must be >= 1 \(1: each chunk waits"),
         ({"chunks_in_flight": 2}, r"chunks_in_flight=2\): chunks_in_flight paces chunked steps; it needs chunk_bytes"),
+        ({"reply_buffer_bytes": 4095}, r"reply_buffer_bytes=4095\): reply_buffer_bytes must be in \[4096, 67108864\] bytes"),
+        ({"reply_buffer_bytes": 1 << 27}, r"reply_buffer_bytes=134217728\): reply_buffer_bytes must be in \[4096, 67108864\]"),
+        ({"reply_buffer_bytes": 16384, "mode": "easgd"}, r"reply_buffer_bytes=16384\): .*mode='easgd' exchanges parameters"),
         ({"allowed_networks": "everyone"}, r"^ParameterServerStrategy\(allowed_networks='everyone'\): 'everyone' is not an address range \(.*\)$"),
     ],
 )
@@ -255,6 +261,10 @@ def test_bad_argument_types():
         ParameterServerStrategy(chunk_bytes=4096, chunks_in_flight=2.0)
     with pytest.raises(TypeError, match=r"chunks_in_flight=True\): chunks_in_flight must be an int"):
         ParameterServerStrategy(chunk_bytes=4096, chunks_in_flight=True)
+    with pytest.raises(TypeError, match=r"reply_buffer_bytes=16384.0\): reply_buffer_bytes must be an int .* or None"):
+        ParameterServerStrategy(reply_buffer_bytes=16384.0)
+    with pytest.raises(TypeError, match=r"reply_buffer_bytes=True\): reply_buffer_bytes must be an int"):
+        ParameterServerStrategy(reply_buffer_bytes=True)
     from lightning_pdist.compression import TopK
 
     with pytest.raises(ValueError, match=r"chunk_bytes=4096, compression=.*chunked steps push plain gradients"):

@@ -1,6 +1,7 @@
 """Tier 2: real parameter-server processes over real TCP sockets, driven by scripted client requests."""
 
 import os
+import select
 import signal
 import socket
 import threading
@@ -12,6 +13,7 @@ from _helpers import server_processes
 
 from lightning_pdist.core.ps_client import ParameterServerClient, ServerConnection, ServerError, ServerUnavailable
 from lightning_pdist.parameter_server.process import start_server
+from lightning_pdist.parameter_server.server import TURN_STALL
 from lightning_pdist.parameter_server.shard import ParameterShard
 from lightning_pdist.core.ps_wire import Kind, address_allowed, loads_state, parse_networks, recv_message, send_message
 
@@ -272,3 +274,54 @@ def test_refused_connections_are_retried_until_connect_timeout(master_port):
     conn.close()
     late.join()
     listeners[0].close()
+
+
+def test_a_sync_steps_replies_leave_one_worker_at_a_time_in_rotating_order(server):
+    """Sync, 3 workers, a 16 MB shard, reply_turns, reply_buffer_bytes=4096: step 0 closes at version 1, so worker 1 is answered
+    first, then 2, then 0; while worker 1 reads nothing, workers 2 and 0 get no byte (the next reply is queued only
+    once the previous one is all in its socket), and each reply holds x - lr·mean(g). Step 1 closes at version 2:
+    worker 2 first; it does not read, and after TURN_STALL seconds without progress worker 0, then 1, are answered
+    while worker 2's reply waits for it. INIT refuses a buffer out of range and a reply_turns that is not a bool."""
+    bad = ServerConnection(0, server.address)
+    with pytest.raises(ServerError, match=r"INIT: reply_buffer_bytes=100: reply_buffer_bytes must be null or an int in \[4096, 67108864\]"):
+        bad.request(Kind.INIT, {"mode": "sync", "num_workers": 3, "dtype": "torch.float32", "segments": [[0, 4]],
+                                "optimizer": "SGD", "param_groups": [{"lr": 1.0}], "reply_buffer_bytes": 100},
+                    torch.zeros(4))  # fmt: skip
+    with pytest.raises(ServerError, match=r"INIT: reply_turns='yes': reply_turns must be true or false"):
+        bad.request(Kind.INIT, {"mode": "sync", "num_workers": 3, "dtype": "torch.float32", "segments": [[0, 4]],
+                                "optimizer": "SGD", "param_groups": [{"lr": 1.0}], "reply_turns": "yes"},
+                    torch.zeros(4))  # fmt: skip
+    n = 4 << 20
+    admin = init(server.address, num_workers=3, values=torch.zeros(n), lr=1.0, reply_buffer_bytes=4096,
+                 reply_turns=True)
+    conns = []
+    for worker in range(3):
+        conn = ServerConnection(0, server.address, timeout=20)
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # the reply cannot hide in our buffer
+        conn.request(Kind.HELLO, {"worker": worker})
+        conns.append(conn)
+    for worker, conn in enumerate(conns):
+        conn.send(Kind.PUSHPULL, {"worker": worker, "version": 0, "hparams": [{"lr": 1.0}]}, torch.full((n,), float(worker)))
+    expected = torch.full((n,), -1.0)  # 0 - 1.0 * mean(0, 1, 2)
+
+    def silent(conn, seconds=0.3):
+        return not select.select([conn.sock], [], [], seconds)[0]
+
+    assert silent(conns[2]) and silent(conns[0])  # worker 1's turn, and it is not reading
+    for worker in (1, 2, 0):
+        meta, payload = conns[worker].receive(Kind.PUSHPULL)
+        assert meta["version"] == 1
+        assert torch.equal(torch.frombuffer(payload, dtype=torch.float32), expected)
+        if worker == 1:
+            assert silent(conns[0])  # worker 2's turn now: worker 0's reply waits for it to drain
+    for worker, conn in enumerate(conns):
+        conn.send(Kind.PUSHPULL, {"worker": worker, "version": 1, "hparams": [{"lr": 1.0}]}, torch.full((n,), float(worker)))
+    assert silent(conns[0]) and silent(conns[1])  # worker 2's turn
+    started = time.monotonic()
+    for worker in (0, 1, 2):  # worker 2 has not read: after TURN_STALL the others go ahead
+        meta, payload = conns[worker].receive(Kind.PUSHPULL)
+        assert meta["version"] == 2 and torch.equal(torch.frombuffer(payload, dtype=torch.float32), 2 * expected)
+        if worker == 0:
+            assert time.monotonic() - started >= TURN_STALL - 0.7  # not before worker 2's turn stalled
+    for conn in (*conns, admin, bad):
+        conn.close()
