@@ -25,7 +25,7 @@ MATH = {
     "compression": {"sparse", "quantize"},
     "sign": {"vote", "llr", "simulator"},
     "parameter_server": {"sharding", "rules", "elastic", "parallax", "sandblaster", "chunks"},
-    "pipeline": {"schedule", "partition", "spectrain", "delayed", "dni", "split", "ownership"},
+    "pipeline": {"schedule", "partition", "spectrain", "delayed", "dni", "split", "ownership", "earlier"},
     "tensor_parallel": {"plan", "cost", "regions"},
     "diloco": {"outer", "fragments", "quantize"},
     "decentralized": {"topology", "config"},

@@ -70,7 +70,10 @@ PARTS = ("throughput", "bubble", "stash", "convergence", "bert")
 NETWORKS = ("loopback", "emulated")
 SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw")
 ENGINES = ("ours_gpipe", "ours_1f1b", "ours_pipedream", "ours_2bw", "torch_gpipe", "torch_1f1b", "ddp", "deepspeed",
-           "fairscale", "lightning")  # fmt: skip
+           "fairscale", "lightning", "ours_1f1b_ahead", "ours_1f1b_late")  # fmt: skip
+#: ours' receives posted ahead (P2P(post_ahead=True)) or when needed (False, the default the plain names run)
+POST_AHEAD = {"ahead": True, "late": False}
+DEFAULT_ENGINES = tuple(e for e in ENGINES if e.rpartition("_")[2] not in POST_AHEAD)  # the A/B only when asked
 METHODS = ("ddp", "gpipe", "pipedream", "pipedream_nostash", "2bw", "spectrain", "ddg", "features_replay", "dni", "cdni")  # convergence runs
 CONVERGE_MODELS = ("cnn", "transformer")
 STASH_VARIANTS = ("1f1b", "2bw", "pipedream", "pipedream_nostash")
@@ -97,8 +100,10 @@ class SuiteConfig(SuiteRules):
     """emulated links' rate, both ways"""
     stages: tuple[int, ...] = (2, 4)
     """stage counts of the throughput part"""
-    engines: tuple[str, ...] = ENGINES
-    """throughput engines, any of ours_gpipe ours_1f1b ours_pipedream ours_2bw torch_gpipe torch_1f1b ddp deepspeed fairscale lightning"""
+    engines: tuple[str, ...] = DEFAULT_ENGINES
+    """throughput engines, any of ours_gpipe ours_1f1b ours_pipedream ours_2bw torch_gpipe torch_1f1b ddp deepspeed fairscale
+    lightning ours_1f1b_ahead ours_1f1b_late (the last two: ours 1F1B with receives posted ahead, or when needed as in
+    ours' other rows, the default)"""
     width: int = QUICK["width"]
     """MLP width"""
     depth: int = 8
@@ -223,8 +228,10 @@ def engine_cases(config: SuiteConfig) -> list[dict[str, Any]]:
     cases = []
     for name in config.engines:
         engine, _, schedule = name.partition("_")
+        schedule, _, variant = schedule.partition("_")
         if engine in ("ours", "torch"):
-            cases.append({"engine": engine, "schedule": schedule, "num_microbatches": m})
+            cases.append({"engine": engine, "schedule": schedule, "num_microbatches": m,
+                          **({"variant": variant, "post_ahead": POST_AHEAD[variant]} if variant else {})})  # fmt: skip
         elif engine == "ddp":
             cases.append({"engine": "ddp", "schedule": None, "num_microbatches": m})
     return cases * config.rounds
@@ -300,7 +307,7 @@ def throughput_rows(result: dict[str, Any], spec: dict[str, Any], processes: int
     rows = []
     groups: dict[tuple, list[int]] = {}  # the cases of one engine and schedule over the rounds, pooled into one row
     for i, case in enumerate(result["ranks"][0]["cases"]):
-        groups.setdefault((case["engine"], case["schedule"], case["num_microbatches"]), []).append(i)
+        groups.setdefault((case["engine"], case["schedule"], case["num_microbatches"], case.get("variant")), []).append(i)
     for indices in groups.values():
         case = result["ranks"][0]["cases"][indices[0]]
         per_rank = [{key: None if r["cases"][indices[0]][key] is None else [v for i in indices for v in r["cases"][i][key]]
@@ -311,12 +318,14 @@ def throughput_rows(result: dict[str, Any], spec: dict[str, Any], processes: int
         sent = [statistics.mean(c["bytes"]) for c in per_rank if c["bytes"] is not None]
         rounds = [max(statistics.median(r["cases"][i]["step_s"]) for r in result["ranks"]) for i in indices]
         rows.append({
-            "engine": case["engine"], "schedule": None if case["engine"] == "ddp" else case["schedule"], **common,
+            "engine": case["engine"] + (f" ({case['variant']})" if case.get("variant") else ""),
+            "schedule": None if case["engine"] == "ddp" else case["schedule"], **common,
             "num_microbatches": case["num_microbatches"], "samples_per_s": round(spec["batch_size"] / step, 2),
             "median_step_s": round(step, 5), "mean_step_s": round(max(c["loop_s"] for c in per_rank) / len(per_rank[0]["step_s"]), 5),
             "bubble_measured": round(statistics.mean(waits), 4) if waits else None,
             "bytes_per_step": round(sum(sent)) if sent else None, "max_versions": result["ranks"][0]["cases"][indices[-1]].get("max_versions"),
             "error": None, **({"round_median_step_s": [round(t, 5) for t in rounds]} if len(indices) > 1 else {}),
+            **({"post_ahead": case["post_ahead"]} if "post_ahead" in case else {}),
         })  # fmt: skip
     return rows
 

@@ -99,6 +99,8 @@ def check_spec(spec: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"pipeline_worker spec(cases=[..., {case!r}]): engine must be one of {ENGINES}, schedule one of {SCHEDULES}")
         if case["engine"] == "torch" and case["schedule"] not in TORCH_SCHEDULES:
             raise ValueError(f"pipeline_worker spec(cases=[..., {case!r}]): torch's schedules here are {TORCH_SCHEDULES}")
+        if case.get("post_ahead") not in (None, True, False) or (case["engine"] != "ours" and "post_ahead" in case):
+            raise ValueError(f"pipeline_worker spec(cases=[..., {case!r}]): post_ahead is ours', True or False")
         if not isinstance(case.get("num_microbatches"), int) or case["num_microbatches"] < 1:
             raise ValueError(f"pipeline_worker spec(cases=[..., {case!r}]): num_microbatches must be an int >= 1")
     return spec
@@ -186,7 +188,7 @@ def run_ours(spec: dict[str, Any], case: dict[str, Any], rank: int) -> dict[str,
     data = batches(spec)
     optimizer = torch.optim.SGD(stage.parameters(), lr=spec["lr"])
     meter = CommMeter()
-    p2p = P2P(None, meter=meter)
+    p2p = P2P(None, meter=meter, post_ahead=bool(case.get("post_ahead")))  # the strategy's default: off
 
     def chunk(j: int, i: int) -> Any:
         return data[(j // m) % len(data)][i].tensor_split(m)[j % m]
@@ -204,7 +206,7 @@ def run_ours(spec: dict[str, Any], case: dict[str, Any], rank: int) -> dict[str,
     result = _timed_loop(step, spec, lambda: (p2p.wait_s, meter.total_bytes))
     executor.run(draining=True)
     dist.barrier()
-    return {**result, "max_versions": executor.max_versions}
+    return {**result, "max_versions": executor.max_versions, "post_ahead": p2p.post_ahead}
 
 
 def run_torch(spec: dict[str, Any], case: dict[str, Any], rank: int) -> dict[str, Any]:

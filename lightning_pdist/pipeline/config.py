@@ -36,6 +36,7 @@ class PipelineConfig(ConfigErrors):
     synthetic_normalize: bool = True
     synthetic_conditioning: str | None = None
     synthetic_num_classes: int | None = None
+    post_ahead: bool = False
     owner: str = "PipelineStrategy"
     spec: ScheduleSpec = field(init=False, repr=False, compare=False)
 
@@ -69,6 +70,8 @@ class PipelineConfig(ConfigErrors):
             self._fail("weight_stashing", f"turning stashing off is PipeDream's ablation; schedule {self.schedule!r} {why}")
         if not is_int(self.max_message_bytes) or self.max_message_bytes < 1:
             self._fail("max_message_bytes", "max_message_bytes must be a positive int")
+        if not isinstance(self.post_ahead, bool):
+            self._fail("post_ahead", "post_ahead must be True or False", TypeError)
         check_nonfinite_policy(self.nonfinite, self.owner)
         if self.nonfinite == "skip_step" and not self.spec.flushed:
             self._fail("nonfinite", f"skip_step needs every rank to agree before an update, which schedule="

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_pdist.pipeline.earlier import Recorder, Replay, Signatures, Stale, signature
 from lightning_pdist.pipeline.split import END
 
 __all__ = ["OwnedStage", "StageRefused", "check_stages", "gradient_parts", "pack", "rebuild", "record_calls",
@@ -156,6 +157,8 @@ class _StageMode(TorchFunctionMode):
                 for i in metas:
                     if id(flat[i]) in self.mapping:
                         flat[i] = self.mapping[id(flat[i])]
+            elif getattr(func, "__name__", "") != "__get__":
+                self.state["meta_ops"] += 1  # an op of the earlier stages' work, run on meta (reading .shape is none)
             if any(isinstance(t, Tensor) and not t.is_meta and t.ndim for t in flat):
                 if any(isinstance(t, Tensor) and t.is_meta for t in flat):
                     if self.state["active"]:
@@ -190,6 +193,8 @@ class OwnedStage(nn.Module):
         # key -> the network call of that micro-batch (every stage of a replica reads the same batch): stages after
         # the first run the forward before their split point on it, the earlier stages' weights being meta
         self.calls: dict[int, tuple[tuple, dict]] = {}
+        self.signatures = Signatures()  # the earlier stages' module outputs, recorded per input signature
+        self.meta_ops = 0
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:  # noqa: E501
         mine = {id(p) for m in self.owned for p in m.parameters(recurse=False)}
@@ -214,13 +219,57 @@ class OwnedStage(nn.Module):
         else:
             boundary = values
         try:
-            out = run_stage(self.net, self.invoke, call, self.start, self.stop, boundary)
+            out = self._run(call, boundary)
         except _StageDone as done:
             return pack(key, done.values)
         if self.stop == END:
             leaves, _ = tree_flatten(out)
             return pack(key, [t for t in leaves if isinstance(t, Tensor)])
         return out
+
+    def _run(self, call: tuple[tuple, dict], boundary: list[Tensor] | None) -> Any:
+        """:func:`run_stage`, the earlier stages' modules replayed from the recording of this call's signature
+        (:mod:`.earlier`)."""
+        self.meta_ops = 0
+        if self.start is None:
+            return run_stage(self.net, self.invoke, call, self.start, self.stop, boundary)
+        key, signatures = signature(self.net, call), self.signatures
+        plan = signatures.get(key)
+        if isinstance(plan, dict):
+            rng = torch.get_rng_state()
+            try:
+                out = self._run_with(call, boundary, Replay(self.net, plan))
+            except _StageDone:
+                signatures.replayed += 1
+                raise
+            except (Stale, StageRefused):
+                torch.set_rng_state(rng)  # a refused replay may have drawn dropout masks after the split point
+                signatures.failed += 1
+                plan = None
+                signatures.keep(key, plan)  # never replayed again: this signature runs every module on meta
+            else:
+                signatures.replayed += 1
+                return out
+        recorder = Recorder(self.net) if plan is Signatures else None  # never seen (None: its replay failed once)
+        done = False
+        try:
+            out = self._run_with(call, boundary, recorder)
+            done = True
+            return out
+        except _StageDone:
+            done = True
+            raise
+        finally:
+            if recorder is not None and done:
+                signatures.recorded += 1
+                signatures.keep(key, recorder.plan())
+
+    def _run_with(self, call: tuple[tuple, dict], boundary: list[Tensor] | None, earlier: Recorder | Replay | None) -> Any:
+        counts = {"meta_ops": 0}
+        try:
+            return run_stage(self.net, self.invoke, call, self.start, self.stop, boundary, earlier, counts)
+        finally:
+            self.meta_ops = counts["meta_ops"]  # ops this forward ran on meta before its split point
 
     def _output(self, values: list[Tensor]) -> Any:
         return rebuild(*self.output_spec, values)
@@ -247,14 +296,17 @@ def split_constants(tree: Any) -> tuple[list[Tensor], Any, list[Any]]:
 
 
 def run_stage(network: nn.Module, invoke: Callable[..., Any], call: tuple[tuple, dict], start: str | None,
-              stop: str | None, boundary: list[Tensor] | None) -> Any:  # fmt: skip
+              stop: str | None, boundary: list[Tensor] | None, earlier: Recorder | Replay | None = None,
+              counts: dict | None = None) -> Any:  # fmt: skip
     """The network's forward from entering ``start`` (its inputs: ``boundary``) until entering ``stop``.
 
     Raises :class:`_StageDone` with ``stop``'s inputs; returns the network's output when ``stop`` is
     ``None`` or ``END``; :class:`StageRefused` when a value from before the cut reaches this stage.
+    ``earlier`` records or replays the modules before ``start`` (:mod:`.earlier`); ``counts["meta_ops"]`` counts
+    the ops run on meta before ``start``.
     """
     mapping: dict[int, Tensor] = {}
-    state = {"active": start is None}
+    state = {"active": start is None, "meta_ops": 0}
     where = f"split point {start!r}" if start else "the start"
 
     def real(tree: Any, who: str) -> Any:
@@ -283,6 +335,8 @@ def run_stage(network: nn.Module, invoke: Callable[..., Any], call: tuple[tuple,
                                            f"computed {tuple(flat[i].shape)}")  # fmt: skip
                     mapping[id(flat[i])] = v
                     flat[i] = v
+                if earlier is not None:
+                    earlier.at_split_point()
                 state["active"] = True
                 return tree_unflatten(flat, spec)
             if state["active"] and name == stop:
@@ -300,8 +354,14 @@ def run_stage(network: nn.Module, invoke: Callable[..., Any], call: tuple[tuple,
         if start is not None:
             device = next((t.device for t in tree_flatten(call)[0] if isinstance(t, Tensor)), torch.device("cpu"))
             stack.enter_context(_StageMode(mapping, state, start, device))
+        if earlier is not None:
+            earlier.install(stack, state)  # after the split point's hook: a module's hooks run in their order
         args, kwargs = call
-        out = invoke(*args, **kwargs)
+        try:
+            out = invoke(*args, **kwargs)
+        finally:
+            if counts is not None:
+                counts["meta_ops"] = state["meta_ops"]
     leaves = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
     if any(t.is_meta for t in leaves):
         raise StageRefused(f"the network's output depends on a value computed before {where} that does not pass "

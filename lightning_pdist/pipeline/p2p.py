@@ -32,10 +32,13 @@ threads, and the whole transfer, on the critical path. :meth:`P2P.post` posts th
 soon as the caller knows that frame will come, so it travels while the stage computes; :meth:`P2P.recv`
 then only waits for it. The executor posts a stream's next micro-batch when it takes the current one
 and when a batch is admitted, never past the micro-batches admitted (no receive is left posted at a
-drain). Off by default (``post_ahead=False``): measured on this 2-core machine (8 x Linear(512), batch 64,
-m = 4, gloo, loopback) it shortened the 4-process step (a neighbour's gloo thread no longer needs a core at
-the moment of the receive) but lengthened the 2-process step, every one of 3 alternating rounds (more CPU per
-step: the posted receive's bytes land while the stage computes, on a core the stage needs).
+drain). Off by default (``post_ahead=False``): measured on this 2-core machine (8 x Linear(512), batch 64, m = 4,
+gloo, loopback, quiet; off and on alternating in one launch, two runs of 5 and 7 rounds: the ``ours (late)`` /
+``ours (ahead)`` rows of docs/results/pipeline_post_ahead_run1.json and pipeline_post_ahead.json) it lengthened the
+2-process step in 11 of the 12 rounds (more CPU per step: the posted receive's bytes land while the stage computes, on
+a core the stage needs) and the 4-process step in 9 of 12. An earlier A/B under other load had found the 4-process
+step shorter (a neighbour's gloo thread no longer needs a core at the moment of the receive); on a quiet machine no
+rule on ranks per core holds up. ``PipelineStrategy(post_ahead=True)`` turns it on.
 
 Streams use distinct tags, so activations and gradients between the same two stages never pair up
 wrongly; within a stream gloo and NCCL deliver in order. Sends are asynchronous (``isend``): a stage
@@ -103,7 +106,7 @@ class P2P:
     meter: CommMeter | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     wait_s: float = 0.0  # seconds spent blocked in recv (the stage's idle time, bubbles included)
-    post_ahead: bool = False  # the executor posts receives ahead (P2P.post); off: measured slower at K = 2 (below)
+    post_ahead: bool = False  # the executor posts receives ahead (P2P.post); off: measured slower (above)
     # (peer, stream, micro-batch) -> the send's handles, whose buffers stay alive until released
     _pending: dict[tuple[int, int, int], list[tuple[dist.Work, Tensor]]] = field(default_factory=dict)
     _sent: dict[tuple[int, int], Meta] = field(default_factory=dict)  # shape of the last frame per (peer, stream)

@@ -156,6 +156,9 @@ class PipelineStrategy(PdistStrategy):
             loads the same batch, so each stage takes its micro-batches' labels from its own copy: no message.
         synthetic_num_classes: ``C``, the one-hot width; ``None``: the module's ``hparams.num_classes`` (or its
             ``num_classes`` attribute), refused at setup when it has neither.
+        post_ahead: post each activation's and gradient's receive as soon as the schedule knows it will come, so the
+            bytes travel while the stage computes (:mod:`lightning_pdist.pipeline.p2p`); off by default: measured
+            slower on this project's 2-core machine with 2 and with 4 processes (docs/benchmarks.md).
         **kwargs: :class:`~lightning.pytorch.strategies.DDPStrategy` arguments (``start_method``,
             ``process_group_backend``, ``timeout``). Nothing is wrapped in ``DistributedDataParallel``.
     """
@@ -181,6 +184,7 @@ class PipelineStrategy(PdistStrategy):
         synthetic_normalize: bool = True,
         synthetic_conditioning: str | None = None,
         synthetic_num_classes: int | None = None,
+        post_ahead: bool = False,
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
@@ -196,7 +200,8 @@ class PipelineStrategy(PdistStrategy):
             vertical_sync=vertical_sync, weight_stashing=weight_stashing, max_message_bytes=max_message_bytes,
             nonfinite=nonfinite, synthetic_gradients=synthetic_gradients, synthetic_module=synthetic_module,
             synthetic_optimizer=synthetic_optimizer, synthetic_normalize=synthetic_normalize,
-            synthetic_conditioning=synthetic_conditioning, synthetic_num_classes=synthetic_num_classes, owner=owner,
+            synthetic_conditioning=synthetic_conditioning, synthetic_num_classes=synthetic_num_classes,
+            post_ahead=post_ahead, owner=owner,
         )  # fmt: skip
         if not weight_stashing:
             rank_zero_warn(f"{owner}(weight_stashing=False): backwards will use newer weights than their forwards "
@@ -390,7 +395,8 @@ class PipelineStrategy(PdistStrategy):
         synthetic = (SyntheticGradient(config.synthetic_module, config.synthetic_optimizer, type(self).__name__, parts,
                                        config.synthetic_normalize, self._num_classes)
                      if config.spec.synthetic and s < K - 1 else None)  # fmt: skip
-        p2p = P2P(self._pp_group, max_message_bytes=self.config.max_message_bytes, meter=self.comm_meter, device=self.root_device)
+        p2p = P2P(self._pp_group, max_message_bytes=self.config.max_message_bytes, meter=self.comm_meter, device=self.root_device,
+                  post_ahead=self.config.post_ahead)  # fmt: skip
         return StageExecutor(
             self.split.stage_module, s, K, config.spec.name, p2p,
             prev_rank=self.stage_rank(s - 1) if s > 0 else None, next_rank=self.stage_rank(s + 1) if s < K - 1 else None,

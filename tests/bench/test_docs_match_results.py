@@ -38,7 +38,7 @@ EXTRA = [("ps_sharding", "ps_sharding_spread"), ("ps_sharding", "ps_sharding_pac
          *[("ps_sharding", f"ps_sharding_turns_{run}") for run in ("main_raise", "turns_raise", "main_propagate", "turns_propagate")],
          ("ps_sharding", "ps_sharding_final_4_raise"), ("ps_sharding", "ps_sharding_final_4_propagate"),
          ("ps_sharding", "ps_sharding_final_8_raise"), ("ps_sharding", "ps_sharding_final_8_propagate"),
-         ("pipeline", "pipeline_speed")]
+         ("pipeline", "pipeline_speed"), ("pipeline", "pipeline_post_ahead"), ("pipeline", "pipeline_post_ahead_run1")]
 
 
 @pytest.mark.parametrize("suite, name", [(s, s) for s in SUITES] + EXTRA)

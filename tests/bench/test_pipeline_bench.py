@@ -147,6 +147,21 @@ def test_rounds_pool_into_one_row_per_engine_with_each_rounds_ratio():
     assert ratios(rows)[0]["ratio"] == 1.498 and ratios(rows)[0]["round_ratios"] == [2.0, 2.0]
 
 
+def test_receives_posted_ahead_or_late_are_rows_of_their_own():
+    """ours_1f1b_ahead / ours_1f1b_late force P2P(post_ahead=True/False); each pools into its own row, which keeps the
+    value the ranks used; the plain ours_1f1b row (the default: late) is the one the ratio to torch reads."""
+    cases = engine_cases(SuiteConfig(engines=("ours_1f1b_late", "ours_1f1b_ahead", "ours_1f1b", "torch_1f1b")))
+    assert [(c["engine"], c.get("variant"), c.get("post_ahead")) for c in cases] == [
+        ("ours", "late", False), ("ours", "ahead", True), ("ours", None, None), ("torch", None, None)]
+    used = [False, True, False, None]
+    ranks = [{"cases": [{**c, "step_s": [1.0 + i], "loop_s": 1.0, "wait_s": None, "bytes": None,
+                         **({"post_ahead": u} if u is not None else {})} for i, (c, u) in enumerate(zip(cases, used))]}] * 2
+    rows = throughput_rows({"error": None, "ranks": ranks}, {"num_stages": 2, "width": 8, "depth": 2, "batch_size": 8}, 2, "loopback")
+    assert [(r["engine"], r.get("post_ahead")) for r in rows] == [("ours (late)", False), ("ours (ahead)", True),
+                                                                   ("ours", False), ("torch", None)]
+    assert ratios(rows)[0]["ours_1f1b_samples_per_s"] == 2.67  # 8 samples / 3 s: the plain row
+
+
 def test_kept_parts_come_from_the_earlier_run_with_its_command_and_must_match_its_settings():
     """--keep-from copies the parts not run now, says from which run, and refuses a part run with other settings."""
     cfg = SuiteConfig(parts=("bert",), epochs=3)

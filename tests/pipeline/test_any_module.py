@@ -227,3 +227,88 @@ def test_split_points_auto_and_bad_types_at_construction():
         PipelineStrategy(split_points="blocks.2")
     with pytest.raises(ValueError, match=r"split_points=\[..., 'blocks.9', ...\]\): 'blocks.9' is not a submodule of Blocks"):
         OwnedSplit(Blocks(), 2, 0, ["blocks.9"])  # at setup, before any batch
+
+
+def _stages(net, point, x):
+    """Stage 0 and stage 1 of copies of ``net`` cut at ``point``, planned on the call ``net(x)``."""
+    import copy
+
+    stages = []
+    for s in range(2):
+        split = OwnedSplit(copy.deepcopy(net), 2, s, [point])
+        split.plan(((x,), {}))
+        stages.append(split.stage_module)
+    return stages
+
+
+def _last_stage(first, last, x, key):
+    """Stage 1's output on ``x`` (stage 0's boundary as its input) and the gradients of its sum (boundary, weights)."""
+    from torch.utils._pytree import tree_flatten
+
+    from lightning_pdist.pipeline.ownership import pack
+
+    boundary = first(pack(key, [x])).detach().requires_grad_()
+    last.calls[key] = ((x,), {})
+    out = [t for t in tree_flatten(last(boundary))[0] if isinstance(t, torch.Tensor)][0]
+    return out, torch.autograd.grad(out.sum(), [boundary, *last.parameters()])
+
+
+def test_a_later_stage_runs_the_earlier_stages_on_meta_once_per_input_shape():
+    """BERT cut at its second block: the last stage's first forward of an input shape runs the embeddings and the
+    first block on meta (recording their outputs' layout); the next forward of that shape runs neither (no op on
+    meta) and gives the same output and gradients, bit for bit; a new sequence length is recorded anew and equals
+    the whole network; the first shape still replays."""
+    pytest.importorskip("transformers")
+    from lightning_pdist.models.encoder import EncoderClassifier
+
+    torch.manual_seed(0)
+    net = EncoderClassifier(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32, max_len=32,
+                            dropout=0.0).eval()  # fmt: skip
+    x, short = torch.randint(1, 50, (4, 16)), torch.randint(1, 50, (4, 8))
+    first, last = _stages(net, "encoder.bert.encoder.layer.1", x)
+    ran = {"embeddings": 0, "layer.0": 0}
+    for name, module in (("embeddings", last.net.bert.embeddings), ("layer.0", last.net.bert.encoder.layer[0])):
+        module.forward = lambda *a, _f=module.forward, _n=name, **k: (ran.__setitem__(_n, ran[_n] + 1), _f(*a, **k))[1]
+    out, grads = _last_stage(first, last, x, 0)
+    assert last.meta_ops > 0 and ran == {"embeddings": 1, "layer.0": 1}
+    torch.testing.assert_close(out, net.encoder(x).logits, atol=1e-5, rtol=1e-5)
+    again, again_grads = _last_stage(first, last, x, 1)
+    assert last.meta_ops == 0 and ran == {"embeddings": 1, "layer.0": 1}, (last.meta_ops, ran)
+    assert torch.equal(again, out) and all(torch.equal(a, b) for a, b in zip(again_grads, grads))
+    sig = last.signatures
+    assert (sig.recorded, sig.replayed, sig.failed) == (1, 1, 0)
+    got, _ = _last_stage(first, last, short, 2)  # another sequence length: recorded, not replayed
+    assert last.meta_ops > 0 and ran == {"embeddings": 2, "layer.0": 2} and sig.recorded == 2
+    torch.testing.assert_close(got, net.encoder(short).logits, atol=1e-5, rtol=1e-5)
+    for key, (inp, want) in enumerate(((short, got), (x, out)), start=3):
+        assert torch.equal(_last_stage(first, last, inp, key)[0], want) and last.meta_ops == 0
+    assert (sig.recorded, sig.replayed, sig.failed, ran) == (2, 3, 0, {"embeddings": 2, "layer.0": 2})
+
+
+class _Gated(Blocks):
+    """Whether ``blocks.0`` runs depends on the input's values: a recording made on one branch is stale on the other."""
+
+    def forward(self, x):
+        h = self.inp(x)
+        if bool(x[0, 0] > 0):
+            h = h + torch.tanh(self.blocks[0](h))
+        for block in self.blocks[1:]:
+            h = h + torch.tanh(block(h))
+        return self.out(h)
+
+
+def test_a_stale_recording_is_thrown_away_and_the_forward_runs_unskipped():
+    net = _Gated()
+    x = torch.randn(4, 4)
+    x[0, 0] = 1.0
+    first, last = _stages(net, "blocks.2", x)
+    for key in range(2):
+        out, _ = _last_stage(first, last, x, key)
+    torch.testing.assert_close(out, net(x), atol=1e-6, rtol=0)
+    other = x.clone()
+    other[0, 0] = -1.0  # same shape, blocks.0 skipped: the replay reaches the split point with a recorded call not made
+    for key in (2, 3):
+        out, _ = _last_stage(first, last, other, key)
+        torch.testing.assert_close(out, net(other), atol=1e-6, rtol=0)
+    sig = last.signatures
+    assert (sig.recorded, sig.replayed, sig.failed) == (1, 1, 1)  # the signature is never replayed again

@@ -113,3 +113,4 @@ def test_unsupported_dtype_and_rank_are_refused_before_sending():
         p2p.send(torch.zeros(2, dtype=torch.complex64), dst=1, stream=FORWARD, microbatch=0)
     with pytest.raises(ValueError, match="tensor of 9 dims; at most 8"):
         p2p.send(torch.zeros([1] * 9), dst=1, stream=FORWARD, microbatch=0)
+

@@ -60,6 +60,13 @@ def assert_model_equals(module, expected):
     torch.testing.assert_close(reference.flat(module), reference.flat(expected), atol=1e-6, rtol=0)
 
 
+class _PostAhead(Callback):
+    """Logs whether this rank's transport posts receives ahead."""
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        pl_module.log("post_ahead", float(trainer.strategy.executor.p2p.post_ahead))
+
+
 # --- equal to the references --------------------------------------------------------------------------------
 
 
@@ -74,9 +81,11 @@ def test_flushed_schedules_equal_gradient_accumulation(schedule):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream", "2bw"])
 def test_four_stages_on_four_processes(schedule):
-    """Every schedule on 4 stages (one layer each) ends where its plain-torch reference ends."""
+    """Every schedule on 4 stages (one layer each) ends where its plain-torch reference ends; receives are not posted
+    ahead unless asked (the default)."""
     module = DeepRegression(lr=LR)
-    fit(pipeline(schedule=schedule, num_microbatches=4), module, devices=4, max_steps=3)
+    trainer = fit(pipeline(schedule=schedule, num_microbatches=4), module, devices=4, max_steps=3, callbacks=[_PostAhead()])
+    assert trainer.callback_metrics["post_ahead"] == 0.0
     steps = batches(3)
     if schedule in ("gpipe", "1f1b"):
         expected = reference.accumulation(deep_net(), steps, 4, LR)
@@ -272,6 +281,7 @@ def test_classifier_accuracy_metric_is_exact_across_stages():
         (dict(vertical_sync=True), ValueError, r"vertical_sync=True\): vertical sync applies to schedule='pipedream'"),
         (dict(weight_stashing=False, schedule="gpipe"), ValueError, r"weight_stashing=False\): turning stashing off"),
         (dict(ddp_comm_hook=lambda s, b: None), ValueError, r"ddp_comm_hook=.*must be left unset"),
+        (dict(post_ahead="yes"), TypeError, r"PipelineStrategy\(post_ahead='yes'\): post_ahead must be True or False"),
     ],
 )  # fmt: skip
 def test_bad_arguments_are_refused_at_construction(kwargs, error, match):
@@ -364,9 +374,13 @@ def test_names_are_registered(name, schedule):
 
 @pytest.mark.parametrize("schedule, depths", [("gpipe", (1, 1)), ("pipedream", (2, 1)), ("2bw", (2, 2))])
 def test_logged_stash_depth_and_bytes_per_stage(schedule, depths):
-    """Each stage logs the weight versions it held (the schedule's depth) and the bytes it sent that step."""
-    trainer = fit(pipeline(num_stages=2, schedule=schedule, num_microbatches=2), DeepRegression(lr=LR), devices=2, max_steps=4)
+    """Each stage logs the weight versions it held (the schedule's depth) and the bytes it sent that step (receives
+    posted ahead, asked for under pipedream, change neither)."""
+    ahead = schedule == "pipedream"
+    trainer = fit(pipeline(num_stages=2, schedule=schedule, num_microbatches=2, post_ahead=ahead), DeepRegression(lr=LR),
+                  devices=2, max_steps=4, callbacks=[_PostAhead()])  # fmt: skip
     metrics = trainer.callback_metrics
+    assert metrics["post_ahead"] == float(ahead)
     assert tuple(int(metrics[f"pdist/pipeline/stage{s}/stash_depth"]) for s in range(2)) == depths
     per_message = 16 * 8 + 2 * 8 * 4  # header + one (2, 8) fp32 activation or gradient
     # flushed schedules agree on non-finite gradients before the update (nonfinite='raise'): 2 float flags, 2 ranks
