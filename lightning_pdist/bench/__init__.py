@@ -12,9 +12,9 @@ its functions: ``--help`` imports every suite module.
 The harness is shared: :mod:`~lightning_pdist.bench.launch` (:class:`~lightning_pdist.bench.launch.SuiteRun`, the
 skeleton of every ``run_suite``; one :class:`~lightning_pdist.bench.launch.Launcher` for loopback and emulated links,
 whose ``run_each`` runs several specs in one launch, :func:`~lightning_pdist.bench.launch.emulated_network`, ``WorkerSpec`` and
-``worker_main`` for the worker modules), :mod:`~lightning_pdist.bench.netns` (emulated networks and the one
-launcher, ``launch_ranks``), :mod:`~lightning_pdist.bench.cli` (the command line) and
-:mod:`~lightning_pdist.bench.report` (JSON, tables, docs sections). The harness is a guest: it may import any
+``worker_main`` and ``bench_trainer`` for the worker modules), :mod:`~lightning_pdist.bench.netns` (emulated networks
+and the one launcher, ``launch_ranks``), :mod:`~lightning_pdist.bench.cli` (the command line) and
+:mod:`~lightning_pdist.bench.report` (JSON, tables, docs sections, figures, ``--keep-from``). The harness is a guest: it may import any
 family, and nothing in the library imports it.
 """
 

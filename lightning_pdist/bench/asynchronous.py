@@ -40,8 +40,9 @@ from lightning_pdist.bench.asynchronous_worker import METHODS, MODELS, TEXT_REVI
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import (check_rows, documented_run, goal_lines, kept_provenance, markdown_table,
-                                          network_lines, refuse_other_settings, run_lines)  # fmt: skip
+from lightning_pdist.bench.report import (check_rows, documented_run, failed_lines, goal_lines, keep_earlier_rows,
+                                          kept_lines, markdown_table, network_lines, not_run_lines, run_lines,
+                                          save_figure, subplots)  # fmt: skip
 
 SUITE = "asynchronous"
 WORKER = "lightning_pdist.bench.asynchronous_worker"
@@ -125,8 +126,7 @@ class SuiteConfig(SuiteRules):
                 or self.shared_samples % unit:  # fmt: skip
             raise self.bad("shared_samples", self.shared_samples, f"must be a multiple of 2 * batch_size = {unit}, "
                                                                   f"at least {2 * unit}")  # fmt: skip
-        if self.keep_from is not None and not Path(self.keep_from).is_file():
-            raise self.bad("keep_from", self.keep_from, "must be an existing asynchronous.json")
+        self.earlier()
 
 
 def worker_spec(config: SuiteConfig, model: str, method: str, world_size: int, steps: int, stragglers: list,
@@ -180,19 +180,11 @@ def keep_rows(doc: dict[str, Any], old: dict[str, Any], config: SuiteConfig) -> 
     Raises:
         ValueError: ``old`` is another suite's, or ran with other :func:`keep_settings` than the rows it keeps.
     """
-    where = f"{SUITE}(--keep-from={config.keep_from!r})"
-    if old.get("suite") != SUITE:
-        raise ValueError(f"{where}: holds suite {old.get('suite')!r}, not {SUITE!r}")
-    made = {row_name(r) for r in doc["rows"]}
-    kept = [{"model": "cnn", **r} for r in old["rows"] if row_name(r) not in made]
-    models = list(dict.fromkeys(r["model"] for r in kept))
-    refuse_other_settings(where, old["config"], doc["config"], keep_settings(models), "rows",
-                          "; re-run those rows too, or drop --keep-from")  # fmt: skip
     methods = {"network": NETWORK_METHODS, "shared": SHARED_METHODS}
-    doc["rows"] = sorted(doc["rows"] + kept, key=lambda r: ([*MODELS].index(r["model"]), PARTS.index(r["part"]),
-                                                            methods[r["part"]].index(r["method"])))  # fmt: skip
-    names = list(dict.fromkeys(row_name(r) for r in kept))
-    doc["kept"] = kept_provenance(old, old.get("kept", []), names, suite_wall_s=old.get("suite_wall_s"))
+    keep_earlier_rows(doc, old, SUITE, config.keep_from, row_name,
+                      lambda kept: keep_settings(list(dict.fromkeys(r["model"] for r in kept))),
+                      lambda r: ([*MODELS].index(r["model"]), PARTS.index(r["part"]), methods[r["part"]].index(r["method"])),
+                      "; re-run those rows too, or drop --keep-from", lambda r: {"model": "cnn", **r})  # fmt: skip
 
 
 # -- rows ------------------------------------------------------------------------------------------
@@ -360,9 +352,6 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
     cfg, rows = doc["config"], [{"model": "cnn", **r} for r in doc["rows"]]
     net = [r for r in rows if r["part"] == "network"]
     load = [r["other_load_cores"] for r in rows if r.get("other_load_cores") is not None]
-    kept = [f"Rows {', '.join(e['rows'])} kept from an earlier command: `{e['command']}` (run {e['created']}, "
-            f"{e['suite_wall_s']} s, 1-min load average {e['loadavg_1m_at_start']} at its start).  "
-            for e in doc.get("kept", [])]  # fmt: skip
     params = {m: next((r["model_params"] for r in rows if r["model"] == m and not r["error"]), 0) for m in MODELS}
     models = []
     if any(r["model"] == "cnn" for r in rows):
@@ -374,7 +363,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
                       f"parameters, on {2 * TEXT_REVIEWS} synthetic IMDB-format training reviews (10% held out: 300); "
                       f"Adagrad, lr {cfg['text_lr']} for the table, {cfg['text_head_lr']} for the head; each "
                       "step's table gradient is a sparse tensor of the rows its batch touched.")  # fmt: skip
-    lines = [*run_lines(doc, json_path), *kept, "",
+    lines = [*run_lines(doc, json_path), *kept_lines(doc), "",
              f"Models: {' '.join(models)} Batches of {cfg['batch_size']} per process, seed {cfg['seed']}. "
              "Each process has one core's thread (torch.set_num_threads(1)); the machine has "
              f"{doc['host']['cpus']} cores, shared with other sessions (\"other load\": the cores their work kept busy "
@@ -400,24 +389,16 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
                      f"{cfg['momentum']:g} by the 1 − 1/2 that two asynchronous processes add (implicit_momentum="
                      f"'compensate': {lowered}); one process and DDP keep {cfg['momentum']:g}." if compensated else ""), "",
                   markdown_table(shared, SHARED_COLUMNS)]  # fmt: skip
-    if errors := [r for r in rows if r["error"]]:
-        lines += ["", "Runs that failed:", "", *(f"- {r['model']} {r['part']} {r['method']} (straggler {r['straggler']}): "
-                                                  f"{r['error']}" for r in errors)]  # fmt: skip
-    lines += ["", "Goals (issue 22):", "", *goal_lines(doc["goals"])]
-    if doc.get("not_run"):
-        lines += ["", "Not in this run:", "", *[f"- {n}" for n in doc["not_run"]]]
+    lines += failed_lines(rows, lambda r: f"{r['model']} {r['part']} {r['method']} (straggler {r['straggler']})")
+    lines += ["", "Goals (issue 22):", "", *goal_lines(doc["goals"]), *not_run_lines(doc)]
     return "\n".join(lines)
 
 
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Rank 0's accuracy against training time, without (dashed) and with (solid) the straggler; samples/s of the
     shared-memory runs."""
-    from lightning_pdist.bench.report import pyplot, save_figure
-
-    plt = pyplot()
-
     ok = [r for r in doc["rows"] if not r["error"]]
-    fig, (ax_acc, ax_rate) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (ax_acc, ax_rate) = subplots(1, 2, figsize=(13, 5))
     colors = {m: f"C{i}" for i, m in enumerate(dict.fromkeys(r["method"] for r in ok))}
     marks = {"cnn": ".", "text": "x"}
     for r in (x for x in ok if x["part"] == "network" and x["evals"]):
@@ -435,9 +416,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
     ax_rate.invert_yaxis()
     ax_rate.set_xlabel("training samples per second (this machine)")
     ax_rate.grid(True, axis="x", alpha=0.3)
-    fig.suptitle(f"asynchronous suite, {doc['created']}", fontsize=9)
-    fig.tight_layout()
-    return save_figure(fig, path, dpi=110)
+    return save_figure(fig, path, title=f"asynchronous suite, {doc['created']}")
 
 
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="asynchronous.json, asynchronous.png and docs_section.md",

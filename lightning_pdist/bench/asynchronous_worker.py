@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lightning_pdist.bench.launch import WorkerSpec, worker_main
+from lightning_pdist.bench.launch import WorkerSpec, as_one_node, bench_trainer, worker_main
 from lightning_pdist.bench.worker import evaluate
 
 #: method -> what it runs.
@@ -164,7 +164,7 @@ def build_strategy(method: str, model: str = "cnn") -> Any:
 
 
 def fit_lightning(spec: dict[str, Any], clock: Clock, module: Any, data: Any) -> str | None:
-    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch import Callback
 
     class Probe(Callback):
         def on_train_batch_start(self, *_: Any) -> None:
@@ -180,15 +180,10 @@ def fit_lightning(spec: dict[str, Any], clock: Clock, module: Any, data: Any) ->
             clock.end()
 
     ws, one_node = spec["world_size"], spec["method"] in ONE_NODE
-    if one_node:  # the launcher's ranks become local ranks of one node
-        os.environ.update(LOCAL_RANK=os.environ["RANK"], NODE_RANK="0", LOCAL_WORLD_SIZE=str(ws))
-    if spec["method"] == "single":
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE"):
-            os.environ.pop(key, None)
-    trainer = Trainer(accelerator="cpu", devices=ws if one_node else 1, num_nodes=1 if one_node else ws,
-                      strategy=build_strategy(spec["method"], spec["model"]), max_steps=spec["steps"], limit_val_batches=0,
-                      num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, callbacks=[Probe()])  # fmt: skip
+    if one_node or spec["method"] == "single":  # local ranks of one node, or one process alone
+        as_one_node(ws if one_node else None)
+    trainer = bench_trainer(devices=ws if one_node else 1, num_nodes=1 if one_node else ws, max_steps=spec["steps"],
+                            strategy=build_strategy(spec["method"], spec["model"]), callbacks=[Probe()])  # fmt: skip
     trainer.fit(module, datamodule=data)
     return None
 
@@ -268,11 +263,7 @@ def fit_one(spec: dict[str, Any], straggler: int | None, rank: int) -> dict[str,
 
 def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """Every fit of ``spec["stragglers"]`` in turn in this process, each from the launcher's environment."""
-    import torch
-
-    check_spec(spec)
     env = dict(os.environ)  # Lightning's teardown and the hogwild renumbering change it; each fit starts from it
-    torch.set_num_threads(1)  # one core per process; the processes share the machine
     rank, fits = int(env.get("RANK", "0")), []
     for straggler in spec["stragglers"]:
         os.environ.clear()

@@ -49,7 +49,7 @@ from lightning_pdist.bench import overhead as overhead_bench
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import Launched, Launcher, SuiteRun
 from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import (check_rows, command_line, markdown_table, network_lines, pyplot, save_figure,
+from lightning_pdist.bench.report import (check_rows, command_line, markdown_table, network_lines, save_figure, subplots,
                                           write_json)  # fmt: skip
 from lightning_pdist.bench.worker import PERIODIC, STRATEGIES
 
@@ -75,11 +75,7 @@ MAX_WORLD_SIZE = 16
 
 @dataclass(frozen=True)
 class SuiteConfig(SuiteRules):
-    """Everything that decides what the suite runs; validated on construction.
-
-    Raises:
-        ValueError: a value breaks its rule; the message names the option, the value and the rule.
-    """
+    """Everything that decides what the suite runs; validated on construction (``ValueError`` names the option)."""
 
     networks: tuple[str, ...] = NETWORKS
     """loopback (127.0.0.1), emulated (netns + tbf links, needs root) or both"""
@@ -616,11 +612,9 @@ def plot(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "averagi
     if not rows:
         raise ValueError("averaging.plot(rows=[]): there is nothing to plot; rows must hold at least one run")
     check_rows(rows, ROW_KEYS, "averaging.plot")
-    plt = pyplot()
-
     labels = list(dict.fromkeys(run_label(r) for r in rows))
     networks = list(dict.fromkeys(r["network"] for r in rows))
-    fig, (ax_acc, ax_time) = plt.subplots(1, 2, figsize=(14, max(4.8, 0.32 * len(labels) + 2.5)))
+    fig, (ax_acc, ax_time) = subplots(1, 2, figsize=(14, max(4.8, 0.32 * len(labels) + 2.5)))
 
     points: dict[tuple[float, float], list[str]] = {}
     seen = set()
@@ -663,9 +657,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "averagi
     ax_time.set_xlabel("training loop wall time (s, slowest rank; same samples for every run)")
     ax_time.grid(True, axis="x", alpha=0.3)
     ax_time.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    return save_figure(fig, path, dpi=110)
+    return save_figure(fig, path, title=title)
 
 
 # -- command line -------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import argparse
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 __all__ = ["SuiteCli", "SuiteRules", "field_help", "suite_parser"]
@@ -59,6 +60,12 @@ class SuiteRules:
             raise self.bad(name, values, "give at least one value, none repeated")
         if allowed is not None and any(v not in allowed for v in values):
             raise self.bad(name, values, f"each value must be one of {allowed}")
+
+    def earlier(self) -> None:
+        """``keep_from``, unless ``None``, is an existing file (an earlier ``<SUITE>.json``)."""
+        keep_from = getattr(self, "keep_from")
+        if keep_from is not None and not Path(keep_from).is_file():
+            raise self.bad("keep_from", keep_from, f"must be an existing {self.SUITE}.json")
 
 
 def field_help(config: type) -> dict[str, str]:

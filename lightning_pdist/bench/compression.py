@@ -63,8 +63,9 @@ from lightning_pdist.bench.compression_worker import (BMUF_PERIOD, DGC_RATIO, DG
 from lightning_pdist.bench.compression_keep import check_keep, keep_launches, kept_lines
 from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.netns import LOOPBACK, parse_rate
-from lightning_pdist.bench.report import (check_rows, documented_run, host_info, markdown_table, network_lines, run_lines,
-                                          utc_now, write_json)  # fmt: skip
+from lightning_pdist.bench.report import (check_rows, documented_run, goal_lines, host_info, markdown_table,
+                                          network_lines, not_run_lines, run_lines, save_figure, subplots, utc_now,
+                                          write_json)  # fmt: skip
 
 SUITE = "compression"
 NETWORKS = ("loopback", "emulated")
@@ -91,11 +92,7 @@ def lm_params(width: int, layers: int, context: int) -> int:
 
 @dataclass(frozen=True)
 class SuiteConfig(SuiteRules):
-    """Everything that decides what the suite runs; validated on construction.
-
-    Raises:
-        ValueError: a value breaks its rule; the message names the option, the value and the rule.
-    """
+    """Everything that decides what the suite runs; validated on construction (``ValueError`` names the option)."""
 
     networks: tuple[str, ...] = NETWORKS
     """loopback (127.0.0.1), emulated (netns + tbf links at each of --rates, needs root) or both"""
@@ -181,8 +178,7 @@ class SuiteConfig(SuiteRules):
         self.distinct("long_methods", tuple(METHODS))
         if "ddp" not in self.long_methods or not {"dgc", "dgc_warmup"} & set(self.long_methods):
             raise self.bad("long_methods", self.long_methods, "must include ddp and dgc or dgc_warmup (the goal compares them)")
-        if self.keep_from is not None and not Path(self.keep_from).is_file():
-            raise self.bad("keep_from", self.keep_from, "must be an existing compression.json")
+        self.earlier()
         self.positive("timeout", unit=" seconds")
         if not self.budget >= 0:
             raise self.bad("budget", self.budget, "must be >= 0 seconds (0: no limit)")
@@ -602,12 +598,6 @@ def results_table(rows: Sequence[dict[str, Any]]) -> str:
     return markdown_table(rows, TABLE_COLUMNS)
 
 
-def goal_lines(doc: dict[str, Any]) -> list[str]:
-    """The goals as markdown bullets: met / not met / not measured, with the measured figures."""
-    verdict = {True: "met", False: "**not met**", None: "not measured"}
-    return [f"- {g['goal']}: {verdict[g['met']]}. {g['measured']}." for g in doc.get("goals", [])]
-
-
 def model_line(doc: dict[str, Any], model: str) -> str:
     """What ``model``'s runs trained, from the config and its first row."""
     c = doc["config"]
@@ -643,9 +633,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         lines += ["", model_line(doc, model), "", results_table([r for r in doc["rows"] if r.get("model", "cnn") == model])]
     if doc.get("long", {}).get("rows"):
         lines += ["", *long_section(doc["long"])]
-    lines += ["", "Goals (issue 20):", "", *goal_lines(doc)]
-    if doc.get("not_run"):
-        lines += ["", "Not in this run:", "", *[f"- {n}" for n in doc["not_run"]]]
+    lines += ["", "Goals (issue 20):", "", *goal_lines(doc.get("goals", [])), *not_run_lines(doc)]
     return "\n".join(lines)
 
 
@@ -690,17 +678,13 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Per model (one row of panels each): its target (CNN: val_acc, LM: val_loss) against training time on the
     slowest network (left); ms per step per method and network (right); at the smallest world size. With a long part,
     a last row: its val_acc against the step (left), and each method's points against DDP's at the same step (right)."""
-    from lightning_pdist.bench.report import pyplot, save_figure
-
-    plt = pyplot()
-
     rows = doc["rows"]
     long = (doc.get("long") or {}).get("rows") or []
     models = list(dict.fromkeys(r.get("model", "cnn") for r in rows)) or ([] if long else ["cnn"])
     nets = list(dict.fromkeys(r["network"] for r in rows))
     slowest = min((n for n in nets if n != "loopback"), key=parse_rate, default=nets[0] if nets else None)
     small = min((r["world_size"] for r in rows), default=2)
-    fig, axes = plt.subplots(len(models) + bool(long), 2, figsize=(14, 5.5 * (len(models) + bool(long))), squeeze=False)
+    fig, axes = subplots(len(models) + bool(long), 2, figsize=(14, 5.5 * (len(models) + bool(long))), squeeze=False)
     for (ax_acc, ax_time), model in zip(axes, models):
         mine = [r for r in rows if r.get("model", "cnn") == model and r["world_size"] == small]
         key, _ = TARGET[model]
@@ -742,9 +726,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
         for ax in (ax_acc, ax_gap):
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
-    fig.suptitle(f"compression suite, {doc['created']}", fontsize=9)
-    fig.tight_layout()
-    return save_figure(fig, path, dpi=110)
+    return save_figure(fig, path, title=f"compression suite, {doc['created']}")
 
 
 # -- command line -------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lightning_pdist.bench.launch import WorkerSpec, worker_main
+from lightning_pdist.bench.launch import WorkerSpec, bench_trainer, worker_main
 from lightning_pdist.bench.worker import param_digest, read_tx
 
 #: method -> what it runs (the suites' rows). ``local_only`` communicates nothing in the loop (one-shot averaging at
@@ -220,12 +220,10 @@ def fit_one(spec: dict[str, Any], method: str, task: Task) -> dict[str, Any]:
     lm = spec["model"] == "lm"
     module, data = task.fresh(momentum)
     probe = Probe()
-    trainer = Trainer(accelerator="cpu", devices=1, num_nodes=spec["world_size"],
-                      strategy=build_strategy(method, spec["dgc_warmup_steps"], "skip_step" if lm else "raise"),
-                      gradient_clip_val=LM_CLIP if lm else None, max_steps=spec["steps"],
-                      limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=[probe], log_every_n_steps=1,
-                      use_distributed_sampler=not lm)  # fmt: skip
+    trainer = bench_trainer(devices=1, num_nodes=spec["world_size"],
+                            strategy=build_strategy(method, spec["dgc_warmup_steps"], "skip_step" if lm else "raise"),
+                            gradient_clip_val=LM_CLIP if lm else None, max_steps=spec["steps"], callbacks=[probe],
+                            log_every_n_steps=1, use_distributed_sampler=not lm)  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the peers' "bytes not counted" warning: the suite models their bytes
         trainer.fit(module, **data)
@@ -250,10 +248,6 @@ def fit_one(spec: dict[str, Any], method: str, task: Task) -> dict[str, Any]:
 
 def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """Every method's fit in turn on this rank; the rank's result."""
-    import torch
-
-    check_spec(spec)
-    torch.set_num_threads(1)  # one core per rank; the ranks share the machine
     env = dict(os.environ)  # Lightning's teardown drops the launcher's variables; each fit starts from them
     fits = []
     for method in spec["methods"]:

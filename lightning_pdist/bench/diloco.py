@@ -48,7 +48,8 @@ from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.diloco_curves import SMOOTH, add_reach, curve_fields, plot
 from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import check_rows, documented_run, markdown_table, network_lines, run_lines
+from lightning_pdist.bench.report import (check_rows, documented_run, failed_lines, markdown_table, network_lines,
+                                          refuse_other_settings, run_lines)  # fmt: skip
 
 SUITE = "diloco"
 NETWORKS = ("loopback", "emulated")
@@ -141,8 +142,7 @@ class SuiteConfig(SuiteRules):
             raise self.bad("quantize", self.quantize, "must be int4 or int8")
         if self.balance not in ("layers", "params"):
             raise self.bad("balance", self.balance, "must be layers or params")
-        if self.keep_from is not None and not Path(self.keep_from).is_file():
-            raise self.bad("keep_from", self.keep_from, "must be an existing diloco.json")
+        self.earlier()
 
 
 def plan_runs(config: SuiteConfig) -> list[dict[str, Any]]:
@@ -356,10 +356,7 @@ def keep_rows(doc: dict[str, Any], old: dict[str, Any], config: SuiteConfig) -> 
     if old.get("suite") != SUITE:
         raise ValueError(f"{SUITE}(--keep-from={config.keep_from!r}): holds suite {old.get('suite')!r}, not {SUITE!r}")
     now = json.loads(json.dumps(doc["config"]))  # tuples as the file's lists
-    differ = [k for k in KEEP_SETTINGS if old["config"].get(k) != now[k]]
-    if differ:
-        raise ValueError(f"{SUITE}(--keep-from={config.keep_from!r}): its rows ran with other settings ("
-                         + ", ".join(f"{k}={old['config'].get(k)!r} (now {now[k]!r})" for k in differ) + ")")
+    refuse_other_settings(f"{SUITE}(--keep-from={config.keep_from!r})", old["config"], now, KEEP_SETTINGS, "rows")
     made = {(r["network"], r["world_size"], r["label"]) for r in doc["rows"]}
     kept = [r for r in old["rows"] if (r["network"], r["world_size"], r["label"]) not in made]
     # doc["networks"]: this run's only; old's rows may hold networks of a run old itself kept rows from
@@ -474,8 +471,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
              "kept busy during the launch; \"rounds\": the runs of a row, the specs in turn (reversed every other round), its "
              "timings the medians of its rounds (– : one run).",
              "", "Networks:", "", *network_lines(doc, named=True), "", markdown_table(doc["rows"], TABLE_COLUMNS)]
-    if errors := [r for r in doc["rows"] if r.get("error")]:
-        lines += ["", "Runs that failed:", "", *(f"- {r['network']} {r['label']}: {r['error']}" for r in errors)]
+    lines += failed_lines(doc["rows"], lambda r: f"{r['network']} {r['label']}")
     if doc.get("goals"):
         lines += ["", "Issue 21's goals on these rows:", "", markdown_table(doc["goals"], GOAL_COLUMNS)]
     return "\n".join(lines)

@@ -86,7 +86,6 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
     if not rows:
         return None
     plt = pyplot()
-
     networks = list(dict.fromkeys(r["network"] for r in rows))
     sizes = sorted({r["world_size"] for r in rows})
     name = lambda r: r["label"] + (f" ×{r['world_size']}" if len(sizes) > 1 else "")  # noqa: E731
@@ -109,6 +108,4 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
         ax.set_xlabel("seconds since the loop's start (slowest rank)")
         ax.set_title(f"loss against wall time ({net})", fontsize=9)
         ax.legend(fontsize=6)
-    fig.suptitle(f"diloco suite, {doc['created']}, {' and '.join(map(str, sizes))} ranks", fontsize=9)
-    fig.tight_layout()
-    return save_figure(fig, path, dpi=100)
+    return save_figure(fig, path, dpi=100, title=f"diloco suite, {doc['created']}, {' and '.join(map(str, sizes))} ranks")

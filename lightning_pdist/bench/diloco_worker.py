@@ -252,8 +252,6 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """Train one rank as ``spec`` says; return its result dict."""
     import torch
 
-    check_spec(spec)
-    torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     data, clock = Data(spec, rank), Clock()
     train = train_torchft if spec["strategy"] == "torchft_diloco" else train_ours

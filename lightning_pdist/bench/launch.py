@@ -6,7 +6,8 @@
 with the CPU other work used meanwhile (the machine has 2 shared cores), the kernel's byte counters read around
 it on emulated links, and a failure turned into a row's reason where the suite asks for it.
 :func:`emulated_network` builds one emulated network for a suite and records it (or why it was skipped) in the
-document; :func:`worker_main` is every worker module's command line.
+document; :func:`worker_main` is every worker module's command line and :func:`bench_trainer` the Trainer its ranks fit
+with.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, LaunchError, Loopback, launch_ranks, measure_link_rate
 from lightning_pdist.bench.report import check_spec_keys, finish_suite, new_document, output_dir
 
-__all__ = ["Launched", "Launcher", "SuiteRun", "WorkerSpec", "busy_cpu_s", "emulated_network", "free_port", "free_ports", "own_cpu_s", "read_results",
+__all__ = ["Launched", "Launcher", "SuiteRun", "WorkerSpec", "as_one_node", "bench_trainer", "busy_cpu_s", "close_group", "emulated_network", "free_port", "free_ports", "own_cpu_s", "read_results",
            "worker_env", "worker_main"]  # fmt: skip
 
 LINK_PROBE_BYTES = 4 << 20
@@ -65,16 +66,6 @@ class Launcher:
         self.suite, self.scratch, self.timeout, self.port = suite, Path(scratch), timeout, port
         self.env = worker_env()
         self.count = 0
-
-    @classmethod
-    @contextmanager
-    def temporary(cls, suite: str, timeout: float, **kwargs: Any) -> Iterator[Launcher]:
-        """A launcher whose scratch folder (under the system's temporary folder) is removed when the block ends."""
-        scratch = Path(tempfile.mkdtemp(prefix=f"pdist-bench-{suite}-"))
-        try:
-            yield cls(suite, scratch, timeout, **kwargs)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
 
     def run(
         self,
@@ -182,11 +173,11 @@ class SuiteRun:
     """
 
     def __init__(self, suite: str, config: Any, out: Path, command: str, log: Callable[[str], None] = print,
-                 port: int = 29500) -> None:  # fmt: skip
+                 port: int = 29500, timeout: float | None = None) -> None:  # fmt: skip
         self.suite, self.log, self.started = suite, log, time.perf_counter()
         self.out, self.doc = output_dir(suite, out), new_document(suite, command, asdict(config))
         self.scratch = Path(tempfile.mkdtemp(prefix=f"pdist-bench-{suite}-"))
-        self.launcher = Launcher(suite, self.scratch, config.timeout, port=port)
+        self.launcher = Launcher(suite, self.scratch, config.timeout if timeout is None else timeout, port=port)
         self.stack = ExitStack()
         self.stack.callback(shutil.rmtree, self.scratch, ignore_errors=True)
 
@@ -266,8 +257,8 @@ def worker_main(module: str, doc: str | None, check: Callable[[dict[str, Any]], 
     """The command line of a worker module: ``--spec JSON --out-dir DIR`` (and ``--hosts IP,IP,...``).
 
     ``check`` validates the spec (``ValueError`` names the bad key); ``run(spec, out_dir)`` (``run(spec, hosts,
-    out_dir)`` with ``hosts``) is one process of the launch, and what it returns (unless ``None``) is written to
-    ``DIR/<prefix><RANK>.json``. With ``--ports P0,P1,...`` (:meth:`Launcher.run_each`) ``--spec`` is a list of
+    out_dir)`` with ``hosts``) is one process of the launch, with one torch thread (the ranks share the machine's
+    cores), and what it returns (unless ``None``) is written to ``DIR/<prefix><RANK>.json``. With ``--ports P0,P1,...`` (:meth:`Launcher.run_each`) ``--spec`` is a list of
     specs, run in turn: spec ``i`` with ``MASTER_PORT=Pi`` and this process's environment as it started (a fit
     may drop variables), its result in ``DIR/<i>/``.
     """
@@ -287,6 +278,10 @@ def worker_main(module: str, doc: str | None, check: Callable[[dict[str, Any]], 
         parser.error(f"--spec {args.spec!r}: must be a JSON object")
     if ports is not None and not (isinstance(specs, list) and len(specs) == len(ports) and all(isinstance(s, dict) for s in specs)):
         parser.error(f"--spec {args.spec!r}: with --ports {args.ports!r} must be a list of JSON objects, one per port")
+    if argv is None:  # a launched rank (not a test calling this in its own process)
+        import torch
+
+        torch.set_num_threads(1)
     env = dict(os.environ)
     for i, spec in enumerate([specs] if ports is None else specs):
         out_dir = args.out_dir if ports is None else args.out_dir / str(i)
@@ -296,7 +291,7 @@ def worker_main(module: str, doc: str | None, check: Callable[[dict[str, Any]], 
         spec = check(spec)
         result = run(spec, args.hosts.split(","), out_dir) if hosts else run(spec, out_dir)
         if ports is not None:
-            _close_group()
+            close_group()
         if result is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / f"{prefix}{env.get('RANK', '0')}.json").write_text(json.dumps(result))
@@ -307,9 +302,29 @@ def worker_main(module: str, doc: str | None, check: Callable[[dict[str, Any]], 
     return 0
 
 
-def _close_group() -> None:
+def bench_trainer(**kwargs: Any) -> Any:
+    """A Lightning ``Trainer`` on the CPU with nothing of Lightning's own around the training loop: no validation, no
+    sanity check, no logger, checkpoints, progress bar or model summary; ``kwargs`` add to or override these."""
+    from lightning.pytorch import Trainer
+
+    return Trainer(**{"accelerator": "cpu", "limit_val_batches": 0, "num_sanity_val_steps": 0, "logger": False,
+                      "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False, **kwargs})
+
+
+def as_one_node(ranks: int | None) -> None:
+    """How Lightning sees the launched ranks (each launched as a node of its own): as ``ranks`` local ranks of one node
+    (``LOCAL_RANK`` = ``RANK``), or, with ``None``, as one process on its own (no rank variables at all)."""
+    if ranks is None:
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(key, None)
+    else:
+        os.environ.update(LOCAL_RANK=os.environ["RANK"], NODE_RANK="0", LOCAL_WORLD_SIZE=str(ranks))
+
+
+def close_group() -> None:
     """Tear down a process group a run left up (Lightning's ``fit`` does), every rank done first: the next spec of
-    the launch starts its own, and gloo's threads left to interpreter shutdown can abort a finished process."""
+    the launch starts its own, and gloo's threads left to interpreter shutdown can abort a finished process
+    (SIGABRT, "terminate called without an active exception", after its work is done)."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.barrier()

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_pdist.bench.report import check_spec_keys
-from lightning_pdist.bench.launch import worker_main
+from lightning_pdist.bench.launch import bench_trainer, worker_main
 
 #: ``ddp_again`` is Lightning's ``ddp`` once more: its ratio to ``ddp`` is the noise of the measurement itself.
 STRATEGIES = ("ddp", "pdist_ddp", "ddp_again")
@@ -63,14 +63,12 @@ def _strategy(name: str) -> Any:
 
 def run_rank(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """One rank: every (repeat, width, strategy) fit in turn; write and return its step times."""
-    import torch
-    from lightning.pytorch import Callback, Trainer, seed_everything
+    from lightning.pytorch import Callback, seed_everything
 
     from lightning_pdist.data import DigitsDataModule
     from lightning_pdist.models.classifier import ClassifierModule
 
     check_spec_keys(spec, SPEC_KEYS, "overhead")
-    torch.set_num_threads(1)  # one core per rank, as in the suite's other runs
     env = dict(os.environ)  # Lightning's teardown drops the launcher's variables; each fit starts from them
 
     class Clock(Callback):
@@ -92,11 +90,8 @@ def run_rank(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
                 os.environ.update(env)
                 seed_everything(spec["seed"], workers=True, verbose=False)
                 clock = Clock()
-                trainer = Trainer(
-                    accelerator="cpu", devices=1, num_nodes=spec["world_size"], strategy=_strategy(name),
-                    max_steps=spec["steps"][str(width)], limit_val_batches=0, num_sanity_val_steps=0, logger=False,
-                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
-                )  # fmt: skip
+                trainer = bench_trainer(devices=1, num_nodes=spec["world_size"], strategy=_strategy(name),
+                                        max_steps=spec["steps"][str(width)], callbacks=[clock])  # fmt: skip
                 module = ClassifierModule(model="cnn", width=width, optimizer="sgd", lr=0.05, momentum=0.9)
                 trainer.fit(module, datamodule=DigitsDataModule(batch_size=spec["batch_size"], seed=spec["seed"]))
                 ends, cpu = clock.ends[spec["warmup_steps"] :], clock.cpu[spec["warmup_steps"] :]

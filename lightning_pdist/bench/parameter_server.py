@@ -34,7 +34,8 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import SuiteRun
 from lightning_pdist.bench.netns import LOOPBACK, parse_rate
-from lightning_pdist.bench.report import documented_run, markdown_table, network_lines, pyplot, run_lines, save_figure
+from lightning_pdist.bench.report import (documented_run, earlier_run, goal_lines, markdown_table, network_lines,
+                                          run_lines, save_figure, subplots)  # fmt: skip
 
 SUITE = "parameter_server"
 PARTS = ("easgd", "sandblaster", "parallax")
@@ -49,11 +50,7 @@ EQUAL_ACC = 0.01  # accuracy within 1 point of DDP's counts as equal
 
 @dataclass(frozen=True)
 class SuiteConfig(SuiteRules):
-    """Everything that decides what the suite runs; validated on construction.
-
-    Raises:
-        ValueError: a value breaks its rule; the message names the option, the value and the rule.
-    """
+    """Everything that decides what the suite runs; validated on construction (``ValueError`` names the option)."""
 
     parts: tuple[str, ...] = PARTS
     """easgd, sandblaster, parallax (one or more)"""
@@ -268,11 +265,7 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
 
 def keep(doc: dict[str, Any], config: SuiteConfig) -> None:
     """Add the rows (and networks) of the parts not run from ``config.keep_from`` (in place), recording that run."""
-    import json
-
-    old = json.loads(Path(config.keep_from).read_text())
-    if old.get("suite") != SUITE:
-        raise ValueError(f"{SUITE}(--keep-from={config.keep_from!r}): holds suite {old.get('suite')!r}, not {SUITE!r}")
+    old = earlier_run(SUITE, config.keep_from)
     kept = [r for r in old["rows"] if r["part"] not in config.parts]
     doc["kept"] = {"parts": sorted({r["part"] for r in kept}, key=PARTS.index), "created": old["created"],
                    "command": old["command"], "loadavg_1m_at_start": old["host"]["loadavg_1m_at_start"]}  # fmt: skip
@@ -305,7 +298,6 @@ PART_TITLES = {"easgd": "Async EASGD vs Downpour vs sync EASGD, one straggler (d
 def docs_section(doc: dict[str, Any], json_path: str) -> str:
     """The suite's section of docs/benchmarks.md, everything read from ``doc``."""
     cfg = doc["config"]
-    verdict = {True: "met", False: "**not met**", None: "not measured"}
     lines = [*run_lines(doc, json_path)]
     if doc.get("kept"):
         k = doc["kept"]
@@ -326,16 +318,14 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
         rows = [r for r in doc["rows"] if r["part"] == part]
         if rows:
             lines += ["", f"### {PART_TITLES[part]}", "", notes[part], "", markdown_table(rows, PART_COLUMNS[part])]
-    lines += ["", "Goal (issue 23):", "", *[f"- {g['goal']}: {verdict[g['met']]}. {g['measured']}." for g in doc["goals"]],
-              "", "Findings:", "", *[f"- {f}." for f in doc["findings"]]]  # fmt: skip
+    lines += ["", "Goal (issue 23):", "", *goal_lines(doc["goals"])]
+    lines += ["", "Findings:", "", *[f"- {f}." for f in doc["findings"]]]
     return "\n".join(lines)
 
 
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Accuracy against time with the straggler; training loss against steps; ms per step of the Parallax rows."""
-    plt = pyplot()
-
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, axes = subplots(1, 3, figsize=(16, 4.6))
     for row in doc["rows"]:
         if row["part"] == "easgd" and row["evals"]:
             axes[0].plot([e[1] for e in row["evals"]], [e[2] for e in row["evals"]], marker=".", label=row["method"])
@@ -351,9 +341,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
         ax.grid(True, alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)
-    fig.suptitle(f"parameter_server suite, {doc['created']}", fontsize=9)
-    fig.tight_layout()
-    return save_figure(fig, path, dpi=110)
+    return save_figure(fig, path, title=f"parameter_server suite, {doc['created']}")
 
 
 # -- command line -------------------------------------------------------------------------------

@@ -63,7 +63,8 @@ from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import Launcher, SuiteRun
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, parse_rate
 from lightning_pdist.bench.report import (check_rows, documented_run, kept_provenance, markdown_table, network_lines,
-                                          pyplot, refuse_other_settings, run_lines, save_figure)  # fmt: skip
+                                          not_run_lines, pyplot, refuse_other_settings, run_lines,
+                                          save_figure)  # fmt: skip
 
 SUITE = "pipeline"
 PARTS = ("throughput", "bubble", "stash", "convergence", "bert")
@@ -778,9 +779,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
                   "(PipelineStrategy(split_points=...), the only way such a module pipelines here: its per-step overhead "
                   "is in the figure, see ours+lightning against ours 1f1b above), torch's pipeline() traced at the same "
                   "block with its schedule at the executor level.", "", markdown_table(doc["bert"]["rows"], BERT_COLUMNS)]  # fmt: skip
-    if doc.get("not_run"):
-        lines += ["", "Not in this run:", "", *[f"- {n}" for n in doc["not_run"]]]
-    return "\n".join(lines)
+    return "\n".join(lines + not_run_lines(doc))
 
 
 def final_rows(conv: dict[str, Any]) -> list[dict[str, Any]]:
@@ -865,9 +864,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
     axes[4].set_xticks(range(len(brows)), [r["method"] for r in brows], fontsize=7, rotation=15)
     axes[4].set(ylabel="MB per epoch (all ranks)", title="bytes per epoch vs survey 002 Table 1")
     _legend(axes[4], fontsize=7)
-    fig.suptitle(f"pipeline suite, {doc['created']}", fontsize=9)
-    fig.tight_layout()
-    return save_figure(fig, path, dpi=100)
+    return save_figure(fig, path, dpi=100, title=f"pipeline suite, {doc['created']}")
 
 
 # -- command line ----------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lightning_pdist.bench.report import check_spec_keys
-from lightning_pdist.bench.launch import worker_main
+from lightning_pdist.bench.launch import bench_trainer, close_group, worker_main
 
 SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw")
 DELAYED = ("spectrain", "ddg", "features_replay", "dni", "cdni")  # dni: pipedream with synthetic_gradients=True; cdni: + labels
@@ -381,7 +381,7 @@ def lightning_timed(module: Any, data: list[tuple[Any, Any]], spec: dict[str, An
     """Fit ``module`` under ``PipelineStrategy(schedule, num_microbatches, **strategy)`` for ``warmup_steps + steps``
     batches of ``data`` in turn; each step timed by a callback (the warm-up dropped)."""
     import torch
-    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch import Callback
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_pdist.pipeline.strategy import PipelineStrategy
@@ -401,11 +401,9 @@ def lightning_timed(module: Any, data: list[tuple[Any, Any]], spec: dict[str, An
     K = spec["num_stages"]
     pipeline = PipelineStrategy(schedule=spec["schedule"], num_microbatches=spec["num_microbatches"], process_group_backend="gloo",
                                 **strategy)  # fmt: skip
-    trainer = Trainer(accelerator="cpu", devices=1, num_nodes=K, strategy=pipeline, max_steps=total, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Clock()])  # fmt: skip
+    trainer = bench_trainer(devices=1, num_nodes=K, strategy=pipeline, max_steps=total, callbacks=[Clock()])
     trainer.fit(module, DataLoader(TensorDataset(xs, ys), batch_size=spec["batch_size"]))
-    _close_group()
+    close_group()
     step_s = times[spec["warmup_steps"] :]
     return {"engine": engine, "schedule": spec["schedule"], "num_microbatches": spec["num_microbatches"], "step_s": step_s,
             "loop_s": sum(step_s), "wait_s": None, "bytes": None}  # fmt: skip
@@ -462,19 +460,6 @@ def job_bert(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     finally:
         dist.destroy_process_group()
     return {"cases": [{"engine": "torch", "schedule": spec["schedule"], "num_microbatches": m, **case}]}
-
-
-def _close_group() -> None:
-    """Tear the process group down after ``fit`` (Lightning leaves it up) with every rank done first.
-
-    Left to interpreter shutdown, gloo's threads can die with the process: a rank then ends with SIGABRT
-    ("terminate called without an active exception") after its work is done.
-    """
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def job_stash(spec: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -535,7 +520,7 @@ def job_stash(spec: dict[str, Any], rank: int) -> dict[str, Any]:
 def job_converge(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     """Lightning on digits: validation accuracy per epoch, training bytes, and the activation size at every cut."""
     import torch
-    from lightning.pytorch import Callback, Trainer, seed_everything
+    from lightning.pytorch import Callback, seed_everything
 
     from lightning_pdist.core.strategy import PdistStrategy
     from lightning_pdist.data import DigitsDataModule, IMDBDataModule
@@ -587,13 +572,12 @@ def job_converge(spec: dict[str, Any], rank: int) -> dict[str, Any]:
             log["epochs"].append({"epoch": trainer.current_epoch + 1, "samples": log["samples"],
                                   "val_acc": float(trainer.callback_metrics["val/acc"])})  # fmt: skip
 
-    trainer = Trainer(accelerator="cpu", devices=1, num_nodes=K, strategy=strategy, max_epochs=spec["epochs"], logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, callbacks=[Probe()])  # fmt: skip
+    trainer = bench_trainer(devices=1, num_nodes=K, strategy=strategy, max_epochs=spec["epochs"],
+                            limit_val_batches=None, callbacks=[Probe()])  # Lightning's validation: the curves
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=data)
     fit_s = time.perf_counter() - t0
-    _close_group()
+    close_group()
     scratch.cleanup()
     activation_numel = []
     if log["bounds"]:  # per-sample numel of what crosses each cut
@@ -617,9 +601,6 @@ JOBS = {"engines": job_engines, "deepspeed": job_deepspeed, "fairscale": job_fai
 
 def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """One stage (rank) of the launch: run the spec's job; its result (``rank<r>.json``)."""
-    import torch
-
-    torch.set_num_threads(1)  # one core per rank; the ranks already share the machine
     rank = int(os.environ.get("RANK", "0"))
     return {"rank": rank, "job": spec["job"], **JOBS[spec["job"]](spec, rank)}
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lightning_pdist.bench.launch import WorkerSpec, worker_main
+from lightning_pdist.bench.launch import WorkerSpec, bench_trainer, worker_main
 from lightning_pdist.bench.worker import read_tx
 
 #: method -> (part, what it runs).
@@ -228,11 +228,8 @@ def sent(trainer: Any) -> int:
 
 def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """Train this rank as ``spec`` says; its result."""
-    import torch
-    from lightning.pytorch import Callback, Trainer, seed_everything
+    from lightning.pytorch import Callback, seed_everything
 
-    check_spec(spec)
-    torch.set_num_threads(1)
     rank, ifname = int(os.environ.get("RANK", "0")), os.environ.get("GLOO_SOCKET_IFNAME")
     seed_everything(spec["seed"], workers=True, verbose=False)
     module = build_module(spec)
@@ -273,10 +270,8 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 
     probe = Probe()
     nodes = spec["world_size"]
-    trainer = Trainer(accelerator="cpu", devices=1, num_nodes=nodes, strategy=build_strategy(spec),
-                      max_steps=spec["steps"], limit_val_batches=0, num_sanity_val_steps=0, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[probe], log_every_n_steps=1, **sampler_kwargs(spec))  # fmt: skip
+    trainer = bench_trainer(devices=1, num_nodes=nodes, strategy=build_strategy(spec), max_steps=spec["steps"],
+                            callbacks=[probe], log_every_n_steps=1, **sampler_kwargs(spec))  # fmt: skip
     trainer.fit(module, data)
     timed = spec["steps"] - spec["warmup_steps"]
     (t_w, b_w, x_w), (t_e, b_e, x_e) = probe.warm, probe.end

@@ -40,20 +40,16 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import tempfile
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
-from lightning_pdist.bench.launch import Launcher, emulated_network
+from lightning_pdist.bench.launch import Launcher, SuiteRun
 from lightning_pdist.bench.linkload import LinkSampler, link_activity
 from lightning_pdist.bench.netns import parse_rate
-from lightning_pdist.bench.report import (documented_run, finish_suite, markdown_table, new_document, pyplot, run_lines,
-                                          save_figure)  # fmt: skip
+from lightning_pdist.bench.report import documented_run, markdown_table, run_lines, save_figure, subplots
 
 SUITE = "ps_sharding"
 PARTS = ("sharding", "straggler")
@@ -213,9 +209,8 @@ def bound_samples_per_s(workers: int, batch_size: int, param_bytes: int, max_sha
 class Runner:
     """Launches runs on one emulated network (servers on the first hosts, workers after them)."""
 
-    def __init__(self, net: Any, config: SuiteConfig, scratch: Path, log: Callable[[str], None]) -> None:
-        self.net, self.config, self.log = net, config, log
-        self.launcher = Launcher(SUITE, scratch, config.timeout)
+    def __init__(self, net: Any, config: SuiteConfig, launcher: Launcher, log: Callable[[str], None]) -> None:
+        self.net, self.config, self.launcher, self.log = net, config, launcher, log
 
     def launch(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Run ``spec``; return workers' and servers' results, wall time and the servers' kernel bytes."""
@@ -383,31 +378,23 @@ def run_suite(config: SuiteConfig, out: Path, command: str, log: Callable[[str],
     """
     from lightning_pdist.bench.netns import EmulatedNetwork
 
-    out = Path(out)
-    if out.exists() and not out.is_dir():
+    if Path(out).exists() and not Path(out).is_dir():
         raise ValueError(f"{SUITE}(--out={str(out)!r}): --out must be a directory, and this is a file")
     ok, reason = EmulatedNetwork.available()
     if not ok:
         log(f"{SUITE}: cannot build emulated links here ({reason}); this suite measures communication and does "
             "not run on loopback. Run it as root on a machine with iproute2 (ip, tc).")  # fmt: skip
         return None
-    out.mkdir(parents=True, exist_ok=True)
-    doc = new_document(SUITE, command, asdict(config))
     hosts = max([config.servers_for(w) + w for w in config.workers] + [config.servers_for(config.straggler_workers) + config.straggler_workers])
-    t_suite = time.perf_counter()
-    scratch = Path(tempfile.mkdtemp(prefix="pdist-ps-"))
-    try:
-        network = f"emulated {config.rate}"
-        with emulated_network(SUITE, doc, network, hosts, config.rate, log) as net:
-            runner = Runner(net, config, scratch, log)
-            doc["ratios"], doc["straggler"] = {}, None
-            if "sharding" in config.parts:
-                doc["rows"], doc["ratios"] = run_sharding(runner, config, network)
-            if "straggler" in config.parts:
-                doc["straggler"] = run_straggler(runner, config, network)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return finish_suite(doc, out, SUITE, t_suite, plot)
+    with SuiteRun(SUITE, config, out, command, log) as run:
+        doc, network = run.doc, f"emulated {config.rate}"
+        runner = Runner(run.emulated(network, hosts, config.rate), config, run.launcher, log)
+        doc["ratios"], doc["straggler"] = {}, None
+        if "sharding" in config.parts:
+            doc["rows"], doc["ratios"] = run_sharding(runner, config, network)
+        if "straggler" in config.parts:
+            doc["straggler"] = run_straggler(runner, config, network)
+    return run.finish(plot)
 
 
 # -- output -------------------------------------------------------------------------------------
@@ -506,9 +493,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
 
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Throughput vs workers, the busiest server's bytes, and the straggler runs' step rates."""
-    plt = pyplot()
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = subplots(1, 3, figsize=(15, 4.2))
     colors = {"layer": "tab:red", "memory": "tab:blue", "chunked": "tab:green", "paced": "tab:purple"}
     for sharding in ROW_SHARDINGS:
         rows = sorted((r for r in doc["rows"] if r["sharding"] == sharding), key=lambda r: r["workers"])
@@ -539,8 +524,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
         axes[2].set(ylabel="steps/s", title="per-worker step rate (gray: the straggler)")
     else:
         axes[2].axis("off")
-    fig.tight_layout()
-    return save_figure(fig, path, dpi=110)
+    return save_figure(fig, path)
 
 
 # -- command line -------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lightning_pdist.bench.launch import WorkerSpec, worker_main
+from lightning_pdist.bench.launch import WorkerSpec, bench_trainer, worker_main
 
 MODES = ("sync", "async", "ssp")
 SHARDINGS = ("layer", "memory")
@@ -87,11 +87,8 @@ def run_server(spec: dict[str, Any], index: int, host: str, out_dir: Path) -> di
     """Serve until every worker has gone; write ``server<index>.json``."""
     import socket
 
-    import torch
-
     from lightning_pdist.parameter_server.server import ShardServer
 
-    torch.set_num_threads(1)
     listener = socket.create_server((host, spec["server_port"]), backlog=128)
     server = ShardServer(index, listener, None, allowed_networks=spec["subnet"], idle_timeout=120.0)
     server.serve()
@@ -105,7 +102,7 @@ def run_server(spec: dict[str, Any], index: int, host: str, out_dir: Path) -> di
 def run_worker(spec: dict[str, Any], worker: int, hosts: list[str], out_dir: Path) -> dict[str, Any]:
     """Train as worker ``worker`` of ``spec["workers"]``; write ``worker<worker>.json``."""
     import torch
-    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch import Callback
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_pdist.models.classifier import ClassifierModule
@@ -114,7 +111,6 @@ def run_worker(spec: dict[str, Any], worker: int, hosts: list[str], out_dir: Pat
 
     servers, workers = spec["servers"], spec["workers"]
     os.environ.update(RANK=str(worker), NODE_RANK=str(worker), WORLD_SIZE=str(workers), MASTER_ADDR=hosts[servers])
-    torch.set_num_threads(1)
     torch.manual_seed(spec["seed"])
     net = vgg16_scaled(width=spec["width"])
     num_classes = net.classifier[-1].out_features
@@ -159,10 +155,8 @@ def run_worker(spec: dict[str, Any], worker: int, hosts: list[str], out_dir: Pat
         chunk_bytes=spec.get("chunk_bytes"), chunks_in_flight=spec["chunks_in_flight"],
         reply_buffer_bytes=spec.get("reply_buffer_bytes"), nonfinite=spec.get("nonfinite", "raise"),
     )  # fmt: skip
-    trainer = Trainer(
-        accelerator="cpu", devices=1, num_nodes=workers, strategy=strategy, max_steps=total, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        num_sanity_val_steps=0, callbacks=[timer],
+    trainer = bench_trainer(
+        devices=1, num_nodes=workers, strategy=strategy, max_steps=total, callbacks=[timer],
         log_every_n_steps=1,  # pdist/ps/* are the figures since the last logged step: every step, each step's own
     )  # fmt: skip
     trainer.fit(model, DataLoader(data, batch_size=spec["batch_size"]))

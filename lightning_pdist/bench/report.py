@@ -138,15 +138,37 @@ def pyplot() -> Any:
     return plt
 
 
-def save_figure(fig: Any, path: str | Path, dpi: int) -> Path:
-    """Write a matplotlib figure to ``path`` (creating its folder) and close it; return the path."""
+def subplots(*args: Any, **kwargs: Any) -> Any:
+    """``(fig, axes)`` of ``plt.subplots(*args, **kwargs)`` on the Agg backend."""
+    return pyplot().subplots(*args, **kwargs)
+
+
+def save_figure(fig: Any, path: str | Path, dpi: int = 110, title: str | None = None) -> Path:
+    """Title ``fig`` (``suptitle``, font size 9, when given), lay it out tight, write it to ``path`` (creating its
+    folder) and close it; return the path."""
+    if title is not None:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
+    pyplot().close(fig)
     return path
+
+
+def kept_lines(doc: Mapping[str, Any]) -> list[str]:
+    """One line per earlier command whose rows a ``--keep-from`` run kept (``doc["kept"]``, :func:`kept_provenance`)."""
+    return [f"Rows {', '.join(e['rows'])} kept from an earlier command: `{e['command']}` (run {e['created']}, "
+            f"{e['suite_wall_s']} s, 1-min load average {e['loadavg_1m_at_start']} at its start).  "
+            for e in doc.get("kept", [])]  # fmt: skip
+
+
+def earlier_run(suite: str, path: str) -> dict[str, Any]:
+    """The document of an earlier run of ``suite`` (``--keep-from``); ``ValueError`` if it holds another suite's."""
+    old = json.loads(Path(path).read_text())
+    if old.get("suite") != suite:
+        raise ValueError(f"{suite}(--keep-from={path!r}): holds suite {old.get('suite')!r}, not {suite!r}")
+    return old
 
 
 def check_spec_keys(spec: dict[str, Any], keys: Sequence[str], who: str) -> None:
@@ -234,6 +256,17 @@ def goal_lines(goals: Sequence[Mapping[str, Any]]) -> list[str]:
     return [f"- {g['goal']}: {verdict[g['met']]}. {g['measured']}." for g in goals]
 
 
+def failed_lines(rows: Iterable[Mapping[str, Any]], label: Callable[[Mapping[str, Any]], str]) -> list[str]:
+    """``Runs that failed:`` and a bullet ``label(row): error`` per row with an error; nothing when none failed."""
+    errors = [r for r in rows if r.get("error")]
+    return ["", "Runs that failed:", "", *(f"- {label(r)}: {r['error']}" for r in errors)] if errors else []
+
+
+def not_run_lines(doc: Mapping[str, Any]) -> list[str]:
+    """``Not in this run:`` and a bullet per entry of ``doc["not_run"]``; nothing when it is empty or absent."""
+    return ["", "Not in this run:", "", *(f"- {n}" for n in doc["not_run"])] if doc.get("not_run") else []
+
+
 def refuse_other_settings(where: str, old: Mapping[str, Any], now: Mapping[str, Any], keys: Sequence[str], what: str,
                           advice: str = "") -> None:
     """Raise ``ValueError`` naming each of ``keys`` whose value in ``old`` (an earlier run's config) differs from ``now``:
@@ -254,6 +287,29 @@ def kept_provenance(old: Mapping[str, Any], previous: Sequence[Mapping[str, Any]
     entries.append({"rows": [n for n in kept if n not in earlier], "command": old["command"], "created": old["created"],
                     "loadavg_1m_at_start": old["host"]["loadavg_1m_at_start"], **fields})  # fmt: skip
     return [e for e in entries if e["rows"]]
+
+
+def keep_earlier_rows(doc: dict[str, Any], old: Mapping[str, Any], suite: str, keep_from: str,
+                      name: Callable[[Mapping[str, Any]], str],
+                      settings: Callable[[list[dict[str, Any]]], Sequence[str]], order: Callable[[dict[str, Any]], Any],
+                      advice: str = "", prepare: Callable[[dict[str, Any]], dict[str, Any]] = dict) -> None:  # fmt: skip
+    """``--keep-from``: add to ``doc`` (in place) the rows of ``old`` (an earlier run of ``doc``'s suite) whose
+    ``name`` this run did not make again (each through ``prepare``), all rows sorted by ``order``, and ``doc["kept"]``
+    (:func:`kept_provenance`, with the earlier run's wall time).
+
+    Raises:
+        ValueError: naming ``suite(--keep-from=...)``: ``old`` is another suite's, or ran with other
+            ``settings(kept rows)`` (:func:`refuse_other_settings`, ``advice`` appended).
+    """
+    where = f"{suite}(--keep-from={keep_from!r})"
+    if old.get("suite") != suite:
+        raise ValueError(f"{where}: holds suite {old.get('suite')!r}, not {suite!r}")
+    made = {name(r) for r in doc["rows"]}
+    kept = [prepare(r) for r in old["rows"] if name(r) not in made]
+    refuse_other_settings(where, old["config"], doc["config"], settings(kept), "rows", advice)
+    doc["rows"] = sorted(doc["rows"] + kept, key=order)
+    names = list(dict.fromkeys(name(r) for r in kept))
+    doc["kept"] = kept_provenance(old, old.get("kept", []), names, suite_wall_s=old.get("suite_wall_s"))
 
 
 def finish_suite(doc: dict[str, Any], out: Path, suite: str, started: float, plot: Callable[[dict, Path], Any]) -> dict[str, Any]:

@@ -22,17 +22,15 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
-from lightning_pdist.bench.launch import Launcher
-from lightning_pdist.bench.report import (check_rows, finish_suite, goal_lines, kept_provenance, markdown_table,
-                                          new_document, output_dir, refuse_other_settings, run_documented_suite,
-                                          run_lines)  # fmt: skip
+from lightning_pdist.bench.launch import SuiteRun
+from lightning_pdist.bench.report import (check_rows, documented_run, failed_lines, goal_lines, keep_earlier_rows,
+                                          kept_lines, markdown_table, run_lines, save_figure, subplots)  # fmt: skip
 
 SUITE = "rl"
 WORKER = "lightning_pdist.bench.rl_worker"
@@ -105,8 +103,7 @@ class SuiteConfig(SuiteRules):
         self.ints("seed", low=0)
         if self.episodes < self.screen:
             raise self.bad("episodes", self.episodes, f"must be >= --screen ({self.screen})")
-        if self.keep_from is not None and not Path(self.keep_from).is_file():
-            raise self.bad("keep_from", self.keep_from, "must be an existing rl.json")
+        self.earlier()
 
 
 def worker_spec(config: SuiteConfig, name: str) -> dict[str, Any]:
@@ -228,23 +225,15 @@ def keep_rows(doc: dict[str, Any], old: dict[str, Any], config: SuiteConfig) -> 
     Raises:
         ValueError: ``old`` is another suite's, or ran with other :data:`KEEP_SETTINGS`.
     """
-    where = f"{SUITE}(--keep-from={config.keep_from!r})"
-    if old.get("suite") != SUITE:
-        raise ValueError(f"{where}: holds suite {old.get('suite')!r}, not {SUITE!r}")
-    refuse_other_settings(where, old["config"], doc["config"], KEEP_SETTINGS, "rows")
-    made = {r["row"] for r in doc["rows"]}
-    kept = [r for r in old["rows"] if r["row"] not in made]
     order = {name: i for i, name in enumerate(ROWS)}
-    doc["rows"] = sorted(doc["rows"] + kept, key=lambda r: order.get(r["row"], len(ROWS)))
-    doc["kept"] = kept_provenance(old, old.get("kept", []), [r["row"] for r in kept], suite_wall_s=old.get("suite_wall_s"))
+    keep_earlier_rows(doc, old, SUITE, config.keep_from, lambda r: r["row"], lambda _: KEEP_SETTINGS,
+                      lambda r: order.get(r["row"], len(ROWS)))
 
 
 def run_suite(config: SuiteConfig, out: str | Path, command: str, log=print) -> dict[str, Any]:  # noqa: ANN001
     """Run every row, one launch each; write ``rl.json`` and ``rl.png``; return the document."""
-    started = time.perf_counter()
-    out = output_dir(SUITE, out)
-    doc = new_document(SUITE, command, asdict(config))
-    with Launcher.temporary(SUITE, config.budget + config.timeout) as launcher:
+    with SuiteRun(SUITE, config, out, command, log, timeout=config.budget + config.timeout) as run:
+        doc, launcher = run.doc, run.launcher
         for name in config.rows:
             spec = worker_spec(config, name)
             log(f"{SUITE}: {name} ({spec['method']}, {spec['num_actors']} actor(s) x {spec['learners']} learner(s))")
@@ -259,7 +248,7 @@ def run_suite(config: SuiteConfig, out: str | Path, command: str, log=print) -> 
     compare(doc["rows"])
     check_rows(doc["rows"], ROW_KEYS, SUITE)
     doc["goals"] = goals(doc["rows"])
-    return finish_suite(doc, out, SUITE, started, plot)
+    return run.finish(plot)
 
 
 COLUMNS = [("row", "row", None), ("actors", "actors", None), ("learners", "learners", None),
@@ -279,10 +268,7 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
     """The docs/benchmarks.md body of a run: settings, the table, failures and the goal."""
     cfg, rows = doc["config"], doc["rows"]
     load = [r["other_load_cores"] for r in rows if r.get("other_load_cores") is not None]
-    kept = [f"Rows {', '.join(e['rows'])} kept from an earlier command: `{e['command']}` (run {e['created']}, "
-            f"{e['suite_wall_s']} s, 1-min load average {e['loadavg_1m_at_start']} at its start).  "
-            for e in doc.get("kept", [])]  # fmt: skip
-    lines = [*run_lines(doc, json_path), *kept, "",
+    lines = [*run_lines(doc, json_path), *kept_lines(doc), "",
              f"Module: `DQNModule(\"CartPole-v1\", hidden={cfg['hidden']}, lr={cfg['lr']:g})`, double DQN with 3-step "
              f"returns, γ 0.99, batches of {cfg['batch_size']}, target sync every {cfg['target_every']} updates, "
              f"first update after {cfg['learning_starts']} transitions, seed {cfg['seed']}; dqn: prioritized replay "
@@ -295,23 +281,14 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
              f"{doc['host']['cpus']} cores (\"other load\": cores other work kept busy during the row"
              + (f"; {min(load):.2f} to {max(load):.2f} in this run" if load else "") + ").", "",
              table(rows, cfg)]  # fmt: skip
-    if errors := [r for r in rows if r["error"]]:
-        lines += ["", "Runs that failed:", "", *(f"- {r['row']}: {r['error']}" for r in errors)]
-    lines += ["", "Goal (issue 26):", "", *goal_lines(doc["goals"])]
+    lines += [*failed_lines(rows, lambda r: r["row"]), "", "Goal (issue 26):", "", *goal_lines(doc["goals"])]
     return "\n".join(lines)
 
 
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Greedy screening mean against training time per row; env steps/s and updates/s against the actors."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from lightning_pdist.bench.report import save_figure
-
     ok = [r for r in doc["rows"] if not r["error"]]
-    fig, (ax_ret, ax_rate) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (ax_ret, ax_rate) = subplots(1, 2, figsize=(13, 5))
     for i, r in enumerate(ok):
         line, = ax_ret.plot([e[0] for e in r["evals"]], [e[3] for e in r["evals"]], marker=".", color=f"C{i}", label=r["row"])
         full = [(e[0], e[4]) for e in r["evals"] if e[4] is not None]
@@ -331,13 +308,10 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
     ax_rate.set_ylabel("per second of training (all actors / learners)")
     ax_rate.grid(True, axis="y", alpha=0.3)
     ax_rate.legend(fontsize=8)
-    fig.suptitle(f"rl suite (CartPole-v1), {doc['created']}", fontsize=9)
-    fig.tight_layout()
-    return save_figure(fig, path, dpi=110)
+    return save_figure(fig, path, title=f"rl suite (CartPole-v1), {doc['created']}")
 
 
 CLI = SuiteCli(config=SuiteConfig, quick=QUICK, full=FULL, out="rl.json, rl.png and docs_section.md")
 
 
-def run(config: SuiteConfig, out: Path, argv: Sequence[str]) -> int:
-    return run_documented_suite(SUITE, config, out, argv, run_suite, docs_section)
+run = documented_run(SUITE, run_suite, docs_section)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lightning_pdist.bench.launch import WorkerSpec, worker_main
+from lightning_pdist.bench.launch import WorkerSpec, as_one_node, bench_trainer, worker_main
 
 #: method -> what it runs.
 METHODS: dict[str, str] = {
@@ -272,27 +272,16 @@ def build(spec: dict[str, Any]) -> tuple[Any, Any]:
 
 def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """The learner process of one row: build, fit until solved or out of budget, report."""
-    import torch
-
-    check_spec(spec)
     started = time.perf_counter()
-    torch.set_num_threads(1)  # one core's thread per process; the processes share the machine
     rank, learners = int(os.environ.get("RANK", "0")), spec["learners"]
-    if spec["method"] == "gorila":  # the launcher's ranks become local ranks of one node
-        os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(learners))
-    else:
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE"):
-            os.environ.pop(key, None)
+    as_one_node(learners if spec["method"] == "gorila" else None)  # Gorila's learners: local ranks of one node
     from lightning.fabric.utilities.seed import seed_everything
-    from lightning.pytorch import Trainer
 
     seed_everything(spec["seed"], verbose=False)
     out_dir.mkdir(parents=True, exist_ok=True)
     module, strategy = build(spec)
     watch = watch_class()(spec, rank, out_dir)
-    trainer = Trainer(accelerator="cpu", devices=learners, num_nodes=1, strategy=strategy, max_epochs=-1, max_steps=-1,
-                      limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=[watch])  # fmt: skip
+    trainer = bench_trainer(devices=learners, num_nodes=1, strategy=strategy, max_epochs=-1, max_steps=-1, callbacks=[watch])
     setup_t = time.perf_counter()
     trainer.fit(module)
     updates, steps, returns = watch.final

@@ -55,11 +55,7 @@ FULL = {"seeds": (0, 1, 2, 3, 4), "rounds": 500, "eval_every": 25, "world_sizes"
 
 @dataclass(frozen=True)
 class SuiteConfig(SuiteRules):
-    """Everything that decides what the suite runs; validated on construction.
-
-    Raises:
-        ValueError: a value breaks its rule; the message names the option, the value and the rule.
-    """
+    """Everything that decides what the suite runs; validated on construction (``ValueError`` names the option)."""
 
     parts: tuple[str, ...] = PARTS
     """repro (Part A), comm (Part B) or both"""
@@ -311,7 +307,6 @@ def docs_section(doc: dict[str, Any], json_path: str) -> str:
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Write the suite's figure: Part A's curves (one row of panels per dataset), Part B's times and bytes."""
     plt = pyplot()
-
     from lightning_pdist.bench.sign_comm import network_key
     from lightning_pdist.bench.sign_repro import plot_repro
 
@@ -342,9 +337,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
         ax_b.set_yscale("log")
         ax_t.set_yscale("log")
         ax_t.legend(fontsize=7)
-    fig.suptitle(f"sign suite, {doc['created']}", fontsize=9)
-    fig.tight_layout()
-    return save_figure(fig, path, dpi=100)
+    return save_figure(fig, path, dpi=100, title=f"sign suite, {doc['created']}")
 
 
 # -- command line -------------------------------------------------------------------------------

@@ -158,8 +158,6 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     from lightning_pdist.core.accounting import CommMeter, all_reduce_bytes
     from lightning_pdist.models.mlp import MLP
 
-    check_spec(spec)
-    torch.set_num_threads(1)  # one core per rank; the ranks already share the machine
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.manual_seed(spec["seed"])
     model = MLP(in_features=spec["in_features"], num_classes=10, hidden=spec["hidden"])
@@ -230,4 +228,4 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(worker_main("lightning_pdist.bench.sign_worker", __doc__, lambda spec: spec, run))
+    raise SystemExit(worker_main("lightning_pdist.bench.sign_worker", __doc__, check_spec, run))

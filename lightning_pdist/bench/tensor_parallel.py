@@ -61,7 +61,7 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.cli import SuiteCli, SuiteRules
 from lightning_pdist.bench.launch import Launcher, SuiteRun
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, parse_rate
-from lightning_pdist.bench.report import (check_rows, documented_run, markdown_table, network_lines, run_lines,
+from lightning_pdist.bench.report import (check_rows, documented_run, markdown_table, network_lines, pyplot, run_lines,
                                           save_figure)  # fmt: skip
 
 SUITE = "tensor_parallel"
@@ -677,12 +677,7 @@ def _network_groups(ax: Any, rows: Sequence[dict[str, Any]]) -> None:
 
 def plot(doc: dict[str, Any], path: str | Path) -> Path:
     """Step time per run, bytes per step (measured, model, kernel), time ratios against the paper, the time model."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig = plt.figure(figsize=(16, 14))
+    fig = pyplot().figure(figsize=(16, 14))
     grid = fig.add_gridspec(3, 2, height_ratios=(1, 1, 1.2))
     top, middle = fig.add_subplot(grid[0, :]), fig.add_subplot(grid[1, :])
     left, ax = fig.add_subplot(grid[2, 0]), fig.add_subplot(grid[2, 1])
@@ -728,9 +723,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> Path:
            title="t = compute + bytes / bandwidth (lines), measured (markers)")  # fmt: skip
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=6, ncol=2)
-    fig.suptitle(f"tensor_parallel suite, {doc['created']}", fontsize=9)
-    fig.tight_layout()
-    return save_figure(fig, path, dpi=100)
+    return save_figure(fig, path, dpi=100, title=f"tensor_parallel suite, {doc['created']}")
 
 
 # -- command line ----------------------------------------------------------------------------------------

@@ -279,9 +279,6 @@ def run_rank(family: str, model_kwargs: dict[str, Any], batch_size: int, seq_len
 
 def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """One rank of the launch: :func:`run_rank` with the spec's keywords; its result (``rank<r>.json``)."""
-    import torch
-
-    torch.set_num_threads(1)  # one core per rank; the ranks already share the machine
     return run_rank(**{**spec, "tp_size": spec.get("tp_size") or int(os.environ["WORLD_SIZE"])})
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lightning_pdist.bench.launch import WorkerSpec, worker_main
+from lightning_pdist.bench.launch import WorkerSpec, bench_trainer, close_group, worker_main
 
 CONFIGS = ("dp", "tp", "tp_sp", "dp_tp", "hybrid")
 MODELS = ("bert", "albert", "vgg", "transformer")
@@ -169,11 +169,8 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     import torch
     from lightning.pytorch import Callback, Trainer, seed_everything
 
-    from lightning_pdist.bench.pipeline_worker import _close_group
     from lightning_pdist.bench.worker import read_tx
 
-    check_spec(spec)
-    torch.set_num_threads(1)  # one core per rank; the ranks already share the machine
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
     warmup, steps = spec["warmup_steps"], spec["steps"]
     edges: list[dict[str, Any]] = []
@@ -198,10 +195,8 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     seed_everything(spec["seed"], verbose=False)  # the same seed everywhere: a TP group draws the same dropout masks
     module, data = build_module_and_data(spec)
     params_full = sum(p.numel() for p in module.parameters())
-    trainer = Trainer(accelerator="cpu", devices=1, num_nodes=spec["world_size"], strategy=build_strategy(spec),
-                      max_steps=warmup + steps, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      use_distributed_sampler=True, callbacks=[Window()])  # fmt: skip
+    trainer = bench_trainer(devices=1, num_nodes=spec["world_size"], strategy=build_strategy(spec), max_steps=warmup + steps,
+                            use_distributed_sampler=True, callbacks=[Window()])  # fmt: skip
     t0 = time.perf_counter()
     if isinstance(data, torch.utils.data.DataLoader):
         trainer.fit(module, data)
@@ -209,7 +204,7 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         trainer.fit(module, datamodule=data)
     fit_s = time.perf_counter() - t0
     params_local = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in module.parameters())
-    _close_group()
+    close_group()
     if len(edges) != 2:
         raise RuntimeError(f"tp_worker: the run ended after {trainer.global_step} steps, before the timed window "
                            f"closed ({warmup} + {steps}); give the data more samples")  # fmt: skip
@@ -226,4 +221,4 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(worker_main("lightning_pdist.bench.tp_worker", __doc__, lambda spec: spec, run))
+    raise SystemExit(worker_main("lightning_pdist.bench.tp_worker", __doc__, check_spec, run))

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lightning_pdist.bench.launch import WorkerSpec, worker_main
+from lightning_pdist.bench.launch import WorkerSpec, bench_trainer, worker_main
 
 STRATEGIES = ("pdist_ddp", "local_sgd", "bmuf", "easgd", "simuparallel_sgd")
 PERIODIC = ("local_sgd", "bmuf", "easgd")
@@ -132,14 +132,11 @@ def evaluate(module: Any, dataset: Any) -> tuple[float, int]:
 
 def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """Train one rank as ``spec`` says; write and return its result dict."""
-    import torch
     from lightning.pytorch import Callback, Trainer, seed_everything
 
     from lightning_pdist.data import DigitsDataModule
     from lightning_pdist.models.classifier import ClassifierModule
 
-    check_spec(spec)
-    torch.set_num_threads(1)  # one core per rank; the ranks already share the machine
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
     tx: dict[str, tuple[int, int] | None] = {"start": read_tx(ifname)}
 
@@ -166,18 +163,11 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         model="cnn", width=spec["width"], optimizer="sgd", lr=spec["lr"], momentum=spec["momentum"]
     )
     probe = Probe()
-    trainer = Trainer(
-        accelerator="cpu",
+    trainer = bench_trainer(
         devices=1,
         num_nodes=spec["world_size"],
         strategy=build_strategy(spec),
         max_steps=spec["steps"],
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[probe],
         # pdist/* keys are logged on logged steps only; logging every step keeps "logged_comm_bytes_total" (read in
         # on_train_end) the loop's total, and every strategy pays the same for it.
