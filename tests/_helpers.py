@@ -6,12 +6,10 @@ import gzip
 import os
 import socket
 import struct
-import time
 from pathlib import Path
 
 import lightning_pdist  # noqa: F401  (first: torch and Lightning imported with the collector paused, core/startup.py)
 import numpy as np
-import pytest
 import torch
 from _ranks import held_master_port
 from lightning.pytorch import Callback, LightningModule, Trainer

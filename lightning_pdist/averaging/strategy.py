@@ -60,13 +60,12 @@ from typing import Any, Callable
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-import torch
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pdist.core.flat import averaged_tensors, flatten, relative_distance
+from lightning_pdist.core.flat import averaged_tensors, relative_distance
 from lightning_pdist.core.nonfinite import all_finite, culprit_ranks, nonfinite_error, one_hot_flag
 from lightning_pdist.averaging.replicas import RuleShell
 from lightning_pdist.averaging.rules import AveragingRule

@@ -153,7 +153,7 @@ def build_data(spec: dict[str, Any], rank: int = 0) -> tuple[Any, Any, Any]:
     the two L-BFGS rows saw different batches from step 1.
     """
     import torch
-    from torch.utils.data import DataLoader, Subset
+    from torch.utils.data import DataLoader
 
     from lightning_pdist.data import DigitsDataModule
     from lightning_pdist.parameter_server.sandblaster import portion_bounds

@@ -202,7 +202,6 @@ def counters(module: Any, strategy: Any, method: str) -> tuple[int, int, list[fl
 
 
 def watch_class() -> type:
-    import torch
     from lightning.pytorch import Callback
 
     from lightning_pdist.bench.rl import solved

@@ -312,7 +312,7 @@ class OwnedSplit:
 
     def plan(self, call: tuple[tuple, dict]) -> None:
         """Cut the network, given its call on one micro-batch (the same on every rank of a replica's stages)."""
-        net, K, label = self.network, self.num_stages, self.path or type(self.module).__name__
+        net, label = self.network, self.path or type(self.module).__name__
         args, kwargs = call
         was_training = net.training
         net.eval()  # the check compares outputs: no dropout; BatchNorm reads its running statistics

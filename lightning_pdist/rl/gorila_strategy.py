@@ -27,7 +27,6 @@ from collections import deque
 from typing import Any, Callable
 
 import torch
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.optim import Optimizer

@@ -28,11 +28,9 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pdist.core import rank_files
 from lightning_pdist.core.config import refuse_owned_ddp_args
 from lightning_pdist.core.guard import float_buffers
 from lightning_pdist.core.nonfinite import grads_finite

@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.model_parallel import _is_full_checkpoint, _load_checkpoint
 from lightning.fabric.strategies.model_parallel import _materialize_distributed_module

@@ -21,7 +21,6 @@ heal) and takes the round's step; ``final{r}.rejoined.pt``.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time

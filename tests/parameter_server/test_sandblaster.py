@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_pdist import SandblasterStrategy
-from lightning_pdist.core.ps_client import ParameterServerClient, ServerConnection, ServerError, WorkerStalled
+from lightning_pdist.core.ps_client import ServerConnection, ServerError, WorkerStalled
 from lightning_pdist.parameter_server.process import start_server
 from lightning_pdist.parameter_server.sandblaster import batch_digest, portion_bounds
 from lightning_pdist.core.ps_wire import HEADER, MAGIC, Kind, dumps_state, loads_state, recv_message

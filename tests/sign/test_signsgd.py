@@ -18,7 +18,6 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
-from torch.multiprocessing import ProcessRaisedException
 
 import lightning_pdist  # noqa: F401  (registers the names)
 from lightning_pdist import SignSGDStrategy
