@@ -21,9 +21,11 @@ connection around the split point, a weight used outside its module) is refused,
 point. :func:`check_stages` runs all stages in one process at split time against the whole network
 on one batch, so a cut that cannot run, or computes something else, is refused before training.
 
-Between stages the boundary travels as one 1-D float64 tensor (:func:`pack`): a header with the
-micro-batch's key and the values' shapes and dtypes, then the values (float64 holds fp32/bf16/fp16
-and integers below 2^53 exactly; gradients flow through the float parts). The header marks which
+Between stages the boundary travels as one 1-D float tensor (:func:`pack`): a header with the
+micro-batch's key and the values' shapes and dtypes, then the values. Its dtype is float32 when that
+holds every number exactly (values of fp32/bf16/fp16/bool/int8/uint8/int16, header entries below
+2^24: a fp32 activation then travels as itself, no conversion, half float64's bytes), else float64
+(which holds integers below 2^53 exactly); gradients flow through the float parts. The header marks which
 values carry a gradient (computed from some stage's weights: a hidden state, not a mask or positions
 built from the inputs); the receiver detaches the others, so their gradient is zero on every later
 stage, and :func:`gradient_parts` names the marked ones (what a synthetic-gradient module predicts).
@@ -50,6 +52,9 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
            torch.int8, torch.uint8, torch.bool)  # fmt: skip
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
 _GRAD = 64  # added to a value's dtype code in the header: the value carries a gradient
+# dtypes whose every value float32 holds exactly; a header entry must be below 2^24 (float32's 24-bit significand)
+_EXACT32 = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.bool, torch.int8, torch.uint8, torch.int16})
+_LIMIT32 = float(1 << 24)
 
 
 def tensor_leaves(tree: Any) -> tuple[list[Any], Any]:
@@ -70,8 +75,10 @@ def record_calls(network: nn.Module, call: Callable[[], Any]) -> tuple[list[str]
 
 
 def pack(key: int, values: Sequence[Tensor]) -> Tensor:
-    """One float64 vector ``[header length, key, #values, (dtype, ndim, *shape)..., values...]`` (the values' float
-    parts keep their autograd history). ``key`` names the micro-batch, whose network call each stage holds.
+    """One float vector ``[header length, key, #values, (dtype, ndim, *shape)..., values...]`` (the values' float
+    parts keep their autograd history). ``key`` names the micro-batch, whose network call each stage holds. The
+    vector is float32 when every value's dtype and every header entry (``|x| < 2^24``) is exact in float32, else
+    float64: each value arrives bit-identical either way.
 
     A float value's dtype code carries ``+_GRAD`` when it carries a gradient: it requires grad, or grad mode is off
     (a forward without a graph, e.g. features replay's first one, cannot tell, so it marks every float value)."""
@@ -84,8 +91,10 @@ def pack(key: int, values: Sequence[Tensor]) -> Tensor:
         head += [float(_CODE[v.dtype] + (_GRAD if grad else 0)), float(v.ndim), *map(float, v.shape)]
     head[0] = float(len(head))
     device = values[0].device if values else torch.device("cpu")
-    parts = [torch.tensor(head, dtype=torch.float64, device=device)]
-    parts += [v.reshape(-1).to(torch.float64) for v in values]
+    exact32 = all(v.dtype in _EXACT32 for v in values) and all(abs(x) < _LIMIT32 for x in head)
+    dtype = torch.float32 if exact32 else torch.float64
+    parts = [torch.tensor(head, dtype=dtype, device=device)]
+    parts += [v.reshape(-1).to(dtype) for v in values]
     return torch.cat(parts)
 
 
@@ -129,6 +138,25 @@ class StageRefused(ValueError):
     """A cut this machinery cannot run (named split point, reason)."""
 
 
+_LEAVES = (int, float, bool, str, complex, type(None), slice, type(Ellipsis), torch.dtype, torch.layout, torch.memory_format)
+
+
+def _plain(values: Any) -> bool:
+    """Whether ``values`` (an op's positional arguments or keyword values) are all real tensors, non-meta devices or
+    plain scalars: no meta tensor or device, no container that could hold one (pytree nodes of any kind). The mode's
+    one check before it flattens anything; most ops after the split point pass it."""
+    for v in values:
+        if isinstance(v, Tensor):
+            if v.is_meta:
+                return False
+        elif isinstance(v, torch.device):
+            if v.type == "meta":
+                return False
+        elif not isinstance(v, _LEAVES):
+            return False
+    return True
+
+
 class _StageMode(TorchFunctionMode):
     """Every torch function call of a stage's forward: a received boundary stands in for its meta twin.
 
@@ -145,6 +173,8 @@ class _StageMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if _plain(args) and _plain(kwargs.values()):  # no meta tensor or device, nothing nested: nothing to replace
+            return func(*args, **kwargs)
         flat, spec = tree_flatten((args, kwargs))
         if any(isinstance(t, torch.device) and t.type == "meta" for t in flat):
             # a device read off a meta activation (torch.ones(..., device=h.device), mask.to(h.device)): only the

@@ -312,3 +312,38 @@ def test_a_stale_recording_is_thrown_away_and_the_forward_runs_unskipped():
         torch.testing.assert_close(out, net(other), atol=1e-6, rtol=0)
     sig = last.signatures
     assert (sig.recorded, sig.replayed, sig.failed) == (1, 1, 1)  # the signature is never replayed again
+
+
+def test_a_boundary_packs_as_float32_when_exact_and_every_value_arrives_bit_identical():
+    """``pack``'s vector is float32 when float32 holds every value and header entry exactly (an fp32 activation then
+    travels as itself), float64 otherwise (int64 positions, a key of 2^24); either way ``unpack`` returns each value
+    bit-identical in its own dtype, and the gradient reaches the float values unchanged."""
+    from lightning_pdist.pipeline.ownership import gradient_parts, pack, unpack
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 3, 4, generator=g).requires_grad_()
+    mask = torch.rand(2, 1, 4, generator=g) > 0.5
+    cases = [([h, mask, h.detach().half(), h.detach().bfloat16(), torch.tensor([-32768, 7, 32767], dtype=torch.int16)], 5,
+              torch.float32),  # fmt: skip
+             ([h, mask, torch.arange(3) + 2**40], 5, torch.float64), ([h, mask], 1 << 24, torch.float64)]
+    for values, key, dtype in cases:
+        packed = pack(key, values)
+        assert packed.dtype == dtype
+        got_key, got = unpack(packed)
+        assert got_key == key and [v.dtype for v in got] == [v.dtype for v in values]
+        assert all(torch.equal(a, b) for a, b in zip(got, values))
+        assert [shape for _, shape in gradient_parts(packed)] == [(2, 3, 4)]
+        h.grad = None
+        (got[0] * torch.arange(24.0).view(2, 3, 4)).sum().backward()
+        assert torch.equal(h.grad, torch.arange(24.0).view(2, 3, 4))
+
+
+def test_the_stage_mode_flattens_only_ops_that_may_carry_a_meta_tensor():
+    """The mode's check before any pytree flatten: real tensors, non-meta devices and scalars pass straight to the op;
+    a meta tensor or device, or any container (which could hold one), takes the full path."""
+    from lightning_pdist.pipeline.ownership import _plain
+
+    real, meta = torch.ones(2), torch.ones(2, device="meta")
+    assert _plain((real, 1, 2.0, None, torch.float32, torch.device("cpu"), slice(0, 1)))
+    for bad in ((meta,), (real, [real]), ((real,),), ({"a": real},), (torch.device("meta"),)):
+        assert not _plain(bad)
