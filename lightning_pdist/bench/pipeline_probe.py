@@ -4,7 +4,7 @@
 --stages 4 --engines ours_1f1b torch_1f1b --steps 20 --rounds 5`` then ``python -m lightning_pdist.bench.pipeline_probe
 DIR`` prints, per engine and rank over every timed step of every round: the median step and receive wait; the mean
 per step of the process's CPU seconds (``getrusage``: user + sys, every thread), the main thread's, the rest (gloo's
-threads), voluntary / involuntary context switches, the thread count; the main thread's CPU inside the transport's
+threads), voluntary / involuntary context switches, the thread count, minor page faults; the main thread's CPU inside the transport's
 calls (ours: ``P2P.send/recv/release/post``; torch: ``_batch_p2p``/``_wait_batch_p2p``, which post and wait its
 ``isend``/``irecv``) and outside them; and per call of each probed function its count per step, main-thread CPU and
 wall microseconds (ours also ``P2P._frame``/``_parse`` and the ``torch.distributed`` calls inside, nested: not in the
@@ -26,14 +26,14 @@ def summary(directory: Path) -> str:
         _, schedule, engine, rank, *_ = path.stem.split("_")
         runs[(f"{engine} {schedule}", int(rank))].append(json.loads(path.read_text()))
     out = ["engine rank rounds | median step ms | median wait ms | CPU ms/step: process, main thread, other threads | "
-           "vcsw/step ivcsw/step threads | main-thread CPU ms/step in transport calls, outside them"]  # fmt: skip
+           "vcsw/step ivcsw/step threads minor-faults/step | main-thread CPU ms/step in transport calls, outside them"]  # fmt: skip
     sums: dict[str, list[float]] = collections.defaultdict(lambda: [0.0] * 5)
     for (engine, rank), files in sorted(runs.items()):
         rows = [r for f in files for r in f["rows"]]
         mean = [sum(r[i] for r in rows) / len(rows) for i in range(len(rows[0]))]
         med = [statistics.median(r[i] for r in rows) for i in (0, 1)]
         out.append(f"{engine} {rank} {len(files)} | {med[0] * 1e3:.2f} | {med[1] * 1e3:.2f} | {mean[2] * 1e3:.2f}, "
-                   f"{mean[3] * 1e3:.2f}, {(mean[2] - mean[3]) * 1e3:.2f} | {mean[4]:.1f} {mean[5]:.1f} {rows[-1][6]} | "
+                   f"{mean[3] * 1e3:.2f}, {(mean[2] - mean[3]) * 1e3:.2f} | {mean[4]:.1f} {mean[5]:.1f} {rows[-1][6]} {mean[9] if len(mean) > 9 else float('nan'):.1f} | "
                    f"{mean[7] * 1e3:.2f}, {(mean[3] - mean[7]) * 1e3:.2f}")  # fmt: skip
         s = sums[engine]
         for i, v in enumerate((mean[2], mean[3], mean[7], mean[4], mean[5])):

@@ -152,12 +152,13 @@ def rss_status() -> dict[str, int]:
 
 
 def _usage() -> tuple[float, ...]:
-    """(process CPU s, main thread CPU s, voluntary, involuntary context switches of the process, threads)."""
+    """(process CPU s, main thread CPU s, voluntary, involuntary context switches of the process, threads, minor
+    page faults of the process)."""
     import resource
 
     me, main = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_THREAD)
     threads = len(os.listdir("/proc/self/task"))
-    return (me.ru_utime + me.ru_stime, main.ru_utime + main.ru_stime, me.ru_nvcsw, me.ru_nivcsw, threads)
+    return (me.ru_utime + me.ru_stime, main.ru_utime + main.ru_stime, me.ru_nvcsw, me.ru_nivcsw, threads, me.ru_minflt)
 
 
 def _timed_loop(step: Callable[[int], None], spec: dict[str, Any], counters: Callable[[], tuple[float, int]],
@@ -232,11 +233,13 @@ def _probed_loop(step: Callable[[int], None], spec: dict[str, Any], counters: Ca
         c0, u0, (wait0, _), t0 = list(_COMM), _usage(), counters(), time.perf_counter()
         step(i)
         t1, (wait1, _), u1 = time.perf_counter(), counters(), _usage()
-        rows.append([t1 - t0, wait1 - wait0, *(b - a for a, b in zip(u0[:4], u1[:4])), u1[4], _COMM[0] - c0[0], _COMM[1] - c0[1]])
+        rows.append([t1 - t0, wait1 - wait0, *(b - a for a, b in zip(u0[:4], u1[:4])), u1[4], _COMM[0] - c0[0], _COMM[1] - c0[1],
+                     u1[5] - u0[5]])
     rank = dist.get_rank()
     out.mkdir(parents=True, exist_ok=True)
     (out / f"probe_{tag}_{rank}_{os.getpid()}_{time.time_ns()}.json").write_text(json.dumps(
-        {"cols": ["wall_s", "wait_s", "cpu_s", "main_cpu_s", "vcsw", "ivcsw", "threads", "comm_cpu_s", "comm_wall_s"], "rows": rows, "by_name": _BY_NAME}))
+        {"cols": ["wall_s", "wait_s", "cpu_s", "main_cpu_s", "vcsw", "ivcsw", "threads", "comm_cpu_s", "comm_wall_s",
+                 "minflt"], "rows": rows, "by_name": _BY_NAME}))
     step_s = [r[0] for r in rows]
     return {"step_s": step_s, "wait_s": [r[1] for r in rows], "bytes": [0] * len(rows), "loop_s": sum(step_s)}
 
