@@ -227,12 +227,14 @@ def _probed_loop(step: Callable[[int], None], spec: dict[str, Any], counters: Ca
     for i in range(spec["warmup_steps"]):
         step(i)
     dist.barrier()
-    rows = []
+    rows, sent = [], []
     _BY_NAME.clear()
+    t_loop = time.perf_counter()
     for i in range(spec["warmup_steps"], spec["warmup_steps"] + spec["steps"]):
-        c0, u0, (wait0, _), t0 = list(_COMM), _usage(), counters(), time.perf_counter()
+        c0, u0, (wait0, bytes0), t0 = list(_COMM), _usage(), counters(), time.perf_counter()
         step(i)
-        t1, (wait1, _), u1 = time.perf_counter(), counters(), _usage()
+        t1, (wait1, bytes1), u1 = time.perf_counter(), counters(), _usage()
+        sent.append(bytes1 - bytes0)
         rows.append([t1 - t0, wait1 - wait0, *(b - a for a, b in zip(u0[:4], u1[:4])), u1[4], _COMM[0] - c0[0], _COMM[1] - c0[1],
                      u1[5] - u0[5]])
     rank = dist.get_rank()
@@ -240,8 +242,8 @@ def _probed_loop(step: Callable[[int], None], spec: dict[str, Any], counters: Ca
     (out / f"probe_{tag}_{rank}_{os.getpid()}_{time.time_ns()}.json").write_text(json.dumps(
         {"cols": ["wall_s", "wait_s", "cpu_s", "main_cpu_s", "vcsw", "ivcsw", "threads", "comm_cpu_s", "comm_wall_s",
                  "minflt"], "rows": rows, "by_name": _BY_NAME}))
-    step_s = [r[0] for r in rows]
-    return {"step_s": step_s, "wait_s": [r[1] for r in rows], "bytes": [0] * len(rows), "loop_s": sum(step_s)}
+    loop_s = time.perf_counter() - t_loop
+    return {"step_s": [r[0] for r in rows], "wait_s": [r[1] for r in rows], "bytes": sent, "loop_s": loop_s}
 
 
 def run_ours(spec: dict[str, Any], case: dict[str, Any], rank: int) -> dict[str, Any]:
