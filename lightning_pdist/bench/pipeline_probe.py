@@ -13,10 +13,10 @@ per-step sum).
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import statistics
-import sys
 from pathlib import Path
 
 
@@ -55,5 +55,16 @@ def summary(directory: Path) -> str:
     return "\n".join(out)
 
 
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_pdist.bench.pipeline_probe", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("directory", type=Path, help="the PDIST_PROBE directory the pipeline bench's workers wrote")
+    args = parser.parse_args(argv)
+    if not any(args.directory.glob("probe_*.json")):
+        parser.error(f"directory={str(args.directory)!r}: no probe_*.json in it (run the bench with PDIST_PROBE set)")
+    print(summary(args.directory))
+    return 0
+
+
 if __name__ == "__main__":
-    print(summary(Path(sys.argv[1])))
+    raise SystemExit(main())
