@@ -151,9 +151,28 @@ def rss_status() -> dict[str, int]:
 # -- engines --------------------------------------------------------------------------------------------
 
 
-def _timed_loop(step: Callable[[int], None], spec: dict[str, Any], counters: Callable[[], tuple[float, int]]) -> dict[str, Any]:
-    """Run ``warmup_steps`` untimed and ``steps`` timed steps between barriers; per-step seconds, wait and bytes."""
+def _usage() -> tuple[float, ...]:
+    """(process CPU s, main thread CPU s, voluntary, involuntary context switches of the process, threads, minor
+    page faults of the process)."""
+    import resource
+
+    me, main = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_THREAD)
+    threads = len(os.listdir("/proc/self/task"))
+    return (me.ru_utime + me.ru_stime, main.ru_utime + main.ru_stime, me.ru_nvcsw, me.ru_nivcsw, threads, me.ru_minflt)
+
+
+def _timed_loop(step: Callable[[int], None], spec: dict[str, Any], counters: Callable[[], tuple[float, int]],
+                tag: str = "") -> dict[str, Any]:
+    """Run ``warmup_steps`` untimed and ``steps`` timed steps between barriers; per-step seconds, wait and bytes.
+
+    With ``PDIST_PROBE=DIR`` in the environment, per step also the process's and the main thread's CPU seconds,
+    context switches and thread count (``getrusage``), written to ``DIR/probe_<tag>_<rank>.json`` (a diagnosis aid;
+    never in a results file)."""
     import torch.distributed as dist
+
+    probe = os.environ.get("PDIST_PROBE")
+    if probe:
+        return _probed_loop(step, spec, counters, tag, Path(probe))
 
     for i in range(spec["warmup_steps"]):
         step(i)
@@ -169,6 +188,62 @@ def _timed_loop(step: Callable[[int], None], spec: dict[str, Any], counters: Cal
         sent.append(bytes1 - bytes0)
     loop_s = time.perf_counter() - t_loop
     return {"step_s": step_s, "wait_s": wait_s, "bytes": sent, "loop_s": loop_s}
+
+
+_COMM = [0.0, 0.0]  # under PDIST_PROBE: main-thread CPU seconds and wall seconds inside the transport's calls
+_BY_NAME: dict[str, list[float]] = {}  # name -> [calls, main-thread CPU s, wall s], over the whole process
+
+
+def _probe_comm(owner: Any, names: tuple[str, ...], prefix: str = "", total: bool = True) -> None:
+    """Under ``PDIST_PROBE``: count the main thread's CPU and wall time inside ``owner.<name>`` calls (``total``:
+    into the per-step sum too; calls nested in counted ones pass ``False``)."""
+    if not os.environ.get("PDIST_PROBE"):
+        return
+    for name in names:
+        if hasattr(getattr(owner, name), "_probed"):  # a module's function, wrapped in an earlier round
+            continue
+
+        def timed(*args: Any, _f: Any = getattr(owner, name), _name: str = prefix + name, **kwargs: Any) -> Any:
+            c0, t0 = time.thread_time(), time.perf_counter()
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
+                if total:
+                    _COMM[0] += cpu
+                    _COMM[1] += wall
+                row = _BY_NAME.setdefault(_name, [0, 0.0, 0.0])
+                row[0], row[1], row[2] = row[0] + 1, row[1] + cpu, row[2] + wall
+        timed._probed = True  # type: ignore[attr-defined]
+        setattr(owner, name, timed)
+
+
+def _probed_loop(step: Callable[[int], None], spec: dict[str, Any], counters: Callable[[], tuple[float, int]], tag: str,
+                 out: Path) -> dict[str, Any]:
+    import json
+
+    import torch.distributed as dist
+
+    for i in range(spec["warmup_steps"]):
+        step(i)
+    dist.barrier()
+    rows, sent = [], []
+    _BY_NAME.clear()
+    t_loop = time.perf_counter()
+    for i in range(spec["warmup_steps"], spec["warmup_steps"] + spec["steps"]):
+        c0, u0, (wait0, bytes0), t0 = list(_COMM), _usage(), counters(), time.perf_counter()
+        step(i)
+        t1, (wait1, bytes1), u1 = time.perf_counter(), counters(), _usage()
+        sent.append(bytes1 - bytes0)
+        rows.append([t1 - t0, wait1 - wait0, *(b - a for a, b in zip(u0[:4], u1[:4])), u1[4], _COMM[0] - c0[0], _COMM[1] - c0[1],
+                     u1[5] - u0[5]])
+    rank = dist.get_rank()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"probe_{tag}_{rank}_{os.getpid()}_{time.time_ns()}.json").write_text(json.dumps(
+        {"cols": ["wall_s", "wait_s", "cpu_s", "main_cpu_s", "vcsw", "ivcsw", "threads", "comm_cpu_s", "comm_wall_s",
+                 "minflt"], "rows": rows, "by_name": _BY_NAME}))
+    loop_s = time.perf_counter() - t_loop
+    return {"step_s": [r[0] for r in rows], "wait_s": [r[1] for r in rows], "bytes": sent, "loop_s": loop_s}
 
 
 def run_ours(spec: dict[str, Any], case: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -189,6 +264,16 @@ def run_ours(spec: dict[str, Any], case: dict[str, Any], rank: int) -> dict[str,
     optimizer = torch.optim.SGD(stage.parameters(), lr=spec["lr"])
     meter = CommMeter()
     p2p = P2P(None, meter=meter, post_ahead=bool(case.get("post_ahead")))  # the strategy's default: off
+    _probe_comm(p2p, ("send", "recv", "release", "post"))
+    _probe_comm(p2p, ("_frame", "_parse"), total=False)
+    if os.environ.get("PDIST_PROBE"):  # the transport's own torch.distributed calls, through a proxy of the module
+        import types
+
+        import lightning_pdist.pipeline.p2p as p2p_module
+
+        proxy = types.SimpleNamespace(**{k: getattr(dist, k) for k in ("isend", "irecv", "recv", "ProcessGroup", "Work")})
+        _probe_comm(proxy, ("isend", "irecv", "recv"), prefix="dist.", total=False)
+        p2p_module.dist = proxy
 
     def chunk(j: int, i: int) -> Any:
         return data[(j // m) % len(data)][i].tensor_split(m)[j % m]
@@ -203,7 +288,7 @@ def run_ours(spec: dict[str, Any], case: dict[str, Any], rank: int) -> dict[str,
         executor.admit(m)
         executor.run()
 
-    result = _timed_loop(step, spec, lambda: (p2p.wait_s, meter.total_bytes))
+    result = _timed_loop(step, spec, lambda: (p2p.wait_s, meter.total_bytes), tag=case["schedule"] + "_ours")
     executor.run(draining=True)
     dist.barrier()
     return {**result, "max_versions": executor.max_versions, "post_ahead": p2p.post_ahead}
@@ -228,8 +313,10 @@ def torch_timed(stage: Any, params: Any, spec: dict[str, Any], schedule_name: st
     ``params`` after each batch, the batches of ``data`` in turn."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, schedules
     from torch.nn import functional as F
+
+    _probe_comm(schedules, ("_batch_p2p", "_wait_batch_p2p"))
 
     K = spec["num_stages"]
     optimizer = torch.optim.SGD(params, lr=spec["lr"])
@@ -250,7 +337,7 @@ def torch_timed(stage: Any, params: Any, spec: dict[str, Any], schedule_name: st
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    result = _timed_loop(step, spec, lambda: (0.0, 0))
+    result = _timed_loop(step, spec, lambda: (0.0, 0), tag=schedule_name + "_torch")
     dist.barrier()
     return {**result, "wait_s": None, "bytes": None}
 

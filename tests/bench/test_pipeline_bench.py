@@ -23,6 +23,7 @@ from lightning_pdist.bench.pipeline import (
     steady_bubble,
     throughput_rows,
 )
+from lightning_pdist.bench.pipeline_probe import summary as probe_summary
 from lightning_pdist.bench.pipeline_worker import HEADER_BYTES, check_spec
 from lightning_pdist.bench.report import check_rows
 from lightning_pdist.core.accounting import all_reduce_bytes
@@ -248,8 +249,10 @@ def test_a_failed_launch_gives_a_row_with_its_reason_and_no_figure():
 
 
 @pytest.mark.standalone
-def test_real_throughput_and_bubble_run_on_loopback(tmp_path):
-    """Every engine on 2 real ranks: ours' bytes are exactly its messages, versions its depth, failures honest."""
+def test_real_throughput_and_bubble_run_on_loopback(tmp_path, monkeypatch):
+    """Every engine on 2 real ranks: ours' bytes are exactly its messages, versions its depth, failures honest; the
+    per-step probe (``PDIST_PROBE``) leaves the rows as they are and counts both engines' transport calls."""
+    monkeypatch.setenv("PDIST_PROBE", str(tmp_path / "probe"))
     out = tmp_path / "out"
     argv = ["pipeline", "--out", str(out), "--parts", "throughput", "bubble", "--network", "loopback", "--stages", "2",
             *TINY, "--bubble-points", "2:2", "--bubble-width", "32"]  # fmt: skip
@@ -285,6 +288,14 @@ def test_real_throughput_and_bubble_run_on_loopback(tmp_path):
         # the bubble point is the throughput launch's own (K=2, m=2, width 32): its rows are reused, not launched again
         assert (row["bubble_measured"], row["median_step_s"]) == (by[("ours", row["schedule"])]["bubble_measured"],
                                                                   by[("ours", row["schedule"])]["median_step_s"])  # fmt: skip
+    probes = {}  # engine -> rank 0's probe of the 1f1b case (names: probe_<schedule>_<engine>_<rank>_...)
+    for path in (tmp_path / "probe").glob("probe_1f1b_*_0_*.json"):
+        probes[path.name.split("_")[2]] = json.loads(path.read_text())
+    for engine, calls in (("ours", {"send", "recv", "_frame", "_parse", "dist.isend", "dist.recv"}),
+                          ("torch", {"_batch_p2p", "_wait_batch_p2p"})):  # fmt: skip
+        rows = probes[engine]["rows"]  # per timed step: wall, wait, CPU, main-thread CPU, switches, threads, ...
+        assert rows and calls <= set(probes[engine]["by_name"]) and all(r[2] > 0 and r[6] >= 2 for r in rows)
+    assert "sum over ranks, ours 1f1b" in probe_summary(tmp_path / "probe")
 
 
 @pytest.mark.standalone
