@@ -171,22 +171,28 @@ def _timed_loop(step: Callable[[int], None], spec: dict[str, Any], counters: Cal
     import torch.distributed as dist
 
     probe = os.environ.get("PDIST_PROBE")
-    if probe:
-        return _probed_loop(step, spec, counters, tag, Path(probe))
-
     for i in range(spec["warmup_steps"]):
         step(i)
     dist.barrier()
-    step_s, wait_s, sent = [], [], []
+    step_s, wait_s, sent, rows = [], [], [], []
+    _BY_NAME.clear()
     t_loop = time.perf_counter()
     for i in range(spec["warmup_steps"], spec["warmup_steps"] + spec["steps"]):
+        if probe:
+            c0, u0 = list(_COMM), _usage()
         wait0, bytes0, t0 = *counters(), time.perf_counter()
         step(i)
         wait1, bytes1 = counters()
         step_s.append(time.perf_counter() - t0)
         wait_s.append(wait1 - wait0)
         sent.append(bytes1 - bytes0)
+        if probe:
+            u1 = _usage()
+            rows.append([step_s[-1], wait_s[-1], *(b - a for a, b in zip(u0[:4], u1[:4])), u1[4], _COMM[0] - c0[0],
+                         _COMM[1] - c0[1], u1[5] - u0[5]])  # fmt: skip
     loop_s = time.perf_counter() - t_loop
+    if probe:
+        _write_probe(Path(probe), tag, dist.get_rank(), rows)
     return {"step_s": step_s, "wait_s": wait_s, "bytes": sent, "loop_s": loop_s}
 
 
@@ -218,32 +224,13 @@ def _probe_comm(owner: Any, names: tuple[str, ...], prefix: str = "", total: boo
         setattr(owner, name, timed)
 
 
-def _probed_loop(step: Callable[[int], None], spec: dict[str, Any], counters: Callable[[], tuple[float, int]], tag: str,
-                 out: Path) -> dict[str, Any]:
+def _write_probe(out: Path, tag: str, rank: int, rows: list[list[float]]) -> None:
     import json
 
-    import torch.distributed as dist
-
-    for i in range(spec["warmup_steps"]):
-        step(i)
-    dist.barrier()
-    rows, sent = [], []
-    _BY_NAME.clear()
-    t_loop = time.perf_counter()
-    for i in range(spec["warmup_steps"], spec["warmup_steps"] + spec["steps"]):
-        c0, u0, (wait0, bytes0), t0 = list(_COMM), _usage(), counters(), time.perf_counter()
-        step(i)
-        t1, (wait1, bytes1), u1 = time.perf_counter(), counters(), _usage()
-        sent.append(bytes1 - bytes0)
-        rows.append([t1 - t0, wait1 - wait0, *(b - a for a, b in zip(u0[:4], u1[:4])), u1[4], _COMM[0] - c0[0], _COMM[1] - c0[1],
-                     u1[5] - u0[5]])
-    rank = dist.get_rank()
     out.mkdir(parents=True, exist_ok=True)
     (out / f"probe_{tag}_{rank}_{os.getpid()}_{time.time_ns()}.json").write_text(json.dumps(
         {"cols": ["wall_s", "wait_s", "cpu_s", "main_cpu_s", "vcsw", "ivcsw", "threads", "comm_cpu_s", "comm_wall_s",
-                 "minflt"], "rows": rows, "by_name": _BY_NAME}))
-    loop_s = time.perf_counter() - t_loop
-    return {"step_s": [r[0] for r in rows], "wait_s": [r[1] for r in rows], "bytes": sent, "loop_s": loop_s}
+                 "minflt"], "rows": rows, "by_name": _BY_NAME}))  # fmt: skip
 
 
 def run_ours(spec: dict[str, Any], case: dict[str, Any], rank: int) -> dict[str, Any]:

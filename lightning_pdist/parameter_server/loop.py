@@ -101,7 +101,6 @@ class Connection:
     worker: int | None = None  # set by the handler (HELLO); the loop only names it in logs
     nonce: bytes | None = None  # the challenge sent; None once authenticated (or on a server without a secret)
     known: bool = False  # completed a request: no handshake deadline, not evicted at the connection limit
-    paced: bool = False  # the handler set the socket's send buffer (server._set_reply_buffer, reply_buffer_bytes)
     inbox: deque = field(default_factory=deque)  # complete requests not yet handled (at most one)
     out: deque = field(default_factory=deque)  # memoryviews of reply bytes not yet sent
     pending: bool = False  # the handler holds the reply back (a waiting PULL/PUSHPULL)

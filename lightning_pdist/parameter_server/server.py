@@ -871,9 +871,8 @@ def _set_reply_buffer(conn: Connection, size: int | None) -> None:
     when bytes leave, not which. Measured (docs/benchmarks.md): 16 KiB was faster for chunked steps at 4 workers and
     slower at 8 on 2 shared cores (more refills of more sockets by single-threaded servers), so the default is ``None``.
     """
-    if size is not None and not conn.paced:
+    if size is not None:  # called once per connection: at its first HELLO
         try:
             conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
         except OSError:
             pass
-        conn.paced = True

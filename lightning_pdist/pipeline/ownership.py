@@ -248,30 +248,25 @@ class OwnedStage(nn.Module):
             raise RuntimeError(f"pipeline stage {self.stage}: no network call recorded for micro-batch {key}")
         else:
             boundary = values
-        try:
-            out = self._run(call, boundary)
-        except _StageDone as done:
-            return pack(key, done.values)
+        out = self._run(call, boundary)
+        if isinstance(out, _StageDone):
+            return pack(key, out.values)
         if self.stop == END:
             leaves, _ = tree_flatten(out)
             return pack(key, [t for t in leaves if isinstance(t, Tensor)])
         return out
 
     def _run(self, call: tuple[tuple, dict], boundary: list[Tensor] | None) -> Any:
-        """:func:`run_stage`, the earlier stages' modules replayed from the recording of this call's signature
-        (:mod:`.earlier`)."""
-        self.meta_ops = 0
+        """:func:`run_stage` (its :class:`_StageDone` returned, not raised), the earlier stages' modules replayed
+        from the recording of this call's signature (:mod:`.earlier`)."""
         if self.start is None:
-            return run_stage(self.net, self.invoke, call, self.start, self.stop, boundary)
+            return self._run_with(call, boundary, None)
         key, signatures = signature(self.net, call), self.signatures
         plan = signatures.get(key)
         if isinstance(plan, dict):
             rng = torch.get_rng_state()
             try:
                 out = self._run_with(call, boundary, Replay(self.net, plan))
-            except _StageDone:
-                signatures.replayed += 1
-                raise
             except (Stale, StageRefused):
                 torch.set_rng_state(rng)  # a refused replay may have drawn dropout masks after the split point
                 signatures.failed += 1
@@ -281,23 +276,18 @@ class OwnedStage(nn.Module):
                 signatures.replayed += 1
                 return out
         recorder = Recorder(self.net) if plan is Signatures else None  # never seen (None: its replay failed once)
-        done = False
-        try:
-            out = self._run_with(call, boundary, recorder)
-            done = True
-            return out
-        except _StageDone:
-            done = True
-            raise
-        finally:
-            if recorder is not None and done:
-                signatures.recorded += 1
-                signatures.keep(key, recorder.plan())
+        out = self._run_with(call, boundary, recorder)
+        if recorder is not None:
+            signatures.recorded += 1
+            signatures.keep(key, recorder.plan())
+        return out
 
     def _run_with(self, call: tuple[tuple, dict], boundary: list[Tensor] | None, earlier: Recorder | Replay | None) -> Any:
         counts = {"meta_ops": 0}
         try:
             return run_stage(self.net, self.invoke, call, self.start, self.stop, boundary, earlier, counts)
+        except _StageDone as done:
+            return done  # the forward reached its stop: the split point's inputs, this stage's normal end
         finally:
             self.meta_ops = counts["meta_ops"]  # ops this forward ran on meta before its split point
 
