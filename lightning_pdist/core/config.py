@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["OWNED_DDP_ARGS", "ConfigErrors", "is_int", "refuse_owned_ddp_args"]
+__all__ = ["OWNED_DDP_ARGS", "ConfigErrors", "OwnedDDPArguments", "is_int", "refuse_owned_ddp_args"]
 
 #: DDPStrategy arguments that configure gradient communication, which our strategies replace.
 OWNED_DDP_ARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
@@ -32,6 +32,21 @@ def refuse_owned_ddp_args(owner: str, kwargs: dict[str, Any], reason: str) -> No
             raise ValueError(f"{owner}({name}={kwargs[name]!r}): {reason}; {name} must be left unset")
     for name in OWNED_DDP_ARGS:
         kwargs.pop(name, None)
+
+
+class OwnedDDPArguments:
+    """Mixin of the Trainer strategies that own gradient communication, placed between a family's arguments class
+    and ``PdistStrategy``: it refuses a set :data:`OWNED_DDP_ARGS` argument (:func:`refuse_owned_ddp_args`, the reason
+    from :attr:`owned_reason`) and passes each to ``super().__init__`` as None, so LightningCLI does not offer them."""
+
+    #: The refusal's reason; ``{owner}`` is the class name.
+    owned_reason = "{owner} owns gradient communication"
+
+    def __init__(self, **kwargs: Any) -> None:
+        owner = type(self).__name__
+        refuse_owned_ddp_args(owner, kwargs, self.owned_reason.format(owner=owner))
+        super().__init__(ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None, model_averaging_period=None,
+                         **kwargs)
 
 
 class ConfigErrors:

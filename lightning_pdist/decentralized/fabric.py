@@ -28,7 +28,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -173,8 +172,4 @@ class DecentralizedFabricStrategy(PdistFabricStrategy):
 
     @override
     def load_rank_state(self, state: dict | None, objects: dict[str, Any], reason: str) -> None:
-        if state is None:
-            rank_zero_warn(f"{type(self).__name__}: {reason}; every rank resumes from the average of the ranks and "
-                           "rank 0's optimizer state")  # fmt: skip
-            return
-        self.load_replica_objects_state(state, objects)
+        self.load_replica_or_warn(state, objects, reason, resumes_from="the average of the ranks")
