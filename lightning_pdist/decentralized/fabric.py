@@ -37,14 +37,14 @@ from lightning_pdist.core.collectives import all_reduce_mean_
 from lightning_pdist.core.fabric import PdistFabricStrategy
 from lightning_pdist.core.flat import flatten, unflatten_into_
 from lightning_pdist.core.hooks import AllReduceState, periodic_allreduce_hook
-from lightning_pdist.decentralized.config import DecentralizedConfig, RankPlan
+from lightning_pdist.decentralized.config import DecentralizedConfig, GossipRecord, RankPlan
 from lightning_pdist.decentralized.gossip import NeighbourExchange
 from lightning_pdist.decentralized.topology import mix
 
 __all__ = ["DecentralizedFabricStrategy"]
 
 
-class DecentralizedFabricStrategy(PdistFabricStrategy):
+class DecentralizedFabricStrategy(GossipRecord, PdistFabricStrategy):
     """D-PSGD under Fabric: each ``optimizer.step()`` mixes the model with the neighbours' on a graph, then steps.
 
     Args:
@@ -153,17 +153,6 @@ class DecentralizedFabricStrategy(PdistFabricStrategy):
     @override
     def checkpoint_weights(self) -> Any:
         return self.consensus_weights()
-
-    @override
-    def pdist_state_dict(self) -> dict:
-        state = super().pdist_state_dict()
-        state.update(step=self.step, **self.config.checkpoint_fields(self.plan))
-        return state
-
-    @override
-    def load_pdist_state_dict(self, state: dict) -> None:
-        super().load_pdist_state_dict(state)
-        self.step = int(state.get("step", 0))
 
     @override
     def rank_state(self, objects: dict[str, Any]) -> dict | None:

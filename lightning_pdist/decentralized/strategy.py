@@ -44,14 +44,14 @@ from lightning_pdist.core.nonfinite import all_finite, culprit_ranks, one_hot_fl
 from lightning_pdist.core.guard import optimizer_grads
 from lightning_pdist.core.momentum import compensate_optimizers, implicit_momentum
 from lightning_pdist.core.strategy import PdistStrategy, register_variants
-from lightning_pdist.decentralized.config import DecentralizedConfig, RankPlan
+from lightning_pdist.decentralized.config import DecentralizedConfig, GossipRecord, RankPlan
 from lightning_pdist.decentralized.gossip import NeighbourExchange, PassiveServer, average_with, send_stop
 from lightning_pdist.decentralized.topology import mix, pick_partner
 
 __all__ = ["DecentralizedStrategy"]
 
 
-class DecentralizedStrategy(PdistStrategy):
+class DecentralizedStrategy(GossipRecord, PdistStrategy):
     """Decentralized SGD: D-PSGD (``mode="sync"``, ``"dpsgd"``) or AD-PSGD (``mode="async"``, ``"adpsgd"``).
 
     D-PSGD (Lian et al. 2017, Algorithm 1): ``x_i(t+1) = Σ_j W_ij x_j(t) − γ ∇F_i(x_i(t))`` for SGD (any optimizer
@@ -348,14 +348,7 @@ class DecentralizedStrategy(PdistStrategy):
 
     @override
     def pdist_state_dict(self) -> dict:
-        state = super().pdist_state_dict()
-        state.update(step=self.step, mode=self.mode, **self.config.checkpoint_fields(self.plan))
-        return state
-
-    @override
-    def load_pdist_state_dict(self, state: dict) -> None:
-        super().load_pdist_state_dict(state)
-        self.step = int(state.get("step", 0))
+        return super().pdist_state_dict() | {"mode": self.mode}  # with GossipRecord's step and topology
 
     @override
     def pdist_rank_state(self) -> dict | None:
