@@ -312,7 +312,8 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
     # ------------------------------------------------------------------ setup
     @override
     def load_resumed_state(self) -> None:
-        self._loaded_pdist_state, self._loaded_rank_state = None, (None, "")  # setup_algorithm loaded it (the servers)
+        """Nothing left to load: :meth:`setup_algorithm` loaded the checkpoint's state, where the servers exist."""
+        self._loaded_pdist_state, self._loaded_rank_state = None, (None, "")
 
     @override
     def setup_algorithm(self) -> None:
