@@ -295,6 +295,7 @@ class ShardingPlan:
         return self._merged_ranges(server, "byte_ranges", self._byte_range)
 
     def _byte_range(self, piece: ParamSlice) -> tuple[int, int]:
+        """``piece``'s ``[start, stop)`` in the flat byte buffer."""
         _, byte0 = self._byte_offsets[piece.name]
         size = self._element_size[piece.name]
         return byte0 + piece.start * size, byte0 + piece.stop * size
@@ -302,8 +303,8 @@ class ShardingPlan:
     def _merged_ranges(
         self, server: int, caller: str, bounds: Callable[[ParamSlice], tuple[int, int]]
     ) -> tuple[tuple[int, int], ...]:
-        """``bounds(piece)`` of each piece ``server`` owns, in order, a piece that continues the last range's
-        transfer unit where it stopped merged into it."""
+        """``bounds(piece)`` of each piece ``server`` owns, in order; a piece of the previous piece's transfer unit
+        that starts where that range stops extends it."""
         self._check_server(server, caller)
         ranges: list[list[int]] = []
         last_part = None
