@@ -8,6 +8,7 @@
 """
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -160,3 +161,23 @@ def test_import_parser_sees_from_imports_of_submodules(tmp_path):
     f.write_text("import torch.distributed as dist\nfrom lightning.pytorch import Trainer\nfrom torch import distributed\n")
     assert _imports(f) == ["torch.distributed", "lightning.pytorch", "lightning.pytorch.Trainer", "torch",
                            "torch.distributed"]
+
+
+def _table_rows(text: str) -> dict[str, list[set[str]]]:
+    """docs/architecture.md's "What lives where" rows: folder -> [math, transport, wiring] file stems named there."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`") and cells[0].endswith("/`"):
+            rows[cells[0].strip("`/")] = [set(re.findall(r"`(\w+)\.py`", cell)) for cell in cells[1:]]
+    return rows
+
+
+def test_architecture_table_names_every_file_in_its_role():
+    """The table a reader learns the house from lists each module of core/ and of every family, in its role's column."""
+    rows = _table_rows((PACKAGE.parent / "docs" / "architecture.md").read_text())
+    assert sorted(rows) == sorted(("core", *FAMILIES))
+    for folder, (math, transport, wiring) in rows.items():
+        stems = {p.stem for p in (PACKAGE / folder).glob("*.py")} - {"__init__"}
+        by_role = {r: {s for s in stems if role(folder, s) == r} for r in ("math", "transport", "wiring")}
+        assert (math, transport, wiring) == (by_role["math"], by_role["transport"], by_role["wiring"]), folder

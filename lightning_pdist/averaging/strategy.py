@@ -57,8 +57,6 @@ from __future__ import annotations
 from abc import abstractmethod
 from typing import Any, Callable
 
-from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
@@ -71,14 +69,15 @@ from lightning_pdist.averaging.replicas import RuleShell
 from lightning_pdist.averaging.rules import AveragingRule
 from lightning_pdist.core.collectives import all_reduce_sum_
 from lightning_pdist.core.hooks import AllReduceState, periodic_allreduce_hook
+from lightning_pdist.core.consensus import ReplicaEvaluation, TrainingSteps
 from lightning_pdist.core.strategy import PdistStrategy
 from lightning_pdist.core.config import refuse_owned_ddp_args
-from lightning_pdist.core.guard import global_step, optimizer_grads
+from lightning_pdist.core.guard import global_step
 
 __all__ = ["ModelAveragingStrategy"]
 
 
-class ModelAveragingStrategy(RuleShell, PdistStrategy):
+class ModelAveragingStrategy(RuleShell, TrainingSteps, ReplicaEvaluation, PdistStrategy):
     """Base of the strategies whose ranks step locally and synchronize their models periodically.
 
     The rule (:mod:`lightning_pdist.averaging.rules`) holds the schedule, the update and its state; subclasses give
@@ -141,11 +140,7 @@ class ModelAveragingStrategy(RuleShell, PdistStrategy):
         through one all-reduce of ``world_size`` flags (counted as ``nonfinite_flag``)."""
         if self.averages_gradients(self.step + 1):
             return super().nonfinite_ranks(optimizer)
-        bad = not all_finite(optimizer_grads(optimizer))
-        rank, world_size = self.rank_world
-        flags = all_reduce_sum_(one_hot_flag(bad, rank, world_size, device=self.root_device), meter=self.comm_meter,
-                                kind="nonfinite_flag")  # fmt: skip
-        return culprit_ranks(flags) or None
+        return self.agreed_nonfinite_ranks(optimizer)
 
     def refuse_nonfinite(self, combined: Tensor, before: str) -> None:
         """Stop every rank when ``combined`` (the same on every rank) is not finite, naming the replicas that were not.
@@ -205,24 +200,6 @@ class ModelAveragingStrategy(RuleShell, PdistStrategy):
         self.rule.start(self, world_size)
         self.start_compression()
 
-    @override
-    def after_optimizer_step(self, optimizer: Optimizer) -> None:
-        if len(self.optimizers) > 1:
-            self._step_open = True  # the batch may step another optimizer yet: closed by _close_training_step
-            return
-        self._end_training_step()
-
-    def _close_training_step(self) -> None:
-        """With several optimizers: end the training step whose batch is over (collective on every rank)."""
-        if self._step_open:
-            self._step_open = False
-            self._end_training_step()
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._close_training_step()  # before the base keeps the buffers for skip_step (a synchronization changes them)
-        super().on_train_batch_start(batch, batch_idx)
-
     def _end_training_step(self) -> None:
         self.step += 1
         if self.averages_gradients(self.step):
@@ -244,96 +221,14 @@ class ModelAveragingStrategy(RuleShell, PdistStrategy):
             if nbytes:
                 self.comm_meter.add("buffer_broadcast", nbytes)
 
-    # evaluation during fit sees the consensus model
-    def _swap_in_consensus(self) -> None:
-        self._close_training_step()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING or self._finalized:
-            return
-        if self._evaluating_backup is not None:
-            return
+    @override
+    def finish_replicas(self) -> None:
         consensus = self.consensus()
-        self._evaluating_backup = self.local_vector()
+        self.refuse_nonfinite(consensus, before="every rank loads the consensus model")
         self.load_vector(consensus)
-
-    def _swap_out_consensus(self) -> None:
-        if self._evaluating_backup is not None:
-            self.load_vector(self._evaluating_backup)
-            self._evaluating_backup = None
-
-    @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        self._swap_in_consensus()
-
-    @override
-    def on_validation_end(self) -> None:
-        self._swap_out_consensus()
-        super().on_validation_end()
-
-    @override
-    def on_train_end(self) -> None:
-        super().on_train_end()
-        self._close_training_step()
-        if not self._finalized:
-            consensus = self.consensus()
-            self.refuse_nonfinite(consensus, before="every rank loads the consensus model")
-            self.load_vector(consensus)
-            self._finalized = True
 
     # ------------------------------------------------------------------ checkpoints
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        # Called on every rank by Trainer.save_checkpoint: the consensus goes into `state_dict`.
-        if self._finalized or self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
-            return super().lightning_module_state_dict()
-        if self._evaluating_backup is not None:  # a checkpoint taken during validation
-            return super().lightning_module_state_dict()
-        self._close_training_step()
-        consensus = self.consensus()
-        own = self.local_vector()
-        self.load_vector(consensus)
-        state = {k: v.detach().clone() for k, v in super().lightning_module_state_dict().items()}
-        self.load_vector(own)
-        return state
-
-    def _own_replica(self) -> dict:
-        module_state = self.lightning_module.state_dict()
-        if self._evaluating_backup is not None:  # the module holds the consensus right now
-            own = self.local_vector()
-            self.load_vector(self._evaluating_backup)
-            module_state = {k: v.detach().clone() for k, v in self.lightning_module.state_dict().items()}
-            self.load_vector(own)
-        return {
-            "model": {k: v.detach().cpu().clone() for k, v in module_state.items()},
-            "optimizer_states": [move_data_to_device(opt.state_dict(), "cpu") for opt in self.optimizers],
-        }
-
     @override
     def pdist_state_dict(self) -> dict:
         self._close_training_step()
         return super().pdist_state_dict()
-
-    @override
-    def pdist_rank_state(self) -> dict | None:
-        # After fit every rank holds the consensus: nothing of its own is left to keep.
-        if self._finalized:
-            return None
-        own = self._own_replica()
-        if self.compression_state is not None:
-            own["compression"] = self.compression_state.state_dict()  # this rank's residual
-        return own
-
-    @override
-    def load_pdist_rank_state(self, state: dict | None, reason: str = "") -> None:
-        self._pending_optimizer_states = None
-        if state is None:
-            rank_zero_warn(
-                f"{type(self).__name__}: {reason}; every rank resumes from the consensus model in state_dict and "
-                "rank 0's optimizer state."
-            )
-            return
-        self.lightning_module.load_state_dict(state["model"])
-        super().load_pdist_rank_state(state, reason)  # the compressor's state (PdistStrategy)
-        self._pending_optimizer_states = state["optimizer_states"]
-

@@ -11,7 +11,7 @@ its functions: ``--help`` imports every suite module.
 
 The harness is shared: :mod:`~lightning_pdist.bench.launch` (:class:`~lightning_pdist.bench.launch.SuiteRun`, the
 skeleton of every ``run_suite``; one :class:`~lightning_pdist.bench.launch.Launcher` for loopback and emulated links,
-whose ``run_each`` runs several specs in one launch, :func:`~lightning_pdist.bench.launch.emulated_network`, ``WorkerSpec`` and
+whose ``run_each`` runs several specs in one launch, :func:`~lightning_pdist.bench.launch.emulated_network`, ``WorkerSpec`` (``SGDSpec``: the SGD workers' shared fields) and
 ``worker_main`` and ``bench_trainer`` for the worker modules), :mod:`~lightning_pdist.bench.netns` (emulated networks
 and the one launcher, ``launch_ranks``), :mod:`~lightning_pdist.bench.cli` (the command line) and
 :mod:`~lightning_pdist.bench.report` (JSON, tables, docs sections, figures, ``--keep-from``). The harness is a guest: it may import any

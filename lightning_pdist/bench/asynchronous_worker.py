@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lightning_pdist.bench.launch import WorkerSpec, as_one_node, bench_trainer, worker_main
+from lightning_pdist.bench.launch import SGDSpec, as_one_node, bench_trainer, worker_main
 from lightning_pdist.bench.worker import evaluate
 
 #: method -> what it runs.
@@ -59,20 +59,13 @@ TEXT_REVIEWS = 1500
 
 
 @dataclass(frozen=True)
-class Spec(WorkerSpec):
+class Spec(SGDSpec):
     """One launch: ``method`` on ``world_size`` processes, one fit per entry of ``stragglers`` (the rank slowed, or
     ``None``), ``steps`` steps each."""
 
     WHO: ClassVar[str] = "asynchronous_worker"
     model: str
     method: str
-    world_size: int
-    steps: int
-    batch_size: int
-    lr: float
-    momentum: float
-    width: int
-    seed: int
     eval_every: int
     stragglers: list
     slowdown: float
@@ -85,9 +78,8 @@ class Spec(WorkerSpec):
         text_ok = isinstance(self.data_dir, str) and isinstance(self.head_lr, (int, float)) and self.head_lr > 0
         if (text_ok, self.data_dir is None and self.head_lr is None) != (self.model == "text", self.model == "cnn"):
             raise self.bad("data_dir", "the text model needs data_dir (str) and head_lr > 0; the cnn takes neither")
-        self.ints("world_size", "steps", "batch_size", "width", "eval_every")
-        self.ints("seed", low=0)
-        self.sgd()
+        super().__post_init__()
+        self.ints("eval_every")
         if (self.method == "single") != (self.world_size == 1):
             raise self.bad("world_size", "world_size must be 1 exactly for method 'single'")
         ok = lambda r: r is None or (isinstance(r, int) and not isinstance(r, bool) and 0 < r < self.world_size)  # noqa: E731

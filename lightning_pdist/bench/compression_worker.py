@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lightning_pdist.bench.launch import WorkerSpec, bench_trainer, worker_main
+from lightning_pdist.bench.launch import SGDSpec, bench_trainer, worker_main
 from lightning_pdist.bench.worker import param_digest, read_tx
 
 #: method -> what it runs (the suites' rows). ``local_only`` communicates nothing in the loop (one-shot averaging at
@@ -67,21 +67,14 @@ LM_CLIP = 1.0
 
 
 @dataclass(frozen=True)
-class Spec(WorkerSpec):
+class Spec(SGDSpec):
     """One launch of the compression suite: every method of ``methods`` on ``world_size`` ranks, in turn."""
 
     WHO: ClassVar[str] = "compression_worker"
     model: str
     methods: list
-    world_size: int
-    steps: int
-    batch_size: int
-    lr: float
-    momentum: float
-    width: int
     layers: int
     context: int
-    seed: int
     eval_every: int
     dgc_warmup_steps: int
 
@@ -89,9 +82,9 @@ class Spec(WorkerSpec):
         self.one_of("model", MODELS)
         if not self.methods or any(m not in METHODS for m in self.methods):
             raise self.bad("methods", f"each method must be one of {tuple(METHODS)}")
-        self.ints("world_size", "steps", "batch_size", "width", "layers", "context", "eval_every")
-        self.ints("seed", "dgc_warmup_steps", low=0)
-        self.sgd()
+        super().__post_init__()
+        self.ints("layers", "context", "eval_every")
+        self.ints("dgc_warmup_steps", low=0)
 
 
 check_spec = Spec.check

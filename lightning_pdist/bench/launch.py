@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 from lightning_pdist.bench.netns import LOOPBACK, EmulatedNetwork, LaunchError, Loopback, launch_ranks, measure_link_rate
 from lightning_pdist.bench.report import check_spec_keys, finish_suite, new_document, output_dir
 
-__all__ = ["Launched", "Launcher", "SuiteRun", "WorkerSpec", "as_one_node", "bench_trainer", "busy_cpu_s", "close_group", "emulated_network", "free_port", "free_ports", "own_cpu_s", "read_results",
+__all__ = ["Launched", "Launcher", "SGDSpec", "SuiteRun", "WorkerSpec", "as_one_node", "bench_trainer", "busy_cpu_s", "close_group", "emulated_network", "free_port", "free_ports", "own_cpu_s", "read_results",
            "worker_env", "worker_main"]  # fmt: skip
 
 LINK_PROBE_BYTES = 4 << 20
@@ -240,16 +240,35 @@ class WorkerSpec:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise self.bad(key, f"{key} must be an int >= {low}{why}")
 
-    def sgd(self) -> None:
-        """``lr`` > 0 and ``momentum`` in [0, 1) (the SGD of the digits workers)."""
-        if not self.lr > 0:  # type: ignore[attr-defined]
-            raise self.bad("lr", "lr must be > 0")
-        if not 0 <= self.momentum < 1:  # type: ignore[attr-defined]
-            raise self.bad("momentum", "momentum must be in [0, 1)")
-
     def one_of(self, key: str, allowed: Sequence[Any]) -> None:
         if getattr(self, key) not in allowed:
             raise self.bad(key, f"{key} must be one of {tuple(allowed)}")
+
+
+@dataclass(frozen=True)
+class SGDSpec(WorkerSpec):
+    """The fields of a worker that trains a ``width``-wide model from ``seed`` on ``world_size`` ranks, ``steps``
+    steps of SGD on ``batch_size`` samples per rank at ``lr`` with ``momentum``; a subclass's fields follow them.
+
+    Its ``__post_init__`` checks them (the subclass calls it after its own first checks): ints >= 1, ``seed``
+    >= 0, ``lr`` > 0 and ``momentum`` in [0, 1).
+    """
+
+    world_size: int
+    steps: int
+    batch_size: int
+    lr: float
+    momentum: float
+    width: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        self.ints("world_size", "steps", "batch_size", "width")
+        self.ints("seed", low=0)
+        if not self.lr > 0:
+            raise self.bad("lr", "lr must be > 0")
+        if not 0 <= self.momentum < 1:
+            raise self.bad("momentum", "momentum must be in [0, 1)")
 
 
 def worker_main(module: str, doc: str | None, check: Callable[[dict[str, Any]], Any], run: Callable[..., Any],

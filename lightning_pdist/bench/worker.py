@@ -34,26 +34,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lightning_pdist.bench.launch import WorkerSpec, bench_trainer, worker_main
+from lightning_pdist.bench.launch import SGDSpec, bench_trainer, worker_main
 
 STRATEGIES = ("pdist_ddp", "local_sgd", "bmuf", "easgd", "simuparallel_sgd")
 PERIODIC = ("local_sgd", "bmuf", "easgd")
 
 
 @dataclass(frozen=True)
-class Spec(WorkerSpec):
+class Spec(SGDSpec):
     """One run of the averaging suite: a strategy at a period, ``steps`` optimizer steps of ``batch_size`` per rank."""
 
     WHO: ClassVar[str] = "worker"
     strategy: str
     period: int | None
-    world_size: int
-    steps: int
-    batch_size: int
-    lr: float
-    momentum: float
-    width: int
-    seed: int
 
     def __post_init__(self) -> None:
         self.one_of("strategy", STRATEGIES)
@@ -63,9 +56,7 @@ class Spec(WorkerSpec):
             raise self.bad("period", "pdist_ddp communicates every step; period must be 1")
         if self.strategy == "simuparallel_sgd" and self.period is not None:
             raise self.bad("period", "simuparallel_sgd averages once; period must be None")
-        self.ints("world_size", "steps", "batch_size", "width")
-        self.ints("seed", low=0)
-        self.sgd()
+        super().__post_init__()
 
 
 check_spec = Spec.check

@@ -51,10 +51,8 @@ def all_reduce_mean_(
     kind: str = "all_reduce",
 ) -> Tensor:
     """Average ``tensor`` over the group in place."""
-    world_size = group_size(process_group)
     # Divide first, as PyTorch's allreduce_hook does, so low-precision sums cannot overflow.
-    tensor.div_(world_size)
-    return all_reduce_sum_(tensor, process_group, meter, kind)
+    return all_reduce_sum_(tensor.div_(group_size(process_group)), process_group, meter, kind)
 
 
 def broadcast_(

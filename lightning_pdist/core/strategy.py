@@ -52,7 +52,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pdist.core.nonfinite import culprit_ranks, grads_finite, one_hot_flag
+from lightning_pdist.core.nonfinite import all_finite, culprit_ranks, grads_finite, one_hot_flag
 from lightning_pdist.core.accounting import CommMeter
 from lightning_pdist.core.collectives import all_reduce_sum_, rank_world
 from lightning_pdist.core.compression import CompressionState, Compressor, refuse_compression
@@ -250,6 +250,15 @@ class PdistStrategy(DDPStrategy):
             all_reduce_sum_(flags)
         return culprit_ranks(flags) if noted else []
 
+    def agreed_nonfinite_ranks(self, optimizer: Optimizer) -> list[int] | None:
+        """:meth:`nonfinite_ranks` where each rank steps on its own gradients: agreed through one all-reduce of
+        ``world_size`` flags (counted as ``nonfinite_flag``), so every rank learns which ranks' were not finite."""
+        bad = not all_finite(optimizer_grads(optimizer))
+        rank, world_size = self.rank_world
+        flags = all_reduce_sum_(one_hot_flag(bad, rank, world_size, device=self.root_device), meter=self.comm_meter,
+                                kind="nonfinite_flag")
+        return culprit_ranks(flags) or None
+
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
@@ -365,14 +374,30 @@ class PdistStrategy(DDPStrategy):
             self._loaded_pdist_state = None  # validate/test/predict: the weights are all they need
             return
         self.setup_algorithm()
-        if self._loaded_pdist_state is not None:
-            self.load_pdist_state_dict(self._loaded_pdist_state)
-            self.load_pdist_rank_state(*rank_files.agree_on_rank_state(*self._loaded_rank_state, *self.rank_world))
-            self._loaded_pdist_state = None
-            self._loaded_rank_state = (None, "")
+        self.load_resumed_state()
+
+    @override
+    def configure_ddp(self) -> None:
+        """Wrap the model in DistributedDataParallel; nothing to wrap where the strategy never does
+        (``wraps_in_ddp = False``: gradients go to servers, through shared memory or the gossip, or stages exchange
+        activations)."""
+        if self.wraps_in_ddp:
+            super().configure_ddp()
 
     def setup_algorithm(self) -> None:
         """Create run-time algorithm state once the model is wrapped and optimizers exist."""
+
+    def load_resumed_state(self) -> None:
+        """After :meth:`setup_algorithm`, when ``fit`` resumes: the checkpoint's state, then this rank's own (or None on
+        every rank when any lacks its file: :meth:`agree_on_rank_state`)."""
+        if self._loaded_pdist_state is not None:
+            self.load_pdist_state_dict(self._loaded_pdist_state)
+            self.load_pdist_rank_state(*self.agree_on_rank_state(*self._loaded_rank_state))
+        self._loaded_pdist_state, self._loaded_rank_state = None, (None, "")
+
+    def agree_on_rank_state(self, own: dict | None, reason: str) -> tuple[dict | None, str]:
+        """This rank's loaded state, or None on every rank when any rank lacks its file (one collective)."""
+        return rank_files.agree_on_rank_state(own, reason, *self.rank_world)
 
     @property
     def rank_world(self) -> tuple[int, int]:

@@ -4,7 +4,7 @@ Nothing here downloads: ``DigitsDataModule`` uses the copy shipped with scikit-l
 the standard archives' files from ``data_dir``.
 """
 
-from lightning_pdist.data.base import PdistDataModule, UInt8ImageDataset
+from lightning_pdist.data.base import FileDataModule, PdistDataModule, UInt8ImageDataset
 from lightning_pdist.data.cifar10 import CIFAR10DataModule
 from lightning_pdist.data.digits import DigitsDataModule
 from lightning_pdist.data.imdb import IMDBDataModule
@@ -14,6 +14,7 @@ from lightning_pdist.data.sampling import RankBatchSampler, RankShardSampler, st
 __all__ = [
     "CIFAR10DataModule",
     "DigitsDataModule",
+    "FileDataModule",
     "IMDBDataModule",
     "MNISTDataModule",
     "PdistDataModule",

@@ -201,3 +201,37 @@ class PdistDataModule(LightningDataModule, ABC):
         """The test files where the dataset has them, else the validation split."""
         self._require_setup()
         return self._eval_loader(self.test_set)
+
+
+class FileDataModule(PdistDataModule):
+    """A data module read from the standard archive's files under ``data_dir``; nothing is downloaded.
+
+    Subclasses implement :meth:`find_files` (where the files are, or ``FileNotFoundError`` naming what is missing),
+    which :meth:`prepare_data` calls to fail early, and :meth:`load`. The other arguments are
+    :class:`PdistDataModule`'s, with a tenth of the training files held out for validation by default.
+
+    Args:
+        data_dir: the folder holding the dataset's files (each subclass says where in it it looks).
+    """
+
+    def __init__(
+        self,
+        data_dir: str = "data",
+        batch_size: int = 32,
+        num_workers: int = 0,
+        val_fraction: float = 0.1,
+        seed: int = 0,
+        train_subset: int | None = None,
+        rank_batch_sizes: list[int] | None = None,
+        steps_per_epoch: int | None = None,
+    ):
+        super().__init__(batch_size, num_workers, val_fraction, seed, train_subset, rank_batch_sizes, steps_per_epoch)
+        self.data_dir = data_dir
+
+    @abstractmethod
+    def find_files(self) -> Any:
+        """Where the dataset's files are under ``data_dir``; ``FileNotFoundError`` listing what is missing."""
+
+    def prepare_data(self) -> None:
+        """Fail early, on one process, when the files are missing."""
+        self.find_files()

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from lightning_pdist.data.base import PdistDataModule, UInt8ImageDataset
+from lightning_pdist.data.base import FileDataModule, UInt8ImageDataset
 
 CIFAR10_FOLDER = "cifar-10-batches-py"
 CIFAR10_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
@@ -55,48 +55,28 @@ def find_cifar10_dir(data_dir: str | Path) -> Path:
     )
 
 
-class CIFAR10DataModule(PdistDataModule):
+class CIFAR10DataModule(FileDataModule):
     """CIFAR-10 from ``data_dir/cifar-10-batches-py``: float32 ``(3, 32, 32)`` in ``[0, 1]``, 10 classes.
 
     The validation split is a seeded stratified ``val_fraction`` of the 50k training images;
     ``test_batch`` is the test set. No augmentation and no normalization: the data is for comparing
     distributed algorithms against each other, not for chasing accuracy.
 
+    The other arguments are :class:`~lightning_pdist.data.base.PdistDataModule`'s.
+
     Args:
         data_dir: folder holding ``cifar-10-batches-py`` (or the batch files themselves).
-        batch_size: see :class:`~lightning_pdist.data.base.PdistDataModule`, as are all the others.
-        num_workers: ``DataLoader`` worker processes.
-        val_fraction: share of each class of the training files held out for validation.
-        seed: seeds the split and the sampling.
-        train_subset: keep only this many training samples.
-        rank_batch_sizes: one training batch size per rank.
-        steps_per_epoch: training steps per epoch on every rank.
     """
 
     num_classes = 10
     input_shape = (3, 32, 32)
 
-    def __init__(
-        self,
-        data_dir: str = "data",
-        batch_size: int = 32,
-        num_workers: int = 0,
-        val_fraction: float = 0.1,
-        seed: int = 0,
-        train_subset: int | None = None,
-        rank_batch_sizes: list[int] | None = None,
-        steps_per_epoch: int | None = None,
-    ):
-        super().__init__(batch_size, num_workers, val_fraction, seed, train_subset, rank_batch_sizes, steps_per_epoch)
-        self.data_dir = data_dir
-
-    def prepare_data(self) -> None:
-        """Fail early, on one process, when the files are missing."""
-        find_cifar10_dir(self.data_dir)
+    def find_files(self) -> Path:
+        return find_cifar10_dir(self.data_dir)
 
     def load(self) -> tuple[Dataset, torch.Tensor, Dataset | None]:
         """The five training batches joined, and the test batch."""
-        folder = find_cifar10_dir(self.data_dir)
+        folder = self.find_files()
         train = [read_cifar_batch(folder / name) for name in CIFAR10_TRAIN_FILES]
         images = torch.from_numpy(np.concatenate([x for x, _ in train]))  # (50000, 3, 32, 32) uint8
         labels = torch.from_numpy(np.concatenate([y for _, y in train]))  # (50000,)

@@ -19,30 +19,11 @@ class DigitsDataModule(PdistDataModule):
     default for recipes, tests and benchmarks. There is no separate test set: ``test_dataloader`` serves
     the validation split.
 
-    Args:
-        batch_size: see :class:`~lightning_pdist.data.base.PdistDataModule`, as are all the others.
-        num_workers: ``DataLoader`` worker processes.
-        val_fraction: share of each class held out for validation.
-        seed: seeds the split and the sampling.
-        train_subset: keep only this many training samples.
-        rank_batch_sizes: one training batch size per rank.
-        steps_per_epoch: training steps per epoch on every rank.
+    The arguments are :class:`~lightning_pdist.data.base.PdistDataModule`'s.
     """
 
     num_classes = 10
     input_shape = (1, 8, 8)
-
-    def __init__(
-        self,
-        batch_size: int = 32,
-        num_workers: int = 0,
-        val_fraction: float = 0.2,
-        seed: int = 0,
-        train_subset: int | None = None,
-        rank_batch_sizes: list[int] | None = None,
-        steps_per_epoch: int | None = None,
-    ):
-        super().__init__(batch_size, num_workers, val_fraction, seed, train_subset, rank_batch_sizes, steps_per_epoch)
 
     def load(self) -> tuple[Dataset, torch.Tensor, Dataset | None]:
         """All 1797 digits as one dataset, and their labels; no test set."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from lightning_pdist.data.base import PdistDataModule
+from lightning_pdist.data.base import FileDataModule
 from lightning_pdist.data.imdb_synthetic import write_imdb_like
 from lightning_pdist.data.sampling import stratified_split
 
@@ -75,24 +75,18 @@ def find_imdb_dir(data_dir: str | Path) -> Path:
     )
 
 
-class IMDBDataModule(PdistDataModule):
+class IMDBDataModule(FileDataModule):
     """IMDB binary sentiment (neg 0, pos 1) as padded int64 token ids ``(max_len,)``.
 
     Reviews are tokenized by :func:`tokenize`; the vocabulary comes from the training split only (not the
     held-out validation share, nor the test files). The validation split is a seeded stratified
     ``val_fraction`` of ``aclImdb/train``; ``aclImdb/test`` is the test set. ``aclImdb/train/unsup`` is ignored.
+    The other arguments are :class:`~lightning_pdist.data.base.PdistDataModule`'s.
 
     Args:
         data_dir: folder holding ``aclImdb`` (or the ``aclImdb`` folder itself).
         vocab_size: vocabulary size including the padding (0) and unknown (1) ids.
         max_len: tokens kept per review; shorter reviews are padded with 0.
-        batch_size: see :class:`~lightning_pdist.data.base.PdistDataModule`, as are all the others.
-        num_workers: ``DataLoader`` worker processes.
-        val_fraction: share of each class of the training files held out for validation.
-        seed: seeds the split and the sampling.
-        train_subset: keep only this many training samples.
-        rank_batch_sizes: one training batch size per rank.
-        steps_per_epoch: training steps per epoch on every rank.
         synthetic_reviews_per_class: when ``data_dir`` holds no ``aclImdb`` folders, write this many synthetic
             reviews per class and split there first (:func:`~lightning_pdist.data.imdb_synthetic.write_imdb_like`);
             for offline runs and tests. ``None``: the real archive's files are required.
@@ -125,8 +119,10 @@ class IMDBDataModule(PdistDataModule):
             )
         if max_len < 1:
             raise ValueError(f"IMDBDataModule(max_len={max_len}): max_len must be >= 1")
-        super().__init__(batch_size, num_workers, val_fraction, seed, train_subset, rank_batch_sizes, steps_per_epoch)
-        self.data_dir, self.vocab_size, self.max_len = data_dir, vocab_size, max_len
+        super().__init__(
+            data_dir, batch_size, num_workers, val_fraction, seed, train_subset, rank_batch_sizes, steps_per_epoch
+        )
+        self.vocab_size, self.max_len = vocab_size, max_len
         self.synthetic_reviews_per_class = synthetic_reviews_per_class
         self.vocab: dict[str, int] | None = None
 
@@ -134,18 +130,21 @@ class IMDBDataModule(PdistDataModule):
     def input_shape(self) -> tuple[int, ...]:
         return (self.max_len,)
 
+    def find_files(self) -> Path:
+        return find_imdb_dir(self.data_dir)
+
     def prepare_data(self) -> None:
         """Fail early, on one process, when the folders are missing (or write synthetic reviews there, if asked)."""
         if self.synthetic_reviews_per_class is not None:
             try:
-                find_imdb_dir(self.data_dir)
+                self.find_files()
             except FileNotFoundError:
                 write_imdb_like(self.data_dir, self.synthetic_reviews_per_class, self.seed)
-        find_imdb_dir(self.data_dir)
+        super().prepare_data()
 
     def load(self) -> tuple[Dataset, torch.Tensor, Dataset | None]:
         """Token ids of the training and test reviews; builds :attr:`vocab` from the training split."""
-        root = find_imdb_dir(self.data_dir)
+        root = self.find_files()
         train_texts, train_labels = read_imdb_split(root / "train")
         test_texts, test_labels = read_imdb_split(root / "test")
         # The same split setup() makes next, so held-out reviews do not shape the vocabulary.

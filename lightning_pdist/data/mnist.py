@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from lightning_pdist.data.base import PdistDataModule, UInt8ImageDataset
+from lightning_pdist.data.base import FileDataModule, UInt8ImageDataset
 
 # IDX type codes (http://yann.lecun.com/exdb/mnist/, bottom of the page); data is big-endian.
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
@@ -72,48 +72,28 @@ def find_mnist_files(data_dir: str | Path) -> dict[str, Path]:
     return found
 
 
-class MNISTDataModule(PdistDataModule):
+class MNISTDataModule(FileDataModule):
     """MNIST from the four standard IDX files under ``data_dir``: float32 ``(1, 28, 28)`` in ``[0, 1]``.
 
     The validation split is a seeded stratified ``val_fraction`` of the 60k training images; the 10k
     ``t10k`` images are the test set. Files are looked up in ``data_dir``, ``data_dir/MNIST/raw``
     (torchvision's layout), ``data_dir/mnist``, ``data_dir/MNIST`` and ``data_dir/raw``.
 
+    The other arguments are :class:`~lightning_pdist.data.base.PdistDataModule`'s.
+
     Args:
         data_dir: folder holding the IDX files (or one of the subfolders above).
-        batch_size: see :class:`~lightning_pdist.data.base.PdistDataModule`, as are all the others.
-        num_workers: ``DataLoader`` worker processes.
-        val_fraction: share of each class of the training files held out for validation.
-        seed: seeds the split and the sampling.
-        train_subset: keep only this many training samples.
-        rank_batch_sizes: one training batch size per rank.
-        steps_per_epoch: training steps per epoch on every rank.
     """
 
     num_classes = 10
     input_shape = (1, 28, 28)
 
-    def __init__(
-        self,
-        data_dir: str = "data",
-        batch_size: int = 32,
-        num_workers: int = 0,
-        val_fraction: float = 0.1,
-        seed: int = 0,
-        train_subset: int | None = None,
-        rank_batch_sizes: list[int] | None = None,
-        steps_per_epoch: int | None = None,
-    ):
-        super().__init__(batch_size, num_workers, val_fraction, seed, train_subset, rank_batch_sizes, steps_per_epoch)
-        self.data_dir = data_dir
-
-    def prepare_data(self) -> None:
-        """Fail early, on one process, when the files are missing."""
-        find_mnist_files(self.data_dir)
+    def find_files(self) -> dict[str, Path]:
+        return find_mnist_files(self.data_dir)
 
     def load(self) -> tuple[Dataset, torch.Tensor, Dataset | None]:
         """The training images and labels, and the ``t10k`` test set."""
-        files = find_mnist_files(self.data_dir)
+        files = self.find_files()
         parts = []
         for split in ("train", "test"):
             images = torch.from_numpy(read_idx(files[f"{split}_images"]).copy())  # (N, 28, 28) uint8

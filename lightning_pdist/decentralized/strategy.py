@@ -30,19 +30,19 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pdist.core.collectives import all_reduce_mean_, all_reduce_sum_
+from lightning_pdist.core.collectives import all_reduce_mean_
 from lightning_pdist.core.config import refuse_owned_ddp_args
 from lightning_pdist.core.flat import flatten, unflatten_into_
-from lightning_pdist.core.nonfinite import all_finite, culprit_ranks, one_hot_flag
+from lightning_pdist.core.nonfinite import all_finite
 from lightning_pdist.core.guard import optimizer_grads
 from lightning_pdist.core.momentum import compensate_optimizers, implicit_momentum
+from lightning_pdist.core.consensus import ReplicaEvaluation
 from lightning_pdist.core.strategy import PdistStrategy, register_variants
 from lightning_pdist.decentralized.config import DecentralizedConfig, GossipRecord, RankPlan
 from lightning_pdist.decentralized.gossip import NeighbourExchange, PassiveServer, average_with, send_stop
@@ -51,7 +51,7 @@ from lightning_pdist.decentralized.topology import mix, pick_partner
 __all__ = ["DecentralizedStrategy"]
 
 
-class DecentralizedStrategy(GossipRecord, PdistStrategy):
+class DecentralizedStrategy(GossipRecord, ReplicaEvaluation, PdistStrategy):
     """Decentralized SGD: D-PSGD (``mode="sync"``, ``"dpsgd"``) or AD-PSGD (``mode="async"``, ``"adpsgd"``).
 
     D-PSGD (Lian et al. 2017, Algorithm 1): ``x_i(t+1) = Σ_j W_ij x_j(t) − γ ∇F_i(x_i(t))`` for SGD (any optimizer
@@ -80,6 +80,7 @@ class DecentralizedStrategy(GossipRecord, PdistStrategy):
     """
 
     strategy_name = "dpsgd"
+    consensus_name = "the average of the ranks"
     wraps_in_ddp = False  # no DistributedDataParallel: no find_unused_parameters variants
 
     def __init__(self, topology: Any = "ring", mode: str = "sync", implicit_momentum: str | None = None,
@@ -130,10 +131,6 @@ class DecentralizedStrategy(GossipRecord, PdistStrategy):
             self.config.check_world(self.num_nodes * len(devices))
 
     # ------------------------------------------------------------------ setup
-    @override
-    def configure_ddp(self) -> None:
-        """Nothing to wrap: each rank steps on its own gradients; models move in :meth:`wrap_step_closure`."""
-
     @override
     def setup_algorithm(self) -> None:
         rank, world_size = self.rank_world
@@ -258,13 +255,9 @@ class DecentralizedStrategy(GossipRecord, PdistStrategy):
     def nonfinite_ranks(self, optimizer: Optimizer) -> list[int] | None:
         """Sync: this rank's own gradients, agreed through one all-reduce of ``world_size`` flags (``nonfinite_flag``).
         Async: this rank's alone, no collective (a barrier per step would undo the asynchrony)."""
-        bad = not all_finite(optimizer_grads(optimizer))
-        rank, world_size = self.rank_world
         if self.mode == "async":
-            return [rank] if bad else None
-        flags = all_reduce_sum_(one_hot_flag(bad, rank, world_size, device=self.root_device), meter=self.comm_meter,
-                                kind="nonfinite_flag")  # fmt: skip
-        return culprit_ranks(flags) or None
+            return None if all_finite(optimizer_grads(optimizer)) else [self.rank_world[0]]
+        return self.agreed_nonfinite_ranks(optimizer)
 
     # ------------------------------------------------------------------ the average of all ranks
     def local_vector(self) -> Tensor:
@@ -296,87 +289,37 @@ class DecentralizedStrategy(GossipRecord, PdistStrategy):
             self.comm_meter.add("gossip_pair", self._server.take_sent())
             self._server = None
 
-    def _swap_in_consensus(self) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING or self._finalized or self.plan is None:
-            return
-        if self._evaluating_backup is not None:
-            return
-        consensus = self.consensus()
-        self._lock.acquire()  # a passive rank answers no pair average while it holds the consensus
-        self._evaluating_backup = self.local_vector()
-        self.load_vector(consensus)
-
-    def _swap_out_consensus(self) -> None:
-        if self._evaluating_backup is not None:
-            self.load_vector(self._evaluating_backup)
-            self._evaluating_backup = None
-            self._lock.release()
+    @override
+    def finish_replicas(self) -> None:
+        self._stop_gossip()
+        self.load_vector(self.consensus())
 
     @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        self._swap_in_consensus()
+    def replicas_ready(self) -> bool:
+        return self.plan is not None
 
     @override
-    def on_validation_end(self) -> None:
-        self._swap_out_consensus()
-        super().on_validation_end()
+    def hold_replica(self) -> None:
+        self._lock.acquire()  # a passive rank answers no pair average while it holds the average or a checkpoint reads
 
     @override
-    def on_train_end(self) -> None:
-        super().on_train_end()
-        if not self._finalized and self.plan is not None:
-            self._stop_gossip()
-            self.load_vector(self.consensus())
-            self._finalized = True
+    def release_replica(self) -> None:
+        self._lock.release()
 
     # ------------------------------------------------------------------ checkpoints
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        # Called on every rank by Trainer.save_checkpoint: `state_dict` holds the average of all ranks.
-        trainer = self.lightning_module.trainer
-        if self._finalized or self.plan is None or trainer.state.fn != TrainerFn.FITTING or self._evaluating_backup is not None:
-            return super().lightning_module_state_dict()
-        consensus = self.consensus()
-        with self._lock:
-            own = self.local_vector()
-            self.load_vector(consensus)
-            state = {k: v.detach().clone() for k, v in super().lightning_module_state_dict().items()}
-            self.load_vector(own)
-        return state
-
     @override
     def pdist_state_dict(self) -> dict:
         return super().pdist_state_dict() | {"mode": self.mode}  # with GossipRecord's step and topology
 
     @override
-    def pdist_rank_state(self) -> dict | None:
-        if self._finalized or self.plan is None:  # after fit every rank holds the average: nothing of its own
-            return None
-        with self._lock:
-            module_state = self.lightning_module.state_dict()
-            if self._evaluating_backup is not None:  # the module holds the average right now
-                held = self.local_vector()
-                self.load_vector(self._evaluating_backup)
-                module_state = {k: v.detach().clone() for k, v in self.lightning_module.state_dict().items()}
-                self.load_vector(held)
-            return {"model": {k: v.detach().cpu().clone() for k, v in module_state.items()},
-                    "optimizer_states": [move_data_to_device(opt.state_dict(), "cpu") for opt in self.optimizers],
-                    "rng": self._rng.getstate()}  # fmt: skip
+    def replica_state(self) -> dict:
+        return {**super().replica_state(), "rng": self._rng.getstate()}
 
     @override
-    def load_pdist_rank_state(self, state: dict | None, reason: str = "") -> None:
-        self._pending_optimizer_states = None
-        if state is None:
-            rank_zero_warn(f"{type(self).__name__}: {reason}; every rank resumes from the average of the ranks in "
-                           "state_dict and rank 0's optimizer state.")  # fmt: skip
-            return
-        with self._lock:
-            self.lightning_module.load_state_dict(state["model"])
+    def load_replica(self, state: dict) -> None:
+        super().load_replica(state)
         if "rng" in state:
             self._rng.setstate(state["rng"])
-        self._pending_optimizer_states = state["optimizer_states"]
 
     @override
     def run_settings(self) -> dict[str, Any]:

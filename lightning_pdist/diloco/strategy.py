@@ -32,20 +32,18 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pdist.core.collectives import all_reduce_sum_
 from lightning_pdist.core.config import refuse_owned_ddp_args
 from lightning_pdist.core.flat import flatten
-from lightning_pdist.core.guard import global_step, optimizer_grads
+from lightning_pdist.core.guard import global_step
 from lightning_pdist.core.hooks import AllReduceState, periodic_allreduce_hook
-from lightning_pdist.core.nonfinite import all_finite, culprit_ranks, nonfinite_error, one_hot_flag
+from lightning_pdist.core.nonfinite import all_finite, nonfinite_error
+from lightning_pdist.core.consensus import ReplicaEvaluation, TrainingSteps
 from lightning_pdist.core.strategy import PdistStrategy
 from lightning_pdist.diloco.exchange import Exchange
 from lightning_pdist.diloco.fault_tolerance import FaultTolerantReplica, RoundOutcome, check_ft_args
@@ -56,7 +54,7 @@ from lightning_pdist.diloco.rounds import Rounds
 __all__ = ["DiLoCoStrategy"]
 
 
-class DiLoCoStrategy(ScheduleFields, PdistStrategy):
+class DiLoCoStrategy(ScheduleFields, TrainingSteps, ReplicaEvaluation, PdistStrategy):
     """DiLoCo: ``H`` local steps of the module's optimizer, then an outer optimizer step on the pseudo-gradient.
 
     Douillard et al., *DiLoCo: Distributed Low-Communication Training of Language Models*, arXiv 2311.08105. Every
@@ -93,6 +91,7 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
     """
 
     strategy_name = "diloco"
+    consensus_name = "the global model"
 
     def __init__(self, sync_every: int = 100, outer_optimizer: Any = "nesterov", outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, outer_kwargs: dict | None = None, nonfinite: str = "raise",
@@ -120,7 +119,7 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
         self.rounds.note = lambda norm: self._diagnostics.note("pdist/diloco/outer_grad_norm", norm)
         self.step = 0  # training steps taken (1-based count of the last finished one)
         self._hook_state = AllReduceState(meter=self.comm_meter, allreduce=False)
-        self._backup: Tensor | None = None  # this rank's replica while the module holds the global model
+        self._evaluating_backup: Tensor | None = None  # this rank's replica while the module holds the global model
         self._finalized = False
         self._step_open = False  # several optimizers: an optimizer stepped in the current batch
         self._ft: FaultTolerantReplica | None = None
@@ -147,7 +146,7 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
         if isinstance(self.model, DistributedDataParallel):
             self.model.broadcast_buffers = False  # buffers are averaged at the rounds, never broadcast from rank 0
             self.model.require_backward_grad_sync = False  # no gradient is reduced: DDP's backward work is skipped
-        self._finalized, self._step_open, self._backup = False, False, None
+        self._finalized, self._step_open, self._evaluating_backup = False, False, None
         self.rounds.start(self.lightning_module, self.comm_meter)
 
     @override
@@ -155,18 +154,6 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
         if isinstance(self.model, DistributedDataParallel):  # manual optimization: Lightning set it back after forward
             self.model.require_backward_grad_sync = False
         super().pre_backward(closure_loss)
-
-    @override
-    def after_optimizer_step(self, optimizer: Optimizer) -> None:
-        if len(self.optimizers) > 1:
-            self._step_open = True  # closed at the next batch, evaluation, checkpoint or the end of fit
-            return
-        self._end_training_step()
-
-    def _close_training_step(self) -> None:
-        if self._step_open:
-            self._step_open = False
-            self._end_training_step()
 
     def _end_training_step(self) -> None:
         self.step += 1
@@ -185,7 +172,7 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
         if world_size != 1:
             raise ValueError(f"{owner}(fault_tolerant=True): each process is one replica (devices=1, num_nodes=1); "
                              f"this run has world_size={world_size}. Start one process per replica.")  # fmt: skip
-        self._finalized, self._step_open, self._backup = False, False, None
+        self._finalized, self._step_open, self._evaluating_backup = False, False, None
         self.rounds.start(self.lightning_module, self.comm_meter)
         self.ft_history = []
         self._ft = FaultTolerantReplica(**self.ft_settings, state_dict=self._ft_state, load_state_dict=self._ft_load)
@@ -227,20 +214,11 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
             self._ft = None
         super().teardown()
 
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._close_training_step()
-        super().on_train_batch_start(batch, batch_idx)
-
     # ------------------------------------------------------------------ non-finite policy
     @override
     def nonfinite_ranks(self, optimizer: Optimizer) -> list[int] | None:
         """Each rank's own gradients, agreed through one all-reduce of ``world_size`` flags (``nonfinite_flag``)."""
-        bad = not all_finite(optimizer_grads(optimizer))
-        rank, world_size = self.rank_world
-        flags = all_reduce_sum_(one_hot_flag(bad, rank, world_size, device=self.root_device), meter=self.comm_meter,
-                                kind="nonfinite_flag")  # fmt: skip
-        return culprit_ranks(flags) or None
+        return self.agreed_nonfinite_ranks(optimizer)
 
     def _refuse_nonfinite_mean(self, mean_delta: Tensor, mean_buffers: Tensor) -> None:
         if self.nonfinite == "propagate" or all_finite([mean_delta, mean_buffers]):
@@ -250,55 +228,23 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
                               "A replica's weights became non-finite (a diverging inner learning rate); skipping an "
                               "outer step cannot bring them back.", skippable=False)  # fmt: skip
 
-    # ------------------------------------------------------------------ the global model
-    def _swap_in_global(self) -> None:
-        if self._backup is None:
-            self._backup = self.rounds.local_vector()
-            self.rounds.load_vector(self.rounds.global_vector())
+    # ------------------------------------------------------------------ the global model (ReplicaEvaluation)
+    def local_vector(self) -> Tensor:
+        return self.rounds.local_vector()
 
-    def _swap_out_global(self) -> None:
-        if self._backup is not None:
-            self.rounds.load_vector(self._backup)
-            self._backup = None
+    def load_vector(self, vector: Tensor) -> None:
+        self.rounds.load_vector(vector)
 
-    def _fitting(self) -> bool:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        return trainer is not None and trainer.state.fn == TrainerFn.FITTING and not self._finalized
+    def consensus(self) -> Tensor:
+        return self.rounds.global_vector()
 
     @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        self._close_training_step()
-        if self._fitting():
-            self._swap_in_global()
-
-    @override
-    def on_validation_end(self) -> None:
-        self._swap_out_global()
-        super().on_validation_end()
-
-    @override
-    def on_train_end(self) -> None:
-        super().on_train_end()
-        self._close_training_step()
-        if not self._finalized:
-            self._swap_out_global()
-            self.rounds.finish()
-            self.rounds.load_vector(self.rounds.global_vector())
-            self._finalized = True
+    def finish_replicas(self) -> None:
+        self._swap_out_consensus()
+        self.rounds.finish()
+        self.rounds.load_vector(self.rounds.global_vector())
 
     # ------------------------------------------------------------------ checkpoints
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if not self._fitting() or self._backup is not None:
-            return super().lightning_module_state_dict()
-        self._close_training_step()
-        self._swap_in_global()
-        try:
-            return {k: v.detach().clone() for k, v in super().lightning_module_state_dict().items()}
-        finally:
-            self._swap_out_global()
-
     @override
     def pdist_state_dict(self) -> dict:
         self._close_training_step()
@@ -316,18 +262,10 @@ class DiLoCoStrategy(ScheduleFields, PdistStrategy):
             self._ft.manager.load_state_dict(state["torchft"])
 
     @override
-    def pdist_rank_state(self) -> dict | None:
-        if self._finalized:
-            return None  # every rank holds the global model: nothing of its own is left
-        own = self.rounds.local_vector() if self._backup is None else self._backup
-        return {"replica": own.cpu(), "optimizer_states": [move_data_to_device(o.state_dict(), "cpu") for o in self.optimizers]}
+    def replica_state(self) -> dict:
+        own = self.rounds.local_vector() if self._evaluating_backup is None else self._evaluating_backup
+        return {"replica": own.cpu()}
 
     @override
-    def load_pdist_rank_state(self, state: dict | None, reason: str = "") -> None:
-        self._pending_optimizer_states = None
-        if state is None:
-            rank_zero_warn(f"{type(self).__name__}: {reason}; every rank resumes from the global model in state_dict "
-                           "and rank 0's optimizer state.")  # fmt: skip
-            return
+    def load_replica(self, state: dict) -> None:
         self.rounds.load_vector(state["replica"].to(self.root_device))
-        self._pending_optimizer_states = state["optimizer_states"]

@@ -173,7 +173,6 @@ class ParallaxStrategy(ParameterServerStrategy):
         self._install_hooks()
         self._touched, self._pulled_bytes, self._pulling = {}, 0, False
         self._finalized = False
-        self._loaded_rank_state = (None, "")
 
     def _restore_rows(self, state: dict) -> None:
         servers, owner = state.get("servers"), type(self).__name__

@@ -218,7 +218,6 @@ class SandblasterStrategy(ParameterServerStrategy):
         self._server_now = list(self._server_seen)
         self._accumulated, self._finalized, self.push_compressor = {}, False, None
         self._elastic_start()
-        self._loaded_rank_state = (None, "")
         self.portion_counts = {"computed": 0, "accepted": 0, "backups": 0}
 
     @override

@@ -37,7 +37,7 @@ with :func:`plan_sharding` from :func:`param_specs` of a model (a ``meta``-devic
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -288,27 +288,28 @@ class ShardingPlan:
         one unit that are adjacent in the flat vector are merged. ``flat[a:b]`` for each range, in order,
         concatenated, is the server's shard (what :meth:`gather` returns).
         """
-        self._check_server(server, "server_slices")
-        ranges: list[list[int]] = []
-        last_part = None
-        for piece in self.param_slices(server):
-            lo, hi = piece.flat_range
-            if ranges and last_part == piece.part and ranges[-1][1] == lo:
-                ranges[-1][1] = hi
-            else:
-                ranges.append([lo, hi])
-            last_part = piece.part
-        return tuple((lo, hi) for lo, hi in ranges)
+        return self._merged_ranges(server, "server_slices", lambda piece: piece.flat_range)
 
     def byte_ranges(self, server: int) -> tuple[tuple[int, int], ...]:
         """Byte ranges ``[start, stop)`` of the flat byte buffer owned by ``server``; as :meth:`server_slices`."""
-        self._check_server(server, "byte_ranges")
+        return self._merged_ranges(server, "byte_ranges", self._byte_range)
+
+    def _byte_range(self, piece: ParamSlice) -> tuple[int, int]:
+        """``piece``'s ``[start, stop)`` in the flat byte buffer."""
+        _, byte0 = self._byte_offsets[piece.name]
+        size = self._element_size[piece.name]
+        return byte0 + piece.start * size, byte0 + piece.stop * size
+
+    def _merged_ranges(
+        self, server: int, caller: str, bounds: Callable[[ParamSlice], tuple[int, int]]
+    ) -> tuple[tuple[int, int], ...]:
+        """``bounds(piece)`` of each piece ``server`` owns, in order; a piece of the previous piece's transfer unit
+        that starts where that range stops extends it."""
+        self._check_server(server, caller)
         ranges: list[list[int]] = []
         last_part = None
         for piece in self.param_slices(server):
-            _, byte0 = self._byte_offsets[piece.name]
-            size = self._element_size[piece.name]
-            lo, hi = byte0 + piece.start * size, byte0 + piece.stop * size
+            lo, hi = bounds(piece)
             if ranges and last_part == piece.part and ranges[-1][1] == lo:
                 ranges[-1][1] = hi
             else:

@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
@@ -311,27 +311,9 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
 
     # ------------------------------------------------------------------ setup
     @override
-    def configure_ddp(self) -> None:
-        """Nothing to wrap: gradients go to the servers, not through DDP."""
-
-    @override
-    def setup(self, trainer: Any) -> None:
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        self._route_metric_sync()
-        self.announce(trainer)
-        if not fitting:
-            self._loaded_pdist_state = None
-            self._broadcast_module_from_rank_zero()
-            return
-        self.setup_algorithm()
-        self._loaded_pdist_state = None
+    def load_resumed_state(self) -> None:
+        """Nothing left to load: :meth:`setup_algorithm` loaded the checkpoint's state, where the servers exist."""
+        self._loaded_pdist_state, self._loaded_rank_state = None, (None, "")
 
     @override
     def setup_algorithm(self) -> None:
@@ -398,7 +380,6 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
             self.push_compressor = PushCompressor(self.compression, self.layout, rank, world_size)
             if self._loaded_pdist_state is not None:
                 self._load_push_state(*self._loaded_rank_state)
-        self._loaded_rank_state = (None, "")
 
     def _check_chunk_count(self, owner: str) -> None:
         """``chunk_bytes``: at most :data:`~.chunks.MAX_CHUNKS` per server (each is a connection per worker)."""
@@ -842,12 +823,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
         self.server_addresses = []
         self._secret = None
         workers, self.workers = self.workers, None
-        if workers is not None:
-            # rank 0's store on MASTER_PORT is gone before any worker returns from here; after a failure the others
-            # may be stopped or dead, so the closing barrier waits a second, not 30 s
-            module = self.lightning_module
-            failed = module is not None and module._trainer is not None and module.trainer.state.status == TrainerStatus.INTERRUPTED
-            workers.close(timeout=timedelta(seconds=1 if failed else 30))
+        self.close_control_group(workers)
         super().teardown()
 
     def _stop_servers(self) -> None:

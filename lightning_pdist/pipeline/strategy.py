@@ -271,10 +271,6 @@ class PipelineStrategy(PdistStrategy):
 
     # ------------------------------------------------------------------ setup
     @override
-    def configure_ddp(self) -> None:
-        """Nothing to wrap: stages exchange activations; replicas all-reduce in :meth:`_update`."""
-
-    @override
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
         module = self.lightning_module

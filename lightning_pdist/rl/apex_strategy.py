@@ -34,7 +34,7 @@ from lightning_pdist.rl.config import ApeXConfig
 from lightning_pdist.rl.module import LEARNER_HOOKS, due_to_log, missing_hooks
 from lightning_pdist.rl.replay import FIELDS, PrioritizedReplay, annealed_beta
 
-__all__ = ["ApeXStrategy", "check_learner", "store_chunks"]
+__all__ = ["ApeXStrategy", "LearnerLoop", "check_learner", "store_chunks"]
 
 
 def observation_numel(module: Any) -> int:
@@ -69,7 +69,64 @@ def store_chunks(replay: PrioritizedReplay, chunks: list[tuple[dict[str, Any], d
                    torch.cat([t["td"] for _, t in chunks]))  # fmt: skip
 
 
-class ApeXStrategy(SingleDeviceStrategy):
+class LearnerLoop:
+    """What a learner does around its updates, Ape-X's one and each of Gorila's: fill the replay from its actors, log
+    the ``rl/*`` metrics, keep and restore its counters and its actors' states, close its actor pool. The host sets
+    ``config`` (``num_actors``, ``deterministic``, ``learning_starts``, ``batch_size``), ``replay`` and ``pool``."""
+
+    config: Any
+    lightning_module: Any
+
+    def _init_learner(self, num_actors: int) -> None:
+        self.pool: ActorPool | None = None
+        self.replay: PrioritizedReplay | None = None
+        self.updates = 0
+        self.turn = 0
+        self.actor_states: list[dict[str, Any] | None] = [None] * num_actors
+        self.returns: deque[float] = deque(maxlen=100)
+
+    def _fill_replay(self) -> None:
+        """Store what the actors sent (with ``deterministic``: one chunk per call from each actor in turn) until the
+        replay holds ``max(learning_starts, batch_size)`` transitions."""
+        cfg = self.config
+        while True:
+            actor = None
+            if cfg.deterministic:
+                actor, self.turn = self.turn, (self.turn + 1) % cfg.num_actors
+            store_chunks(self.replay, self.pool.collect(actor), self.actor_states, self.returns)
+            if len(self.replay) >= max(cfg.learning_starts, cfg.batch_size):
+                return
+
+    def _log_learner(self) -> None:
+        module = self.lightning_module
+        if not due_to_log(module.trainer, self.updates):
+            return
+        module.log("rl/env_steps", float(sum(int(s["env_steps"]) for s in self.actor_states if s)), prog_bar=True)
+        module.log("rl/replay_size", float(len(self.replay)))
+        if self.returns:
+            module.log("rl/episode_return", sum(self.returns) / len(self.returns), prog_bar=True)
+
+    def _learner_state(self) -> dict[str, Any]:
+        return {"replay": self.replay.state_dict(), "updates": self.updates, "turn": self.turn,
+                "actors": list(self.actor_states), "returns": list(self.returns)}
+
+    def _load_learner_state(self, state: dict[str, Any], per: str = "") -> None:
+        """Restore :meth:`_learner_state`'s output; ``per`` completes "the checkpoint holds N actors"."""
+        if len(state["actors"]) != self.config.num_actors:
+            raise ValueError(f"{type(self).__name__}(num_actors={self.config.num_actors}): the checkpoint holds "
+                             f"{len(state['actors'])} actors{per}; resume with the same num_actors")
+        self.replay.load_state_dict(state["replay"])
+        self.updates, self.turn = int(state["updates"]), int(state["turn"])
+        self.actor_states = list(state["actors"])
+        self.returns = deque(state["returns"], maxlen=100)
+
+    def _close_pool(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+
+class ApeXStrategy(LearnerLoop, SingleDeviceStrategy):
     """Ape-X: ``num_actors`` CPU actor processes, a central prioritized replay, the Trainer's process as the learner.
 
     Args:
@@ -108,12 +165,7 @@ class ApeXStrategy(SingleDeviceStrategy):
                                  send_every=send_every, target_every=target_every, seed=seed, deterministic=deterministic,
                                  actor_timeout=actor_timeout, owner=type(self).__name__)  # fmt: skip
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
-        self.replay: PrioritizedReplay | None = None
-        self.pool: ActorPool | None = None
-        self.updates = 0
-        self.turn = 0
-        self.actor_states: list[dict[str, Any] | None] = [None] * num_actors
-        self.returns: deque[float] = deque(maxlen=100)
+        self._init_learner(num_actors)
         self._resume: dict[str, Any] | None = None
 
     @classmethod
@@ -146,13 +198,8 @@ class ApeXStrategy(SingleDeviceStrategy):
 
     def _sample(self) -> tuple[dict[str, Tensor], Tensor, Tensor]:
         cfg = self.config
-        while True:
-            actor = None
-            if cfg.deterministic:
-                actor, self.turn = self.turn, (self.turn + 1) % cfg.num_actors
-            store_chunks(self.replay, self.pool.collect(actor), self.actor_states, self.returns)
-            if len(self.replay) >= max(cfg.learning_starts, cfg.batch_size):
-                return self.replay.sample(cfg.batch_size, annealed_beta(cfg.beta, self.updates, cfg.beta_steps))
+        self._fill_replay()
+        return self.replay.sample(cfg.batch_size, annealed_beta(cfg.beta, self.updates, cfg.beta_steps))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -166,18 +213,8 @@ class ApeXStrategy(SingleDeviceStrategy):
                             f"{{'loss': ..., 'td_errors': δ}} with one TD error per sampled transition "
                             f"({slots.numel()}); it returned {got}")  # fmt: skip
         self.replay.update(slots, td)
-        self._log()
+        self._log_learner()
         return out
-
-    def _log(self) -> None:
-        module = self.lightning_module
-        if not due_to_log(module.trainer, self.updates):
-            return
-        env_steps = sum(int(s["env_steps"]) for s in self.actor_states if s)
-        module.log("rl/env_steps", float(env_steps), prog_bar=True)
-        module.log("rl/replay_size", float(len(self.replay)))
-        if self.returns:
-            module.log("rl/episode_return", sum(self.returns) / len(self.returns), prog_bar=True)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -189,20 +226,13 @@ class ApeXStrategy(SingleDeviceStrategy):
         return out
 
     def rl_state(self) -> dict[str, Any]:
-        return {"strategy": type(self).__name__, "replay": self.replay.state_dict(), "updates": self.updates,
-                "turn": self.turn, "actors": list(self.actor_states), "returns": list(self.returns)}  # fmt: skip
+        return {"strategy": type(self).__name__, **self._learner_state()}
 
     def load_rl_state(self, state: dict[str, Any]) -> None:
         if state.get("strategy") != type(self).__name__:
             raise ValueError(f"{type(self).__name__}: the checkpoint was written by {state.get('strategy')}; resume it "
                              "with that strategy")  # fmt: skip
-        if len(state["actors"]) != self.config.num_actors:
-            raise ValueError(f"{type(self).__name__}(num_actors={self.config.num_actors}): the checkpoint holds "
-                             f"{len(state['actors'])} actors; resume with the same num_actors")  # fmt: skip
-        self.replay.load_state_dict(state["replay"])
-        self.updates, self.turn = int(state["updates"]), int(state["turn"])
-        self.actor_states = list(state["actors"])
-        self.returns = deque(state["returns"], maxlen=100)
+        self._load_learner_state(state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -218,7 +248,5 @@ class ApeXStrategy(SingleDeviceStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        self._close_pool()
         super().teardown()

@@ -23,7 +23,6 @@ its actors' exploration generators (per-rank files); the environments' states an
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any, Callable
 
 import torch
@@ -37,16 +36,15 @@ from lightning_pdist.core.ps_client import ParameterServerClient
 from lightning_pdist.core.strategy import PdistStrategy
 from lightning_pdist.rl.actor import params_of
 from lightning_pdist.rl.actors import ActorPool
-from lightning_pdist.rl.apex_strategy import check_learner, observation_numel, store_chunks
+from lightning_pdist.rl.apex_strategy import LearnerLoop, check_learner, observation_numel
 from lightning_pdist.rl.config import GorilaConfig
-from lightning_pdist.rl.module import due_to_log
 from lightning_pdist.rl.replay import PrioritizedReplay
 from lightning_pdist.rl.servers import ServerGroup, bounds
 
 __all__ = ["GorilaStrategy"]
 
 
-class GorilaStrategy(PdistStrategy):
+class GorilaStrategy(LearnerLoop, PdistStrategy):
     """Gorila: ``L`` learner ranks, each with ``num_actors`` CPU actors and a local replay, Downpour to ``S`` servers.
 
     Args:
@@ -88,12 +86,7 @@ class GorilaStrategy(PdistStrategy):
         super().__init__(**kwargs)
         self.servers: ServerGroup | None = None
         self.client: ParameterServerClient | None = None
-        self.pool: ActorPool | None = None
-        self.replay: PrioritizedReplay | None = None
-        self.updates = 0
-        self.turn = 0
-        self.actor_states: list[dict[str, Any] | None] = [None] * num_actors
-        self.returns: deque[float] = deque(maxlen=100)
+        self._init_learner(num_actors)
         self._versions: list[int] = []
 
     # ------------------------------------------------------------------ checks
@@ -113,10 +106,6 @@ class GorilaStrategy(PdistStrategy):
     def connect(self, model: Any) -> None:
         check_learner(type(self).__name__, model)
         super().connect(model)
-
-    @override
-    def configure_ddp(self) -> None:
-        """Nothing to wrap: gradients go to the servers."""
 
     # ------------------------------------------------------------------ setup
     def _q_params(self) -> list[Tensor]:
@@ -179,27 +168,15 @@ class GorilaStrategy(PdistStrategy):
 
     # ------------------------------------------------------------------ one update
     def _sample(self) -> dict[str, Tensor]:
-        cfg = self.config
-        while True:
-            actor = None
-            if cfg.deterministic:
-                actor, self.turn = self.turn, (self.turn + 1) % cfg.num_actors
-            store_chunks(self.replay, self.pool.collect(actor), self.actor_states, self.returns)
-            if len(self.replay) >= max(cfg.learning_starts, cfg.batch_size):
-                sample, _, weights = self.replay.sample(cfg.batch_size, 1.0)
-                return {**sample, "weights": weights}
+        self._fill_replay()
+        sample, _, weights = self.replay.sample(self.config.batch_size, 1.0)
+        return {**sample, "weights": weights}
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         out = super().training_step(self._sample(), batch_idx)
-        module = self.lightning_module
-        if not due_to_log(module.trainer, self.updates):
-            return out
-        module.log("rl/env_steps", float(sum(int(s["env_steps"]) for s in self.actor_states if s)), prog_bar=True)
-        module.log("rl/replay_size", float(len(self.replay)))
-        if self.returns:
-            module.log("rl/episode_return", sum(self.returns) / len(self.returns), prog_bar=True)
+        self._log_learner()
         return out
 
     @override
@@ -233,28 +210,19 @@ class GorilaStrategy(PdistStrategy):
         if self.replay is None:
             return None
         target = {k: v.clone() for k, v in self.lightning_module.target_network.state_dict().items()}
-        return {"replay": self.replay.state_dict(), "updates": self.updates, "turn": self.turn, "target": target,
-                "actors": list(self.actor_states), "returns": list(self.returns)}  # fmt: skip
+        return {**self._learner_state(), "target": target}
 
     def _load_rank(self, own: dict | None) -> None:
         if own is None:
             raise ValueError(f"{type(self).__name__}: the checkpoint has no per-learner file for learner "
                              f"{self.global_rank} (replay, target network, actors); resume with the same number of "
                              "learners from a checkpoint saved during fit")  # fmt: skip
-        if len(own["actors"]) != self.config.num_actors:
-            raise ValueError(f"{type(self).__name__}(num_actors={self.config.num_actors}): the checkpoint holds "
-                             f"{len(own['actors'])} actors per learner; resume with the same num_actors")  # fmt: skip
-        self.replay.load_state_dict(own["replay"])
-        self.updates, self.turn = int(own["updates"]), int(own["turn"])
+        self._load_learner_state(own, " per learner")
         self.lightning_module.target_network.load_state_dict(own["target"])
-        self.actor_states = list(own["actors"])
-        self.returns = deque(own["returns"], maxlen=100)
 
     # ------------------------------------------------------------------ the end
     def _close(self, orderly: bool) -> None:
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        self._close_pool()
         client, self.client = self.client, None
         if client is not None and not orderly:
             client.close()
@@ -267,9 +235,7 @@ class GorilaStrategy(PdistStrategy):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        self._close_pool()
         self.barrier("gorila_end")  # every learner pushed its last update: the servers may stop
         self._close(orderly=True)
 

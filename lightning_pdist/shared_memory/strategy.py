@@ -27,7 +27,6 @@ from typing import Any, Callable
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -111,32 +110,12 @@ class HogwildStrategy(ControlGroupCollectives, PdistStrategy):
 
     # ------------------------------------------------------------------ setup
     @override
-    def configure_ddp(self) -> None:
-        """Nothing to wrap: no gradient is ever communicated."""
-
-    @override
-    def setup(self, trainer: Any) -> None:
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self._share()
-            self.setup_optimizers(trainer)
-            self._compensate_momentum()
-        self.setup_precision_plugin()
-        self._route_metric_sync()
-        self.announce(trainer)
-        if not fitting:
-            self._loaded_pdist_state = None
-            self._broadcast_module_from_rank_zero()
-            return
-        self.setup_algorithm()
-        if self._loaded_pdist_state is not None:
-            self.load_pdist_state_dict(self._loaded_pdist_state)
-            self.load_pdist_rank_state(*self._agree_on_rank_state(*self._loaded_rank_state))
-            self._loaded_pdist_state, self._loaded_rank_state = None, (None, "")
+    def setup_optimizers(self, trainer: Any) -> None:
+        """When fitting (``ControlGroupCollectives.setup``): the weights shared first, so that the optimizers hold the
+        shared tensors; then their momentum compensated."""
+        self._share()
+        super().setup_optimizers(trainer)
+        self._compensate_momentum()
 
     def _share(self) -> None:
         """Rank 0's parameters and float buffers into shared memory, mapped by every process (and the lock file)."""
@@ -287,24 +266,12 @@ class HogwildStrategy(ControlGroupCollectives, PdistStrategy):
         self._pending_optimizer_states = state["optimizers"]
         self.steps = int(state["steps"])
 
-    def _agree_on_rank_state(self, own: dict | None, reason: str) -> tuple[dict | None, str]:
-        """This process's state, or None in every process when any lacks its file (one all-reduce)."""
-        if self.control_group is None or self.world_size == 1:
-            return own, reason
-        missing = self.control_group.all_reduce_(torch.tensor([0 if own is not None else 1 + self.global_rank]), "max")
-        if own is not None and missing.item():
-            return None, f"rank {missing.item() - 1} has no part of this checkpoint"
-        return own, reason
-
     @override
     def teardown(self) -> None:
         shared, lock, self.shared, self._lock = self.shared, self._lock, None, None
         release(shared, lock)
         group, self.control_group = self.control_group, None
-        if group is not None:
-            module = self.lightning_module
-            failed = module is not None and module._trainer is not None and module.trainer.state.status == TrainerStatus.INTERRUPTED
-            group.close(timeout=timedelta(seconds=1 if failed else 30))
+        self.close_control_group(group)
         super().teardown()
 
     @classmethod

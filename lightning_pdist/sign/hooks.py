@@ -428,14 +428,7 @@ class ITSignSGDState(SignSGDState):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._llr = LLRConfig(
-            warmup_rounds=self.warmup_rounds,
-            estimator=self.estimator,
-            decay=self.decay,
-            max_weight=self.max_weight,
-            negative_weights=self.negative_weights,
-            owner="ITSignSGDState",
-        )
+        self._llr = LLRConfig.of(self, "ITSignSGDState")
 
     @property
     def llr(self) -> LLRConfig:

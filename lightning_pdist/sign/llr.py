@@ -73,7 +73,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -143,6 +144,12 @@ class LLRConfig:
             raise ValueError(f"{self.owner}(decay={self.decay}): decay must be in (0, 1]")
         if not (self.max_weight > 0 and math.isfinite(self.max_weight)):
             raise ValueError(f"{self.owner}(max_weight={self.max_weight}): max_weight must be finite and > 0")
+
+    @classmethod
+    def of(cls, settings: Any, owner: str) -> LLRConfig:
+        """The config of ``settings``' attributes of the same names (a hook state's or a simulator's), checked as
+        ``owner``."""
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls) if f.name != "owner"}, owner=owner)
 
 
 @dataclass

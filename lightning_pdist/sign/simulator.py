@@ -77,14 +77,7 @@ class SignSGDSimulator:
             )
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"SignSGDSimulator(momentum={self.momentum}): momentum must be in [0, 1)")
-        self._llr = LLRConfig(
-            warmup_rounds=self.warmup_rounds,
-            estimator=self.estimator,
-            decay=self.decay,
-            max_weight=self.max_weight,
-            negative_weights=self.negative_weights,
-            owner="SignSGDSimulator",
-        )
+        self._llr = LLRConfig.of(self, "SignSGDSimulator")
 
     def llr_state(self, bucket: int = 0) -> LLRState | None:
         """The LLR statistics of ``bucket`` (``None`` before its first LLR round)."""
