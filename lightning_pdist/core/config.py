@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["OWNED_DDP_ARGS", "ConfigErrors", "OwnedDDPArguments", "is_int", "refuse_owned_ddp_args"]
+__all__ = ["OWNED_DDP_ARGS", "ConfigErrors", "OwnedDDPArguments", "is_int", "refuse_owned_ddp_args",
+           "register_variants"]
 
 #: DDPStrategy arguments that configure gradient communication, which our strategies replace.
 OWNED_DDP_ARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
@@ -56,3 +57,18 @@ class ConfigErrors:
 
     def _fail(self, arg: str, rule: str, error: type = ValueError) -> None:
         raise error(f"{self.owner}({arg}={getattr(self, arg)!r}): {rule}")
+
+
+def register_variants(
+    registry: Any, cls: type, name: str, description: str, find_unused: bool = True, **init_kwargs: Any
+) -> None:
+    """Register ``name`` with its ``_fork``/``_spawn`` and ``_find_unused_parameters_true`` variants."""
+    for suffix, start_method in (("", None), ("_fork", "fork"), ("_spawn", "spawn")):
+        kwargs = dict(init_kwargs, **({"start_method": start_method} if start_method else {}))
+        how = f" with the {start_method} start method" if start_method else ""
+        registry.register(f"{name}{suffix}", cls, description=description if not how else f"{name}{how}",
+                          override=True, **kwargs)  # fmt: skip
+        if find_unused:
+            registry.register(f"{name}{suffix}_find_unused_parameters_true", cls, override=True,
+                              description=f"{name}{how} with find_unused_parameters=True",
+                              find_unused_parameters=True, **kwargs)  # fmt: skip

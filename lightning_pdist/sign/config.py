@@ -18,7 +18,7 @@ from torch.nn import Parameter
 from torch.optim import Optimizer
 
 from lightning_pdist.core.accounting import CommMeter
-from lightning_pdist.core.config import ConfigErrors
+from lightning_pdist.core.config import ConfigErrors, register_variants
 from lightning_pdist.core.nonfinite import check_nonfinite_policy
 from lightning_pdist.sign.hooks import SCALES, ITSignSGDState, SignSGDState, it_signsgd_hook, signsgd_mv_hook
 from lightning_pdist.sign.llr import DEFAULT_MAX_WEIGHT, LLRConfig
@@ -188,6 +188,16 @@ class SignSGDArguments:
     @property
     def aggregation(self) -> str:
         return self.config.aggregation
+
+    #: How each shell describes a registered name, from its :data:`REGISTERED_NAMES` entry.
+    registered_description: str
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """``"signsgd_mv"`` and ``"it_signsgd"`` (:data:`REGISTERED_NAMES`) with their variants, in the shell's registry."""
+        for name, (aggregation, description) in REGISTERED_NAMES.items():
+            described = cls.registered_description.format(description=description, aggregation=aggregation)
+            register_variants(strategy_registry, cls, name, described, aggregation=aggregation)
 
     def pdist_state_dict(self) -> dict:
         """The shell's record plus the settings (``"config"``)."""

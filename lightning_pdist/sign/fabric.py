@@ -24,8 +24,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pdist.core.fabric import NoSkipStep, PdistFabricStrategy
-from lightning_pdist.core.strategy import register_variants
-from lightning_pdist.sign.config import REGISTERED_NAMES, SignSGDArguments
+from lightning_pdist.sign.config import SignSGDArguments
 
 __all__ = ["SignSGDFabricStrategy"]
 
@@ -59,6 +58,7 @@ class SignSGDFabricStrategy(SignSGDArguments, NoSkipStep, PdistFabricStrategy):
     """
 
     strategy_name = "signsgd_mv"
+    registered_description = "{description} (Lightning Fabric): SignSGDFabricStrategy(aggregation={aggregation!r})"
     one_rank_behaviour = "each step applies lr * sign(grad) (signSGD) and sends nothing"
 
     @override
@@ -93,9 +93,3 @@ class SignSGDFabricStrategy(SignSGDArguments, NoSkipStep, PdistFabricStrategy):
     def load_rank_state(self, state: dict | None, objects: dict[str, Any], reason: str) -> None:
         self.load_hook_rank_state(state, reason)
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, (aggregation, description) in REGISTERED_NAMES.items():
-            description = f"{description} (Lightning Fabric): SignSGDFabricStrategy(aggregation={aggregation!r})"
-            register_variants(strategy_registry, cls, name, description, aggregation=aggregation)

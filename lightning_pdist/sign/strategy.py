@@ -21,12 +21,11 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_pdist.sign.config import (MAX_SIGN_STEP, REGISTERED_NAMES, SUGGESTED_SIGN_STEP, SignSGDArguments,
-                                         SignSGDConfig)
+from lightning_pdist.sign.config import MAX_SIGN_STEP, SUGGESTED_SIGN_STEP, SignSGDArguments, SignSGDConfig
 from lightning_pdist.sign.overflow import LossScaledRound
 from lightning_pdist.sign.stats import take_vote_diagnostics
 from lightning_pdist.sign.precision import SignMixedPrecision
-from lightning_pdist.core.strategy import PdistStrategy, register_variants
+from lightning_pdist.core.strategy import PdistStrategy
 from lightning_pdist.core.config import OwnedDDPArguments
 
 __all__ = ["MAX_SIGN_STEP", "SUGGESTED_SIGN_STEP", "SignSGDConfig", "SignSGDStrategy"]
@@ -86,6 +85,7 @@ class SignSGDStrategy(SignSGDArguments, OwnedDDPArguments, PdistStrategy):
     """
 
     strategy_name = "signsgd_mv"
+    registered_description = "{description}: 1-bit sign voting (SignSGDStrategy(aggregation={aggregation!r}))"
     owned_reason = "{owner} owns gradient communication (the sign vote)"
     _round: LossScaledRound | None = None  # nonfinite raise/skip_step without a scaler: one per backward pass
     _nonfinite_ranks: set[int] | frozenset[int] = frozenset()  # ranks the passes since the last step found non-finite
@@ -95,13 +95,6 @@ class SignSGDStrategy(SignSGDArguments, OwnedDDPArguments, PdistStrategy):
     def registered_name(cls, strategy: PdistStrategy | None = None) -> str:
         llr = strategy is not None and strategy.config.aggregation == "llr"
         return "it_signsgd" if llr else "signsgd_mv"
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, (aggregation, description) in REGISTERED_NAMES.items():
-            description = f"{description}: 1-bit sign voting (SignSGDStrategy(aggregation={aggregation!r}))"
-            register_variants(strategy_registry, cls, name, description, aggregation=aggregation)
 
     # ------------------------------------------------------------------ comm hook
     @override
