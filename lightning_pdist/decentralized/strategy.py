@@ -37,7 +37,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pdist.core.collectives import all_reduce_mean_
-from lightning_pdist.core.config import refuse_owned_ddp_args
+from lightning_pdist.core.config import OwnedDDPArguments
 from lightning_pdist.core.flat import flatten, unflatten_into_
 from lightning_pdist.core.nonfinite import all_finite
 from lightning_pdist.core.guard import optimizer_grads
@@ -51,7 +51,7 @@ from lightning_pdist.decentralized.topology import mix, pick_partner
 __all__ = ["DecentralizedStrategy"]
 
 
-class DecentralizedStrategy(GossipRecord, ReplicaEvaluation, PdistStrategy):
+class DecentralizedStrategy(GossipRecord, ReplicaEvaluation, OwnedDDPArguments, PdistStrategy):
     """Decentralized SGD: D-PSGD (``mode="sync"``, ``"dpsgd"``) or AD-PSGD (``mode="async"``, ``"adpsgd"``).
 
     D-PSGD (Lian et al. 2017, Algorithm 1): ``x_i(t+1) = Σ_j W_ij x_j(t) − γ ∇F_i(x_i(t))`` for SGD (any optimizer
@@ -80,18 +80,16 @@ class DecentralizedStrategy(GossipRecord, ReplicaEvaluation, PdistStrategy):
     """
 
     strategy_name = "dpsgd"
+    owned_reason = "{owner} owns all communication (there is no gradient all-reduce)"
     consensus_name = "the average of the ranks"
     wraps_in_ddp = False  # no DistributedDataParallel: no find_unused_parameters variants
 
     def __init__(self, topology: Any = "ring", mode: str = "sync", implicit_momentum: str | None = None,
                  torus_shape: tuple[int, int] | None = None, seed: int = 0, nonfinite: str = "raise",
                  **kwargs: Any) -> None:  # fmt: skip
-        owner = type(self).__name__
-        refuse_owned_ddp_args(owner, kwargs, f"{owner} owns all communication (there is no gradient all-reduce)")
         self.config = DecentralizedConfig(topology=topology, mode=mode, implicit_momentum=implicit_momentum,
-                                          torus_shape=torus_shape, seed=seed, owner=owner)  # fmt: skip
-        super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
-                         model_averaging_period=None, **kwargs)  # fmt: skip
+                                          torus_shape=torus_shape, seed=seed, owner=type(self).__name__)
+        super().__init__(nonfinite=nonfinite, **kwargs)  # OwnedDDPArguments refuses and hides DDP's comm-hook arguments
         self.step = 0
         self.plan: RankPlan | None = None
         self._group: dist.ProcessGroup | None = None
