@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 import sys
@@ -59,6 +60,49 @@ def test_owned_arguments_left_unset_are_still_accepted(strategy):
     kwargs = {"num_stages": 2} if strategy == "PipelineStrategy" else {}
     instance = cls(**kwargs, **dict.fromkeys(OWNED_DDP_ARGS))
     assert instance._ddp_comm_hook is None
+
+
+# ---------------------------------------------------------------------------- what jsonargparse reads
+#: Each shell's own arguments and defaults, read from its signature (for the sign shells the one both inherit from
+#: SignSGDArguments); DDP's arguments (``timeout``) reach jsonargparse through ``**kwargs``.
+SIGN = {"aggregation": "majority", "warmup_rounds": 10, "estimator": "worker", "decay": 1.0, "max_weight": math.log(99),
+        "negative_weights": False, "momentum": 0.0, "error_feedback": False, "nonfinite": "raise", "scale": "unit"}
+BMUF = {"period": 8, "block_momentum": None, "block_lr": 1.0, "nesterov": True, "warmup_steps": 0}
+SHELL_ARGUMENTS = {
+    "SignSGDStrategy": SIGN, "SignSGDFabricStrategy": SIGN,
+    "BMUFStrategy": BMUF | {"nonfinite": "raise", "compression": None}, "BMUFFabricStrategy": BMUF | {"compression": None},
+    "EASGDStrategy": {"period": 4, "alpha": None, "warmup_steps": 0, "nonfinite": "raise"},
+    "EASGDFabricStrategy": {"period": 4, "alpha": None, "warmup_steps": 0},
+    "LocalSGDStrategy": {"period": 8, "warmup_steps": 0, "nonfinite": "raise", "compression": None},
+    "LocalSGDFabricStrategy": {"period": 8, "warmup_steps": 0, "compression": None},
+    "SimuParallelSGDStrategy": {"nonfinite": "raise"}, "SimuParallelSGDFabricStrategy": {},
+    "DecentralizedStrategy": {"topology": "ring", "mode": "sync", "implicit_momentum": None, "torus_shape": None,
+                              "seed": 0, "nonfinite": "raise"},
+    "DecentralizedFabricStrategy": {"topology": "ring", "torus_shape": None},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(SHELL_ARGUMENTS))
+def test_jsonargparse_sees_each_shells_arguments_and_ddps(name):
+    """jsonargparse (LightningCLI) offers the shell's own arguments first, in order, with their defaults (and, for the
+    Trainer's, help), then DDP's through ``**kwargs`` (``timeout``, ``process_group_backend``), and none of the
+    comm-hook arguments a shell owns: an inherited signature or a ``super().__init__`` chain that loses one fails."""
+    from jsonargparse import ArgumentParser
+    from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+
+    import lightning_pdist.fabric
+
+    cls = getattr(lightning_pdist.fabric if "Fabric" in name else lightning_pdist, name)
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls, "s")
+    actions = {a.dest[2:]: a for a in parser._actions if a.dest.startswith("s.") and not a.dest.endswith(".help")}
+    own = SHELL_ARGUMENTS[name]
+    assert list(actions)[: len(own)] == list(own)
+    defaults = parser.get_defaults()["s"]
+    assert {arg: defaults[arg] for arg in own} == pytest.approx(own)
+    assert "Fabric" in name or all(actions[arg].help for arg in own), "LightningCLI's --help documents each one"
+    assert defaults["timeout"] == default_pg_timeout and defaults["process_group_backend"] is None
+    assert not set(OWNED_DDP_ARGS) & set(actions)
 
 
 # ---------------------------------------------------------------------------- shipped recipes

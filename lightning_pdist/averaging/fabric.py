@@ -33,7 +33,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
@@ -151,9 +150,5 @@ class ModelAveragingFabricStrategy(RuleShell, PdistFabricStrategy):
 
     @override
     def load_rank_state(self, state: dict | None, objects: dict[str, Any], reason: str) -> None:
-        if state is None:
-            rank_zero_warn(f"{type(self).__name__}: {reason}; every rank resumes from the consensus model and rank 0's "
-                           "optimizer state")  # fmt: skip
-            return
-        self.load_replica_objects_state(state, objects)
-        super().load_rank_state(state, objects, reason)  # the compressor's state
+        self.load_replica_or_warn(state, objects, reason, resumes_from="the consensus model")
+        super().load_rank_state(state, objects, reason)  # the compressor's state (none without the file)

@@ -71,13 +71,13 @@ from lightning_pdist.core.collectives import all_reduce_sum_
 from lightning_pdist.core.hooks import AllReduceState, periodic_allreduce_hook
 from lightning_pdist.core.consensus import ReplicaEvaluation, TrainingSteps
 from lightning_pdist.core.strategy import PdistStrategy
-from lightning_pdist.core.config import refuse_owned_ddp_args
+from lightning_pdist.core.config import OwnedDDPArguments
 from lightning_pdist.core.guard import global_step
 
 __all__ = ["ModelAveragingStrategy"]
 
 
-class ModelAveragingStrategy(RuleShell, TrainingSteps, ReplicaEvaluation, PdistStrategy):
+class ModelAveragingStrategy(RuleShell, TrainingSteps, ReplicaEvaluation, OwnedDDPArguments, PdistStrategy):
     """Base of the strategies whose ranks step locally and synchronize their models periodically.
 
     The rule (:mod:`lightning_pdist.averaging.rules`) holds the schedule, the update and its state; subclasses give
@@ -92,15 +92,13 @@ class ModelAveragingStrategy(RuleShell, TrainingSteps, ReplicaEvaluation, PdistS
 
     #: ``compression=`` (BMUF, local SGD) compresses the model delta since the last synchronization.
     compression_use = "deltas"
+    owned_reason = "{owner} owns gradient communication and model averaging"
     #: What the rule does with one rank, for the one-rank warning.
     one_rank_behaviour = "the result is plain single-process training"
 
     def __init__(self, rule: AveragingRule, nonfinite: str = "raise", **kwargs: Any) -> None:
-        owner = type(self).__name__
-        refuse_owned_ddp_args(owner, kwargs, f"{owner} owns gradient communication and model averaging")
         self._user_broadcast_buffers = bool(kwargs.get("broadcast_buffers", True))
-        super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
-                         model_averaging_period=None, **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
+        super().__init__(nonfinite=nonfinite, **kwargs)  # OwnedDDPArguments refuses and hides DDP's comm-hook arguments
         self.rule = rule
         self.step = 0  # optimizer steps taken (1-based count of the last finished step)
         self._hook_state = AllReduceState(meter=self.comm_meter, track_nonfinite=nonfinite != "propagate")

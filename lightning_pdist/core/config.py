@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["OWNED_DDP_ARGS", "ConfigErrors", "is_int", "refuse_owned_ddp_args"]
+__all__ = ["OWNED_DDP_ARGS", "ConfigErrors", "OwnedDDPArguments", "is_int", "refuse_owned_ddp_args",
+           "register_variants"]
 
 #: DDPStrategy arguments that configure gradient communication, which our strategies replace.
 OWNED_DDP_ARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
@@ -34,6 +35,21 @@ def refuse_owned_ddp_args(owner: str, kwargs: dict[str, Any], reason: str) -> No
         kwargs.pop(name, None)
 
 
+class OwnedDDPArguments:
+    """Mixin of the Trainer strategies that own gradient communication, placed between a family's arguments class
+    and ``PdistStrategy``: it refuses a set :data:`OWNED_DDP_ARGS` argument (:func:`refuse_owned_ddp_args`, the reason
+    from :attr:`owned_reason`) and passes each to ``super().__init__`` as None, so LightningCLI does not offer them."""
+
+    #: The refusal's reason; ``{owner}`` is the class name.
+    owned_reason = "{owner} owns gradient communication"
+
+    def __init__(self, **kwargs: Any) -> None:
+        owner = type(self).__name__
+        refuse_owned_ddp_args(owner, kwargs, self.owned_reason.format(owner=owner))
+        super().__init__(ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None, model_averaging_period=None,
+                         **kwargs)
+
+
 class ConfigErrors:
     """Mixin for frozen config dataclasses with an ``owner`` field: ``_fail(arg, rule)`` raises in the house format."""
 
@@ -41,3 +57,18 @@ class ConfigErrors:
 
     def _fail(self, arg: str, rule: str, error: type = ValueError) -> None:
         raise error(f"{self.owner}({arg}={getattr(self, arg)!r}): {rule}")
+
+
+def register_variants(
+    registry: Any, cls: type, name: str, description: str, find_unused: bool = True, **init_kwargs: Any
+) -> None:
+    """Register ``name`` with its ``_fork``/``_spawn`` and ``_find_unused_parameters_true`` variants."""
+    for suffix, start_method in (("", None), ("_fork", "fork"), ("_spawn", "spawn")):
+        kwargs = dict(init_kwargs, **({"start_method": start_method} if start_method else {}))
+        how = f" with the {start_method} start method" if start_method else ""
+        registry.register(f"{name}{suffix}", cls, description=description if not how else f"{name}{how}",
+                          override=True, **kwargs)  # fmt: skip
+        if find_unused:
+            registry.register(f"{name}{suffix}_find_unused_parameters_true", cls, override=True,
+                              description=f"{name}{how} with find_unused_parameters=True",
+                              find_unused_parameters=True, **kwargs)  # fmt: skip

@@ -44,10 +44,23 @@ from lightning_pdist.core.collectives import rank_world
 from lightning_pdist.core.strategy import check_keywords, register_variants
 from lightning_pdist.core.safe_io import SafeCheckpointIO
 
-__all__ = ["PDIST_KEY", "PdistFabricStrategy"]
+__all__ = ["PDIST_KEY", "NoSkipStep", "PdistFabricStrategy"]
 
 #: The key of the algorithm state in the dict ``fabric.save`` writes (the Trainer strategies use the same).
 PDIST_KEY = "pdist"
+
+
+class NoSkipStep:
+    """Mixin of the Fabric strategies whose comm hook applies a non-finite policy, placed between a family's arguments
+    class (whose config holds ``nonfinite``) and ``PdistFabricStrategy``: ``"skip_step"`` is refused, since your loop,
+    not the strategy, calls ``optimizer.step()``."""
+
+    def __init__(self, nonfinite: str = "raise", **kwargs: Any) -> None:
+        if nonfinite == "skip_step":
+            raise ValueError(f"{type(self).__name__}(nonfinite='skip_step'): under Fabric your loop calls "
+                             "optimizer.step(), so the strategy cannot skip it; use 'raise' (every rank raises in that "
+                             "backward) or 'propagate' and skip the step in your loop when a gradient is not finite")
+        super().__init__(**kwargs)
 
 
 class PdistFabricStrategy(DDPStrategy):
@@ -191,6 +204,15 @@ class PdistFabricStrategy(DDPStrategy):
                 self.load_module_state_dict(obj, saved)
             elif isinstance(obj, Optimizer):
                 obj.load_state_dict(saved)
+
+    def load_replica_or_warn(self, state: dict | None, objects: dict[str, Any], reason: str, resumes_from: str) -> None:
+        """:meth:`load_replica_objects_state`; a rank without its file (``state`` None, ``reason`` says why) warns
+        that every rank resumes from ``resumes_from`` (what the main file holds) and rank 0's optimizer state."""
+        if state is None:
+            rank_zero_warn(f"{type(self).__name__}: {reason}; every rank resumes from {resumes_from} and rank 0's "
+                           "optimizer state")
+            return
+        self.load_replica_objects_state(state, objects)
 
     def checkpoint_weights(self) -> Any:
         """Context in which the module holds the weights ``fabric.save`` writes as the model (a collective)."""

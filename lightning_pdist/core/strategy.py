@@ -64,6 +64,7 @@ from lightning_pdist.core.run_logging import CommLogState, IntervalMeans, forget
 from lightning_pdist.core.run_logging import install_progress_bar_format, log_comm_bytes, log_final_total
 from lightning_pdist.core.run_logging import log_run_settings, log_step_metrics, resolved_settings
 from lightning_pdist.core.safe_io import SafeCheckpointIO
+from lightning_pdist.core.config import register_variants  # Lightning-free, so arguments classes can use it
 
 __all__ = ["PdistStrategy", "check_keywords", "register_variants"]
 
@@ -463,18 +464,3 @@ def check_keywords(cls: type, kwargs: dict[str, Any], wraps_in_ddp: bool = True,
 
 def _is_default(value: Any, default: Any) -> bool:
     return value is default or (isinstance(value, (bool, int, float, str)) and type(value) is type(default) and value == default)
-
-
-def register_variants(
-    registry: Any, cls: type, name: str, description: str, find_unused: bool = True, **init_kwargs: Any
-) -> None:
-    """Register ``name`` with its ``_fork``/``_spawn`` and ``_find_unused_parameters_true`` variants."""
-    for suffix, start_method in (("", None), ("_fork", "fork"), ("_spawn", "spawn")):
-        kwargs = dict(init_kwargs, **({"start_method": start_method} if start_method else {}))
-        how = f" with the {start_method} start method" if start_method else ""
-        registry.register(f"{name}{suffix}", cls, description=description if not how else f"{name}{how}",
-                          override=True, **kwargs)  # fmt: skip
-        if find_unused:
-            registry.register(f"{name}{suffix}_find_unused_parameters_true", cls, override=True,
-                              description=f"{name}{how} with find_unused_parameters=True",
-                              find_unused_parameters=True, **kwargs)  # fmt: skip

@@ -19,7 +19,7 @@ from lightning_pdist.core.config import ConfigErrors, is_int
 from lightning_pdist.decentralized.topology import (TOPOLOGIES, bipartite_edges, check_mixing_matrix, is_connected,
                                                     min_ranks, mixing_matrix, torus_shape_for)  # fmt: skip
 
-__all__ = ["DecentralizedConfig", "RankPlan"]
+__all__ = ["DecentralizedConfig", "GossipRecord", "RankPlan"]
 
 MODES = ("sync", "async")
 IMPLICIT_MOMENTUM = (None, "compensate")
@@ -132,3 +132,20 @@ class DecentralizedConfig(ConfigErrors):
         return RankPlan(rank=rank, world_size=world_size, matrix=w, recv_from=recv_from, send_to=send_to,
                         weights={j: float(w[rank, j]) for j in recv_from}, self_weight=float(w[rank, rank]),
                         active=rank % 2 == 0, partners=partners)  # fmt: skip
+
+
+class GossipRecord:
+    """Mixed into both shells (Trainer and Fabric): the checkpoint record ``"step"`` plus what the topology was
+    (:meth:`DecentralizedConfig.checkpoint_fields`), written and read back once for both."""
+
+    config: DecentralizedConfig
+    plan: RankPlan | None
+    step: int
+
+    def pdist_state_dict(self) -> dict:
+        state = super().pdist_state_dict()  # type: ignore[misc]
+        return state | {"step": self.step} | self.config.checkpoint_fields(self.plan)
+
+    def load_pdist_state_dict(self, state: dict) -> None:
+        super().load_pdist_state_dict(state)  # type: ignore[misc]
+        self.step = int(state.get("step", 0))

@@ -28,7 +28,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -38,14 +37,14 @@ from lightning_pdist.core.collectives import all_reduce_mean_
 from lightning_pdist.core.fabric import PdistFabricStrategy
 from lightning_pdist.core.flat import flatten, unflatten_into_
 from lightning_pdist.core.hooks import AllReduceState, periodic_allreduce_hook
-from lightning_pdist.decentralized.config import DecentralizedConfig, RankPlan
+from lightning_pdist.decentralized.config import DecentralizedConfig, GossipRecord, RankPlan
 from lightning_pdist.decentralized.gossip import NeighbourExchange
 from lightning_pdist.decentralized.topology import mix
 
 __all__ = ["DecentralizedFabricStrategy"]
 
 
-class DecentralizedFabricStrategy(PdistFabricStrategy):
+class DecentralizedFabricStrategy(GossipRecord, PdistFabricStrategy):
     """D-PSGD under Fabric: each ``optimizer.step()`` mixes the model with the neighbours' on a graph, then steps.
 
     Args:
@@ -156,25 +155,10 @@ class DecentralizedFabricStrategy(PdistFabricStrategy):
         return self.consensus_weights()
 
     @override
-    def pdist_state_dict(self) -> dict:
-        state = super().pdist_state_dict()
-        state.update(step=self.step, **self.config.checkpoint_fields(self.plan))
-        return state
-
-    @override
-    def load_pdist_state_dict(self, state: dict) -> None:
-        super().load_pdist_state_dict(state)
-        self.step = int(state.get("step", 0))
-
-    @override
     def rank_state(self, objects: dict[str, Any]) -> dict | None:
         # Written at once (before the average is swapped in for the main file), so no copies are needed.
         return None if self.module is None else self.replica_objects_state(objects)
 
     @override
     def load_rank_state(self, state: dict | None, objects: dict[str, Any], reason: str) -> None:
-        if state is None:
-            rank_zero_warn(f"{type(self).__name__}: {reason}; every rank resumes from the average of the ranks and "
-                           "rank 0's optimizer state")  # fmt: skip
-            return
-        self.load_replica_objects_state(state, objects)
+        self.load_replica_or_warn(state, objects, reason, resumes_from="the average of the ranks")

@@ -37,21 +37,21 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pdist.core.collectives import all_reduce_mean_
-from lightning_pdist.core.config import refuse_owned_ddp_args
+from lightning_pdist.core.config import OwnedDDPArguments
 from lightning_pdist.core.flat import flatten, unflatten_into_
 from lightning_pdist.core.nonfinite import all_finite
 from lightning_pdist.core.guard import optimizer_grads
 from lightning_pdist.core.momentum import compensate_optimizers, implicit_momentum
 from lightning_pdist.core.consensus import ReplicaEvaluation
 from lightning_pdist.core.strategy import PdistStrategy, register_variants
-from lightning_pdist.decentralized.config import DecentralizedConfig, RankPlan
+from lightning_pdist.decentralized.config import DecentralizedConfig, GossipRecord, RankPlan
 from lightning_pdist.decentralized.gossip import NeighbourExchange, PassiveServer, average_with, send_stop
 from lightning_pdist.decentralized.topology import mix, pick_partner
 
 __all__ = ["DecentralizedStrategy"]
 
 
-class DecentralizedStrategy(ReplicaEvaluation, PdistStrategy):
+class DecentralizedStrategy(GossipRecord, ReplicaEvaluation, OwnedDDPArguments, PdistStrategy):
     """Decentralized SGD: D-PSGD (``mode="sync"``, ``"dpsgd"``) or AD-PSGD (``mode="async"``, ``"adpsgd"``).
 
     D-PSGD (Lian et al. 2017, Algorithm 1): ``x_i(t+1) = Σ_j W_ij x_j(t) − γ ∇F_i(x_i(t))`` for SGD (any optimizer
@@ -80,18 +80,16 @@ class DecentralizedStrategy(ReplicaEvaluation, PdistStrategy):
     """
 
     strategy_name = "dpsgd"
+    owned_reason = "{owner} owns all communication (there is no gradient all-reduce)"
     consensus_name = "the average of the ranks"
     wraps_in_ddp = False  # no DistributedDataParallel: no find_unused_parameters variants
 
     def __init__(self, topology: Any = "ring", mode: str = "sync", implicit_momentum: str | None = None,
                  torus_shape: tuple[int, int] | None = None, seed: int = 0, nonfinite: str = "raise",
                  **kwargs: Any) -> None:  # fmt: skip
-        owner = type(self).__name__
-        refuse_owned_ddp_args(owner, kwargs, f"{owner} owns all communication (there is no gradient all-reduce)")
         self.config = DecentralizedConfig(topology=topology, mode=mode, implicit_momentum=implicit_momentum,
-                                          torus_shape=torus_shape, seed=seed, owner=owner)  # fmt: skip
-        super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
-                         model_averaging_period=None, **kwargs)  # fmt: skip
+                                          torus_shape=torus_shape, seed=seed, owner=type(self).__name__)
+        super().__init__(nonfinite=nonfinite, **kwargs)  # OwnedDDPArguments refuses and hides DDP's comm-hook arguments
         self.step = 0
         self.plan: RankPlan | None = None
         self._group: dist.ProcessGroup | None = None
@@ -309,14 +307,7 @@ class DecentralizedStrategy(ReplicaEvaluation, PdistStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def pdist_state_dict(self) -> dict:
-        state = super().pdist_state_dict()
-        state.update(step=self.step, mode=self.mode, **self.config.checkpoint_fields(self.plan))
-        return state
-
-    @override
-    def load_pdist_state_dict(self, state: dict) -> None:
-        super().load_pdist_state_dict(state)
-        self.step = int(state.get("step", 0))
+        return super().pdist_state_dict() | {"mode": self.mode}  # with GossipRecord's step and topology
 
     @override
     def replica_state(self) -> dict:

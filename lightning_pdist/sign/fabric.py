@@ -23,16 +23,13 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pdist.sign.llr import DEFAULT_MAX_WEIGHT
-from lightning_pdist.sign.hooks import SignSGDState
-from lightning_pdist.core.fabric import PdistFabricStrategy
-from lightning_pdist.core.strategy import register_variants
-from lightning_pdist.sign.config import REGISTERED_NAMES, SignSGDConfig, hook_rank_state, load_hook_rank_state
+from lightning_pdist.core.fabric import NoSkipStep, PdistFabricStrategy
+from lightning_pdist.sign.config import SignSGDArguments
 
 __all__ = ["SignSGDFabricStrategy"]
 
 
-class SignSGDFabricStrategy(PdistFabricStrategy):
+class SignSGDFabricStrategy(SignSGDArguments, NoSkipStep, PdistFabricStrategy):
     """Sign voting: every rank sends one bit per coordinate and applies the voted sign ``U``.
 
     The rule of :class:`~lightning_pdist.sign.strategy.SignSGDStrategy`::
@@ -61,41 +58,8 @@ class SignSGDFabricStrategy(PdistFabricStrategy):
     """
 
     strategy_name = "signsgd_mv"
+    registered_description = "{description} (Lightning Fabric): SignSGDFabricStrategy(aggregation={aggregation!r})"
     one_rank_behaviour = "each step applies lr * sign(grad) (signSGD) and sends nothing"
-
-    def __init__(
-        self,
-        aggregation: str = "majority",
-        warmup_rounds: int = 10,
-        estimator: str = "worker",
-        decay: float = 1.0,
-        max_weight: float = DEFAULT_MAX_WEIGHT,
-        negative_weights: bool = False,
-        momentum: float = 0.0,
-        error_feedback: bool = False,
-        nonfinite: str = "raise",
-        scale: str = "unit",
-        **kwargs: Any,
-    ) -> None:
-        owner = type(self).__name__
-        self.config = SignSGDConfig.of_strategy(
-            owner, kwargs, aggregation=aggregation, warmup_rounds=warmup_rounds, estimator=estimator, decay=decay,
-            max_weight=max_weight, negative_weights=negative_weights, momentum=momentum, error_feedback=error_feedback,
-            nonfinite=nonfinite, scale=scale,
-        )  # fmt: skip
-        if nonfinite == "skip_step":
-            raise ValueError(f"{owner}(nonfinite='skip_step'): under Fabric your loop calls optimizer.step(), so the "
-                             "strategy cannot skip it; use 'raise' (every rank raises in that backward) or 'propagate' "
-                             "and skip the step in your loop when a gradient is not finite")  # fmt: skip
-        ignored = self.config.ignored_llr_warning()
-        if ignored:
-            rank_zero_warn(ignored)
-        super().__init__(**kwargs)
-        self.hook_state: SignSGDState | None = None
-
-    @property
-    def aggregation(self) -> str:
-        return self.config.aggregation
 
     @override
     def check_setup(self, module: Module) -> None:
@@ -122,24 +86,10 @@ class SignSGDFabricStrategy(PdistFabricStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     @override
-    def pdist_state_dict(self) -> dict:
-        state = super().pdist_state_dict()
-        state["config"] = self.config.as_dict()
-        return state
-
-    @override
     def rank_state(self, objects: dict[str, Any]) -> dict | None:
-        return hook_rank_state(self.hook_state)
+        return self.hook_rank_state()
 
     @override
     def load_rank_state(self, state: dict | None, objects: dict[str, Any], reason: str) -> None:
-        warning = load_hook_rank_state(self.hook_state, state, reason, type(self).__name__)
-        if warning:
-            rank_zero_warn(warning)
+        self.load_hook_rank_state(state, reason)
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, (aggregation, description) in REGISTERED_NAMES.items():
-            description = f"{description} (Lightning Fabric): SignSGDFabricStrategy(aggregation={aggregation!r})"
-            register_variants(strategy_registry, cls, name, description, aggregation=aggregation)

@@ -21,20 +21,17 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_pdist.sign.config import (MAX_SIGN_STEP, REGISTERED_NAMES, SUGGESTED_SIGN_STEP, SignSGDConfig,
-                                         hook_rank_state, load_hook_rank_state)  # fmt: skip
-from lightning_pdist.sign.hooks import SignSGDState
-from lightning_pdist.sign.llr import DEFAULT_MAX_WEIGHT
+from lightning_pdist.sign.config import MAX_SIGN_STEP, SUGGESTED_SIGN_STEP, SignSGDArguments, SignSGDConfig
 from lightning_pdist.sign.overflow import LossScaledRound
 from lightning_pdist.sign.stats import take_vote_diagnostics
 from lightning_pdist.sign.precision import SignMixedPrecision
-from lightning_pdist.core.strategy import PdistStrategy, register_variants
-from lightning_pdist.core.config import refuse_owned_ddp_args
+from lightning_pdist.core.strategy import PdistStrategy
+from lightning_pdist.core.config import OwnedDDPArguments
 
 __all__ = ["MAX_SIGN_STEP", "SUGGESTED_SIGN_STEP", "SignSGDConfig", "SignSGDStrategy"]
 
 
-class SignSGDStrategy(PdistStrategy):
+class SignSGDStrategy(SignSGDArguments, OwnedDDPArguments, PdistStrategy):
     """Sign voting: every rank sends one bit per coordinate and applies the voted sign ``U``.
 
     Update rule, with ``M`` ranks, ``Y_m = sign(v_m)`` the sign of rank ``m``'s vector ``v_m``
@@ -88,53 +85,16 @@ class SignSGDStrategy(PdistStrategy):
     """
 
     strategy_name = "signsgd_mv"
-
-    def __init__(
-        self,
-        aggregation: str = "majority",
-        warmup_rounds: int = 10,
-        estimator: str = "worker",
-        decay: float = 1.0,
-        max_weight: float = DEFAULT_MAX_WEIGHT,
-        negative_weights: bool = False,
-        momentum: float = 0.0,
-        error_feedback: bool = False,
-        nonfinite: str = "raise",
-        scale: str = "unit",
-        **kwargs: Any,
-    ) -> None:
-        owner = type(self).__name__
-        refuse_owned_ddp_args(owner, kwargs, f"{owner} owns gradient communication (the sign vote)")
-        self.config = SignSGDConfig.of_strategy(
-            owner, kwargs, aggregation=aggregation, warmup_rounds=warmup_rounds, estimator=estimator, decay=decay,
-            max_weight=max_weight, negative_weights=negative_weights, momentum=momentum, error_feedback=error_feedback,
-            nonfinite=nonfinite, scale=scale,
-        )  # fmt: skip
-        ignored = self.config.ignored_llr_warning()
-        if ignored:
-            rank_zero_warn(ignored)
-        super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
-                         model_averaging_period=None, **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
-        self.hook_state: SignSGDState | None = None
-        self._round: LossScaledRound | None = None  # nonfinite raise/skip_step without a scaler: one per backward pass
-        self._nonfinite_ranks: set[int] = set()  # ranks the passes since the last step found non-finite
-
-    @property
-    def aggregation(self) -> str:
-        return self.config.aggregation
+    registered_description = "{description}: 1-bit sign voting (SignSGDStrategy(aggregation={aggregation!r}))"
+    owned_reason = "{owner} owns gradient communication (the sign vote)"
+    _round: LossScaledRound | None = None  # nonfinite raise/skip_step without a scaler: one per backward pass
+    _nonfinite_ranks: set[int] | frozenset[int] = frozenset()  # ranks the passes since the last step found non-finite
 
     @classmethod
     @override
     def registered_name(cls, strategy: PdistStrategy | None = None) -> str:
         llr = strategy is not None and strategy.config.aggregation == "llr"
         return "it_signsgd" if llr else "signsgd_mv"
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, (aggregation, description) in REGISTERED_NAMES.items():
-            description = f"{description}: 1-bit sign voting (SignSGDStrategy(aggregation={aggregation!r}))"
-            register_variants(strategy_registry, cls, name, description, aggregation=aggregation)
 
     # ------------------------------------------------------------------ comm hook
     @override
@@ -206,19 +166,9 @@ class SignSGDStrategy(PdistStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     @override
-    def pdist_state_dict(self) -> dict:
-        state = super().pdist_state_dict()
-        state["config"] = self.config.as_dict()
-        return state
-
-    @override
     def pdist_rank_state(self) -> dict | None:
-        # Each rank holds different buffers (its residual, its momentum, its slice of the per-coordinate
-        # statistics): each writes its own file (None on every rank when no model was wrapped for training).
-        return hook_rank_state(self.hook_state)
+        return self.hook_rank_state()
 
     @override
     def load_pdist_rank_state(self, state: dict | None, reason: str = "") -> None:
-        warning = load_hook_rank_state(self.hook_state, state, reason, type(self).__name__)
-        if warning:
-            rank_zero_warn(warning)
+        self.load_hook_rank_state(state, reason)
