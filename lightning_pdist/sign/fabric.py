@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pdist.core.fabric import NoSkipStep, PdistFabricStrategy
-from lightning_pdist.sign.config import SignSGDArguments
+from lightning_pdist.sign.arguments import SignSGDArguments
 
 __all__ = ["SignSGDFabricStrategy"]
 

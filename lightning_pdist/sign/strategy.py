@@ -21,7 +21,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_pdist.sign.config import MAX_SIGN_STEP, SUGGESTED_SIGN_STEP, SignSGDArguments, SignSGDConfig
+from lightning_pdist.sign.arguments import SignSGDArguments
+from lightning_pdist.sign.config import MAX_SIGN_STEP, SUGGESTED_SIGN_STEP, SignSGDConfig
 from lightning_pdist.sign.overflow import LossScaledRound
 from lightning_pdist.sign.stats import take_vote_diagnostics
 from lightning_pdist.sign.precision import SignMixedPrecision
