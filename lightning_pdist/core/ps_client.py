@@ -33,7 +33,8 @@ from torch import Tensor
 from lightning_pdist.core.ps_auth import CLIENT_LABEL, NONCE_BYTES, SERVER_LABEL, check_secret, new_nonce, proof, verify
 from lightning_pdist.core.ps_wire import Kind, PeerClosed, bytes_to_tensor, recv_message, send_message
 
-__all__ = ["WAIT_GRACE", "ParameterServerClient", "ServerConnection", "ServerError", "ServerUnavailable", "WorkerStalled"]
+__all__ = ["WAIT_GRACE", "ParameterServerClient", "ServerConnection", "ServerError", "ServerUnavailable", "WorkerStalled",
+           "group_hparams"]
 
 #: Seconds a waiting request's reply may take beyond ``timeout``: the server answers at ``timeout`` when other
 #: workers hold it back (naming them); only a server that has not answered by ``timeout + WAIT_GRACE`` is blamed.
@@ -377,3 +378,24 @@ class ParameterServerClient:
         for pool in (getattr(self, "_pool", None), getattr(self, "_chunk_pool", None)):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+
+
+def group_hparams(group: dict, where: str) -> dict:
+    """A param group's hyperparameters as the servers rebuild the optimizer from them (JSON values only)."""
+    out = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, tuple):
+            value = list(value)
+        if value is None or isinstance(value, (bool, int, float, str)) or (
+            isinstance(value, list) and all(isinstance(v, (int, float)) for v in value)
+        ):
+            out[key] = value
+        else:
+            raise TypeError(
+                f"{where} has {key}={value!r}; the servers rebuild the optimizer from numbers, strings and booleans only"
+            )
+    return out

@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from lightning_pdist.parameter_server.chunks import chunk_bounds
 from lightning_pdist.parameter_server.sharding import ShardingPlan
 
-__all__ = ["OptimizerLayout", "accumulate_grads", "group_hparams", "numeric_hparams"]
+__all__ = ["OptimizerLayout", "accumulate_grads", "numeric_hparams"]
 
 
 class OptimizerLayout:
@@ -131,27 +131,6 @@ def accumulate_grads(total: dict[str, Tensor | None] | None, grads: Mapping[str,
             out[name] = grad.detach().clone()
         else:
             out[name].add_(grad)
-    return out
-
-
-def group_hparams(group: dict, where: str) -> dict:
-    """A param group's hyperparameters as the servers rebuild the optimizer from them (JSON values only)."""
-    out = {}
-    for key, value in group.items():
-        if key == "params":
-            continue
-        if isinstance(value, Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, tuple):
-            value = list(value)
-        if value is None or isinstance(value, (bool, int, float, str)) or (
-            isinstance(value, list) and all(isinstance(v, (int, float)) for v in value)
-        ):
-            out[key] = value
-        else:
-            raise TypeError(
-                f"{where} has {key}={value!r}; the servers rebuild the optimizer from numbers, strings and booleans only"
-            )
     return out
 
 

@@ -34,7 +34,8 @@ from typing_extensions import override
 from lightning_pdist.core.accounting import all_reduce_bytes
 from lightning_pdist.core.strategy import PdistStrategy
 from lightning_pdist.core.ps_client import ParameterServerClient
-from lightning_pdist.parameter_server.layout import group_hparams, numeric_hparams
+from lightning_pdist.core.ps_client import group_hparams
+from lightning_pdist.parameter_server.layout import numeric_hparams
 from lightning_pdist.parameter_server.parallax import RowPlan, sparse_parameter_names
 from lightning_pdist.parameter_server.parallax_rows import SPARSE_OPTIMIZERS, pack_rows
 from lightning_pdist.parameter_server.strategy import ParameterServerStrategy

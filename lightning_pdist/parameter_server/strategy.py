@@ -54,12 +54,12 @@ from lightning_pdist.core.nonfinite import all_finite, nonfinite_error
 from lightning_pdist.parameter_server.sharding import ShardingPlan, param_specs, plan_sharding
 from lightning_pdist.core.accounting import all_reduce_bytes
 from lightning_pdist.core.ps_auth import read_secret_file
-from lightning_pdist.core.ps_client import ParameterServerClient
+from lightning_pdist.core.ps_client import ParameterServerClient, group_hparams
 from lightning_pdist.parameter_server.chunks import MAX_CHUNKS
 from lightning_pdist.parameter_server.coded_push import PushCompressor
 from lightning_pdist.core.compression import Compressor
 from lightning_pdist.parameter_server.elastic_worker import ElasticWorkerMixin
-from lightning_pdist.parameter_server.layout import OptimizerLayout, accumulate_grads, group_hparams, numeric_hparams
+from lightning_pdist.parameter_server.layout import OptimizerLayout, accumulate_grads, numeric_hparams
 from lightning_pdist.parameter_server.placement import check_placement, placed_nodes, start_servers, stop_servers
 from lightning_pdist.parameter_server.process import ServerProcess
 from lightning_pdist.parameter_server.server import ELEMENTWISE_OPTIMIZERS, STALENESS_BUCKETS

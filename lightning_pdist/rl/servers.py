@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_pdist.core.ps_client import ParameterServerClient
+from lightning_pdist.core.ps_client import ParameterServerClient, group_hparams
 from lightning_pdist.core.ps_wire import Kind, dumps_state, loads_state
 
-__all__ = ["ServerGroup", "bounds", "group_hparams", "segments"]
+__all__ = ["ServerGroup", "bounds", "segments"]
 
 _PR_SET_PDEATHSIG = 1
 #: A started server's idle timeout (seconds without a message). Only a backstop: each server dies with its learner
@@ -65,18 +65,6 @@ def segments(group_sizes: list[tuple[int, int]], start: int, stop: int) -> list[
             else:
                 out.append([0, group, hi - lo])
         offset += numel
-    return out
-
-
-def group_hparams(group: dict) -> dict:
-    """A param group's hyperparameters as JSON values (the servers rebuild the optimizer from them)."""
-    out = {}
-    for key, value in group.items():
-        if key == "params":
-            continue
-        if isinstance(value, Tensor) and value.numel() == 1:
-            value = value.item()
-        out[key] = list(value) if isinstance(value, tuple) else value
     return out
 
 
@@ -140,8 +128,8 @@ class ServerGroup:
     def init(self, client: ParameterServerClient, flat: Tensor, group_sizes: list[tuple[int, int]],
              optimizer: torch.optim.Optimizer, num_learners: int) -> None:  # fmt: skip
         """One ``INIT`` per server: mode ``async``, its shard of ``flat``, the optimizer it runs on it."""
-        optimizers = [{"name": type(optimizer).__name__,
-                       "param_groups": [group_hparams(g) for g in optimizer.param_groups]}]  # fmt: skip
+        groups = [group_hparams(g, f"{self.owner}: param group {i}") for i, g in enumerate(optimizer.param_groups)]
+        optimizers = [{"name": type(optimizer).__name__, "param_groups": groups}]
         parts = bounds(flat.numel(), len(self.procs))
         metas = [{"mode": "async", "num_workers": num_learners, "dtype": str(flat.dtype), "optimizers": optimizers,
                   "segments": segments(group_sizes, a, b)} for a, b in parts]  # fmt: skip
