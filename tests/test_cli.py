@@ -79,7 +79,36 @@ SHELL_ARGUMENTS = {
     "DecentralizedStrategy": {"topology": "ring", "mode": "sync", "implicit_momentum": None, "torus_shape": None,
                               "seed": 0, "nonfinite": "raise"},
     "DecentralizedFabricStrategy": {"topology": "ring", "torus_shape": None},
+    "ParameterServerStrategy": {"num_servers": None, "sharding": "memory", "mode": "sync", "staleness": 0,
+                                "backup_workers": 0, "push_every": 1, "pull_every": 1, "delay_compensation": 0.0,
+                                "partition_bytes": None, "server_host": None, "server_port": None,
+                                "server_addresses": None, "server_secret_file": None, "allowed_networks": None,
+                                "server_timeout": 300.0, "easgd_period": None, "easgd_alpha": None,
+                                "implicit_momentum": None, "chunk_bytes": None, "chunks_in_flight": None,
+                                "reply_buffer_bytes": None, "nonfinite": "raise", "compression": None},
+    "SandblasterStrategy": {"portions": None, "backup_portions": 0, "num_servers": None, "sharding": "memory",
+                            "partition_bytes": None, "server_host": None, "server_port": None, "server_addresses": None,
+                            "server_secret_file": None, "allowed_networks": None, "server_timeout": 300.0},
+    "PipelineStrategy": {"num_stages": None, "schedule": "1f1b", "num_microbatches": None, "balance": None,
+                         "split_points": None, "network": None, "vertical_sync": False, "weight_stashing": True,
+                         "max_message_bytes": 1 << 31, "nonfinite": "raise", "synthetic_gradients": False,
+                         "synthetic_module": None, "synthetic_optimizer": None, "synthetic_normalize": True,
+                         "synthetic_conditioning": None, "synthetic_num_classes": None, "post_ahead": False},
+    "HogwildStrategy": {"lock": False, "variance_reduction": None, "snapshot_every_epochs": 1, "implicit_momentum": None,
+                        "nonfinite": "raise"},
+    "DiLoCoStrategy": {"sync_every": 100, "outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9,
+                       "outer_kwargs": None, "nonfinite": "raise", "fault_tolerant": False, "lighthouse": None,
+                       "replica_id": None, "min_replicas": 1, "ft_timeout": 60.0},
+    "StreamingDiLoCoStrategy": {"sync_every": 100, "num_fragments": 2, "fragments": None, "overlap_steps": 0,
+                                "fragment_alpha": 0.0, "quantize": None, "balance": "layers",
+                                "outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9,
+                                "outer_kwargs": None, "nonfinite": "raise"},
 }  # fmt: skip
+#: Shells whose view is their own arguments alone, without DDP's: DiLoCo's constructors hand ``kwargs`` to
+#: ``_init_rounds`` as a dict, which jsonargparse does not follow (with ``**kwargs`` it would, but it then reads
+#: ``super()`` from the inspected class, and StreamingDiLoCoStrategy's view would offer DiLoCo's ``fault_tolerant``,
+#: which it refuses). ParallaxStrategy is not listed: its docstring gives ``sparse_params`` no help.
+OWN_ARGUMENTS_ONLY = {"DiLoCoStrategy", "StreamingDiLoCoStrategy"}
 
 
 @pytest.mark.parametrize("name", sorted(SHELL_ARGUMENTS))
@@ -101,7 +130,10 @@ def test_jsonargparse_sees_each_shells_arguments_and_ddps(name):
     defaults = parser.get_defaults()["s"]
     assert {arg: defaults[arg] for arg in own} == pytest.approx(own)
     assert "Fabric" in name or all(actions[arg].help for arg in own), "LightningCLI's --help documents each one"
-    assert defaults["timeout"] == default_pg_timeout and defaults["process_group_backend"] is None
+    if name in OWN_ARGUMENTS_ONLY:
+        assert list(actions) == list(own)
+    else:
+        assert defaults["timeout"] == default_pg_timeout and defaults["process_group_backend"] is None
     assert not set(OWNED_DDP_ARGS) & set(actions)
 
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["OWNED_DDP_ARGS", "ConfigErrors", "OwnedDDPArguments", "is_int", "refuse_owned_ddp_args",
-           "register_variants"]
+__all__ = ["OWNED_DDP_ARGS", "ConfigErrors", "OwnedDDPArguments", "is_int", "register_variants"]
 
 #: DDPStrategy arguments that configure gradient communication, which our strategies replace.
 OWNED_DDP_ARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
@@ -20,34 +19,33 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def refuse_owned_ddp_args(owner: str, kwargs: dict[str, Any], reason: str) -> None:
-    """``ValueError`` naming the first DDP gradient-communication argument set in ``kwargs``; removes the unset ones.
-
-    The caller then passes every :data:`OWNED_DDP_ARGS` name to ``super().__init__`` explicitly as ``None``
-    (``super().__init__(ddp_comm_state=None, ..., **kwargs)``): jsonargparse, which builds LightningCLI's options
-    by following ``**kwargs``, leaves out arguments a class gives explicitly, so ``--trainer.strategy.help``
-    does not offer the arguments the strategy refuses.
-    """
-    for name in OWNED_DDP_ARGS:
-        if kwargs.get(name) is not None:
-            raise ValueError(f"{owner}({name}={kwargs[name]!r}): {reason}; {name} must be left unset")
-    for name in OWNED_DDP_ARGS:
-        kwargs.pop(name, None)
-
-
 class OwnedDDPArguments:
     """Mixin of the Trainer strategies that own gradient communication, placed between a family's arguments class
-    and ``PdistStrategy``: it refuses a set :data:`OWNED_DDP_ARGS` argument (:func:`refuse_owned_ddp_args`, the reason
-    from :attr:`owned_reason`) and passes each to ``super().__init__`` as None, so LightningCLI does not offer them."""
+    and ``PdistStrategy``: a set :data:`OWNED_DDP_ARGS` argument is refused, ``ValueError`` naming the first one,
+    the reason from :attr:`owned_reason`; each is then passed to ``super().__init__`` explicitly as None.
+
+    jsonargparse, which builds LightningCLI's options by following ``**kwargs``, leaves out arguments a class gives
+    explicitly, so ``--trainer.strategy.help`` does not offer the arguments the strategy refuses.
+    """
 
     #: The refusal's reason; ``{owner}`` is the class name.
     owned_reason = "{owner} owns gradient communication"
 
     def __init__(self, **kwargs: Any) -> None:
-        owner = type(self).__name__
-        refuse_owned_ddp_args(owner, kwargs, self.owned_reason.format(owner=owner))
+        self._refuse_owned(kwargs)
         super().__init__(ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None, model_averaging_period=None,
                          **kwargs)
+
+    def _refuse_owned(self, kwargs: dict[str, Any]) -> None:
+        """``ValueError`` naming the first owned argument set in ``kwargs``; removes the unset ones. Not inlined in
+        ``__init__``: jsonargparse reads that loop's ``kwargs.pop`` there, then offers the owned arguments and loses
+        DDP's (``tests/test_cli.py`` checks the view)."""
+        owner = type(self).__name__
+        for name in OWNED_DDP_ARGS:
+            if kwargs.get(name) is not None:
+                reason = self.owned_reason.format(owner=owner)
+                raise ValueError(f"{owner}({name}={kwargs[name]!r}): {reason}; {name} must be left unset")
+            kwargs.pop(name, None)
 
 
 class ConfigErrors:

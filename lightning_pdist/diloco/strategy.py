@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pdist.core.config import refuse_owned_ddp_args
+from lightning_pdist.core.config import OwnedDDPArguments
 from lightning_pdist.core.flat import flatten
 from lightning_pdist.core.guard import global_step
 from lightning_pdist.core.hooks import AllReduceState, periodic_allreduce_hook
@@ -54,7 +54,7 @@ from lightning_pdist.diloco.rounds import Rounds
 __all__ = ["DiLoCoStrategy"]
 
 
-class DiLoCoStrategy(ScheduleFields, TrainingSteps, ReplicaEvaluation, PdistStrategy):
+class DiLoCoStrategy(ScheduleFields, TrainingSteps, ReplicaEvaluation, OwnedDDPArguments, PdistStrategy):
     """DiLoCo: ``H`` local steps of the module's optimizer, then an outer optimizer step on the pseudo-gradient.
 
     Douillard et al., *DiLoCo: Distributed Low-Communication Training of Language Models*, arXiv 2311.08105. Every
@@ -92,6 +92,7 @@ class DiLoCoStrategy(ScheduleFields, TrainingSteps, ReplicaEvaluation, PdistStra
 
     strategy_name = "diloco"
     consensus_name = "the global model"
+    owned_reason = "{owner} owns communication (it never all-reduces gradients)"
 
     def __init__(self, sync_every: int = 100, outer_optimizer: Any = "nesterov", outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, outer_kwargs: dict | None = None, nonfinite: str = "raise",
@@ -111,9 +112,7 @@ class DiLoCoStrategy(ScheduleFields, TrainingSteps, ReplicaEvaluation, PdistStra
         kwargs_in = {} if outer_kwargs is None else outer_kwargs
         self.config = OuterConfig(outer_optimizer, outer_lr, outer_momentum, kwargs_in, owner=owner)
         self.schedule = schedule
-        refuse_owned_ddp_args(owner, kwargs, f"{owner} owns communication (it never all-reduces gradients)")
-        super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
-                         model_averaging_period=None, **kwargs)  # fmt: skip
+        super().__init__(nonfinite=nonfinite, **kwargs)  # OwnedDDPArguments refuses and hides DDP's comm-hook arguments
         self.rounds = Rounds(schedule, self.config, fragments, owner)
         self.rounds.check = self._refuse_nonfinite_mean
         self.rounds.note = lambda norm: self._diagnostics.note("pdist/diloco/outer_grad_norm", norm)

@@ -68,7 +68,7 @@ from lightning_pdist.core.control_group import ControlGroup
 from lightning_pdist.core.control_collectives import ControlGroupCollectives
 from lightning_pdist.parameter_server.precision import ParameterServerMixedPrecision
 from lightning_pdist.core.strategy import PdistStrategy
-from lightning_pdist.core.config import refuse_owned_ddp_args
+from lightning_pdist.core.config import OwnedDDPArguments
 from lightning_pdist.core.guard import SkipStep, global_step
 from lightning_pdist.core.momentum import compensate_optimizers
 from lightning_pdist.parameter_server.config import DEFAULT_CHUNKS_IN_FLIGHT, DEFAULT_REPLY_BUFFER_BYTES, ParameterServerConfig
@@ -76,7 +76,7 @@ from lightning_pdist.core.run_logging import log_histogram
 
 __all__ = ["ParameterServerConfig", "ParameterServerStrategy"]
 
-class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, PdistStrategy):
+class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, OwnedDDPArguments, PdistStrategy):
     """Data-parallel training through dedicated parameter-server processes.
 
     Servers hold the parameters, sharded by :func:`~lightning_pdist.parameter_server.sharding.plan_sharding`, and
@@ -159,6 +159,7 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
     progress_bar_keys = {"pdist/ps/wait_s": ("wait", "s")}  # time blocked on the servers, beside comm=
     wraps_in_ddp = False  # gradients go to the servers, not through DDP: no find_unused_parameters variants
     compression_use = "pushes"
+    owned_reason = "gradients go to the parameter servers"
 
     def __init__(
         self,
@@ -198,7 +199,6 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
             raise ValueError(f"{owner}(compression={compression!r}, mode='easgd'): compression compresses gradient "
                              "pushes, and mode='easgd' pushes none (its workers exchange parameters with the center); "
                              "use mode='sync', 'async' or 'ssp', or compression=None")  # fmt: skip
-        refuse_owned_ddp_args(owner, kwargs, "gradients go to the parameter servers")
         self.config = ParameterServerConfig(
             num_servers=num_servers, sharding=sharding, mode=mode, staleness=staleness, backup_workers=backup_workers,
             push_every=push_every, pull_every=pull_every, delay_compensation=delay_compensation,
@@ -208,8 +208,8 @@ class ParameterServerStrategy(ElasticWorkerMixin, ControlGroupCollectives, Pdist
             easgd_alpha=easgd_alpha, implicit_momentum=implicit_momentum, chunk_bytes=chunk_bytes,
             chunks_in_flight=chunks_in_flight, reply_buffer_bytes=reply_buffer_bytes, owner=owner,
         )  # fmt: skip
-        super().__init__(nonfinite=nonfinite, compression=compression, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
-                         model_averaging_period=None, **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
+        # OwnedDDPArguments refuses and hides DDP's comm-hook arguments
+        super().__init__(nonfinite=nonfinite, compression=compression, **kwargs)
         if server_addresses is not None and server_secret_file is None:
             rank_zero_warn(f"{owner}(server_addresses={list(server_addresses)!r}, server_secret_file=None): these servers "
                            "are unauthenticated; any process that reaches them (on a shared node, any user's) can push "

@@ -57,14 +57,14 @@ from lightning_pdist.pipeline.p2p import P2P
 from lightning_pdist.pipeline.precision import PipelineMixedPrecision
 from lightning_pdist.pipeline.spectrain import check_momentum, predicted_weights
 from lightning_pdist.core.strategy import PdistStrategy, register_variants
-from lightning_pdist.core.config import refuse_owned_ddp_args
+from lightning_pdist.core.config import OwnedDDPArguments
 from lightning_pdist.core.guard import SkipStep
 from lightning_pdist.pipeline.log_mirror import LogRecorder, aggregate, replay
 from lightning_pdist.pipeline.stages import NetworkInput, OwnedSplit, StageSplit, batch_size_of, make_split, split_batch
 
 __all__ = ["PipelineConfig", "PipelineStrategy"]
 
-class PipelineStrategy(PdistStrategy):
+class PipelineStrategy(OwnedDDPArguments, PdistStrategy):
     """Pipeline-parallel training of an ``nn.Sequential`` network, optionally replicated (pipeline × data parallel).
 
     Schedules (:mod:`lightning_pdist.pipeline.schedule` has the rules, the method card the timelines):
@@ -165,6 +165,7 @@ class PipelineStrategy(PdistStrategy):
 
     strategy_name = "pipeline"
     wraps_in_ddp = False  # no DistributedDataParallel: no find_unused_parameters variants
+    owned_reason = "the pipeline moves activations, not DDP buckets"
 
     def __init__(
         self,
@@ -188,7 +189,6 @@ class PipelineStrategy(PdistStrategy):
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
-        refuse_owned_ddp_args(owner, kwargs, "the pipeline moves activations, not DDP buckets")
         if split_points == "auto":
             split_points = None  # balanced by parameters, as when none are given
         if split_points is not None and not isinstance(split_points, (list, tuple)):
@@ -206,8 +206,7 @@ class PipelineStrategy(PdistStrategy):
         if not weight_stashing:
             rank_zero_warn(f"{owner}(weight_stashing=False): backwards will use newer weights than their forwards "
                            "(PipeDream's no-stashing ablation); gradients are not those of any one weight version")  # fmt: skip
-        super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
-                         model_averaging_period=None, **kwargs)  # owned, so given here: LightningCLI does not offer what is given  # fmt: skip
+        super().__init__(nonfinite=nonfinite, **kwargs)  # OwnedDDPArguments refuses and hides DDP's comm-hook arguments
         self.num_stages, self.schedule, self.num_microbatches = num_stages, schedule, num_microbatches
         self.split: StageSplit | OwnedSplit | None = None
         self.executor: StageExecutor | None = None

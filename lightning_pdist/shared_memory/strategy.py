@@ -30,7 +30,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_pdist.core.config import refuse_owned_ddp_args
+from lightning_pdist.core.config import OwnedDDPArguments
 from lightning_pdist.core.guard import float_buffers
 from lightning_pdist.core.nonfinite import grads_finite
 from lightning_pdist.core.guard import optimizer_grads
@@ -46,7 +46,7 @@ from lightning_pdist.shared_memory.svrg import snapshot_due, variance_reduced
 __all__ = ["HogwildStrategy"]
 
 
-class HogwildStrategy(ControlGroupCollectives, PdistStrategy):
+class HogwildStrategy(ControlGroupCollectives, OwnedDDPArguments, PdistStrategy):
     """Hogwild!/HogBatch: lock-free optimizer steps of N processes on parameters in shared memory (one machine, CPU).
 
     Args:
@@ -69,16 +69,15 @@ class HogwildStrategy(ControlGroupCollectives, PdistStrategy):
 
     strategy_name = "hogwild"
     wraps_in_ddp = False
+    owned_reason = "Hogwild! has no gradient communication"
 
     def __init__(self, lock: bool = False, variance_reduction: str | None = None, snapshot_every_epochs: int = 1,
                  implicit_momentum: str | None = None, nonfinite: str = "raise", **kwargs: Any) -> None:  # fmt: skip
         owner = type(self).__name__
-        refuse_owned_ddp_args(owner, kwargs, "Hogwild! has no gradient communication")
         self.config = HogwildConfig(lock=lock, variance_reduction=variance_reduction, snapshot_every_epochs=snapshot_every_epochs,
                                     implicit_momentum=implicit_momentum, owner=owner)  # fmt: skip
         self.config.check_placement(1, kwargs.get("parallel_devices"))  # the nodes are checked when launching
-        super().__init__(nonfinite=nonfinite, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None,
-                         model_averaging_period=None, **kwargs)  # fmt: skip
+        super().__init__(nonfinite=nonfinite, **kwargs)  # OwnedDDPArguments refuses and hides DDP's comm-hook arguments
         self.lock, self.variance_reduction, self.snapshot_every_epochs = lock, variance_reduction, snapshot_every_epochs
         self.control_group: ControlGroup | None = None
         self.shared: SharedTensors | None = None
