@@ -18,7 +18,7 @@ from lightning_pdist.core.config import OWNED_DDP_ARGS
 
 # Strategies that own gradient communication and refuse DDP's hook arguments.
 OWNERS = ["BMUFStrategy", "EASGDStrategy", "LocalSGDStrategy", "SimuParallelSGDStrategy", "SignSGDStrategy",
-          "ParameterServerStrategy", "PipelineStrategy"]  # fmt: skip
+          "ParameterServerStrategy", "PipelineStrategy", "HogwildStrategy", "DiLoCoStrategy", "GorilaStrategy"]  # fmt: skip
 
 
 def _cli_output(args: list[str], capsys) -> str:
@@ -103,12 +103,14 @@ SHELL_ARGUMENTS = {
                                 "fragment_alpha": 0.0, "quantize": None, "balance": "layers",
                                 "outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9,
                                 "outer_kwargs": None, "nonfinite": "raise"},
+    "GorilaStrategy": {"num_actors": 1, "num_learners": None, "num_servers": 2, "epsilon": 0.1, "epsilon_alpha": 0.0,
+                       "n_step": 3, "gamma": 0.99, "batch_size": 32, "capacity": 50_000, "learning_starts": 500,
+                       "refresh_every": 16, "send_every": 16, "target_every": 500, "seed": 0, "deterministic": False,
+                       "actor_timeout": 120.0, "server_timeout": 120.0},
+    "ParallaxStrategy": {"sparse_params": None, "num_servers": None, "server_host": None, "server_port": None,
+                         "server_addresses": None, "server_secret_file": None, "allowed_networks": None,
+                         "server_timeout": 300.0},
 }  # fmt: skip
-#: Shells whose view is their own arguments alone, without DDP's: DiLoCo's constructors hand ``kwargs`` to
-#: ``_init_rounds`` as a dict, which jsonargparse does not follow (with ``**kwargs`` it would, but it then reads
-#: ``super()`` from the inspected class, and StreamingDiLoCoStrategy's view would offer DiLoCo's ``fault_tolerant``,
-#: which it refuses). ParallaxStrategy is not listed: its docstring gives ``sparse_params`` no help.
-OWN_ARGUMENTS_ONLY = {"DiLoCoStrategy", "StreamingDiLoCoStrategy"}
 
 
 @pytest.mark.parametrize("name", sorted(SHELL_ARGUMENTS))
@@ -130,10 +132,7 @@ def test_jsonargparse_sees_each_shells_arguments_and_ddps(name):
     defaults = parser.get_defaults()["s"]
     assert {arg: defaults[arg] for arg in own} == pytest.approx(own)
     assert "Fabric" in name or all(actions[arg].help for arg in own), "LightningCLI's --help documents each one"
-    if name in OWN_ARGUMENTS_ONLY:
-        assert list(actions) == list(own)
-    else:
-        assert defaults["timeout"] == default_pg_timeout and defaults["process_group_backend"] is None
+    assert defaults["timeout"] == default_pg_timeout and defaults["process_group_backend"] is None
     assert not set(OWNED_DDP_ARGS) & set(actions)
 
 

@@ -103,16 +103,19 @@ class DiLoCoStrategy(ScheduleFields, TrainingSteps, ReplicaEvaluation, OwnedDDPA
                                          ft_timeout)  # fmt: skip
         self.fault_tolerant, self.lighthouse, self.replica_id = fault_tolerant, lighthouse, replica_id
         self.min_replicas, self.ft_timeout = min_replicas, ft_timeout
-        self._init_rounds(schedule, outer_optimizer, outer_lr, outer_momentum, outer_kwargs, None, nonfinite, kwargs)
+        self._init_rounds(schedule, outer_optimizer, outer_lr, outer_momentum, outer_kwargs, None, nonfinite, **kwargs)
 
     def _init_rounds(self, schedule: StreamingSchedule, outer_optimizer: Any, outer_lr: float, outer_momentum: float,
                      outer_kwargs: dict | None, fragments: list[list[str]] | None, nonfinite: str,
-                     kwargs: dict) -> None:  # fmt: skip
+                     **kwargs: Any) -> None:  # fmt: skip
         owner = type(self).__name__
         kwargs_in = {} if outer_kwargs is None else outer_kwargs
         self.config = OuterConfig(outer_optimizer, outer_lr, outer_momentum, kwargs_in, owner=owner)
         self.schedule = schedule
-        super().__init__(nonfinite=nonfinite, **kwargs)  # OwnedDDPArguments refuses and hides DDP's comm-hook arguments
+        # super() as a bare call means this class's next one; spelled out, because jsonargparse reads a bare super() from
+        # the class it inspects (StreamingDiLoCoStrategy's next is DiLoCoStrategy, whose ft arguments it refuses). So
+        # LightningCLI offers DDP's arguments through **kwargs (OwnedDDPArguments hides the comm-hook ones).
+        super(DiLoCoStrategy, self).__init__(nonfinite=nonfinite, **kwargs)
         self.rounds = Rounds(schedule, self.config, fragments, owner)
         self.rounds.check = self._refuse_nonfinite_mean
         self.rounds.note = lambda norm: self._diagnostics.note("pdist/diloco/outer_grad_norm", norm)

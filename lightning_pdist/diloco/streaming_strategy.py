@@ -68,5 +68,5 @@ class StreamingDiLoCoStrategy(DiLoCoStrategy):
                                      fragment_alpha=fragment_alpha, quantize=quantize, balance=balance,
                                      owner=owner)  # fmt: skip
         names = None if fragments is None else [list(f) for f in fragments]
-        self._init_rounds(schedule, outer_optimizer, outer_lr, outer_momentum, outer_kwargs, names, nonfinite, kwargs)
+        self._init_rounds(schedule, outer_optimizer, outer_lr, outer_momentum, outer_kwargs, names, nonfinite, **kwargs)
         self.fragments = names

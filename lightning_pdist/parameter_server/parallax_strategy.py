@@ -51,9 +51,9 @@ class ParallaxStrategy(ParameterServerStrategy):
         sparse_params: names of 2-D parameters (rows first) to keep on the servers besides every
             ``nn.Embedding``/``nn.EmbeddingBag`` built with ``sparse=True``; ``None``: those alone. A module with no
             sparse parameter is refused when fit starts (before any server), naming the rule.
-        num_servers, server_host, server_port, server_addresses, server_secret_file, allowed_networks,
-        server_timeout: as :class:`~lightning_pdist.parameter_server.strategy.ParameterServerStrategy` (servers,
-            authentication, bounded frames, stalled workers named after ``server_timeout``).
+        num_servers: as :class:`~lightning_pdist.parameter_server.strategy.ParameterServerStrategy`, like the
+            server arguments that follow (servers, authentication, bounded frames, stalled workers named after
+            ``server_timeout``).
         **kwargs: ``DDPStrategy`` arguments (``start_method``, ``timeout``...); nothing is wrapped in DDP.
 
     The module's one optimizer must step sparse gradients: ``torch.optim.SGD`` or ``Adagrad`` with

@@ -131,13 +131,18 @@ class ApeXStrategy(LearnerLoop, SingleDeviceStrategy):
 
     Args:
         num_actors: actor processes (``N``).
-        alpha, beta, beta_steps: priority exponent (0: uniform); importance-sampling exponent at the first update,
-            annealed linearly to 1 over ``beta_steps`` updates.
-        epsilon, epsilon_alpha: actor ``i`` explores with ``ε_i = epsilon^(1 + epsilon_alpha·i/(N−1))``.
-        n_step, gamma: n-step returns with discount ``γ``.
-        batch_size, capacity, learning_starts: transitions per update, the replay's size (oldest evicted first), the
-            transitions it must hold before the first update.
-        refresh_every, send_every: environment steps between an actor's parameter pulls, and per message.
+        alpha: priority exponent (0: uniform).
+        beta: importance-sampling exponent at the first update, annealed linearly to 1 over ``beta_steps`` updates.
+        beta_steps: updates over which ``beta`` reaches 1.
+        epsilon: actor ``i`` explores with ``ε_i = epsilon^(1 + epsilon_alpha·i/(N−1))``.
+        epsilon_alpha: the exponent's spread across the actors (see ``epsilon``).
+        n_step: steps of the n-step returns.
+        gamma: their discount ``γ``.
+        batch_size: transitions per update.
+        capacity: the replay's size (oldest evicted first).
+        learning_starts: transitions the replay must hold before the first update.
+        refresh_every: environment steps between an actor's parameter pulls.
+        send_every: environment steps per message an actor sends.
         target_every: updates between target-network syncs (``C``).
         seed: actor ``i`` seeds its exploration and its first reset with ``seed + i``; the replay samples with ``seed``.
         deterministic: one chunk per update from the actors in turn (reproducible; slower).

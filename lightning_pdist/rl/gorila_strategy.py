@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pdist.core import rank_files
+from lightning_pdist.core.config import OwnedDDPArguments
 from lightning_pdist.core.ps_client import ParameterServerClient
 from lightning_pdist.core.strategy import PdistStrategy
 from lightning_pdist.rl.actor import params_of
@@ -44,21 +45,27 @@ from lightning_pdist.rl.servers import ServerGroup, bounds
 __all__ = ["GorilaStrategy"]
 
 
-class GorilaStrategy(LearnerLoop, PdistStrategy):
+class GorilaStrategy(LearnerLoop, OwnedDDPArguments, PdistStrategy):
     """Gorila: ``L`` learner ranks, each with ``num_actors`` CPU actors and a local replay, Downpour to ``S`` servers.
 
     Args:
         num_actors: actor processes per learner.
         num_learners: learner ranks; ``None``: the Trainer's ``devices × num_nodes`` (a number must equal it).
         num_servers: parameter-server processes (contiguous shards of the Q-network and its optimizer state).
-        epsilon, epsilon_alpha: actor ``i`` of a learner explores with ``ε_i = epsilon^(1 + epsilon_alpha·i/(N−1))``
-            (``epsilon_alpha=0``, the default: every actor ``ε``).
-        n_step, gamma, batch_size, capacity, learning_starts: as Ape-X's (the replay is uniform and per learner).
-        refresh_every, send_every: environment steps between an actor's parameter pulls, and per message.
+        epsilon: actor ``i`` of a learner explores with ``ε_i = epsilon^(1 + epsilon_alpha·i/(N−1))``.
+        epsilon_alpha: the exponent's spread across the actors (0, the default: every actor ``ε``).
+        n_step: steps of the n-step returns.
+        gamma: their discount ``γ``.
+        batch_size: transitions per update (the replay is uniform and per learner).
+        capacity: each learner's replay size (oldest evicted first).
+        learning_starts: transitions a learner's replay must hold before its first update.
+        refresh_every: environment steps between an actor's parameter pulls.
+        send_every: environment steps per message an actor sends.
         target_every: a learner's updates between its target-network syncs from the servers (``C``).
         seed: learner ``r``'s actor ``i`` seeds with ``seed + r·num_actors + i``, its replay with ``seed + r·num_actors``.
         deterministic: one chunk per update from the learner's actors in turn (with ``L = 1``: reproducible).
-        actor_timeout, server_timeout: seconds an actor may stay silent, and a server may take to start or answer.
+        actor_timeout: seconds an actor may stay silent before the run stops naming it.
+        server_timeout: seconds a server may take to start or answer.
 
     Example::
 
@@ -69,6 +76,7 @@ class GorilaStrategy(LearnerLoop, PdistStrategy):
     strategy_name = "gorila"
     wraps_in_ddp = False
     config_class = GorilaConfig
+    owned_reason = "the learners' gradients go to Gorila's parameter servers"
 
     def __init__(self, num_actors: int = 1, num_learners: int | None = None, num_servers: int = 2, epsilon: float = 0.1,
                  epsilon_alpha: float = 0.0, n_step: int = 3, gamma: float = 0.99, batch_size: int = 32,
