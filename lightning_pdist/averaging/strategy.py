@@ -102,9 +102,6 @@ class ModelAveragingStrategy(RuleShell, TrainingSteps, ReplicaEvaluation, OwnedD
         self.rule = rule
         self.step = 0  # optimizer steps taken (1-based count of the last finished step)
         self._hook_state = AllReduceState(meter=self.comm_meter, track_nonfinite=nonfinite != "propagate")
-        self._evaluating_backup: Tensor | None = None
-        self._finalized = False
-        self._step_open = False  # several optimizers: an optimizer stepped in the current batch
 
     @property
     @abstractmethod

@@ -98,9 +98,6 @@ class DecentralizedStrategy(GossipRecord, ReplicaEvaluation, OwnedDDPArguments, 
         self._lock = threading.RLock()  # async, passive ranks: the server thread's averaging vs this rank's steps
         self._locked = False
         self._server: PassiveServer | None = None
-        self._evaluating_backup: Tensor | None = None
-        self._finalized = False
-        self._pending_optimizer_states: list | None = None
         self.momentum_from: list[float] = []  # the momentum each optimizer had before compensation
 
     @property

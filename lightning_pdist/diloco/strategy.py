@@ -121,9 +121,6 @@ class DiLoCoStrategy(ScheduleFields, TrainingSteps, ReplicaEvaluation, OwnedDDPA
         self.rounds.note = lambda norm: self._diagnostics.note("pdist/diloco/outer_grad_norm", norm)
         self.step = 0  # training steps taken (1-based count of the last finished one)
         self._hook_state = AllReduceState(meter=self.comm_meter, allreduce=False)
-        self._evaluating_backup: Tensor | None = None  # this rank's replica while the module holds the global model
-        self._finalized = False
-        self._step_open = False  # several optimizers: an optimizer stepped in the current batch
         self._ft: FaultTolerantReplica | None = None
         #: fault_tolerant: one record per torchft round on this replica (step, contributors, participants, ...).
         self.ft_history: list[dict] = []
